@@ -1,0 +1,9 @@
+"""Errors raised by the host expert engine; each names the layer or file and the problem."""
+
+
+class HostKernelError(Exception):
+    """Bad input to a host kernel, or a failure inside one of its workers."""
+
+
+class StoreError(HostKernelError):
+    """An expert store directory is missing, truncated, corrupt or of another layout version."""

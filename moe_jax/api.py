@@ -1,0 +1,121 @@
+"""The public API: `load_model(path, backend=...)` and the `Model` it returns.
+
+Everything outside the package (the CLIs, tests, user scripts) goes through this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.checkpoint import Checkpoint, open_checkpoint
+from moe_jax.config import ModelConfig
+from moe_jax.errors import InputError
+from moe_jax.model import Transformer, build_transformer
+from moe_jax.moe import DeviceExperts
+from moe_jax.tokenizer import Tokenizer, load_tokenizer
+
+BACKENDS = ("device", "host", "offload", "hybrid")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class Model:
+    """A loaded MoE model with one expert placement (`backend`)."""
+
+    def __init__(
+        self,
+        transformer: Transformer,
+        tokenizer: Tokenizer | None,
+        backend: str,
+        dtype: str,
+        checkpoint: Checkpoint,
+    ):
+        self.config: ModelConfig = transformer.config
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.dtype = dtype
+        self.checkpoint = checkpoint
+        self.graphdef, self.state = nnx.split(transformer)
+        graphdef = self.graphdef
+
+        def forward(state, tokens_bt, positions_bt, caches):
+            return nnx.merge(graphdef, state)(tokens_bt, positions_bt, caches)
+
+        self._forward = jax.jit(forward)
+
+    @property
+    def transformer(self) -> Transformer:
+        return nnx.merge(self.graphdef, self.state)
+
+    def check_token_ids(self, input_ids) -> np.ndarray:
+        ids = np.asarray(input_ids)
+        if ids.dtype.kind not in "iu":
+            raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = np.argwhere((ids < 0) | (ids >= self.config.vocab_size))
+        if bad.size:
+            where = tuple(int(i) for i in bad[0])
+            raise InputError(
+                f"token id {int(ids[where])} at position {where} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        return ids.astype(np.int32)
+
+    def logits(self, input_ids) -> np.ndarray:
+        """float32 logits [batch, seq, vocab] for integer token ids [batch, seq]."""
+        ids = self.check_token_ids(input_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise InputError(f"input_ids must have shape [batch, seq] with seq >= 1, got {ids.shape}")
+        positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+        logits, _ = self._forward(self.state, ids, positions, None)
+        return np.asarray(logits, dtype=np.float32)
+
+    def new_caches(self, batch: int, length: int):
+        c = self.config
+        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        dtype = DTYPES[self.dtype]
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
+
+    def forward_cached(self, tokens_bt, positions_bt, caches):
+        """One jit-compiled step over the KV caches: returns (logits [b, t, vocab], updated caches)."""
+        return self._forward(self.state, tokens_bt, positions_bt, caches)
+
+    def generate(
+        self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    ) -> list:
+        """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings."""
+        from moe_jax.generate import generate
+
+        return generate(
+            self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+
+
+def load_model(path, *, backend: str = "host", dtype: str = "float32", adapter=None) -> Model:
+    """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`)."""
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if backend != "device":
+        raise NotImplementedError(
+            f"backend={backend!r} is not built yet: it needs the host expert callbacks (issue: execution "
+            "backends); use backend='device' for now"
+        )
+    if adapter is not None:
+        raise NotImplementedError("adapter= is not built yet: it needs LoRA loading (issue: train.py)")
+    checkpoint = open_checkpoint(Path(path))
+    jdtype = DTYPES[dtype]
+    np_dtype = np.dtype(jdtype)
+
+    def dense(name):
+        return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
+
+    def device_experts(layer):
+        stacked = checkpoint.layer_experts(layer, np_dtype)
+        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
+
+    transformer = build_transformer(checkpoint.config, dense, device_experts, checkpoint.has)
+    return Model(transformer, load_tokenizer(checkpoint.path), backend, dtype, checkpoint)

@@ -1,0 +1,164 @@
+"""Reading a checkpoint directory: a Hugging Face one, or one written by `python -m moe_jax.convert`.
+
+Both kinds hold `config.json`, the non-expert tensors under their Hugging Face names in `*.safetensors`, and
+optionally `tokenizer.json`. A converted directory keeps the experts in an `experts/` store (host kernel layout,
+memory-mapped); a Hugging Face directory keeps them per expert (or fused, as transformers 5 can write), and they are
+stacked into the kernel layout one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from host_kernels.errors import StoreError
+from host_kernels.store import ExpertStore, LayerExperts
+from moe_jax.config import ModelConfig
+from moe_jax.errors import CheckpointError
+from moe_jax.safetensors_reader import TensorSource
+
+EXPERT_STORE_DIR = "experts"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tensors: TensorSource
+    expert_store: ExpertStore | None  # set for converted directories
+
+    @property
+    def is_converted(self) -> bool:
+        return self.expert_store is not None
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def dense(self, name: str) -> np.ndarray:
+        """A non-expert tensor by Hugging Face name, shape-checked, in `x @ W` layout (Linear weights transposed)."""
+        array = self.tensors.get(name, expected_dense_shape(self.config, name))
+        if array.ndim == 2 and "embed_tokens" not in name:
+            array = array.T
+        return array
+
+    def layer_experts(self, layer: int, dtype: np.dtype) -> LayerExperts:
+        """One MoE layer's experts in kernel layout and `dtype` (a view when converted and of that dtype)."""
+        if self.expert_store is not None:
+            stored = self.expert_store[layer]
+            if stored.w13.dtype == dtype:
+                return stored
+            return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
+        return stack_hf_experts(self.tensors, self.config, layer, dtype)
+
+
+def open_checkpoint(path) -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory)")
+    config_file = path / "config.json"
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_file}: not found (is {path} a model directory?)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+    config = ModelConfig.from_hf(hf_config, source=str(config_file))
+    tensors = TensorSource.open(path)
+    store = None
+    if (path / EXPERT_STORE_DIR).exists():
+        try:
+            store = ExpertStore.open(path / EXPERT_STORE_DIR)
+        except StoreError as e:
+            raise CheckpointError(str(e)) from e
+        _check_store_fits(store, config, path)
+    return Checkpoint(path, config, tensors, store)
+
+
+def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
+    want = (config.num_experts, config.hidden_size, 2 * config.expert_intermediate_size)
+    for layer in config.moe_layers:
+        got = store[layer].w13.shape
+        if got != want:
+            raise CheckpointError(
+                f"{path / EXPERT_STORE_DIR}: layer {layer} w13 has shape {got}, config says {want}"
+            )
+
+
+def moe_prefix(config: ModelConfig, layer: int) -> str:
+    return f"model.layers.{layer}.{'block_sparse_moe' if config.model_type == 'mixtral' else 'mlp'}"
+
+
+def hf_expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) weight names of one expert in the per-expert Hugging Face layout."""
+    p = f"{moe_prefix(config, layer)}.experts.{expert}"
+    if config.model_type == "mixtral":
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def stack_hf_experts(tensors: TensorSource, config: ModelConfig, layer: int, dtype) -> LayerExperts:
+    e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    fused = f"{moe_prefix(config, layer)}.experts.gate_up_proj"
+    if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
+        gate_up = tensors.get(fused, (e, 2 * f, d))
+        down = tensors.get(f"{moe_prefix(config, layer)}.experts.down_proj", (e, d, f))
+        return LayerExperts(
+            np.ascontiguousarray(gate_up.transpose(0, 2, 1), dtype=dtype),
+            np.ascontiguousarray(down.transpose(0, 2, 1), dtype=dtype),
+        )
+    w13 = np.empty((e, d, 2 * f), dtype=dtype)
+    w2 = np.empty((e, f, d), dtype=dtype)
+    for expert in range(e):
+        gate, up, down = hf_expert_names(config, layer, expert)
+        w13[expert, :, :f] = tensors.get(gate, (f, d)).T
+        w13[expert, :, f:] = tensors.get(up, (f, d)).T
+        w2[expert] = tensors.get(down, (d, f)).T
+    return LayerExperts(w13, w2)
+
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
+
+
+def is_expert_tensor(name: str) -> bool:
+    return bool(_EXPERT_TENSOR.search(name))
+
+
+def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The Hugging Face shape of a non-expert tensor, for shape checks with a clear message."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    table = {
+        "embed_tokens.weight": (config.vocab_size, d),
+        "lm_head.weight": (config.vocab_size, d),
+        "norm.weight": (d,),
+        "layernorm.weight": (d,),
+        "q_proj.weight": (q, d),
+        "k_proj.weight": (kv, d),
+        "v_proj.weight": (kv, d),
+        "o_proj.weight": (d, q),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "o_proj.bias": (d,),
+        "q_norm.weight": (hd,),
+        "k_norm.weight": (hd,),
+        "gate.weight": (config.num_experts, d),
+        "shared_expert_gate.weight": (1, d),
+    }
+    if ".shared_expert." in name:
+        width = config.shared_expert_intermediate_size
+    else:
+        width = config.dense_intermediate_size
+    table.update(
+        {"gate_proj.weight": (width, d), "up_proj.weight": (width, d), "down_proj.weight": (d, width)}
+    )
+    for suffix, shape in sorted(table.items(), key=lambda item: -len(item[0])):  # most specific suffix first
+        if name.endswith(suffix):
+            return shape
+    return None

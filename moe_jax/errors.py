@@ -1,0 +1,21 @@
+"""Errors that name the file, tensor or value at fault.
+
+Every problem a user can cause (a bad directory, a wrong tensor, an out-of-range token id) is raised as one of
+these, so the CLIs can print one line and exit non-zero instead of a traceback from deep inside JAX.
+"""
+
+
+class MoeJaxError(Exception):
+    """Base class: a user-facing problem with a one-line explanation."""
+
+
+class CheckpointError(MoeJaxError):
+    """A checkpoint directory, file or tensor is missing, unreadable or misshapen."""
+
+
+class ConfigError(MoeJaxError):
+    """A config names an unsupported model type or has inconsistent values."""
+
+
+class InputError(MoeJaxError, ValueError):
+    """An argument given to the API is out of range (token ids, sampling settings, shapes)."""

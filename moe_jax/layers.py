@@ -1,0 +1,153 @@
+"""Dense building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Parameters are stored in `x @ W` layout ([in, out]); the checkpoint importer transposes Hugging Face's [out, in].
+Base weights are `Frozen` variables and LoRA weights `LoRAParam`, so `nnx.split(model, LoRAParam, ...)` separates
+what trains from what never changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Frozen(nnx.Variable):
+    """A base-model weight: read by the forward pass, never trained."""
+
+
+class LoRAParam(nnx.Param):
+    """A trainable low-rank adapter weight."""
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight, eps: float):
+        self.weight = Frozen(weight)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rope_cos_sin(positions_bt, head_dim: int, theta: float):
+    """cos/sin tables [b, t, head_dim] in the rotate-half convention of Hugging Face's Llama family."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_bthd, cos_btd, sin_btd):
+    half = x_bthd.shape[-1] // 2
+    rotated = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
+    cos, sin = cos_btd[:, :, None, :].astype(x_bthd.dtype), sin_btd[:, :, None, :].astype(x_bthd.dtype)
+    return x_bthd * cos + rotated * sin
+
+
+class Projection(nnx.Module):
+    """y = x @ W (+ b) (+ scale * x @ A @ B when a LoRA adapter is attached)."""
+
+    def __init__(self, weight, bias=None):
+        self.weight = Frozen(weight)
+        self.bias = Frozen(bias) if bias is not None else None
+        self.lora_a = None
+        self.lora_b = None
+        self.lora_scale = 0.0
+
+    def attach_lora(self, a_ir, b_ro, scale: float):
+        self.lora_a = LoRAParam(a_ir)
+        self.lora_b = LoRAParam(b_ro)
+        self.lora_scale = float(scale)
+
+    def __call__(self, x):
+        y = x @ self.weight[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora_a is not None:
+            y = y + self.lora_scale * ((x @ self.lora_a[...]) @ self.lora_b[...])
+        return y
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with RoPE, optional per-head q/k RMSNorm and an optional sliding window."""
+
+    def __init__(
+        self,
+        q,
+        k,
+        v,
+        o,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rope_theta,
+        eps,
+        window=None,
+        q_norm=None,
+        k_norm=None,
+    ):
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
+        self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        self.window = window
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        """Returns (output [b, t, d], updated cache). `cache` is (k [b, s, kv, hd], v) or None.
+
+        With a cache, this step's keys and values are written at `positions_bt` and every query attends to cache
+        slots at positions up to its own: right-padded rows simply overwrite their padding later.
+        """
+        b, t, _ = x_btd.shape
+        q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions_bt, self.head_dim, self.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is None:
+            k_all, v_all, key_pos_bs = k, v, positions_bt
+        else:
+            k_cache, v_cache = cache
+            rows = jnp.arange(b)[:, None]
+            k_all = k_cache.at[rows, positions_bt].set(k.astype(k_cache.dtype))
+            v_all = v_cache.at[rows, positions_bt].set(v.astype(v_cache.dtype))
+            cache = (k_all, v_all)
+            key_pos_bs = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
+
+        out = grouped_attention(q, k_all, v_all, positions_bt, key_pos_bs, self.window)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
+
+
+def grouped_attention(q_bthd, k_bskd, v_bskd, q_pos_bt, k_pos_bs, window):
+    b, t, h, hd = q_bthd.shape
+    kv = k_bskd.shape[2]
+    q = q_bthd.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd.astype(q.dtype)) * (hd**-0.5)
+    allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
+    if window is not None:
+        allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
+    scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd.astype(q.dtype))
+    return out.reshape(b, t, h, hd)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the dense and shared-expert MLP."""
+
+    def __init__(self, gate, up, down):
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,119 @@
+"""The decoder-only MoE transformer as an NNX module tree, built from named weights.
+
+`build_transformer` takes a function that returns a dense weight by its Hugging Face name (already in `x @ W`
+layout) and a function that returns the expert backend of a layer, so the same tree serves every checkpoint format
+and every expert placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.config import ModelConfig
+from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU
+from moe_jax.moe import MoEBlock
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, attn: Attention, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = input_norm
+        self.post_attention_layernorm = post_attn_norm
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        attn_out, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, cache)
+        x_btd = x_btd + attn_out
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), cache
+
+
+class Transformer(nnx.Module):
+    def __init__(
+        self, config: ModelConfig, embed_vd, layers: list[DecoderLayer], final_norm: RMSNorm, lm_head_dv
+    ):
+        self.config = config
+        self.embed = Frozen(embed_vd)
+        self.layers = nnx.List(layers)
+        self.norm = final_norm
+        self.lm_head = Frozen(lm_head_dv) if lm_head_dv is not None else None
+
+    def __call__(self, tokens_bt, positions_bt, caches=None):
+        """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches)."""
+        x = self.embed[...][tokens_bt]
+        new_caches = [] if caches is not None else None
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions_bt, None if caches is None else caches[i])
+            if new_caches is not None:
+                new_caches.append(cache)
+        x = self.norm(x)
+        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+        return (x @ head).astype(jnp.float32), new_caches
+
+
+def build_transformer(
+    config: ModelConfig,
+    dense: Callable[[str], object],
+    experts_for_layer: Callable[[int], object],
+    has: Callable[[str], bool],
+) -> Transformer:
+    """Assembles the module tree. `dense(name)` returns a weight in `x @ W` layout; `has(name)` says if it exists."""
+    eps = config.rms_norm_eps
+
+    def proj(name, bias: bool):
+        return Projection(dense(f"{name}.weight"), dense(f"{name}.bias") if bias else None)
+
+    def swiglu(prefix):
+        return SwiGLU(*(proj(f"{prefix}.{p}_proj", False) for p in ("gate", "up", "down")))
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        attn = Attention(
+            proj(f"{p}.self_attn.q_proj", config.qkv_bias),
+            proj(f"{p}.self_attn.k_proj", config.qkv_bias),
+            proj(f"{p}.self_attn.v_proj", config.qkv_bias),
+            proj(f"{p}.self_attn.o_proj", config.o_bias),
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            rope_theta=config.rope_theta,
+            eps=eps,
+            window=config.sliding_windows[i],
+            q_norm=dense(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
+            k_norm=dense(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
+        )
+        if config.is_moe_layer(i):
+            moe_prefix = f"{p}.block_sparse_moe" if config.model_type == "mixtral" else f"{p}.mlp"
+            shared = swiglu(f"{moe_prefix}.shared_expert") if config.shared_expert_intermediate_size else None
+            gate_name = f"{moe_prefix}.shared_expert_gate.weight"
+            mlp = MoEBlock(
+                dense(f"{moe_prefix}.gate.weight"),
+                experts_for_layer(i),
+                top_k=config.num_experts_per_tok,
+                norm_topk_prob=config.norm_topk_prob,
+                shared=shared,
+                shared_gate_d1=dense(gate_name)
+                if shared is not None and config.shared_expert_gated
+                else None,
+            )
+        else:
+            mlp = swiglu(f"{p}.mlp")
+        layers.append(
+            DecoderLayer(
+                attn,
+                mlp,
+                RMSNorm(dense(f"{p}.input_layernorm.weight"), eps),
+                RMSNorm(dense(f"{p}.post_attention_layernorm.weight"), eps),
+            )
+        )
+    tied = config.tie_word_embeddings or not has("lm_head.weight")
+    return Transformer(
+        config,
+        dense("model.embed_tokens.weight"),
+        layers,
+        RMSNorm(dense("model.norm.weight"), eps),
+        None if tied else dense("lm_head.weight"),
+    )

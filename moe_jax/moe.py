@@ -1,0 +1,87 @@
+"""The mixture-of-experts block: router, top-k, an expert backend, optional shared expert.
+
+The expert backend is the only part that differs between placements (device, host, offload, hybrid); every
+backend is a callable `(x_td, expert_ids_tk, weights_tk) -> y_td` computing
+y_t = sum_k weights_tk * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids_tk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.layers import Frozen, SwiGLU
+
+
+def route(x_td, router_de, top_k: int, norm_topk_prob: bool):
+    """Softmax router in float32, top-k, optional renormalisation (as Hugging Face's TopKRouter)."""
+    logits = (x_td @ router_de).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights_tk, ids_tk = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return weights_tk, ids_tk
+
+
+def sort_pairs_by_expert(ids_tk, num_experts: int):
+    """Orders the (token, slot) pairs by expert: returns (order [p], token index [p], group sizes [e])."""
+    flat = ids_tk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of_pair = order // ids_tk.shape[1]
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, token_of_pair, group_sizes
+
+
+def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e):
+    """SwiGLU over expert-sorted rows with `ragged_dot`: no capacity, no dropped tokens."""
+    h = jax.lax.ragged_dot(x_pd, w13_edf2, group_sizes_e)
+    f = w2_efd.shape[1]
+    act = jax.nn.silu(h[:, :f]) * h[:, f:]
+    return jax.lax.ragged_dot(act, w2_efd, group_sizes_e)
+
+
+class DeviceExperts(nnx.Module):
+    """All experts resident in accelerator memory; the pure-JAX reference for every other backend."""
+
+    def __init__(self, w13_edf2, w2_efd):
+        self.w13 = Frozen(w13_edf2)
+        self.w2 = Frozen(w2_efd)
+
+    def __call__(self, x_td, ids_tk, weights_tk):
+        num_experts = self.w13.shape[0]
+        order, token_of_pair, group_sizes = sort_pairs_by_expert(ids_tk, num_experts)
+        out_pd = grouped_swiglu(x_td[token_of_pair], self.w13[...], self.w2[...], group_sizes)
+        weight_p = weights_tk.reshape(-1)[order].astype(out_pd.dtype)
+        return jnp.zeros_like(x_td).at[token_of_pair].add(out_pd * weight_p[:, None])
+
+
+class MoEBlock(nnx.Module):
+    def __init__(
+        self,
+        router_de,
+        experts,
+        *,
+        top_k: int,
+        norm_topk_prob: bool,
+        shared: SwiGLU | None = None,
+        shared_gate_d1=None,
+    ):
+        self.router = Frozen(router_de)
+        self.experts = experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.shared = shared
+        self.shared_gate = Frozen(shared_gate_d1) if shared_gate_d1 is not None else None
+
+    def __call__(self, x_btd):
+        b, t, d = x_btd.shape
+        x_td = x_btd.reshape(b * t, d)
+        weights_tk, ids_tk = route(x_td, self.router[...], self.top_k, self.norm_topk_prob)
+        y_td = self.experts(x_td, ids_tk, weights_tk.astype(x_td.dtype))
+        if self.shared is not None:
+            shared_td = self.shared(x_td)
+            if self.shared_gate is not None:
+                shared_td = jax.nn.sigmoid(x_td @ self.shared_gate[...]) * shared_td
+            y_td = y_td + shared_td
+        return y_td.reshape(b, t, d)

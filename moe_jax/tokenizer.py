@@ -1,0 +1,53 @@
+"""The checkpoint's tokenizer (`tokenizer.json` via the `tokenizers` library) and its chat template, if any."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moe_jax.errors import CheckpointError
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path)
+        try:
+            self._tok = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises bare Exceptions on parse errors
+            raise CheckpointError(f"{self.path / 'tokenizer.json'}: unreadable tokenizer ({e})") from e
+        settings = {}
+        config_file = self.path / "tokenizer_config.json"
+        if config_file.exists():
+            try:
+                settings = json.loads(config_file.read_text())
+            except ValueError as e:
+                raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+        self.chat_template = settings.get("chat_template")
+        self.bos_token = _token_text(settings.get("bos_token"))
+        self.eos_token = _token_text(settings.get("eos_token"))
+        self.add_bos = bool(settings.get("add_bos_token", False))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _token_text(value):
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    return Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
