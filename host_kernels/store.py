@@ -56,9 +56,7 @@ class LayerExperts:
     def validate(self, name: str):
         e, d, f2 = self.w13.shape
         if self.w2.shape != (e, f2 // 2, d) or f2 % 2:
-            raise StoreError(
-                f"{name}: w13 shape {self.w13.shape} and w2 shape {self.w2.shape} do not fit together"
-            )
+            raise StoreError(f"{name}: w13 shape {self.w13.shape} and w2 shape {self.w2.shape} do not fit together")
         if self.w13.dtype != self.w2.dtype or self.w13.dtype not in STORAGE_DTYPES.values():
             raise StoreError(f"{name}: unsupported storage dtypes {self.w13.dtype}/{self.w2.dtype}")
 
@@ -97,9 +95,7 @@ class ExpertStore:
         except (OSError, ValueError) as e:
             raise StoreError(f"{manifest_path}: unreadable ({e})") from e
         if manifest.get("format") != FORMAT_NAME:
-            raise StoreError(
-                f"{manifest_path}: not an expert store manifest (format={manifest.get('format')!r})"
-            )
+            raise StoreError(f"{manifest_path}: not an expert store manifest (format={manifest.get('format')!r})")
         if manifest.get("layout_version") != LAYOUT_VERSION:
             raise StoreError(
                 f"{manifest_path}: layout version {manifest.get('layout_version')} but this build reads "

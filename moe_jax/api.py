@@ -88,9 +88,7 @@ class Model:
         """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings."""
         from moe_jax.generate import generate
 
-        return generate(
-            self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+        return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
 
 def load_model(path, *, backend: str = "host", dtype: str = "float32", adapter=None) -> Model:

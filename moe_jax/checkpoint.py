@@ -85,9 +85,7 @@ def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
     for layer in config.moe_layers:
         got = store[layer].w13.shape
         if got != want:
-            raise CheckpointError(
-                f"{path / EXPERT_STORE_DIR}: layer {layer} w13 has shape {got}, config says {want}"
-            )
+            raise CheckpointError(f"{path / EXPERT_STORE_DIR}: layer {layer} w13 has shape {got}, config says {want}")
 
 
 def moe_prefix(config: ModelConfig, layer: int) -> str:
@@ -155,9 +153,7 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         width = config.shared_expert_intermediate_size
     else:
         width = config.dense_intermediate_size
-    table.update(
-        {"gate_proj.weight": (width, d), "up_proj.weight": (width, d), "down_proj.weight": (d, width)}
-    )
+    table.update({"gate_proj.weight": (width, d), "up_proj.weight": (width, d), "down_proj.weight": (d, width)})
     for suffix, shape in sorted(table.items(), key=lambda item: -len(item[0])):  # most specific suffix first
         if name.endswith(suffix):
             return shape

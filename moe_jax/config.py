@@ -63,9 +63,7 @@ class ModelConfig:
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
-            raise ConfigError(
-                f"{len(self.sliding_windows)} sliding windows given for {self.num_layers} layers"
-            )
+            raise ConfigError(f"{len(self.sliding_windows)} sliding windows given for {self.num_layers} layers")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -83,8 +81,7 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
 
         def need(key):
@@ -118,9 +115,7 @@ class ModelConfig:
             dense_layers = tuple(
                 i for i in range(num_layers) if i in mlp_only or num_experts == 0 or (i + 1) % step != 0
             )
-            shared_ffn = (
-                int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
-            )
+            shared_ffn = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
             norm_topk = bool(hf.get("norm_topk_prob", False))
             windows = _qwen_windows(hf, num_layers)
 

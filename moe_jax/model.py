@@ -31,9 +31,7 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(
-        self, config: ModelConfig, embed_vd, layers: list[DecoderLayer], final_norm: RMSNorm, lm_head_dv
-    ):
+    def __init__(self, config: ModelConfig, embed_vd, layers: list[DecoderLayer], final_norm: RMSNorm, lm_head_dv):
         self.config = config
         self.embed = Frozen(embed_vd)
         self.layers = nnx.List(layers)
@@ -95,9 +93,7 @@ def build_transformer(
                 top_k=config.num_experts_per_tok,
                 norm_topk_prob=config.norm_topk_prob,
                 shared=shared,
-                shared_gate_d1=dense(gate_name)
-                if shared is not None and config.shared_expert_gated
-                else None,
+                shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
             )
         else:
             mlp = swiglu(f"{p}.mlp")

@@ -43,9 +43,7 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path}: truncated safetensors file (no header)")
                 (header_len,) = struct.unpack("<Q", raw_len)
                 if header_len > size - 8:
-                    raise CheckpointError(
-                        f"{self.path}: truncated safetensors file (header runs past the end)"
-                    )
+                    raise CheckpointError(f"{self.path}: truncated safetensors file (header runs past the end)")
                 header = json.loads(f.read(header_len))
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from e
@@ -122,7 +120,5 @@ class TensorSource:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
         array = f.get(name)
         if shape is not None and tuple(array.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{f.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}"
-            )
+            raise CheckpointError(f"{f.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
         return array
