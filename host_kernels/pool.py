@@ -1,0 +1,92 @@
+"""A persistent pool of worker threads for expert GEMMs.
+
+numpy releases the GIL inside BLAS, so threads run GEMMs truly in parallel; BLAS itself is held to one thread
+during a pool run so the two levels of parallelism do not fight over the cores. The calling thread works too
+(it would otherwise sit idle waiting), so `threads=2` means the caller plus one helper.
+
+Tasks are pulled from one queue in the order given (callers sort them largest first), which balances by cost even
+when the estimate is off. An exception in any task is re-raised in the caller's thread after the run has drained;
+no worker dies and no call hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from threadpoolctl import ThreadpoolController
+
+_blas = ThreadpoolController()
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class WorkerPool:
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or default_threads()
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._helpers = [
+            threading.Thread(target=self._helper_loop, name=f"host-kernels-{i}", daemon=True)
+            for i in range(self.threads - 1)
+        ]
+        for t in self._helpers:
+            t.start()
+
+    def run(self, tasks: Sequence[Callable[[], None]]) -> list[float]:
+        """Runs every task once; returns each worker's busy seconds (caller first). Raises the first task error."""
+        busy = [0.0] * self.threads
+        if not tasks:
+            return busy
+        errors: list[BaseException] = []
+        work: queue.SimpleQueue = queue.SimpleQueue()
+        for task in tasks:
+            work.put(task)
+        done = threading.Barrier(min(self.threads, len(tasks)))
+        helpers = done.parties - 1
+        with _blas.limit(limits=1, user_api="blas") if self.threads > 1 else _nullcontext():
+            for worker in range(1, helpers + 1):
+                self._tasks.put((work, busy, worker, errors, done))
+            self._drain(work, busy, 0, errors)
+            done.wait()
+        if errors:
+            raise errors[0]
+        return busy
+
+    @staticmethod
+    def _drain(work, busy, worker, errors):
+        while True:
+            try:
+                task = work.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            try:
+                if not errors:  # after a failure, drain without running: the call is lost anyway
+                    task()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+            busy[worker] += time.perf_counter() - start
+
+    def _helper_loop(self):
+        while True:
+            work, busy, worker, errors, done = self._tasks.get()
+            try:
+                self._drain(work, busy, worker, errors)
+            finally:
+                done.wait()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

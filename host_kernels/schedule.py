@@ -1,0 +1,77 @@
+"""Turning a routing into balanced work: expert-sorted pairs, and tiles sized by cost rather than by expert.
+
+A tile is one expert's GEMM over a range of its (expert-sorted) rows and a range of output columns. A hot expert
+is cut into several tiles so a skewed batch spreads over all workers: by rows when it has plenty (each piece stays
+an efficient GEMM), by output columns when it has few (decode: the work is reading weights, and column ranges
+split that reading evenly). Tiles come back largest first, the order in which the pool hands them out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The (token, slot) pairs of a batch, ordered by expert."""
+
+    order: np.ndarray  # [p] pair index (t * k + slot) at each sorted position
+    token_of_pair: np.ndarray  # [p] token of each sorted pair
+    sizes: np.ndarray  # [e] pairs routed to each expert
+    offsets: np.ndarray  # [e + 1] start of each expert's rows in sorted order
+
+    @classmethod
+    def build(cls, ids_tk: np.ndarray, num_experts: int) -> Routing:
+        flat = ids_tk.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        sizes = np.bincount(flat, minlength=num_experts)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return cls(order, order // ids_tk.shape[1], sizes, offsets)
+
+
+@dataclass(frozen=True)
+class Tile:
+    expert: int
+    rows: slice  # into expert-sorted pairs
+    cols: slice  # output columns of this phase
+    block: int  # which column block this is (0 when the columns are whole)
+    cost: float
+
+
+# Reading one expert's weights costs about as much as this many rows of GEMM on this class of CPU.
+WEIGHT_READ_ROWS = 10
+MIN_SPLIT_ROWS = 32  # below this a row split makes GEMMs too skinny: split columns instead
+MIN_SPLIT_COLS = 64
+
+
+def plan_tiles(routing: Routing, width: int, threads: int) -> list[Tile]:
+    """Tiles covering every routed row of every expert, across `width` output columns."""
+    sizes = routing.sizes
+    active = np.flatnonzero(sizes)
+    costs = sizes[active] + WEIGHT_READ_ROWS
+    # Pieces of about half a worker's share let the shared queue even out what the cost estimate misses.
+    share = costs.sum() / (2 * threads) if threads > 1 else math.inf
+    tiles = []
+    for e, cost in zip(active.tolist(), costs.tolist(), strict=True):
+        start, stop = int(routing.offsets[e]), int(routing.offsets[e + 1])
+        rows = stop - start
+        parts = max(1, math.ceil(cost / share)) if threads > 1 else 1
+        if parts > 1 and rows >= 2 * MIN_SPLIT_ROWS:
+            parts = min(parts, rows // MIN_SPLIT_ROWS)
+            bounds = np.linspace(start, stop, parts + 1).round().astype(int)
+            for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
+                tiles.append(Tile(e, slice(int(r0), int(r1)), slice(0, width), 0, (r1 - r0) + WEIGHT_READ_ROWS / parts))
+        else:
+            parts = max(1, min(parts, width // MIN_SPLIT_COLS))
+            bounds = np.linspace(0, width, parts + 1).round().astype(int)
+            for j, (c0, c1) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                tiles.append(Tile(e, slice(start, stop), slice(int(c0), int(c1)), j, cost / parts))
+    tiles.sort(key=lambda t: -t.cost)
+    return tiles
+
+
+def max_column_blocks(tiles: list[Tile]) -> int:
+    return max((t.block for t in tiles), default=0) + 1

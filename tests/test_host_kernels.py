@@ -1,0 +1,211 @@
+"""host_kernels against a plain numpy reference and against jax.grad of a pure-JAX layer."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host_kernels.engine import HostMoE
+from host_kernels.errors import HostKernelError
+from host_kernels.lora import ExpertLoRA
+from host_kernels.schedule import Routing, plan_tiles
+from host_kernels.store import ExpertStore, LayerExperts
+
+E, D, F, K = 6, 48, 80, 2
+
+
+def make_layer(rng, dtype=np.float32):
+    w13 = (rng.standard_normal((E, D, 2 * F)) / np.sqrt(D)).astype(dtype)
+    w2 = (rng.standard_normal((E, F, D)) / np.sqrt(F)).astype(dtype)
+    return LayerExperts(w13, w2)
+
+
+def make_lora(rng, rank=4, scale=0.5, projections=("gate", "up", "down")):
+    dims = {"gate": (D, F), "up": (D, F), "down": (F, D)}
+    pairs = {
+        p: (
+            rng.standard_normal((E, dims[p][0], rank)).astype(np.float32) * 0.1,
+            rng.standard_normal((E, rank, dims[p][1])).astype(np.float32) * 0.1,
+        )
+        for p in projections
+    }
+    return ExpertLoRA(scale, **pairs)
+
+
+def routing(kind, tokens, rng):
+    if kind == "uniform":
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(tokens)])
+    elif kind == "skewed":  # Zipf-like: expert 0 takes most tokens
+        p = 1.0 / np.arange(1, E + 1) ** 2
+        ids = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
+    else:  # "empty": experts 1, 3 and 5 get nothing
+        ids = np.stack([rng.choice([0, 2, 4], K, replace=False) for _ in range(tokens)])
+    weights = rng.uniform(0.1, 1.0, size=(tokens, K)).astype(np.float32)
+    return ids, weights
+
+
+def dense_weights(layer, lora):
+    """Effective per-expert (gate, up, down) float64 matrices in x @ W layout."""
+    w13, w2 = layer.w13.astype(np.float64), layer.w2.astype(np.float64)
+    gate, up, down = w13[:, :, :F].copy(), w13[:, :, F:].copy(), w2.copy()
+    if lora is not None:
+        for name, base in (("gate", gate), ("up", up), ("down", down)):
+            pair = getattr(lora, name)
+            if pair is not None:
+                base += lora.scale * np.einsum("eir,ero->eio", pair[0], pair[1])
+    return gate, up, down
+
+
+def numpy_reference_forward(layer, x, ids, weights, lora=None):
+    gate, up, down = dense_weights(layer, lora)
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            hg, hu = x[t] @ gate[e], x[t] @ up[e]
+            y[t] += weights[t, k] * ((hg / (1 + np.exp(-hg)) * hu) @ down[e])
+    return y
+
+
+def jax_layer(layer, lora_arrays, scale, x, ids, weights):
+    """Pure-JAX layer over gathered per-pair weights; differentiable in x, weights and LoRA arrays."""
+    w13, w2 = jnp.asarray(layer.w13, jnp.float32), jnp.asarray(layer.w2, jnp.float32)
+    gate, up, down = w13[:, :, :F], w13[:, :, F:], w2
+    for name in lora_arrays:
+        a, b = lora_arrays[name]
+        delta = scale * jnp.einsum("eir,ero->eio", a, b)
+        if name == "gate":
+            gate = gate + delta
+        elif name == "up":
+            up = up + delta
+        else:
+            down = down + delta
+    hg = jnp.einsum("td,tkdf->tkf", x, gate[ids])
+    hu = jnp.einsum("td,tkdf->tkf", x, up[ids])
+    out = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(hg) * hu, down[ids])
+    return jnp.einsum("tk,tkd->td", weights, out)
+
+
+def lora_dict(lora):
+    return {} if lora is None else {n: getattr(lora, n) for n in ("gate", "up", "down") if getattr(lora, n)}
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_forward_and_backward_match_references(kind, storage, with_lora, threads):
+    rng = np.random.default_rng(0)
+    dtype = np.float32 if storage == "float32" else ml_dtypes.bfloat16
+    layer = make_layer(rng, dtype)
+    lora = make_lora(rng) if with_lora else None
+    tokens = 150
+    x = rng.standard_normal((tokens, D)).astype(np.float32)
+    ids, weights = routing(kind, tokens, rng)
+    dy = rng.standard_normal((tokens, D)).astype(np.float32)
+    engine = HostMoE(ExpertStore({0: layer}), threads=threads)
+
+    y = engine.forward(0, x, ids, weights, lora)
+    np.testing.assert_allclose(y, numpy_reference_forward(layer, x, ids, weights, lora), rtol=1e-4, atol=1e-4)
+
+    dx, dweights, dlora = engine.backward(0, x, ids, weights, dy, lora)
+    arrays = {n: (jnp.asarray(a), jnp.asarray(b)) for n, (a, b) in lora_dict(lora).items()}
+    scale = lora.scale if lora else 0.0
+
+    def loss(x, weights, arrays):
+        return jnp.sum(jax_layer(layer, arrays, scale, x, jnp.asarray(ids), weights) * dy)
+
+    ref_dx, ref_dw, ref_dlora = jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(weights), arrays)
+    np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dweights, ref_dw, rtol=1e-4, atol=1e-4)
+    if lora is None:
+        assert dlora is None
+    for name, (ga, gb) in ref_dlora.items():
+        got_a, got_b = getattr(dlora, name)
+        np.testing.assert_allclose(got_a, ga, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got_b, gb, rtol=1e-4, atol=1e-4)
+
+
+def test_matches_pure_jax_ragged_dot_layer():
+    from moe_jax.moe import DeviceExperts
+
+    rng = np.random.default_rng(1)
+    layer = make_layer(rng)
+    x = rng.standard_normal((37, D)).astype(np.float32)
+    ids, weights = routing("skewed", 37, rng)
+    device = DeviceExperts(jnp.asarray(layer.w13), jnp.asarray(layer.w2))
+    expected = device(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights))
+    got = HostMoE(ExpertStore({0: layer}), threads=2).forward(0, x, ids, weights)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_single_token_decode():
+    rng = np.random.default_rng(2)
+    layer = make_layer(rng)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    ids, weights = routing("uniform", 1, rng)
+    got = HostMoE(ExpertStore({0: layer}), threads=2).forward(0, x, ids, weights)
+    np.testing.assert_allclose(got, numpy_reference_forward(layer, x, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_hot_expert_is_split_across_workers():
+    ids = np.zeros((400, 2), np.int64)
+    ids[:, 1] = np.arange(400) % 5 + 1  # expert 0 gets every token, the rest share the second slot
+    tiles = plan_tiles(Routing.build(ids, E), F, threads=2)
+    hot = [t for t in tiles if t.expert == 0]
+    assert len(hot) > 1 and all(t.cols == slice(0, F) for t in hot)  # plenty of rows: split by rows
+    decode = plan_tiles(Routing.build(np.array([[0, 1]]), E), 256, threads=4)
+    assert len(decode) > 2 and {(t.rows.start, t.rows.stop) for t in decode} == {(0, 1), (1, 2)}  # split by columns
+
+
+def test_statistics_are_reported():
+    rng = np.random.default_rng(3)
+    layer = make_layer(rng)
+    engine = HostMoE(ExpertStore({0: layer}), threads=2)
+    x = rng.standard_normal((64, D)).astype(np.float32)
+    ids, weights = routing("empty", 64, rng)
+    engine.forward(0, x, ids, weights)
+    s = engine.last_stats
+    assert s.flops == pytest.approx(2 * 64 * K * D * 3 * F)
+    assert s.weight_bytes == pytest.approx(3 * 3 * D * F * 4)  # three experts touched
+    assert len(s.busy_s) == 2 and s.wall_s > 0 and s.imbalance >= 1.0
+    assert s.tokens_per_expert.tolist() == np.bincount(ids.ravel(), minlength=E).tolist()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x, ids, w: (x[:, :-1], ids, w), "activations have shape"),
+        (lambda x, ids, w: (x.astype(np.float64), ids, w), "must be float32"),
+        (lambda x, ids, w: (x, ids + E, w), "out of range"),
+        (lambda x, ids, w: (np.where(np.arange(D) == 3, np.nan, x).astype(np.float32), ids, w), "non-finite"),
+        (lambda x, ids, w: (x, ids[:, :1], w), "routing weights has shape"),
+    ],
+)
+def test_bad_input_names_layer_and_problem(change, message):
+    rng = np.random.default_rng(4)
+    engine = HostMoE(ExpertStore({7: make_layer(rng)}), threads=2)
+    x = rng.standard_normal((8, D)).astype(np.float32)
+    ids, weights = routing("uniform", 8, rng)
+    with pytest.raises(HostKernelError, match=rf"layer 7: .*{message}"):
+        engine.forward(7, *change(x, ids, weights))
+
+
+def test_worker_failure_surfaces_in_caller(monkeypatch):
+    import host_kernels.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated BLAS failure")
+
+    rng = np.random.default_rng(5)
+    engine = HostMoE(ExpertStore({2: make_layer(rng)}), threads=3)
+    x = rng.standard_normal((100, D)).astype(np.float32)
+    ids, weights = routing("uniform", 100, rng)
+    monkeypatch.setattr(engine_module, "matmul_w", broken)
+    with pytest.raises(HostKernelError, match="layer 2: .*simulated BLAS failure"):
+        engine.forward(2, x, ids, weights)
+    monkeypatch.undo()
+    np.testing.assert_allclose(  # the pool still works afterwards
+        engine.forward(2, x, ids, weights), numpy_reference_forward(engine.store[2], x, ids, weights), atol=1e-4
+    )
