@@ -154,14 +154,15 @@ class StoreWriter:
         for name, array in (("w13", w13), ("w2", w2)):
             file = f"layer{layer:04d}.{name}.bin"
             data = np.ascontiguousarray(array, dtype=STORAGE_DTYPES[self.dtype])
+            raw = data.reshape(-1).view(np.uint8)  # bfloat16 has no buffer-protocol format code
             with open(self.tmp / file, "wb") as f:
-                f.write(data.data)
+                f.write(raw.data)
                 f.flush()
                 os.fsync(f.fileno())
             entry[name] = {
                 "file": file,
                 "shape": list(data.shape),
-                "sha256": hashlib.sha256(data.data).hexdigest(),
+                "sha256": hashlib.sha256(raw.data).hexdigest(),
             }
         self.manifest["layers"][str(layer)] = entry
 

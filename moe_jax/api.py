@@ -59,7 +59,8 @@ class Model:
         if bad.size:
             where = tuple(int(i) for i in bad[0])
             raise InputError(
-                f"token id {int(ids[where])} at position {where} is outside the vocabulary [0, {self.config.vocab_size})"
+                f"token id {int(ids[where])} at position {where} is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
             )
         return ids.astype(np.int32)
 
