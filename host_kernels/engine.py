@@ -30,7 +30,22 @@ from host_kernels.store import ExpertStore, LayerExperts
 
 
 def sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # no overflow for large |x|, unlike 1 / (1 + exp(-x))
+    """0.5 * (1 + tanh(x / 2)): no overflow for large |x|, unlike 1 / (1 + exp(-x)); one temporary."""
+    out = np.multiply(x, 0.5)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def swiglu_into(hg, hu, out):
+    """out = silu(hg) * hu, in place: no temporaries the size of the tile."""
+    np.multiply(hg, 0.5, out=out)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    out *= hg
+    out *= hu
 
 
 class HostMoE:
@@ -53,30 +68,45 @@ class HostMoE:
         stats = CallStats("forward", layer)
         routing = Routing.build(ids_tk, w.num_experts)
         stats.tokens_per_expert = routing.sizes
-        x_s = x_td[routing.token_of_pair]
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d = w.ffn, w.hidden
-        act = np.empty((len(x_s), f), np.float32)
+        act = np.empty((ids_tk.size, f), np.float32)
+        out_s = np.empty((ids_tk.size, d), np.float32)  # weighted expert outputs, in expert-sorted pair order
 
         def gate_up(tile: Tile):
-            hg, hu = _gate_up(w, lora, tile, x_s[tile.rows])
-            act[tile.rows, tile.cols] = hg * sigmoid(hg) * hu
-
-        out = np.empty((ids_tk.size, d), np.float32)  # per pair, in unsorted pair order
+            hg, hu = _gate_up(w, lora, tile, x_td[routing.token_of_pair[tile.rows]])
+            swiglu_into(hg, hu, act[tile.rows, tile.cols])
 
         def down(tile: Tile):
-            o = matmul_w(act[tile.rows], w.w2[tile.expert][:, tile.cols])
+            o = out_s[tile.rows, tile.cols]
+            matmul_w(act[tile.rows], w.w2[tile.expert][:, tile.cols], out=o)
             if lora is not None and lora.down is not None:
                 a, b = lora.down
                 o += lora.scale * ((act[tile.rows] @ a[tile.expert]) @ b[tile.expert][:, tile.cols])
             o *= weight_s[tile.rows, None]
-            out[routing.order[tile.rows], tile.cols] = o
 
         self._run(stats, layer, plan_tiles(routing, f, self.threads), gate_up, w, phase_width=2 * d)
         self._run(stats, layer, plan_tiles(routing, d, self.threads), down, w, phase_width=f)
-        y = out.reshape(ids_tk.shape + (d,)).sum(axis=1)
+        y = self._combine(stats, layer, out_s, routing, ids_tk.shape)
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
+        return y
+
+    def _combine(self, stats: CallStats, layer: int, rows_sorted, routing: Routing, shape_tk) -> np.ndarray:
+        """y_t = sum over t's slots of the expert-sorted rows: a gather and add, split over token blocks."""
+        tokens, top_k = shape_tk
+        position = np.empty_like(routing.order)
+        position[routing.order] = np.arange(routing.order.size)
+        position = position.reshape(shape_tk)
+        y = np.empty((tokens, rows_sorted.shape[1]), np.float32)
+
+        def gather_sum(block: slice):
+            np.take(rows_sorted, position[block, 0], axis=0, out=y[block])
+            for slot in range(1, top_k):
+                y[block] += rows_sorted[position[block, slot]]
+
+        step = max(64, -(-tokens // (2 * self.threads)))
+        self._run_tasks(stats, layer, [lambda b=slice(t, t + step): gather_sum(b) for t in range(0, tokens, step)])
         return y
 
     # ---------------------------------------------------------------- backward
@@ -100,33 +130,39 @@ class HostMoE:
 
         def recompute_and_differentiate(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
+            dy_r = dy_s[rows]
             hg, hu = _gate_up(w, lora, tile, x_s[rows])
-            g = matmul_w(dy_s[rows], w.w2[e][cols, :], transpose=True)  # dL/da before the routing weight
+            g = matmul_w(dy_r, w.w2[e][cols, :], transpose=True)  # dL/da before the routing weight
             if lora is not None and lora.down is not None:
                 a_d, b_d = lora.down
-                g += lora.scale * ((dy_s[rows] @ b_d[e].T) @ a_d[e][cols, :].T)
+                g += lora.scale * ((dy_r @ b_d[e].T) @ a_d[e][cols, :].T)
+            # in place, to keep tile-sized temporaries to two: sg, then silu'(hg); hg becomes silu(hg)
             sg = sigmoid(hg)
-            silu = hg * sg
-            a = silu * hu
+            dsilu = np.subtract(1.0, sg)
+            dsilu *= hg
+            dsilu += 1.0
+            dsilu *= sg
+            hg *= sg
+            a = act[rows, cols] if keep_act else sg
+            np.multiply(hg, hu, out=a)
             dw_blocks[rows, tile.block] = np.einsum("pf,pf->p", g, a)
             g *= weight_s[rows, None]
-            dh[rows, cols] = g * hu * sg * (1.0 + hg * (1.0 - sg))
-            dh[rows, f + cols.start : f + cols.stop] = g * silu
-            if keep_act:
-                act[rows, cols] = a
+            dh_gate = dh[rows, cols]
+            np.multiply(g, hu, out=dh_gate)
+            dh_gate *= dsilu
+            np.multiply(g, hg, out=dh[rows, f + cols.start : f + cols.stop])
 
         self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=2 * d + d)
 
-        dx_pairs = np.empty((p, d), np.float32)
+        dx_s = np.empty((p, d), np.float32)  # per pair, expert-sorted
 
         def input_grad(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
-            dx = matmul_w(dh[rows], w.w13[e][cols, :], transpose=True)
+            dx = matmul_w(dh[rows], w.w13[e][cols, :], transpose=True, out=dx_s[rows, cols])
             if lora is not None:
                 for pair, dh_part in ((lora.gate, dh[rows, :f]), (lora.up, dh[rows, f:])):
                     if pair is not None:
                         dx += lora.scale * ((dh_part @ pair[1][e].T) @ pair[0][e][cols, :].T)
-            dx_pairs[routing.order[rows], cols] = dx
 
         tiles2 = plan_tiles(routing, d, self.threads)
         tasks = [lambda t=t: input_grad(t) for t in tiles2]
@@ -140,7 +176,7 @@ class HostMoE:
         stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
         stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.w13.dtype.itemsize
 
-        dx = dx_pairs.reshape(ids_tk.shape + (d,)).sum(axis=1)
+        dx = self._combine(stats, layer, dx_s, routing, ids_tk.shape)
         dweights = np.empty(p, np.float32)
         dweights[routing.order] = dw_blocks.sum(axis=1)
         stats.wall_s = time.perf_counter() - start

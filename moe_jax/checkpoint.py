@@ -19,7 +19,7 @@ from host_kernels.errors import StoreError
 from host_kernels.store import ExpertStore, LayerExperts
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError
-from moe_jax.safetensors_reader import TensorSource
+from moe_jax.safetensors_io import TensorSource
 
 EXPERT_STORE_DIR = "experts"
 

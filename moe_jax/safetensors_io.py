@@ -1,4 +1,4 @@
-"""A lazy, memory-mapped reader for `.safetensors` files (single or sharded with an index).
+"""Reading (lazily, memory-mapped) and writing `.safetensors` files, single or sharded with an index.
 
 Written against the format itself (8-byte header length, JSON header, raw little-endian data) rather than the
 `safetensors` numpy binding because that binding cannot return bfloat16, the dtype of most published MoE
@@ -122,3 +122,28 @@ class TensorSource:
         if shape is not None and tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
         return array
+
+
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def save_safetensors(path: Path, tensors: dict[str, np.ndarray]):
+    """Writes `tensors` to `path` atomically (temporary file, then rename), any dtype the reader knows."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        code = _CODES.get(np.dtype(array.dtype))
+        if code is None:
+            raise CheckpointError(f"{path}: cannot store tensor {name!r} of dtype {array.dtype}")
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

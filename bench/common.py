@@ -1,0 +1,73 @@
+"""Shared helpers for the benchmarks: timing, the BLAS kernel in use, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def reexec_with_native_blas_if_asked(argv: list[str]):
+    """`--native-blas`: rerun this process without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (both unset together)."""
+    if "--native-blas" in argv and "OPENBLAS_CORETYPE" in os.environ:
+        env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def timed(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of `fn()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_info() -> dict:
+    from threadpoolctl import threadpool_info
+
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+        "blas": [
+            {k: info.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+            for info in threadpool_info()
+            if info.get("user_api") == "blas"
+        ],
+    }
+
+
+def print_table(title: str, rows: list[dict]):
+    if not rows:
+        return
+    keys = list(rows[0])
+    cells = [[_fmt(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print(f"\n{title}")
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=1, default=float))
+    print(f"\nwrote {path}")
+    return path

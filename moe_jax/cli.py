@@ -1,0 +1,23 @@
+"""What every command-line entry point shares: one-line errors and exit codes instead of tracebacks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from host_kernels.errors import HostKernelError
+from moe_jax.errors import MoeJaxError
+
+EXIT_BAD_INPUT = 2
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+    """Runs `main`; a user-caused error prints `error: ...` to stderr and returns exit code 2."""
+    try:
+        return main(argv) or 0
+    except (MoeJaxError, HostKernelError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
