@@ -145,8 +145,8 @@ def main():
         x = rng.standard_normal((tokens, d)).astype(np.float32)
         uniform = make_routing(rng, tokens, e, k, skew=0.0)
         zipf = make_routing(rng, tokens, e, k, skew=1.5)
-        tu = timed(lambda: engine.forward(0, x, *uniform), args.repeats * 2)
-        tz = timed(lambda: engine.forward(0, x, *zipf), args.repeats * 2)
+        tu = timed(lambda x=x, r=uniform: engine.forward(0, x, *r), args.repeats * 2)
+        tz = timed(lambda x=x, r=zipf: engine.forward(0, x, *r), args.repeats * 2)
         engine.forward(0, x, *zipf)
         rows.append(
             {

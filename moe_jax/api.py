@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moe_jax.backends import BACKENDS, Backend
+from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
 from moe_jax.errors import InputError
 from moe_jax.model import Transformer, build_transformer
-from moe_jax.moe import DeviceExperts
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 
-BACKENDS = ("device", "host", "offload", "hybrid")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -30,13 +30,14 @@ class Model:
         self,
         transformer: Transformer,
         tokenizer: Tokenizer | None,
-        backend: str,
+        placement: Backend,
         dtype: str,
         checkpoint: Checkpoint,
     ):
         self.config: ModelConfig = transformer.config
         self.tokenizer = tokenizer
-        self.backend = backend
+        self.placement = placement
+        self.backend = placement.name
         self.dtype = dtype
         self.checkpoint = checkpoint
         self.graphdef, self.state = nnx.split(transformer)
@@ -45,7 +46,21 @@ class Model:
         def forward(state, tokens_bt, positions_bt, caches):
             return nnx.merge(graphdef, state)(tokens_bt, positions_bt, caches)
 
-        self._forward = jax.jit(forward)
+        self._forward_jit = jax.jit(forward)
+
+    def _forward(self, *args):
+        """Runs a jitted step; an error raised inside a host callback is re-raised here as itself."""
+        try:
+            return jax.block_until_ready(self._forward_jit(*args))
+        except jax.errors.JaxRuntimeError:
+            error = self.placement.take_error()
+            if error is not None:
+                raise error from None
+            raise
+
+    def metrics(self) -> BackendMetrics:
+        """Backend figures (bytes moved, host busy, device wait, ...) since the previous call."""
+        return self.placement.take_metrics()
 
     @property
     def transformer(self) -> Transformer:
@@ -92,29 +107,25 @@ class Model:
         return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
 
-def load_model(path, *, backend: str = "host", dtype: str = "float32", adapter=None) -> Model:
-    """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`)."""
+def load_model(
+    path, *, backend: str = "host", dtype: str = "float32", adapter=None, host_threads: int | None = None
+) -> Model:
+    """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
+
+    `host_threads` sets the host expert engine's worker threads (default: the cores available).
+    """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if backend != "device":
-        raise NotImplementedError(
-            f"backend={backend!r} is not built yet: it needs the host expert callbacks (issue: execution "
-            "backends); use backend='device' for now"
-        )
     if adapter is not None:
         raise NotImplementedError("adapter= is not built yet: it needs LoRA loading (issue: train.py)")
     checkpoint = open_checkpoint(Path(path))
     jdtype = DTYPES[dtype]
-    np_dtype = np.dtype(jdtype)
 
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
 
-    def device_experts(layer):
-        stacked = checkpoint.layer_experts(layer, np_dtype)
-        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
-
-    transformer = build_transformer(checkpoint.config, dense, device_experts, checkpoint.has)
-    return Model(transformer, load_tokenizer(checkpoint.path), backend, dtype, checkpoint)
+    placement = Backend(backend, checkpoint, jdtype, host_threads=host_threads)
+    transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
+    return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)

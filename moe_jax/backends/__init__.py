@@ -1,0 +1,57 @@
+"""Expert placements. Each backend builds, per MoE layer, a callable (x_td, ids_tk, weights_tk) -> y_td.
+
+device   all experts in accelerator memory (pure JAX, `ragged_dot`): the reference
+host     experts on the host CPU through host_kernels callbacks (co-compute)
+offload  experts in pinned host memory, the routed ones copied to the device per layer
+hybrid   a placement plan: some experts on the device, the rest on the host, both at once
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from host_kernels.engine import HostMoE
+from host_kernels.store import ExpertStore
+from moe_jax.backends.host import HostExperts, HostRuntime
+from moe_jax.backends.metrics import BackendMetrics
+from moe_jax.checkpoint import Checkpoint
+from moe_jax.moe import DeviceExperts
+
+BACKENDS = ("device", "host", "offload", "hybrid")
+
+
+class Backend:
+    """Builds every layer's expert module for one placement and holds the host runtime (if any)."""
+
+    def __init__(self, name: str, checkpoint: Checkpoint, dtype, host_threads: int | None = None):
+        self.name = name
+        self.checkpoint = checkpoint
+        self.dtype = np.dtype(dtype)
+        self.runtime: HostRuntime | None = None
+        if name == "host":
+            self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads))
+        elif name != "device":
+            raise NotImplementedError(f"backend={name!r} is not built yet; use 'device' or 'host'")
+
+    def _host_store(self) -> ExpertStore:
+        """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
+        if self.checkpoint.expert_store is not None:
+            return self.checkpoint.expert_store
+        storage = self.dtype if self.dtype == np.dtype(jnp.bfloat16) else np.dtype(np.float32)
+        return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
+
+    def experts_for_layer(self, layer: int):
+        if self.name == "host":
+            return HostExperts(self.runtime, layer)
+        stacked = self.checkpoint.layer_experts(layer, self.dtype)
+        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
+
+    def take_metrics(self) -> BackendMetrics:
+        return self.runtime.metrics.take() if self.runtime is not None else BackendMetrics()
+
+    def take_error(self) -> BaseException | None:
+        if self.runtime is None:
+            return None
+        error, self.runtime.error = self.runtime.error, None
+        return error

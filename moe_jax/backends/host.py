@@ -1,0 +1,153 @@
+"""backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
+
+Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
+second callback. Expert weights stay in the host store: the callback holds a reference to it and only activations,
+routing and the (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
+shared expert stay in XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from host_kernels.engine import HostMoE
+from host_kernels.lora import ExpertLoRA
+from moe_jax.backends.metrics import MetricsRecorder
+
+
+class HostRuntime:
+    """The host side shared by every layer of one model: the engine, its metrics, the last callback error.
+
+    A callback cannot raise through XLA as itself, so the error is kept here and the model re-raises it at the
+    call site (see `Model._run`).
+    """
+
+    def __init__(self, engine: HostMoE):
+        self.engine = engine
+        self.metrics = MetricsRecorder()
+        self.error: BaseException | None = None
+
+    def __hash__(self):  # static argument of the custom_vjp: identity is what matters
+        return id(self)
+
+    def forward(self, layer: int, scale: float, x, ids, weights, lora: dict) -> np.ndarray:
+        return self._guarded(self._forward, layer, scale, x, ids, weights, lora)
+
+    def backward(self, layer: int, scale: float, x, ids, weights, lora: dict, dy):
+        return self._guarded(self._backward, layer, scale, x, ids, weights, lora, dy)
+
+    def _guarded(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.metrics.add(device_wait_s=time.perf_counter() - start)
+
+    def _forward(self, layer, scale, x, ids, weights, lora):
+        x32 = np.asarray(x, np.float32)
+        y = self.engine.forward(layer, x32, ids, np.asarray(weights, np.float32), _expert_lora(scale, lora))
+        self._record(layer, inputs=(x, ids, weights, *lora.values()), outputs=(y,))
+        return y.astype(x.dtype)
+
+    def _backward(self, layer, scale, x, ids, weights, lora, dy):
+        dx, dweights, dlora = self.engine.backward(
+            layer,
+            np.asarray(x, np.float32),
+            ids,
+            np.asarray(weights, np.float32),
+            np.asarray(dy, np.float32),
+            _expert_lora(scale, lora),
+        )
+        grads = {name: getattr(dlora, name.split("_")[0])[name.endswith("_b")] for name in lora}
+        self._record(layer, inputs=(x, ids, weights, dy, *lora.values()), outputs=(dx, dweights, *grads.values()))
+        return dx.astype(x.dtype), dweights.astype(weights.dtype), grads
+
+    def _record(self, layer, inputs, outputs):
+        s = self.engine.last_stats
+        self.metrics.add(
+            device_to_host_bytes=sum(np.asarray(a).nbytes for a in inputs),
+            host_to_device_bytes=sum(a.nbytes for a in outputs),
+            host_busy_s=sum(s.busy_s),
+            host_wall_s=s.wall_s,
+            host_flops=s.flops,
+            host_weight_bytes=s.weight_bytes,
+            host_calls=1,
+        )
+        if s.kind == "forward":
+            self.metrics.count_tokens(layer, s.tokens_per_expert)
+
+
+def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:
+    """{gate_a, gate_b, ...} arrays from the model into the engine's ExpertLoRA (None when empty)."""
+    if not lora:
+        return None
+    pairs = {}
+    for name in ("gate", "up", "down"):
+        if f"{name}_a" in lora:
+            pairs[name] = (np.asarray(lora[f"{name}_a"], np.float32), np.asarray(lora[f"{name}_b"], np.float32))
+    return ExpertLoRA(scale, **pairs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, weights_tk, lora: dict):
+    """y = routed experts of `layer` applied to x, computed by the host engine."""
+    return jax.pure_callback(
+        functools.partial(runtime.forward, layer, scale),
+        jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
+        x_td,
+        ids_tk,
+        weights_tk,
+        lora,
+        vmap_method="sequential",
+    )
+
+
+def _host_experts_fwd(runtime, layer, scale, x_td, ids_tk, weights_tk, lora):
+    return host_experts(runtime, layer, scale, x_td, ids_tk, weights_tk, lora), (x_td, ids_tk, weights_tk, lora)
+
+
+def _host_experts_bwd(runtime, layer, scale, residuals, dy_td):
+    x_td, ids_tk, weights_tk, lora = residuals
+    shapes = (
+        jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
+        jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
+        {name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in lora.items()},
+    )
+    dx, dweights, dlora = jax.pure_callback(
+        functools.partial(runtime.backward, layer, scale),
+        shapes,
+        x_td,
+        ids_tk,
+        weights_tk,
+        lora,
+        dy_td,
+        vmap_method="sequential",
+    )
+    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
+    return dx, ids_cotangent, dweights, dlora
+
+
+host_experts.defvjp(_host_experts_fwd, _host_experts_bwd)
+
+
+class HostExperts(nnx.Module):
+    """Expert backend of one layer whose weights live in the host store (not in any traced pytree)."""
+
+    def __init__(self, runtime: HostRuntime, layer: int):
+        self.runtime = runtime
+        self.layer = layer
+        self.lora_scale = 0.0
+        self.lora = None  # nnx.Dict of LoRAParam: gate_a [e, d, r], gate_b [e, r, f], ... when attached
+
+    def __call__(self, x_td, ids_tk, weights_tk):
+        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
+        return host_experts(self.runtime, self.layer, self.lora_scale, x_td, ids_tk.astype(jnp.int32), weights_tk, lora)
