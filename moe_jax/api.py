@@ -17,6 +17,7 @@ from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
 from moe_jax.errors import InputError
+from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -40,6 +41,9 @@ class Model:
         self.backend = placement.name
         self.dtype = dtype
         self.checkpoint = checkpoint
+        self._set_transformer(transformer)
+
+    def _set_transformer(self, transformer: Transformer):
         self.graphdef, self.state = nnx.split(transformer)
         graphdef = self.graphdef
 
@@ -47,6 +51,12 @@ class Model:
             return nnx.merge(graphdef, state)(tokens_bt, positions_bt, caches)
 
         self._forward_jit = jax.jit(forward)
+
+    def attach_lora(self, config: LoRAConfig, seed: int = 0):
+        """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules."""
+        transformer = self.transformer
+        attach_lora(transformer, config, seed)
+        self._set_transformer(transformer)
 
     def _forward(self, *args):
         """Runs a jitted step; an error raised inside a host callback is re-raised here as itself."""

@@ -56,8 +56,8 @@ class Projection(nnx.Module):
     def __init__(self, weight, bias=None):
         self.weight = Frozen(weight)
         self.bias = Frozen(bias) if bias is not None else None
-        self.lora_a = None
-        self.lora_b = None
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
         self.lora_scale = 0.0
 
     def attach_lora(self, a_ir, b_ro, scale: float):

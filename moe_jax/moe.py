@@ -33,12 +33,29 @@ def sort_pairs_by_expert(ids_tk, num_experts: int):
     return order, token_of_pair, group_sizes
 
 
-def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e):
-    """SwiGLU over expert-sorted rows with `ragged_dot`: no capacity, no dropped tokens."""
+def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e, lora=None, scale=0.0):
+    """SwiGLU over expert-sorted rows with `ragged_dot`: no capacity, no dropped tokens.
+
+    `lora` optionally maps gate_a/gate_b/up_a/up_b/down_a/down_b to per-expert adapters ([e, in, r], [e, r, out]).
+    """
+    lora = lora or {}
+
+    def adapter(name, inputs):
+        low = jax.lax.ragged_dot(inputs, lora[f"{name}_a"], group_sizes_e)
+        return scale * jax.lax.ragged_dot(low, lora[f"{name}_b"], group_sizes_e)
+
     h = jax.lax.ragged_dot(x_pd, w13_edf2, group_sizes_e)
     f = w2_efd.shape[1]
-    act = jax.nn.silu(h[:, :f]) * h[:, f:]
-    return jax.lax.ragged_dot(act, w2_efd, group_sizes_e)
+    gate, up = h[:, :f], h[:, f:]
+    if "gate_a" in lora:
+        gate = gate + adapter("gate", x_pd)
+    if "up_a" in lora:
+        up = up + adapter("up", x_pd)
+    act = jax.nn.silu(gate) * up
+    out = jax.lax.ragged_dot(act, w2_efd, group_sizes_e)
+    if "down_a" in lora:
+        out = out + adapter("down", act)
+    return out
 
 
 class DeviceExperts(nnx.Module):
@@ -47,11 +64,16 @@ class DeviceExperts(nnx.Module):
     def __init__(self, w13_edf2, w2_efd):
         self.w13 = Frozen(w13_edf2)
         self.w2 = Frozen(w2_efd)
+        self.lora_scale = 0.0
+        self.lora = nnx.data(None)  # nnx.Dict of LoRAParam when adapters are attached (see moe_jax.lora)
 
     def __call__(self, x_td, ids_tk, weights_tk):
         num_experts = self.w13.shape[0]
         order, token_of_pair, group_sizes = sort_pairs_by_expert(ids_tk, num_experts)
-        out_pd = grouped_swiglu(x_td[token_of_pair], self.w13[...], self.w2[...], group_sizes)
+        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else None
+        out_pd = grouped_swiglu(
+            x_td[token_of_pair], self.w13[...], self.w2[...], group_sizes, lora=lora, scale=self.lora_scale
+        )
         weight_p = weights_tk.reshape(-1)[order].astype(out_pd.dtype)
         return jnp.zeros_like(x_td).at[token_of_pair].add(out_pd * weight_p[:, None])
 

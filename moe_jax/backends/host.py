@@ -146,7 +146,7 @@ class HostExperts(nnx.Module):
         self.runtime = runtime
         self.layer = layer
         self.lora_scale = 0.0
-        self.lora = None  # nnx.Dict of LoRAParam: gate_a [e, d, r], gate_b [e, r, f], ... when attached
+        self.lora = nnx.data(None)  # nnx.Dict of LoRAParam: gate_a [e, d, r], gate_b [e, r, f], ... when attached
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}

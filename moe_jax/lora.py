@@ -1,0 +1,93 @@
+"""LoRA adapters: which modules they target, how they are initialised, and attaching them to a model.
+
+Initialisation follows peft's default (A: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
+B: zeros), so a fresh adapter leaves the model's outputs unchanged and a run can be reproduced in peft.
+Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention), gate_proj up_proj
+down_proj (dense and shared-expert MLPs), and `experts` for the routed experts' gate/up/down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.errors import ConfigError
+from moe_jax.layers import LoRAParam, Projection
+from moe_jax.moe import MoEBlock
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERTS_TARGET = "experts"
+KNOWN_TARGETS = (*ATTENTION_TARGETS, *MLP_TARGETS, EXPERTS_TARGET)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ATTENTION_TARGETS
+
+    def __post_init__(self):
+        unknown = [t for t in self.targets if t not in KNOWN_TARGETS]
+        if unknown:
+            raise ConfigError(f"unknown LoRA target module(s) {unknown}; known: {', '.join(KNOWN_TARGETS)}")
+        if self.rank < 1:
+            raise ConfigError(f"LoRA rank must be >= 1, got {self.rank}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _kaiming_a(key, shape, fan_in, dtype):
+    bound = 1.0 / np.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def attach_lora(transformer, config: LoRAConfig, seed: int = 0):
+    """Adds freshly initialised adapters to every targeted module of `transformer`, in place."""
+    key = jax.random.key(seed)
+    for path, module in sorted(nnx.iter_modules(transformer), key=lambda item: _path_key(item[0])):
+        name = str(path[-1]) if path else ""
+        if isinstance(module, Projection) and name in config.targets:
+            key, sub = jax.random.split(key)
+            fan_in, fan_out = module.weight.shape
+            dtype = module.weight.dtype
+            module.attach_lora(
+                _kaiming_a(sub, (fan_in, config.rank), fan_in, dtype),
+                jnp.zeros((config.rank, fan_out), dtype),
+                config.scale,
+            )
+        elif isinstance(module, MoEBlock) and EXPERTS_TARGET in config.targets:
+            key, sub = jax.random.split(key)
+            attach_expert_lora(module.experts, sub, transformer.config, config)
+
+
+def attach_expert_lora(experts, key, model_config, config: LoRAConfig):
+    e, d, f, r = (
+        model_config.num_experts,
+        model_config.hidden_size,
+        model_config.expert_intermediate_size,
+        config.rank,
+    )
+    keys = jax.random.split(key, 3)
+    arrays = {}
+    for k, (name, fan_in, fan_out) in zip(keys, (("gate", d, f), ("up", d, f), ("down", f, d)), strict=True):
+        arrays[f"{name}_a"] = LoRAParam(_kaiming_a(k, (e, fan_in, r), fan_in, jnp.float32))
+        arrays[f"{name}_b"] = LoRAParam(jnp.zeros((e, r, fan_out), jnp.float32))
+    experts.lora = nnx.Dict(arrays)
+    experts.lora_scale = config.scale
+
+
+def _path_key(path) -> tuple:
+    """Sort key that orders layers numerically, so initialisation is reproducible and peft-comparable."""
+    return tuple((0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in path)
+
+
+def split_trainable(transformer):
+    """(graphdef, LoRA state, everything else) for jit/grad over the adapters alone."""
+    return nnx.split(transformer, LoRAParam, ...)
