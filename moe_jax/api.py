@@ -118,11 +118,18 @@ class Model:
 
 
 def load_model(
-    path, *, backend: str = "host", dtype: str = "float32", adapter=None, host_threads: int | None = None
+    path,
+    *,
+    backend: str = "host",
+    dtype: str = "float32",
+    adapter=None,
+    host_threads: int | None = None,
+    device_budget_bytes: int | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
+    `device_budget_bytes` caps the expert bytes the offload backend keeps on the device at once.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -136,6 +143,6 @@ def load_model(
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
 
-    placement = Backend(backend, checkpoint, jdtype, host_threads=host_threads)
+    placement = Backend(backend, checkpoint, jdtype, host_threads=host_threads, device_budget_bytes=device_budget_bytes)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
     return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)

@@ -11,7 +11,7 @@ from host_kernels.errors import HostKernelError
 from moe_jax.lora import ATTENTION_TARGETS, LoRAConfig, split_trainable
 from tests.hf_models import VARIANTS, make_hf_model, save_hf_model
 
-BACKENDS = ["device", "host"]
+BACKENDS = ["device", "host", "offload"]
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -98,3 +98,18 @@ def test_host_callback_error_surfaces_with_layer(checkpoint, monkeypatch):
         model.logits(np.ones((1, 4), np.int64))
     monkeypatch.undo()
     assert model.logits(np.ones((1, 4), np.int64)).shape == (1, 4, 96)  # nothing hangs or stays broken
+
+
+@pytest.mark.parametrize("budget_experts", [2, 4, 64])
+def test_offload_moves_exactly_the_routed_experts(checkpoint, budget_experts):
+    ids = np.random.default_rng(3).integers(0, 96, size=(1, 3))
+    host = moe_jax.load_model(checkpoint, backend="host")
+    reference = host.logits(ids)
+    routed = host.metrics().tokens_per_expert
+    probe = moe_jax.load_model(checkpoint, backend="offload")
+    budget = budget_experts * probe.placement.expert_bytes
+    offload = moe_jax.load_model(checkpoint, backend="offload", device_budget_bytes=budget)
+    assert 2 * offload.placement.offload_slots * offload.placement.expert_bytes <= budget
+    np.testing.assert_allclose(offload.logits(ids), reference, atol=1e-5)
+    expected = sum(int((counts > 0).sum()) for counts in routed.values()) * offload.placement.expert_bytes
+    assert offload.metrics().host_to_device_bytes == expected

@@ -114,8 +114,8 @@ def test_token_ids_outside_vocabulary(mixtral):
 
 
 def test_unbuilt_backend_says_what_is_missing(mixtral):
-    with pytest.raises(NotImplementedError, match="backend='offload' is not built yet"):
-        moe_jax.load_model(mixtral[1], backend="offload")
+    with pytest.raises(NotImplementedError, match="backend='hybrid' is not built yet"):
+        moe_jax.load_model(mixtral[1], backend="hybrid")
 
 
 def test_cli_exits_nonzero_with_one_line(tmp_path):

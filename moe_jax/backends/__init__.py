@@ -14,7 +14,8 @@ import numpy as np
 from host_kernels.engine import HostMoE
 from host_kernels.store import ExpertStore
 from moe_jax.backends.host import HostExperts, HostRuntime
-from moe_jax.backends.metrics import BackendMetrics
+from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
+from moe_jax.backends.offload import OffloadExperts, TransferCounter
 from moe_jax.checkpoint import Checkpoint
 from moe_jax.moe import DeviceExperts
 
@@ -24,15 +25,28 @@ BACKENDS = ("device", "host", "offload", "hybrid")
 class Backend:
     """Builds every layer's expert module for one placement and holds the host runtime (if any)."""
 
-    def __init__(self, name: str, checkpoint: Checkpoint, dtype, host_threads: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        checkpoint: Checkpoint,
+        dtype,
+        host_threads: int | None = None,
+        device_budget_bytes: int | None = None,
+    ):
         self.name = name
         self.checkpoint = checkpoint
         self.dtype = np.dtype(dtype)
+        self.metrics = MetricsRecorder()
         self.runtime: HostRuntime | None = None
+        config = checkpoint.config
+        self.expert_bytes = 3 * config.hidden_size * config.expert_intermediate_size * self.dtype.itemsize
+        # offload keeps two rounds of `slots` experts on the device (double buffer); default: two top-k sets
+        budget = device_budget_bytes or 2 * config.num_experts_per_tok * self.expert_bytes
+        self.offload_slots = max(1, budget // (2 * self.expert_bytes))
         if name == "host":
-            self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads))
-        elif name != "device":
-            raise NotImplementedError(f"backend={name!r} is not built yet; use 'device' or 'host'")
+            self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
+        elif name not in ("device", "offload"):
+            raise NotImplementedError(f"backend={name!r} is not built yet; use 'device', 'host' or 'offload'")
 
     def _host_store(self) -> ExpertStore:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
@@ -45,10 +59,13 @@ class Backend:
         if self.name == "host":
             return HostExperts(self.runtime, layer)
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
+        if self.name == "offload":
+            counter = TransferCounter(self.metrics, self.expert_bytes)
+            return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter)
         return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
 
     def take_metrics(self) -> BackendMetrics:
-        return self.runtime.metrics.take() if self.runtime is not None else BackendMetrics()
+        return self.metrics.take()
 
     def take_error(self) -> BaseException | None:
         if self.runtime is None:

@@ -28,9 +28,9 @@ class HostRuntime:
     call site (see `Model._run`).
     """
 
-    def __init__(self, engine: HostMoE):
+    def __init__(self, engine: HostMoE, metrics: MetricsRecorder | None = None):
         self.engine = engine
-        self.metrics = MetricsRecorder()
+        self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
 
     def __hash__(self):  # static argument of the custom_vjp: identity is what matters

@@ -1,0 +1,167 @@
+"""backend="offload": experts live in pinned host memory; the routed ones are copied to the device per layer.
+
+Each expert's weights are their own pinned-host buffers, so a transfer is a whole-buffer `device_put` that every
+JAX platform supports, chosen by `lax.switch` on the expert id (the last branch copies nothing: an unused slot).
+The experts a batch routes to are processed in rounds of `slots` experts; a round's experts are copied while the
+previous round computes (double buffering inside `lax.scan`), so at most 2 x slots experts are resident on the
+device at once: `slots` comes from the configured device byte budget.
+
+Under `jax.grad` the layer is a custom VJP whose backward runs the rounds again, fetching each round's experts and
+differentiating that round alone, so backward never holds more than one round of experts either (the forward keeps
+activations as residuals, not copied weights).
+
+Prefetch across layers would need the next layer's routing, which depends on this layer's output; it is left to
+the planner (expert cache of the bandwidth-adaptive issue), which can keep predicted-hot experts resident.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from moe_jax.backends.metrics import MetricsRecorder
+from moe_jax.layers import Frozen
+from moe_jax.moe import grouped_swiglu, sort_pairs_by_expert
+
+
+def memory_sharding(kind: str) -> SingleDeviceSharding:
+    return SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+class TransferCounter:
+    """Counts the expert copies that actually ran: recorded from inside the copying branch itself."""
+
+    def __init__(self, metrics: MetricsRecorder, expert_bytes: int):
+        self.metrics = metrics
+        self.expert_bytes = expert_bytes
+
+    def __hash__(self):
+        return id(self)
+
+    def record(self, layer, expert):
+        self.metrics.add(host_to_device_bytes=self.expert_bytes)
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Static description of one offloaded layer (a non-differentiable custom_vjp argument, so hashable)."""
+
+    layer: int
+    slots: int
+    lora_scale: float
+    counter: TransferCounter
+
+
+def _fetch(spec: OffloadSpec, w13_host, w2_host, expert_ids):
+    """Copies the given experts to device memory; id == num_experts fills a slot with zeros and copies nothing."""
+    device = memory_sharding("device")
+    num_experts = len(w13_host)
+
+    def copy(e):
+        jax.debug.callback(spec.counter.record, spec.layer, e)
+        return jax.device_put(w13_host[e], device), jax.device_put(w2_host[e], device)
+
+    def empty():
+        return jnp.zeros(w13_host[0].shape, w13_host[0].dtype), jnp.zeros(w2_host[0].shape, w2_host[0].dtype)
+
+    branches = [functools.partial(copy, e) for e in range(num_experts)] + [empty]
+    pairs = [jax.lax.switch(jnp.minimum(expert_ids[i], num_experts), branches) for i in range(spec.slots)]
+    return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+
+
+def _rounds(spec: OffloadSpec, ids_tk, num_experts: int):
+    """The routed experts, padded with the "no expert" id, as [rounds, slots]."""
+    rounds = -(-num_experts // spec.slots)
+    counts = jnp.bincount(ids_tk.reshape(-1), length=num_experts)
+    used = jnp.nonzero(counts > 0, size=rounds * spec.slots, fill_value=num_experts)[0]
+    return used.reshape(rounds, spec.slots).astype(jnp.int32)
+
+
+def _round_output(spec: OffloadSpec, num_experts: int, x_td, ids_tk, weights_tk, lora, round_ids, w13_s, w2_s):
+    """One round's contribution: the pairs routed to its experts; every other pair contributes zero."""
+    slots = spec.slots
+    slot_of_expert = jnp.full(num_experts + 1, slots, jnp.int32).at[round_ids].set(jnp.arange(slots, dtype=jnp.int32))
+    local_tk = slot_of_expert[ids_tk]
+    order, token_of_pair, group_sizes = sort_pairs_by_expert(local_tk, slots + 1)
+    slot_lora = {n: a[jnp.minimum(round_ids, num_experts - 1)] for n, a in lora.items()} or None
+    out = grouped_swiglu(x_td[token_of_pair], w13_s, w2_s, group_sizes[:slots], slot_lora, spec.lora_scale)
+    in_round = local_tk.reshape(-1)[order] < slots
+    weight_p = jnp.where(in_round, weights_tk.reshape(-1)[order], 0).astype(out.dtype)
+    out = jnp.where(in_round[:, None], out, 0) * weight_p[:, None]
+    return jnp.zeros_like(x_td).at[token_of_pair].add(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+    num_experts = len(w13_host)
+    rounds = _rounds(spec, ids_tk, num_experts)
+
+    def step(carry, next_ids):
+        y, current_ids, w13_s, w2_s = carry
+        next_w13, next_w2 = _fetch(spec, w13_host, w2_host, next_ids)  # issued before this round computes
+        y = y + _round_output(spec, num_experts, x_td, ids_tk, weights_tk, lora, current_ids, w13_s, w2_s)
+        return (y, next_ids, next_w13, next_w2), None
+
+    first = _fetch(spec, w13_host, w2_host, rounds[0])
+    nothing = jnp.full((1, spec.slots), num_experts, jnp.int32)  # the last step prefetches nothing
+    (y, *_), _ = jax.lax.scan(step, (jnp.zeros_like(x_td), rounds[0], *first), jnp.concatenate([rounds[1:], nothing]))
+    return y
+
+
+def _offload_fwd(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+    y = offload_experts(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
+    return y, (x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
+
+
+def _offload_bwd(spec, residuals, dy_td):
+    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = residuals
+    num_experts = len(w13_host)
+
+    def step(grads, round_ids):
+        w13_s, w2_s = _fetch(spec, w13_host, w2_host, round_ids)
+
+        def contribution(x, weights, lora):
+            return _round_output(spec, num_experts, x, ids_tk, weights, lora, round_ids, w13_s, w2_s)
+
+        _, vjp = jax.vjp(contribution, x_td, weights_tk, lora)
+        return jax.tree.map(jnp.add, grads, vjp(dy_td)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, (x_td, weights_tk, lora))
+    (dx, dweights, dlora), _ = jax.lax.scan(step, zeros, _rounds(spec, ids_tk, num_experts))
+    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
+    return dx, ids_cotangent, dweights, dlora, None, None
+
+
+offload_experts.defvjp(_offload_fwd, _offload_bwd)
+
+
+class OffloadExperts(nnx.Module):
+    """Expert backend of one layer whose weights sit in pinned host memory, one buffer per expert."""
+
+    def __init__(self, w13_edf2: np.ndarray, w2_efd: np.ndarray, layer: int, slots: int, counter: TransferCounter):
+        host = memory_sharding("pinned_host")
+        num_experts = w13_edf2.shape[0]
+        self.w13 = nnx.List([Frozen(jax.device_put(np.asarray(w13_edf2[e]), host)) for e in range(num_experts)])
+        self.w2 = nnx.List([Frozen(jax.device_put(np.asarray(w2_efd[e]), host)) for e in range(num_experts)])
+        self.spec = OffloadSpec(layer, min(slots, num_experts), 0.0, counter)
+        self.lora = nnx.data(None)
+
+    @property
+    def lora_scale(self) -> float:
+        return self.spec.lora_scale
+
+    @lora_scale.setter
+    def lora_scale(self, scale: float):
+        self.spec = OffloadSpec(self.spec.layer, self.spec.slots, float(scale), self.spec.counter)
+
+    def __call__(self, x_td, ids_tk, weights_tk):
+        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
+        w13 = tuple(w[...] for w in self.w13)
+        w2 = tuple(w[...] for w in self.w2)
+        return offload_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, w13, w2)
