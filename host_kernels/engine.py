@@ -24,7 +24,7 @@ from host_kernels.errors import HostKernelError
 from host_kernels.lora import ExpertLoRA
 from host_kernels.matmul import matmul_w
 from host_kernels.pool import WorkerPool
-from host_kernels.schedule import Routing, Tile, max_column_blocks, plan_tiles
+from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
 from host_kernels.store import ExpertStore, LayerExperts
 
@@ -70,8 +70,8 @@ class HostMoE:
         stats.tokens_per_expert = routing.sizes
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d = w.ffn, w.hidden
-        act = np.empty((ids_tk.size, f), np.float32)
-        out_s = np.empty((ids_tk.size, d), np.float32)  # weighted expert outputs, in expert-sorted pair order
+        act = np.empty((routing.pairs, f), np.float32)
+        out_s = _rows_plus_zero_row(routing.pairs, d)  # weighted expert outputs, in expert-sorted pair order
 
         def gate_up(tile: Tile):
             hg, hu = _gate_up(w, lora, tile, x_td[routing.token_of_pair[tile.rows]])
@@ -87,17 +87,18 @@ class HostMoE:
 
         self._run(stats, layer, plan_tiles(routing, f, self.threads), gate_up, w, phase_width=2 * d)
         self._run(stats, layer, plan_tiles(routing, d, self.threads), down, w, phase_width=f)
-        y = self._combine(stats, layer, out_s, routing, ids_tk.shape)
+        y = self._combine(stats, layer, out_s, routing)
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
         return y
 
-    def _combine(self, stats: CallStats, layer: int, rows_sorted, routing: Routing, shape_tk) -> np.ndarray:
-        """y_t = sum over t's slots of the expert-sorted rows: a gather and add, split over token blocks."""
-        tokens, top_k = shape_tk
-        position = np.empty_like(routing.order)
-        position[routing.order] = np.arange(routing.order.size)
-        position = position.reshape(shape_tk)
+    def _combine(self, stats: CallStats, layer: int, rows_sorted, routing: Routing) -> np.ndarray:
+        """y_t = sum over t's slots of the expert-sorted rows: a gather and add, split over token blocks.
+
+        `rows_sorted` has one extra zero row at the end, where pairs not routed here point.
+        """
+        position = routing.position
+        tokens, top_k = position.shape
         y = np.empty((tokens, rows_sorted.shape[1]), np.float32)
 
         def gather_sum(block: slice):
@@ -121,7 +122,7 @@ class HostMoE:
         stats.tokens_per_expert = routing.sizes
         x_s, dy_s = x_td[routing.token_of_pair], dy_td[routing.token_of_pair]
         weight_s = weights_tk.reshape(-1)[routing.order]
-        f, d, p = w.ffn, w.hidden, ids_tk.size
+        f, d, p = w.ffn, w.hidden, routing.pairs
         keep_act = lora is not None and lora.down is not None
         dh = np.empty((p, 2 * f), np.float32)  # gradient at the gate/up pre-activations
         act = np.empty((p, f), np.float32) if keep_act else None
@@ -154,7 +155,7 @@ class HostMoE:
 
         self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=2 * d + d)
 
-        dx_s = np.empty((p, d), np.float32)  # per pair, expert-sorted
+        dx_s = _rows_plus_zero_row(p, d)  # per pair, expert-sorted
 
         def input_grad(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
@@ -176,8 +177,8 @@ class HostMoE:
         stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
         stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.w13.dtype.itemsize
 
-        dx = self._combine(stats, layer, dx_s, routing, ids_tk.shape)
-        dweights = np.empty(p, np.float32)
+        dx = self._combine(stats, layer, dx_s, routing)
+        dweights = np.zeros(ids_tk.size, np.float32)
         dweights[routing.order] = dw_blocks.sum(axis=1)
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
@@ -199,6 +200,12 @@ class HostMoE:
             raise
         except Exception as e:
             raise HostKernelError(f"layer {layer}: host expert kernel failed: {type(e).__name__}: {e}") from e
+
+
+def _rows_plus_zero_row(rows: int, width: int) -> np.ndarray:
+    buffer = np.empty((rows + 1, width), np.float32)
+    buffer[rows] = 0.0
+    return buffer
 
 
 def _gate_up(w: LayerExperts, lora: ExpertLoRA | None, tile: Tile, x_rd):
@@ -258,9 +265,12 @@ def _check_inputs(layer: int, w: LayerExperts, x_td, ids_tk, weights_tk, lora):
             f"layer {layer}: expert ids have shape {ids_tk.shape} and dtype {ids_tk.dtype}, "
             f"expected integers [{x_td.shape[0]}, top_k]"
         )
-    if ids_tk.size and (ids_tk.min() < 0 or ids_tk.max() >= w.num_experts):
-        bad = ids_tk[(ids_tk < 0) | (ids_tk >= w.num_experts)][0]
-        raise HostKernelError(f"layer {layer}: expert id {bad} out of range [0, {w.num_experts})")
+    bad = (ids_tk < NOT_ROUTED) | (ids_tk >= w.num_experts)
+    if bad.any():
+        raise HostKernelError(
+            f"layer {layer}: expert id {ids_tk[bad][0]} out of range [0, {w.num_experts}) "
+            f"({NOT_ROUTED} marks a pair computed elsewhere)"
+        )
     weights_tk = _check_activations(layer, "routing weights", weights_tk, ids_tk.shape)
     if lora is not None:
         lora.validate(layer, w.num_experts, w.hidden, w.ffn)

@@ -13,23 +13,34 @@ from dataclasses import dataclass
 
 import numpy as np
 
+NOT_ROUTED = -1  # an expert id meaning "this pair is computed elsewhere" (hybrid placement)
+
 
 @dataclass(frozen=True)
 class Routing:
-    """The (token, slot) pairs of a batch, ordered by expert."""
+    """The (token, slot) pairs of a batch that are routed here, ordered by expert."""
 
     order: np.ndarray  # [p] pair index (t * k + slot) at each sorted position
     token_of_pair: np.ndarray  # [p] token of each sorted pair
     sizes: np.ndarray  # [e] pairs routed to each expert
     offsets: np.ndarray  # [e + 1] start of each expert's rows in sorted order
+    position: np.ndarray  # [t, k] sorted position of each pair; p (one past the end) for pairs not routed here
+
+    @property
+    def pairs(self) -> int:
+        return self.order.size
 
     @classmethod
     def build(cls, ids_tk: np.ndarray, num_experts: int) -> Routing:
         flat = ids_tk.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        sizes = np.bincount(flat, minlength=num_experts)
+        routed = flat != NOT_ROUTED
+        pairs = int(routed.sum())
+        order = np.argsort(np.where(routed, flat, num_experts), kind="stable")[:pairs]
+        sizes = np.bincount(flat[routed], minlength=num_experts)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return cls(order, order // ids_tk.shape[1], sizes, offsets)
+        position = np.full(flat.size, pairs, dtype=np.int64)
+        position[order] = np.arange(pairs)
+        return cls(order, order // ids_tk.shape[1], sizes, offsets, position.reshape(ids_tk.shape))
 
 
 @dataclass(frozen=True)

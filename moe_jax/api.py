@@ -125,11 +125,13 @@ def load_model(
     adapter=None,
     host_threads: int | None = None,
     device_budget_bytes: int | None = None,
+    placement_plan: dict[int, list[int]] | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
     `device_budget_bytes` caps the expert bytes the offload backend keeps on the device at once.
+    `placement_plan` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -143,6 +145,13 @@ def load_model(
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
 
-    placement = Backend(backend, checkpoint, jdtype, host_threads=host_threads, device_budget_bytes=device_budget_bytes)
+    placement = Backend(
+        backend,
+        checkpoint,
+        jdtype,
+        host_threads=host_threads,
+        device_budget_bytes=device_budget_bytes,
+        placement_plan=placement_plan,
+    )
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
     return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)

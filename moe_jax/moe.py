@@ -58,6 +58,25 @@ def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e, lora=None, scale=0.0):
     return out
 
 
+def subset_experts(x_td, ids_tk, weights_tk, slot_experts, w13_s, w2_s, num_experts: int, lora=None, scale=0.0):
+    """Output of the pairs routed to a subset of experts held in slots; every other pair contributes zero.
+
+    `slot_experts[s]` is the global id of the expert whose weights are `w13_s[s]`, `w2_s[s]` (num_experts marks
+    an empty slot). `lora` holds adapters for all experts ([e, ...]); the slots' rows are gathered here.
+    """
+    slots = slot_experts.shape[0]
+    slot_index = jnp.arange(slots, dtype=jnp.int32)
+    slot_of_expert = jnp.full(num_experts + 1, slots, jnp.int32).at[slot_experts].set(slot_index)
+    local_tk = slot_of_expert[ids_tk]
+    order, token_of_pair, group_sizes = sort_pairs_by_expert(local_tk, slots + 1)
+    slot_lora = {n: a[jnp.minimum(slot_experts, num_experts - 1)] for n, a in lora.items()} if lora else None
+    out = grouped_swiglu(x_td[token_of_pair], w13_s, w2_s, group_sizes[:slots], slot_lora, scale)
+    in_subset = local_tk.reshape(-1)[order] < slots
+    weight_p = jnp.where(in_subset, weights_tk.reshape(-1)[order], 0).astype(out.dtype)
+    out = jnp.where(in_subset[:, None], out, 0) * weight_p[:, None]
+    return jnp.zeros_like(x_td).at[token_of_pair].add(out)
+
+
 class DeviceExperts(nnx.Module):
     """All experts resident in accelerator memory; the pure-JAX reference for every other backend."""
 

@@ -11,7 +11,19 @@ from host_kernels.errors import HostKernelError
 from moe_jax.lora import ATTENTION_TARGETS, LoRAConfig, split_trainable
 from tests.hf_models import VARIANTS, make_hf_model, save_hf_model
 
-BACKENDS = ["device", "host", "offload"]
+BACKENDS = ["device", "host", "offload", "hybrid"]
+
+
+def half_plan(config):
+    """A hybrid plan with some experts of every MoE layer on each side (a different half per layer)."""
+    return {layer: [e for e in range(config.num_experts) if (e + layer) % 2 == 0] for layer in config.moe_layers}
+
+
+def load(checkpoint, backend, **kwargs):
+    if backend == "hybrid":
+        config = moe_jax.load_model(checkpoint, backend="device").config
+        kwargs.setdefault("placement_plan", half_plan(config))
+    return moe_jax.load_model(checkpoint, backend=backend, **kwargs)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -47,7 +59,7 @@ def test_logits_agree_across_backends(checkpoint):
     ids = np.random.default_rng(0).integers(0, 96, size=(2, 11))
     reference = moe_jax.load_model(checkpoint, backend="device").logits(ids)
     for backend in BACKENDS[1:]:
-        np.testing.assert_allclose(moe_jax.load_model(checkpoint, backend=backend).logits(ids), reference, atol=1e-5)
+        np.testing.assert_allclose(load(checkpoint, backend).logits(ids), reference, atol=1e-5)
 
 
 def test_lora_gradients_agree_across_backends(checkpoint):
@@ -56,7 +68,7 @@ def test_lora_gradients_agree_across_backends(checkpoint):
     ref_leaves = jax.tree.leaves(ref_grad)
     assert all(float(jnp.abs(g).max()) > 0 for g in ref_leaves)
     for backend in BACKENDS[1:]:
-        loss, grad = lora_loss_grad(moe_jax.load_model(checkpoint, backend=backend), tokens)
+        loss, grad = lora_loss_grad(load(checkpoint, backend), tokens)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         for got, want in zip(jax.tree.leaves(grad), ref_leaves, strict=True):
             scale = float(jnp.abs(want).max())
@@ -113,3 +125,39 @@ def test_offload_moves_exactly_the_routed_experts(checkpoint, budget_experts):
     np.testing.assert_allclose(offload.logits(ids), reference, atol=1e-5)
     expected = sum(int((counts > 0).sum()) for counts in routed.values()) * offload.placement.expert_bytes
     assert offload.metrics().host_to_device_bytes == expected
+
+
+def test_hybrid_host_side_receives_only_host_pairs(checkpoint):
+    ids = np.random.default_rng(4).integers(0, 96, size=(2, 7))
+    host = moe_jax.load_model(checkpoint, backend="host")
+    host.logits(ids)
+    routed = host.metrics().tokens_per_expert
+    hybrid = load(checkpoint, "hybrid")
+    plan = hybrid.placement.plan
+    hybrid.logits(ids)
+    m = hybrid.metrics()
+    for layer, counts in routed.items():
+        expected = counts.copy()
+        expected[list(plan[layer])] = 0
+        assert m.tokens_per_expert[layer].tolist() == expected.tolist()
+        assert 0 < expected.sum() < counts.sum()  # both sides had work
+    assert m.device_wait_s >= 0 and m.host_wait_s >= 0
+
+
+@pytest.mark.parametrize("side", ["all_device", "all_host"])
+def test_hybrid_degenerate_plans(checkpoint, side):
+    ids = np.random.default_rng(5).integers(0, 96, size=(1, 6))
+    config = moe_jax.load_model(checkpoint, backend="device").config
+    experts = list(range(config.num_experts)) if side == "all_device" else []
+    plan = {layer: experts for layer in config.moe_layers}
+    reference = moe_jax.load_model(checkpoint, backend="device").logits(ids)
+    np.testing.assert_allclose(load(checkpoint, "hybrid", placement_plan=plan).logits(ids), reference, atol=1e-5)
+
+
+def test_bad_placement_plan(checkpoint):
+    with pytest.raises(moe_jax.InputError, match="expert ids \\[999\\]"):
+        moe_jax.load_model(checkpoint, backend="hybrid", placement_plan={max(moe_layers(checkpoint)): [999]})
+
+
+def moe_layers(checkpoint):
+    return moe_jax.load_model(checkpoint, backend="device").config.moe_layers

@@ -113,9 +113,9 @@ def test_token_ids_outside_vocabulary(mixtral):
         model.generate([[3, -1]], max_new_tokens=2)
 
 
-def test_unbuilt_backend_says_what_is_missing(mixtral):
-    with pytest.raises(NotImplementedError, match="backend='hybrid' is not built yet"):
-        moe_jax.load_model(mixtral[1], backend="hybrid")
+def test_unknown_backend(mixtral):
+    with pytest.raises(moe_jax.InputError, match="unknown backend 'gpu'"):
+        moe_jax.load_model(mixtral[1], backend="gpu")
 
 
 def test_cli_exits_nonzero_with_one_line(tmp_path):

@@ -39,8 +39,11 @@ def routing(kind, tokens, rng):
     elif kind == "skewed":  # Zipf-like: expert 0 takes most tokens
         p = 1.0 / np.arange(1, E + 1) ** 2
         ids = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
-    else:  # "empty": experts 1, 3 and 5 get nothing
+    elif kind == "empty":  # experts 1, 3 and 5 get nothing
         ids = np.stack([rng.choice([0, 2, 4], K, replace=False) for _ in range(tokens)])
+    else:  # "partial": a third of the pairs are computed elsewhere (hybrid placement marks them -1)
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(tokens)])
+        ids[rng.random(ids.shape) < 1 / 3] = -1
     weights = rng.uniform(0.1, 1.0, size=(tokens, K)).astype(np.float32)
     return ids, weights
 
@@ -63,6 +66,8 @@ def numpy_reference_forward(layer, x, ids, weights, lora=None):
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = ids[t, k]
+            if e < 0:
+                continue
             hg, hu = x[t] @ gate[e], x[t] @ up[e]
             y[t] += weights[t, k] * ((hg / (1 + np.exp(-hg)) * hu) @ down[e])
     return y
@@ -81,6 +86,8 @@ def jax_layer(layer, lora_arrays, scale, x, ids, weights):
             up = up + delta
         else:
             down = down + delta
+    weights = jnp.where(ids >= 0, weights, 0.0)
+    ids = jnp.maximum(ids, 0)
     hg = jnp.einsum("td,tkdf->tkf", x, gate[ids])
     hu = jnp.einsum("td,tkdf->tkf", x, up[ids])
     out = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(hg) * hu, down[ids])
@@ -91,7 +98,7 @@ def lora_dict(lora):
     return {} if lora is None else {n: getattr(lora, n) for n in ("gate", "up", "down") if getattr(lora, n)}
 
 
-@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty"])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "partial"])
 @pytest.mark.parametrize("storage", ["float32", "bfloat16"])
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])

@@ -14,9 +14,11 @@ import numpy as np
 from host_kernels.engine import HostMoE
 from host_kernels.store import ExpertStore
 from moe_jax.backends.host import HostExperts, HostRuntime
+from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
 from moe_jax.backends.offload import OffloadExperts, TransferCounter
 from moe_jax.checkpoint import Checkpoint
+from moe_jax.errors import InputError
 from moe_jax.moe import DeviceExperts
 
 BACKENDS = ("device", "host", "offload", "hybrid")
@@ -32,6 +34,7 @@ class Backend:
         dtype,
         host_threads: int | None = None,
         device_budget_bytes: int | None = None,
+        placement_plan: dict[int, list[int]] | None = None,
     ):
         self.name = name
         self.checkpoint = checkpoint
@@ -43,10 +46,9 @@ class Backend:
         # offload keeps two rounds of `slots` experts on the device (double buffer); default: two top-k sets
         budget = device_budget_bytes or 2 * config.num_experts_per_tok * self.expert_bytes
         self.offload_slots = max(1, budget // (2 * self.expert_bytes))
-        if name == "host":
+        self.plan = _check_plan(placement_plan or {}, config) if name == "hybrid" else {}
+        if name in ("host", "hybrid"):
             self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
-        elif name not in ("device", "offload"):
-            raise NotImplementedError(f"backend={name!r} is not built yet; use 'device', 'host' or 'offload'")
 
     def _host_store(self) -> ExpertStore:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
@@ -58,6 +60,8 @@ class Backend:
     def experts_for_layer(self, layer: int):
         if self.name == "host":
             return HostExperts(self.runtime, layer)
+        if self.name == "hybrid":
+            return HybridExperts(self.runtime, layer, self.runtime.engine.store[layer], self.plan.get(layer, ()))
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         if self.name == "offload":
             counter = TransferCounter(self.metrics, self.expert_bytes)
@@ -72,3 +76,15 @@ class Backend:
             return None
         error, self.runtime.error = self.runtime.error, None
         return error
+
+
+def _check_plan(plan: dict, config) -> dict[int, tuple[int, ...]]:
+    checked = {}
+    for layer, experts in plan.items():
+        if int(layer) not in config.moe_layers:
+            raise InputError(f"placement plan names layer {layer}, which is not an MoE layer ({config.moe_layers})")
+        bad = [e for e in experts if not 0 <= int(e) < config.num_experts]
+        if bad:
+            raise InputError(f"placement plan for layer {layer}: expert ids {bad} outside [0, {config.num_experts})")
+        checked[int(layer)] = tuple(sorted({int(e) for e in experts}))
+    return checked

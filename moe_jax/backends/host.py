@@ -9,7 +9,10 @@ shared expert stay in XLA.
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,11 @@ class HostRuntime:
         self.engine = engine
         self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
+        # asynchronous calls (hybrid placement): one background thread drives the engine's pool
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="host-experts-submit")
+        self._tickets = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
 
     def __hash__(self):  # static argument of the custom_vjp: identity is what matters
         return id(self)
@@ -42,7 +50,7 @@ class HostRuntime:
     def backward(self, layer: int, scale: float, x, ids, weights, lora: dict, dy):
         return self._guarded(self._backward, layer, scale, x, ids, weights, lora, dy)
 
-    def _guarded(self, fn, *args):
+    def _guarded(self, fn, *args, device_waits: bool = True):
         start = time.perf_counter()
         try:
             return fn(*args)
@@ -50,7 +58,36 @@ class HostRuntime:
             self.error = e
             raise
         finally:
-            self.metrics.add(device_wait_s=time.perf_counter() - start)
+            if device_waits:
+                self.metrics.add(device_wait_s=time.perf_counter() - start)
+
+    def submit(self, method: str, *args) -> np.ndarray:
+        """Starts `forward` or `backward` in the background; returns a ticket for `collect`."""
+        fn = {"forward": self._forward, "backward": self._backward}[method]
+
+        def run():
+            result = self._guarded(fn, *args, device_waits=False)
+            return result, time.perf_counter()
+
+        ticket = next(self._tickets)
+        with self._lock:
+            self._pending[ticket] = self._background.submit(run)
+        return np.int32(ticket)
+
+    def collect(self, ticket) -> object:
+        """Waits for a submitted call. Time blocked here is the device side waiting for the host; time the
+        result sat finished before this call is the host waiting for the device side."""
+        with self._lock:
+            future = self._pending.pop(int(ticket))
+        start = time.perf_counter()
+        try:
+            result, finished = future.result()
+        except BaseException as e:
+            self.error = e
+            raise
+        now = time.perf_counter()
+        self.metrics.add(device_wait_s=now - start, host_wait_s=max(0.0, start - finished))
+        return result
 
     def _forward(self, layer, scale, x, ids, weights, lora):
         x32 = np.asarray(x, np.float32)

@@ -27,7 +27,7 @@ from jax.sharding import SingleDeviceSharding
 
 from moe_jax.backends.metrics import MetricsRecorder
 from moe_jax.layers import Frozen
-from moe_jax.moe import grouped_swiglu, sort_pairs_by_expert
+from moe_jax.moe import subset_experts
 
 
 def memory_sharding(kind: str) -> SingleDeviceSharding:
@@ -83,20 +83,6 @@ def _rounds(spec: OffloadSpec, ids_tk, num_experts: int):
     return used.reshape(rounds, spec.slots).astype(jnp.int32)
 
 
-def _round_output(spec: OffloadSpec, num_experts: int, x_td, ids_tk, weights_tk, lora, round_ids, w13_s, w2_s):
-    """One round's contribution: the pairs routed to its experts; every other pair contributes zero."""
-    slots = spec.slots
-    slot_of_expert = jnp.full(num_experts + 1, slots, jnp.int32).at[round_ids].set(jnp.arange(slots, dtype=jnp.int32))
-    local_tk = slot_of_expert[ids_tk]
-    order, token_of_pair, group_sizes = sort_pairs_by_expert(local_tk, slots + 1)
-    slot_lora = {n: a[jnp.minimum(round_ids, num_experts - 1)] for n, a in lora.items()} or None
-    out = grouped_swiglu(x_td[token_of_pair], w13_s, w2_s, group_sizes[:slots], slot_lora, spec.lora_scale)
-    in_round = local_tk.reshape(-1)[order] < slots
-    weight_p = jnp.where(in_round, weights_tk.reshape(-1)[order], 0).astype(out.dtype)
-    out = jnp.where(in_round[:, None], out, 0) * weight_p[:, None]
-    return jnp.zeros_like(x_td).at[token_of_pair].add(out)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
     num_experts = len(w13_host)
@@ -105,7 +91,7 @@ def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host,
     def step(carry, next_ids):
         y, current_ids, w13_s, w2_s = carry
         next_w13, next_w2 = _fetch(spec, w13_host, w2_host, next_ids)  # issued before this round computes
-        y = y + _round_output(spec, num_experts, x_td, ids_tk, weights_tk, lora, current_ids, w13_s, w2_s)
+        y = y + subset_experts(x_td, ids_tk, weights_tk, current_ids, w13_s, w2_s, num_experts, lora, spec.lora_scale)
         return (y, next_ids, next_w13, next_w2), None
 
     first = _fetch(spec, w13_host, w2_host, rounds[0])
@@ -127,7 +113,7 @@ def _offload_bwd(spec, residuals, dy_td):
         w13_s, w2_s = _fetch(spec, w13_host, w2_host, round_ids)
 
         def contribution(x, weights, lora):
-            return _round_output(spec, num_experts, x, ids_tk, weights, lora, round_ids, w13_s, w2_s)
+            return subset_experts(x, ids_tk, weights, round_ids, w13_s, w2_s, num_experts, lora, spec.lora_scale)
 
         _, vjp = jax.vjp(contribution, x_td, weights_tk, lora)
         return jax.tree.map(jnp.add, grads, vjp(dy_td)), None
