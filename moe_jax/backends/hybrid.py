@@ -74,15 +74,8 @@ def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, w13_s, w2_s
     return sum(y for y in (host_y, device_y) if y is not None)
 
 
-def _hybrid_fwd(spec, x_td, ids_tk, weights_tk, lora, w13_s, w2_s):
-    return hybrid_experts(spec, x_td, ids_tk, weights_tk, lora, w13_s, w2_s), (
-        x_td,
-        ids_tk,
-        weights_tk,
-        lora,
-        w13_s,
-        w2_s,
-    )
+def _hybrid_fwd(spec, *args):
+    return hybrid_experts(spec, *args), args
 
 
 def _hybrid_bwd(spec, residuals, dy_td):
