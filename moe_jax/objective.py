@@ -1,0 +1,34 @@
+"""The fine-tuning objective: next-token cross-entropy over masked positions, differentiated in the LoRA weights.
+
+`lora_value_and_grad(model)` returns a jitted function of (LoRA state, tokens [b, t], loss mask [b, t]) giving the
+mean loss over masked target positions and its gradient for the LoRA parameters only: the base weights are
+closed over as constants, so no gradient (nor optimizer state) is ever made for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.lora import split_trainable
+
+
+def causal_lm_loss(logits_btv, tokens_bt, mask_bt):
+    """Mean cross-entropy of predicting tokens[:, 1:] from logits[:, :-1], over positions where mask[:, 1:]."""
+    logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
+    target_logp = jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    mask = mask_bt[:, 1:].astype(jnp.float32)
+    return -jnp.sum(target_logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def lora_value_and_grad(model):
+    """(jitted fn(lora_state, tokens, mask) -> (loss, grads), initial LoRA state)."""
+    graphdef, lora_state, rest = split_trainable(model.transformer)
+
+    def loss_fn(lora_state, tokens_bt, mask_bt):
+        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens_bt, positions)
+        return causal_lm_loss(logits, tokens_bt, mask_bt)
+
+    return jax.jit(jax.value_and_grad(loss_fn)), lora_state
