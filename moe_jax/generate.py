@@ -7,12 +7,22 @@ rounded up to buckets so a new prompt length rarely means a new compilation.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from moe_jax.errors import InputError
 from moe_jax.sampling import check_sampling, sample
 
 BUCKET = 32
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop" (a stop condition matched) or "length"
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -38,15 +48,29 @@ def generate(
         if not p:
             raise InputError(f"prompt {i} is empty")
         model.check_token_ids(np.asarray(p))
-    outputs = generate_tokens(model, token_prompts, max_new_tokens, temperature, top_p, seed)
+    outputs = [c.tokens for c in generate_tokens(model, token_prompts, max_new_tokens, temperature, top_p, seed)]
     if as_text:
         return [model.tokenizer.decode(o) for o in outputs]
     return outputs
 
 
 def generate_tokens(
-    model, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
-) -> list[list[int]]:
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    top_k: int = 0,
+    should_stop: Callable[[int, list[int]], bool] | None = None,
+    timings: dict | None = None,
+) -> list[Completion]:
+    """Generates for each prompt until EOS, `should_stop(row, tokens)` or `max_new_tokens`.
+
+    `timings`, when given, receives prefill/decode seconds and token counts (added to what it holds).
+    """
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], dtype=np.int32)
     longest = int(lengths.max())
@@ -63,19 +87,30 @@ def generate_tokens(
     positions = np.broadcast_to(np.arange(prefill_len, dtype=np.int32), tokens.shape)
     logits, caches = model.forward_cached(tokens, positions, caches)
     last_logits = np.asarray(logits)[np.arange(batch), lengths - 1]
+    decode_start = time.perf_counter()
+    _add(timings, prefill_s=decode_start - start, prefill_tokens=int(lengths.sum()))
 
     rng = np.random.default_rng(seed)
     eos = set(model.config.eos_token_ids)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
+    outputs = [Completion([], "length") for _ in range(batch)]
     done = np.zeros(batch, dtype=bool)
     for step in range(max_new_tokens):
-        next_tokens = sample(last_logits, rng, temperature, top_p)
+        next_tokens = sample(last_logits, rng, temperature, top_p, top_k)
         for i in np.flatnonzero(~done):
-            outputs[i].append(int(next_tokens[i]))
-            done[i] = int(next_tokens[i]) in eos
+            outputs[i].tokens.append(int(next_tokens[i]))
+            if int(next_tokens[i]) in eos:
+                done[i], outputs[i].finish_reason = True, "eos"
+            elif should_stop is not None and should_stop(i, outputs[i].tokens):
+                done[i], outputs[i].finish_reason = True, "stop"
         if done.all() or step == max_new_tokens - 1:
             break
         positions = (lengths + step)[:, None].astype(np.int32)
         logits, caches = model.forward_cached(next_tokens[:, None].astype(np.int32), positions, caches)
         last_logits = np.asarray(logits)[:, 0]
+    _add(timings, decode_s=time.perf_counter() - decode_start, decode_tokens=sum(len(c.tokens) for c in outputs))
     return outputs
+
+
+def _add(totals: dict, **amounts):
+    for key, value in amounts.items():
+        totals[key] = totals.get(key, 0) + value

@@ -34,7 +34,11 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.token_to_id(self.bos_token) if self.bos_token else None
+        if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]  # tokenizer.json without a post-processor: tokenizer_config asks for BOS
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

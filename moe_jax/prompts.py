@@ -1,0 +1,67 @@
+"""Reading prompt and data files: JSONL with line-numbered errors, chat rendering with the checkpoint's template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from moe_jax.errors import InputError
+
+
+def read_jsonl(path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-empty line; a malformed line raises naming file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: unreadable ({e})") from e
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        yield number, record
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, where: str = "") -> str:
+    """Messages rendered with the checkpoint's chat template (jinja2, as transformers does)."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise InputError(f"{where}messages given, but the checkpoint has no chat template")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InputError(f"{where}message {i} needs 'role' and 'content'")
+    import jinja2
+
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(tokenizer.chat_template)
+    return template.render(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.bos_token or "",
+        eos_token=tokenizer.eos_token or "",
+    )
+
+
+def prompt_token_ids(record: dict, tokenizer, where: str) -> tuple[list[int], str | None]:
+    """Token ids (and the text, when there is one) of one prompt record: prompt, messages or input_ids."""
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise InputError(f"{where}'input_ids' must be a list of integers")
+        return ids, None
+    if "messages" in record:
+        text = render_chat(tokenizer, record["messages"], where=where)
+        return tokenizer.encode(text, add_special_tokens=False), text
+    if "prompt" in record:
+        if tokenizer is None:
+            raise InputError(f"{where}text prompt given, but the checkpoint has no tokenizer.json")
+        if not isinstance(record["prompt"], str):
+            raise InputError(f"{where}'prompt' must be a string")
+        return tokenizer.encode(record["prompt"]), record["prompt"]
+    raise InputError(f"{where}expected one of 'prompt', 'messages' or 'input_ids'")

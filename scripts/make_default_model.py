@@ -1,0 +1,139 @@
+"""Remakes the bundled default model `models/tiny-moe` and the bundled fine-tuning data `data/`.
+
+    pip install -e '.[test]'   # torch and transformers
+    python scripts/make_default_model.py [--steps 1500]
+
+The base is a tiny Mixtral (4 experts, top-2) pretrained from scratch with transformers on two generated string
+tasks, `copy` and `sort` (moe_jax/data/tasks.py). The fine-tuning task is `reverse`, which the base has never
+seen: `python train.py` teaches it with LoRA. A character-level tokenizer.json with a chat template is written
+beside the weights. Deterministic for a given seed; takes a few minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_jax.data.tasks import BASE_TASKS, FINETUNE_TASK, LETTERS, examples  # noqa: E402
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHARS = list(LETTERS) + list("0123456789 >:.,!?-")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
+    "{% else %}<|assistant|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "add_bos_token": True,
+                "chat_template": CHAT_TEMPLATE,
+            }, indent=1
+        )
+    )
+    return tok, vocab
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "models" / "tiny-moe")
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok, vocab = write_tokenizer(args.out)
+    bos, eos, pad = vocab["<s>"], vocab["</s>"], vocab["<pad>"]
+
+    # fine-tuning data first, so the base never sees those words in any task
+    data_dir = ROOT / "data"
+    data_dir.mkdir(exist_ok=True)
+    train = examples(FINETUNE_TASK, 2000, seed=args.seed + 1)
+    held_out = examples(FINETUNE_TASK, 200, seed=args.seed + 2, exclude={p for p, _ in train})
+    for name, rows in (("reverse_train.jsonl", train), ("reverse_eval.jsonl", held_out)):
+        with open(data_dir / name, "w") as f:
+            for p, a in rows:
+                f.write(json.dumps({"instruction": p, "output": a}) + "\n")
+    with open(data_dir / "default_prompts.jsonl", "w") as f:
+        for p, _ in held_out[:8]:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    reserved = {p.split()[1] for p, _ in train + held_out}
+
+    torch.manual_seed(args.seed)
+    config = transformers.MixtralConfig(
+        vocab_size=len(vocab),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
+    rng = random.Random(args.seed)
+    pool = {t: examples(t, 20000, seed=args.seed + 10 + i, exclude=reserved) for i, t in enumerate(BASE_TASKS)}
+
+    def batch(size=64):
+        rows = [rng.choice(pool[rng.choice(BASE_TASKS)]) for _ in range(size)]
+        ids = [[bos] + tok.encode(p + a).ids + [eos] for p, a in rows]
+        width = max(map(len, ids))
+        x = torch.full((size, width), pad)
+        for i, row in enumerate(ids):
+            x[i, : len(row)] = torch.tensor(row)
+        labels = x.clone()
+        labels[x == pad] = -100
+        return x, labels
+
+    model.train()
+    for step in range(args.steps):
+        x, labels = batch()
+        loss = model(input_ids=x, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == args.steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.4f}", flush=True)
+    model.eval()
+    model.save_pretrained(args.out)
+    (args.out / "README.md").write_text(
+        "Tiny Mixtral-style MoE (4 experts, top-2), pretrained on generated `copy` and `sort` string tasks.\n"
+        "Remake with `python scripts/make_default_model.py`.\n"
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
