@@ -48,10 +48,28 @@ def write_tokenizer(out: Path):
                 "pad_token": "<pad>",
                 "add_bos_token": True,
                 "chat_template": CHAT_TEMPLATE,
-            }, indent=1
+            },
+            indent=1,
         )
     )
     return tok, vocab
+
+
+def write_data(data_dir: Path, seed: int) -> set[str]:
+    """The fine-tuning task's train/held-out files and the default prompts; returns their words."""
+    data_dir.mkdir(exist_ok=True)
+    train = examples(FINETUNE_TASK, 2000, seed=seed + 1)
+    held_out = examples(FINETUNE_TASK, 200, seed=seed + 2, exclude={p for p, _ in train})
+    for name, rows in (("reverse_train.jsonl", train), ("reverse_eval.jsonl", held_out)):
+        with open(data_dir / name, "w") as f:
+            for p, a in rows:
+                f.write(json.dumps({"instruction": p, "output": a}) + "\n")
+    # default prompts: two tasks the base knows, and the held-out task that train.py teaches
+    shown = [p for t in BASE_TASKS for p, _ in examples(t, 2, seed=seed + 3)] + [p for p, _ in held_out[:4]]
+    with open(data_dir / "default_prompts.jsonl", "w") as f:
+        for p in shown:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return {p.split()[1] for p, _ in train + held_out}
 
 
 def main():
@@ -59,6 +77,7 @@ def main():
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "tiny-moe")
+    parser.add_argument("--data-only", action="store_true", help="rewrite data/ only, keep the model")
     args = parser.parse_args()
     import torch
     import transformers
@@ -67,19 +86,9 @@ def main():
     tok, vocab = write_tokenizer(args.out)
     bos, eos, pad = vocab["<s>"], vocab["</s>"], vocab["<pad>"]
 
-    # fine-tuning data first, so the base never sees those words in any task
-    data_dir = ROOT / "data"
-    data_dir.mkdir(exist_ok=True)
-    train = examples(FINETUNE_TASK, 2000, seed=args.seed + 1)
-    held_out = examples(FINETUNE_TASK, 200, seed=args.seed + 2, exclude={p for p, _ in train})
-    for name, rows in (("reverse_train.jsonl", train), ("reverse_eval.jsonl", held_out)):
-        with open(data_dir / name, "w") as f:
-            for p, a in rows:
-                f.write(json.dumps({"instruction": p, "output": a}) + "\n")
-    with open(data_dir / "default_prompts.jsonl", "w") as f:
-        for p, _ in held_out[:8]:
-            f.write(json.dumps({"prompt": p}) + "\n")
-    reserved = {p.split()[1] for p, _ in train + held_out}
+    reserved = write_data(ROOT / "data", args.seed)
+    if args.data_only:
+        return
 
     torch.manual_seed(args.seed)
     config = transformers.MixtralConfig(
