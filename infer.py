@@ -19,6 +19,7 @@ from moe_jax.cli import run_cli
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = ROOT / "models" / "tiny-moe"
 DEFAULT_PROMPTS = ROOT / "data" / "default_prompts.jsonl"
+DEFAULT_ADAPTER = ROOT / "runs" / "default" / "adapter"  # written by `python train.py`
 
 
 def parse_args(argv):
@@ -42,6 +43,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.adapter is None and args.model == DEFAULT_MODEL and DEFAULT_ADAPTER.exists():
+        args.adapter = DEFAULT_ADAPTER
+        print(f"using the adapter train.py wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
     from moe_jax.errors import InputError
     from moe_jax.sampling import check_sampling
 

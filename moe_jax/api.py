@@ -16,7 +16,8 @@ from moe_jax.backends import BACKENDS, Backend
 from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
-from moe_jax.errors import InputError
+from moe_jax.errors import CheckpointError, InputError
+from moe_jax.layers import LoRAParam
 from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
@@ -41,6 +42,7 @@ class Model:
         self.backend = placement.name
         self.dtype = dtype
         self.checkpoint = checkpoint
+        self.lora_config: LoRAConfig | None = None
         self._set_transformer(transformer)
 
     def _set_transformer(self, transformer: Transformer):
@@ -57,6 +59,28 @@ class Model:
         transformer = self.transformer
         attach_lora(transformer, config, seed)
         self._set_transformer(transformer)
+        self.lora_config = config
+
+    def load_adapter(self, adapter_dir):
+        """Attaches the adapter saved in `adapter_dir` (PEFT format, or a train.py run directory)."""
+        from moe_jax.adapters import apply_adapter, read_adapter
+
+        config, tensors = read_adapter(resolve_adapter_dir(adapter_dir))
+        transformer = self.transformer
+        attach_lora(transformer, config)
+        apply_adapter(transformer, tensors, adapter_dir)
+        self._set_transformer(transformer)
+        self.lora_config = config
+
+    def lora_state(self):
+        """The trainable LoRA parameters as an nnx.State."""
+        return nnx.state(self.transformer, LoRAParam)
+
+    def set_lora_state(self, lora_state):
+        """Replaces the LoRA parameters' values (same structure); compiled steps are reused."""
+        transformer = self.transformer
+        nnx.update(transformer, lora_state)
+        _, self.state = nnx.split(transformer)
 
     def _forward(self, *args):
         """Runs a jitted step; an error raised inside a host callback is re-raised here as itself."""
@@ -137,8 +161,8 @@ def load_model(
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if adapter is not None:
-        raise NotImplementedError("adapter= is not built yet: it needs LoRA loading (issue: train.py)")
+    if adapter is not None and not Path(adapter).is_dir():
+        raise CheckpointError(f"{adapter}: no such adapter directory")
     checkpoint = open_checkpoint(Path(path))
     jdtype = DTYPES[dtype]
 
@@ -154,4 +178,15 @@ def load_model(
         placement_plan=placement_plan,
     )
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
-    return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)
+    model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)
+    if adapter is not None:
+        model.load_adapter(adapter)
+    return model
+
+
+def resolve_adapter_dir(path) -> Path:
+    """A train.py run directory points at its exported adapter; a PEFT directory is itself."""
+    path = Path(path)
+    if not (path / "adapter_config.json").exists() and (path / "adapter" / "adapter_config.json").exists():
+        return path / "adapter"
+    return path

@@ -1,0 +1,155 @@
+"""LoRA adapters on disk: Hugging Face PEFT format (export and import) and moe_jax training checkpoints.
+
+PEFT keys are `base_model.model.<module>.lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]), with
+`adapter_config.json` giving r, lora_alpha and target_modules, so `peft.PeftModel.from_pretrained` loads an
+exported adapter onto the transformers model. Routed-expert adapters have no PEFT counterpart for per-expert
+checkpoints; they are written beside it in `moe_jax_expert_lora.safetensors` and read back by moe_jax only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.errors import CheckpointError
+from moe_jax.layers import Projection
+from moe_jax.lora import EXPERTS_TARGET, LoRAConfig
+from moe_jax.moe import MoEBlock
+from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+EXPERT_WEIGHTS = "moe_jax_expert_lora.safetensors"
+
+
+def hf_module_name(path, model_type: str) -> str:
+    """Our module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name."""
+    parts = []
+    for p in path:
+        if p == "layers":
+            parts.append("model.layers")
+        elif p == "shared":
+            parts.append("shared_expert")
+        elif p == "mlp" and model_type == "mixtral":
+            parts.append("block_sparse_moe")
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def lora_modules(transformer):
+    """(hf name, Projection) for every projection with an adapter, and (hf name, experts) for expert adapters."""
+    projections, experts = [], []
+    for path, module in nnx.iter_modules(transformer):
+        name = hf_module_name(path, transformer.config.model_type)
+        if isinstance(module, Projection) and module.lora_a is not None:
+            projections.append((name, module))
+        elif isinstance(module, MoEBlock) and getattr(module.experts, "lora", None) is not None:
+            experts.append((name + ".experts", module.experts))
+    return projections, experts
+
+
+def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
+    """Writes the adapter in PEFT format (atomically: a temporary directory renamed into place)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    projections, experts = lora_modules(transformer)
+    tensors = {}
+    for name, module in projections:
+        tensors[f"base_model.model.{name}.lora_A.weight"] = np.asarray(module.lora_a[...], np.float32).T.copy()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = np.asarray(module.lora_b[...], np.float32).T.copy()
+    save_safetensors(tmp / PEFT_WEIGHTS, tensors)
+    if experts:
+        expert_tensors = {
+            f"{name}.{key}": np.asarray(value[...], np.float32)
+            for name, mod in experts
+            for key, value in mod.lora.items()
+        }
+        save_safetensors(tmp / EXPERT_WEIGHTS, expert_tensors)
+    peft_targets = sorted({t for t in lora_config.targets if t != EXPERTS_TARGET})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": lora_config.rank,
+        "lora_alpha": lora_config.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": peft_targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "moe_jax_targets": list(lora_config.targets),
+    }
+    (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
+    """(LoRA config, tensors by name) of a PEFT-format directory (as exported, or by peft itself)."""
+    adapter_dir = Path(adapter_dir)
+    config_file = adapter_dir / PEFT_CONFIG
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_file}: not found (is {adapter_dir} an adapter directory?)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
+    targets = config.get("moe_jax_targets") or config.get("target_modules") or []
+    if isinstance(targets, str):
+        raise CheckpointError(f"{config_file}: regex target_modules {targets!r} are not supported; list the modules")
+    lora_config = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=tuple(targets))
+    tensors = {}
+    for file in (PEFT_WEIGHTS, EXPERT_WEIGHTS):
+        if (adapter_dir / file).exists():
+            f = SafetensorsFile(adapter_dir / file)
+            tensors.update({k: np.asarray(f.get(k), np.float32) for k in f.keys()})
+    if not tensors:
+        raise CheckpointError(f"{adapter_dir}: no {PEFT_WEIGHTS}")
+    return lora_config, tensors
+
+
+def apply_adapter(transformer, tensors: dict[str, np.ndarray], source) -> None:
+    """Copies adapter tensors into the attached (freshly initialised) adapters; refuses what does not fit."""
+    projections, experts = lora_modules(transformer)
+    expected = {}
+    for name, module in projections:
+        expected[f"base_model.model.{name}.lora_A.weight"] = (module, "lora_a", True)
+        expected[f"base_model.model.{name}.lora_B.weight"] = (module, "lora_b", True)
+    for name, mod in experts:
+        for key in mod.lora:
+            expected[f"{name}.{key}"] = (mod.lora, key, False)
+    peft_names = {_strip_default(k): k for k in tensors}
+    missing = sorted(set(expected) - set(peft_names))
+    extra = sorted(set(peft_names) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{source}: adapter does not fit this model: "
+            + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}; " if missing else "")
+            + (f"unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}" if extra else "")
+        )
+    for key, (owner, attr, transpose) in expected.items():
+        value = tensors[peft_names[key]]
+        value = value.T if transpose else value
+        target = getattr(owner, attr) if not isinstance(owner, nnx.Dict) else owner[attr]
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{source}: adapter tensor {key} has shape {value.shape}, this model needs {tuple(target.shape)}"
+            )
+        target[...] = jnp.asarray(value, target.dtype)
+
+
+def _strip_default(key: str) -> str:
+    """peft may save keys with the adapter name (`.lora_A.default.weight`); ours have none."""
+    return key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")

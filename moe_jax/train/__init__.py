@@ -1,0 +1,1 @@
+"""LoRA fine-tuning: configuration, data, the training loop, checkpoints."""

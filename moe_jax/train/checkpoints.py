@@ -1,0 +1,78 @@
+"""Training checkpoints with orbax: LoRA parameters, optimizer state, step, data position and run settings.
+
+Orbax writes each step into a temporary directory and renames it on commit, so a process killed at any moment
+(kill -9 included) leaves either the previous complete checkpoints or the new one, never a half-written step that
+`--resume` would pick up.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from moe_jax.errors import CheckpointError
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO
+
+# settings that must match for a resumed run to continue the same run
+RESUME_KEYS = (
+    "model",
+    "data",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "batch_size",
+    "grad_accum",
+    "max_seq_len",
+    "seed",
+    "pack",
+    "learning_rate",
+    "schedule",
+    "warmup_steps",
+    "max_steps",
+    "weight_decay",
+)
+
+
+class Checkpoints:
+    def __init__(self, directory, keep: int):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, lora_state, opt_state, meta: dict):
+        state = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        )
+        self.manager.wait_until_finished()
+
+    def restore(self, lora_state, opt_state, settings: dict):
+        """(step, LoRA state, optimizer state, meta) of the latest checkpoint, checked against `settings`."""
+        step = self.manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
+        abstract = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+            )
+        except Exception as e:  # orbax raises many kinds; the user needs the path and the reason
+            raise CheckpointError(f"{self.directory}/{step}: cannot restore ({type(e).__name__}: {e})") from e
+        meta = restored.meta
+        changed = [k for k in RESUME_KEYS if meta.get("config", {}).get(k) != settings.get(k)]
+        if changed:
+            raise CheckpointError(
+                f"{self.directory}: the checkpoint was made with different settings ({', '.join(changed)}); "
+                "resume with the same settings or start a new --out directory"
+            )
+        nnx.replace_by_pure_dict(lora_state, restored.state["lora"])
+        return step, lora_state, restored.state["opt"], meta

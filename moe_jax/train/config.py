@@ -1,0 +1,108 @@
+"""Training run configuration: one dataclass; a TOML file sets it, command-line flags override the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_jax.errors import ConfigError
+from moe_jax.lora import ATTENTION_TARGETS, KNOWN_TARGETS
+
+SCHEDULES = ("cosine", "linear", "constant")
+LONG_EXAMPLES = ("truncate", "drop")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "models/tiny-moe"
+    data: str = "data/reverse_train.jsonl"
+    eval_data: str | None = "data/reverse_eval.jsonl"
+    eval_fraction: float = 0.05  # held out from `data` when no eval_data is given
+    out: str = "runs/default"
+    backend: str = "host"
+    # LoRA
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: list(ATTENTION_TARGETS))
+    # optimisation
+    learning_rate: float = 2e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    # batches
+    batch_size: int = 16
+    grad_accum: int = 1
+    max_seq_len: int = 32
+    max_steps: int = 300
+    pack: bool = False
+    long_examples: str = "truncate"
+    skip_bad_lines: bool = False
+    # evaluation and checkpoints
+    eval_interval: int = 50
+    eval_exact_match: int = 100  # held-out examples generated greedily for exact-match accuracy (0: off)
+    checkpoint_interval: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    host_threads: int | None = None
+
+    def validate(self):
+        def positive(name):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+        for name in (
+            "lora_rank",
+            "batch_size",
+            "grad_accum",
+            "max_seq_len",
+            "max_steps",
+            "eval_interval",
+            "checkpoint_interval",
+            "keep_checkpoints",
+        ):
+            positive(name)
+        for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.learning_rate == 0:
+            raise ConfigError("learning_rate must be > 0")
+        unknown = [t for t in self.lora_targets if t not in KNOWN_TARGETS]
+        if unknown:
+            raise ConfigError(f"unknown LoRA target module(s) {unknown}; known: {', '.join(KNOWN_TARGETS)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.long_examples not in LONG_EXAMPLES:
+            raise ConfigError(f"long_examples must be one of {LONG_EXAMPLES}, got {self.long_examples!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        return self
+
+    @classmethod
+    def from_sources(cls, config_file: str | None, overrides: dict) -> TrainConfig:
+        values = {}
+        if config_file:
+            path = Path(config_file)
+            try:
+                values = tomllib.loads(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{path}: no such config file") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: invalid TOML ({e})") from None
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ConfigError(f"{path}: unknown setting(s) {unknown}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values).validate()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

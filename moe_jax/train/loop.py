@@ -1,0 +1,266 @@
+"""The training loop: LoRA-only optax updates over deterministic batches, evaluation, checkpoints, outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moe_jax.errors import InputError, MoeJaxError
+from moe_jax.lora import LoRAConfig
+from moe_jax.objective import lora_value_and_grad
+from moe_jax.tokenizer import load_tokenizer
+from moe_jax.train.checkpoints import Checkpoints
+from moe_jax.train.config import TrainConfig
+from moe_jax.train.data import Batches, DataStats, Example, load_examples, pack, split_held_out
+
+
+class TrainingError(MoeJaxError):
+    """The run cannot go on (a non-finite loss); the last good checkpoint is left as it was."""
+
+
+@dataclass
+class RunData:
+    train: list[Example]
+    held_out: list[Example]
+    stats: DataStats
+    pad_id: int
+
+
+def load_run_data(cfg: TrainConfig) -> RunData:
+    """Everything about the data is read and checked before the model is loaded or anything compiles."""
+    tokenizer = load_tokenizer(Path(cfg.model)) if Path(cfg.model).is_dir() else None
+    if tokenizer is None:
+        raise InputError(f"{cfg.model}: no tokenizer.json (needed to tokenise the training data)")
+    stats = DataStats()
+    train = load_examples(cfg.data, tokenizer, cfg.max_seq_len, cfg.long_examples, cfg.skip_bad_lines, stats)
+    if cfg.eval_data:
+        held_out = load_examples(cfg.eval_data, tokenizer, cfg.max_seq_len, cfg.long_examples, cfg.skip_bad_lines)
+    else:
+        train, held_out = split_held_out(train, cfg.eval_fraction, cfg.seed)
+    if cfg.pack:
+        train = pack(train, cfg.max_seq_len)
+    pad = tokenizer.token_to_id("<pad>")
+    return RunData(train, held_out, stats, pad if pad is not None else 0)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    if cfg.schedule == "constant":
+        decay = optax.constant_schedule(cfg.learning_rate)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(cfg.learning_rate, 0.0, max(1, cfg.max_steps - cfg.warmup_steps))
+    else:
+        decay = optax.cosine_decay_schedule(cfg.learning_rate, max(1, cfg.max_steps - cfg.warmup_steps))
+    warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else None
+    schedule = optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
+    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if cfg.max_grad_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    return adamw
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, data: RunData, progress: bool = True):
+        import moe_jax
+
+        self.cfg, self.data, self.progress = cfg, data, progress
+        self.out = Path(cfg.out)
+        self.model = moe_jax.load_model(cfg.model, backend=cfg.backend, host_threads=cfg.host_threads)
+        self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets))
+        self.model.attach_lora(self.lora_config, seed=cfg.seed)
+        self.value_and_grad, self.lora_state = lora_value_and_grad(self.model)
+        self.tx = make_optimizer(cfg)
+        self.opt_state = self.tx.init(self.lora_state)
+        self._update = jax.jit(self._apply)
+        self.batches = Batches(data.train, cfg.batch_size, cfg.max_seq_len, data.pad_id, cfg.seed)
+        self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.keep_checkpoints)
+        self.history: list[dict] = []
+
+    def _apply(self, lora_state, opt_state, grads):
+        updates, opt_state = self.tx.update(grads, opt_state, lora_state)
+        return optax.apply_updates(lora_state, updates), opt_state
+
+    def resume(self) -> int:
+        step, self.lora_state, self.opt_state, meta = self.checkpoints.restore(
+            self.lora_state, self.opt_state, self.cfg.as_dict()
+        )
+        self.history = meta.get("history", [])
+        return step
+
+    def step(self, step: int) -> tuple[float, int]:
+        """One optimizer step (over grad_accum micro-batches); returns (loss, target tokens)."""
+        total_loss, total_grads, targets = 0.0, None, 0
+        for micro in range(self.cfg.grad_accum):
+            tokens, mask = self.batches.batch(step * self.cfg.grad_accum + micro)
+            loss, grads = self.value_and_grad(self.lora_state, tokens, mask)
+            total_loss += float(loss)
+            targets += int(mask[:, 1:].sum())
+            total_grads = grads if total_grads is None else jax.tree.map(jnp.add, total_grads, grads)
+        loss = total_loss / self.cfg.grad_accum
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"step {step + 1}: loss is {loss}; stopping. The last good checkpoint in "
+                f"{self.checkpoints.directory} is intact (resume from it with a lower learning rate)"
+            )
+        if self.cfg.grad_accum > 1:
+            total_grads = jax.tree.map(lambda g: g / self.cfg.grad_accum, total_grads)
+        self.lora_state, self.opt_state = self._update(self.lora_state, self.opt_state, total_grads)
+        return loss, targets
+
+    def evaluate(self) -> dict:
+        held = self.data.held_out
+        if not held:
+            return {}
+        batches = Batches(held, self.cfg.batch_size, self.cfg.max_seq_len, self.data.pad_id, 0)
+        loss_sum, count = 0.0, 0
+        seen = 0
+        for index in range(math.ceil(len(held) / self.cfg.batch_size)):
+            tokens, mask = batches.batch(index)
+            rows = min(self.cfg.batch_size, len(held) - seen)
+            mask[rows:] = 0  # the last batch wraps around: count each example once
+            seen += rows
+            n = int(mask[:, 1:].sum())
+            loss, _ = self.value_and_grad(self.lora_state, tokens, mask)
+            loss_sum, count = loss_sum + float(loss) * n, count + n
+        result = {"eval_loss": loss_sum / max(count, 1)}
+        if self.cfg.eval_exact_match:
+            result["exact_match"] = self.exact_match(held[: self.cfg.eval_exact_match])
+        return result
+
+    def exact_match(self, examples: list[Example]) -> float | None:
+        from moe_jax.generate import generate_tokens
+
+        scored = [e for e in examples if e.prompt_text is not None and e.answer_text is not None]
+        if not scored:
+            return None
+        self.model.set_lora_state(self.lora_state)
+        tok = self.model.tokenizer
+        prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in scored]
+        longest = max(len(tok.encode(e.answer_text, add_special_tokens=False)) for e in scored) + 2
+        hits = 0
+        for start in range(0, len(scored), 64):
+            chunk = slice(start, start + 64)
+            outs = generate_tokens(self.model, prompts[chunk], longest, 0.0, 1.0, 0)
+            hits += sum(
+                tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, scored[chunk], strict=True)
+            )
+        return hits / len(scored)
+
+    def save(self, step: int):
+        meta = {
+            "step": step,
+            "data_position": step * self.cfg.batch_size * self.cfg.grad_accum,
+            "config": self.cfg.as_dict(),
+            "history": self.history,
+        }
+        self.checkpoints.save(step, self.lora_state, self.opt_state, meta)
+
+    def run(self, resume: bool = False) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        start = self.resume() if resume and self.checkpoints.latest_step() is not None else 0
+        if start == 0:
+            self.history = [{"step": 0, **self.evaluate()}]
+        # rewritten from the checkpoint's history: steps after it (before a kill) are run again
+        metrics_file = open(self.out / "metrics.jsonl", "w")
+        for record in self.history:
+            metrics_file.write(json.dumps(record) + "\n")
+        bar = tqdm(
+            range(start, cfg.max_steps),
+            initial=start,
+            total=cfg.max_steps,
+            desc="training",
+            disable=not self.progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+        self.model.metrics()
+        try:
+            for step in bar:
+                t0 = time.perf_counter()
+                loss, targets = self.step(step)
+                elapsed = time.perf_counter() - t0
+                backend = self.model.metrics().summary()
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "tokens_per_s": cfg.batch_size * cfg.grad_accum * cfg.max_seq_len / elapsed,
+                    "target_tokens": targets,
+                    "host_busy_s": backend["host_busy_s"],
+                    "device_wait_s": backend["device_wait_s"],
+                    "host_gflops": backend["host_gflops"],
+                    "host_weight_gbps": backend["host_weight_gbps"],
+                }
+                if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.max_steps:
+                    record.update(self.evaluate())
+                self.history.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                bar.set_postfix(_postfix(record), refresh=False)
+                if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.max_steps:
+                    self.save(step + 1)
+        finally:
+            metrics_file.close()
+            bar.close()
+        return self.finish()
+
+    def finish(self) -> dict:
+        from moe_jax.adapters import export_peft
+
+        self.model.set_lora_state(self.lora_state)
+        export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
+        plot_losses(self.history, self.out / "loss.png")
+        first = next((h for h in self.history if "exact_match" in h), {})
+        last = next((h for h in reversed(self.history) if "exact_match" in h or "eval_loss" in h), {})
+        return {"first": first, "last": last, "steps": self.cfg.max_steps, "out": str(self.out)}
+
+
+def _postfix(record: dict) -> dict:
+    shown = {
+        "loss": f"{record['loss']:.3f}",
+        "tok/s": f"{record['tokens_per_s']:.0f}",
+        "host": f"{record['host_busy_s']:.2f}s",
+        "wait": f"{record['device_wait_s']:.2f}s",
+        "GB/s": f"{record['host_weight_gbps']:.1f}",
+    }
+    if "exact_match" in record and record["exact_match"] is not None:
+        shown["acc"] = f"{record['exact_match']:.2f}"
+    return shown
+
+
+def plot_losses(history: list[dict], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out loss")
+    accs = [(h["step"], h["exact_match"]) for h in history if h.get("exact_match") is not None]
+    if accs:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*accs, strict=True), "s--", color="tab:green", label="held-out exact match")
+        ax2.set_ylim(0, 1.05)
+        ax2.set_ylabel("exact match")
+        ax2.legend(loc="center right")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
