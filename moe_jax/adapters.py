@@ -24,6 +24,7 @@ from moe_jax.moe import MoEBlock
 from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
 
 PEFT_CONFIG = "adapter_config.json"
+MOE_JAX_CONFIG = "moe_jax_adapter.json"  # targets PEFT cannot express (routed experts)
 PEFT_WEIGHTS = "adapter_model.safetensors"
 EXPERT_WEIGHTS = "moe_jax_expert_lora.safetensors"
 
@@ -86,9 +87,9 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "moe_jax_targets": list(lora_config.targets),
     }
     (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+    (tmp / MOE_JAX_CONFIG).write_text(json.dumps({"targets": list(lora_config.targets)}, indent=1))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -106,7 +107,9 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
         raise CheckpointError(f"{config_file}: unreadable ({e})") from e
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
-    targets = config.get("moe_jax_targets") or config.get("target_modules") or []
+    targets = config.get("target_modules") or []
+    if (adapter_dir / MOE_JAX_CONFIG).exists():
+        targets = json.loads((adapter_dir / MOE_JAX_CONFIG).read_text()).get("targets", targets)
     if isinstance(targets, str):
         raise CheckpointError(f"{config_file}: regex target_modules {targets!r} are not supported; list the modules")
     lora_config = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=tuple(targets))

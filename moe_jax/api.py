@@ -83,10 +83,14 @@ class Model:
         _, self.state = nnx.split(transformer)
 
     def _forward(self, *args):
-        """Runs a jitted step; an error raised inside a host callback is re-raised here as itself."""
+        return self.run_jitted(self._forward_jit, *args)
+
+    def run_jitted(self, fn, *args):
+        """Runs a jitted function of this model; an error raised inside a host callback is re-raised here as
+        itself (XLA would wrap it in a runtime error with the traceback flattened into the message)."""
         try:
-            return jax.block_until_ready(self._forward_jit(*args))
-        except jax.errors.JaxRuntimeError:
+            return jax.block_until_ready(fn(*args))
+        except Exception:
             error = self.placement.take_error()
             if error is not None:
                 raise error from None

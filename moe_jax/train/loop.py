@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from host_kernels.errors import HostKernelError
 from moe_jax.errors import InputError, MoeJaxError
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
@@ -85,7 +86,9 @@ class Trainer:
 
     def _apply(self, lora_state, opt_state, grads):
         updates, opt_state = self.tx.update(grads, opt_state, lora_state)
-        return optax.apply_updates(lora_state, updates), opt_state
+        lora_state = optax.apply_updates(lora_state, updates)
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(lora_state)]))
+        return lora_state, opt_state, finite
 
     def resume(self) -> int:
         step, self.lora_state, self.opt_state, meta = self.checkpoints.restore(
@@ -99,20 +102,33 @@ class Trainer:
         total_loss, total_grads, targets = 0.0, None, 0
         for micro in range(self.cfg.grad_accum):
             tokens, mask = self.batches.batch(step * self.cfg.grad_accum + micro)
-            loss, grads = self.value_and_grad(self.lora_state, tokens, mask)
+            try:
+                loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask)
+            except HostKernelError as e:
+                if "non-finite" not in str(e):
+                    raise
+                raise TrainingError(f"step {step + 1}: the model diverged ({e}); {self._intact()}") from None
             total_loss += float(loss)
             targets += int(mask[:, 1:].sum())
             total_grads = grads if total_grads is None else jax.tree.map(jnp.add, total_grads, grads)
         loss = total_loss / self.cfg.grad_accum
         if not math.isfinite(loss):
-            raise TrainingError(
-                f"step {step + 1}: loss is {loss}; stopping. The last good checkpoint in "
-                f"{self.checkpoints.directory} is intact (resume from it with a lower learning rate)"
-            )
+            raise TrainingError(f"step {step + 1}: loss is {loss}; {self._intact()}")
         if self.cfg.grad_accum > 1:
             total_grads = jax.tree.map(lambda g: g / self.cfg.grad_accum, total_grads)
-        self.lora_state, self.opt_state = self._update(self.lora_state, self.opt_state, total_grads)
+        lora_state, opt_state, finite = self._update(self.lora_state, self.opt_state, total_grads)
+        if not bool(finite):
+            raise TrainingError(
+                f"step {step + 1}: the update made LoRA weights non-finite (loss was {loss:.4g}); {self._intact()}"
+            )
+        self.lora_state, self.opt_state = lora_state, opt_state
         return loss, targets
+
+    def _intact(self) -> str:
+        return (
+            f"stopping. The last good checkpoint in {self.checkpoints.directory} is intact "
+            "(resume from it with a lower learning rate)"
+        )
 
     def evaluate(self) -> dict:
         held = self.data.held_out
@@ -127,7 +143,7 @@ class Trainer:
             mask[rows:] = 0  # the last batch wraps around: count each example once
             seen += rows
             n = int(mask[:, 1:].sum())
-            loss, _ = self.value_and_grad(self.lora_state, tokens, mask)
+            loss, _ = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask)
             loss_sum, count = loss_sum + float(loss) * n, count + n
         result = {"eval_loss": loss_sum / max(count, 1)}
         if self.cfg.eval_exact_match:

@@ -1,0 +1,227 @@
+"""train.py: parity with transformers + peft, exact resume after kill -9, PEFT round trip, bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.adapters import lora_modules
+from moe_jax.safetensors_io import SafetensorsFile
+from moe_jax.train.config import TrainConfig
+from moe_jax.train.loop import Trainer, load_run_data
+from tests.hf_models import torch, transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "tiny-moe"
+TRAIN = ROOT / "data" / "reverse_train.jsonl"
+EVAL = ROOT / "data" / "reverse_eval.jsonl"
+
+
+def quick_config(out, **changes):
+    settings = dict(
+        model=str(MODEL),
+        data=str(TRAIN),
+        eval_data=str(EVAL),
+        out=str(out),
+        max_steps=12,
+        batch_size=8,
+        max_seq_len=24,
+        eval_interval=1000,
+        eval_exact_match=0,
+        checkpoint_interval=1000,
+        warmup_steps=0,
+    )
+    settings.update(changes)
+    return TrainConfig(**settings).validate()
+
+
+def test_losses_match_transformers_peft_step_for_step(tmp_path):
+    peft = pytest.importorskip("peft")
+    cfg = quick_config(tmp_path, schedule="constant", learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.0)
+    trainer = Trainer(cfg, load_run_data(cfg), progress=False)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    peft_model = peft.get_peft_model(
+        hf,
+        peft.LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.lora_targets),
+            lora_dropout=0.0,
+            bias="none",
+        ),
+    )
+    modules = dict(peft_model.named_modules())
+    with torch.no_grad():  # the same initial adapter on both sides
+        for name, proj in lora_modules(trainer.model.transformer)[0]:
+            module = modules[f"base_model.model.{name}"]
+            module.lora_A["default"].weight.copy_(torch.from_numpy(np.asarray(proj.lora_a[...]).T.copy()))
+            module.lora_B["default"].weight.copy_(torch.from_numpy(np.asarray(proj.lora_b[...]).T.copy()))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    ours, theirs = [], []
+    for step in range(cfg.max_steps):
+        tokens, mask = trainer.batches.batch(step)
+        ours.append(trainer.step(step)[0])
+        logits = peft_model(input_ids=torch.from_numpy(tokens).long()).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        target = torch.from_numpy(tokens[:, 1:]).long()
+        m = torch.from_numpy(mask[:, 1:]).float()
+        loss = -(logp.gather(-1, target[..., None])[..., 0] * m).sum() / m.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        theirs.append(loss.item())
+    assert ours[-1] < 0.8 * ours[0]  # it learns
+    np.testing.assert_allclose(ours, theirs, rtol=1e-3)
+
+
+def run_train(*args, check=True, **kwargs):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--no-progress", *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, **kwargs)
+    if check and result.returncode != 0:
+        raise AssertionError(result.stderr)
+    return result
+
+
+def adapter_tensors(run_dir):
+    f = SafetensorsFile(Path(run_dir) / "adapter" / "adapter_model.safetensors")
+    return {k: np.array(f.get(k)) for k in f.keys()}
+
+
+COMMON = [
+    "--max-steps",
+    30,
+    "--batch-size",
+    8,
+    "--max-seq-len",
+    24,
+    "--eval-interval",
+    1000,
+    "--eval-exact-match",
+    0,
+    "--checkpoint-interval",
+    5,
+]
+
+
+def test_resume_after_kill_gives_the_same_adapter(tmp_path):
+    run_train(*COMMON, "--out", tmp_path / "straight")
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--no-progress", *map(str, COMMON), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "10").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "adapter").exists(), "the run finished before it could be killed"
+    run_train(*COMMON, "--out", out, "--resume")
+    straight, resumed = adapter_tensors(tmp_path / "straight"), adapter_tensors(out)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        np.testing.assert_array_equal(resumed[key], straight[key])
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(31))  # each step recorded once
+
+
+def test_exported_adapter_loads_in_peft_with_same_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    cfg = quick_config(tmp_path, max_steps=6, learning_rate=5e-3)
+    Trainer(cfg, load_run_data(cfg), progress=False).run()
+    ids = np.array([[1, 23, 10, 27, 10, 23, 24, 10, 42, 6, 7, 8, 42, 43]])
+    ours = moe_jax.load_model(MODEL, backend="host", adapter=tmp_path / "adapter").logits(ids)
+    base = moe_jax.load_model(MODEL, backend="host").logits(ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours - base).max() > 1e-2  # the adapter changes the model
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    # a run directory works as adapter= too
+    np.testing.assert_allclose(
+        moe_jax.load_model(MODEL, backend="device", adapter=tmp_path).logits(ids), ours, atol=1e-5
+    )
+
+
+def test_adapter_for_another_base_is_refused(tmp_path):
+    cfg = quick_config(tmp_path, max_steps=1)
+    Trainer(cfg, load_run_data(cfg), progress=False).run()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config["r"] = 4  # tensors are rank 8: they no longer fit
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(moe_jax.CheckpointError, match="has shape .*this model needs"):
+        moe_jax.load_model(MODEL, backend="host", adapter=tmp_path / "adapter")
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+GOOD = json.dumps({"instruction": "reverse abc >", "output": " cba"})
+
+
+@pytest.mark.parametrize(
+    "lines, extra, message",
+    [
+        ([GOOD, "{not json", GOOD], [], r"bad.jsonl:2: malformed JSON"),
+        ([], [], r"bad.jsonl: no usable examples"),
+        ([GOOD], ["--lora-targets", "q_proj,w_qkv"], r"unknown LoRA target module\(s\) \['w_qkv'\]"),
+        ([GOOD], ["--learning-rate", "fast"], r"--learning-rate: invalid float value: 'fast'"),
+        ([json.dumps({"question": "x"})], [], r"bad.jsonl:1: expected 'text'"),
+    ],
+)
+def test_bad_input_exits_2_before_compute(tmp_path, lines, extra, message):
+    data = write_lines(tmp_path / "bad.jsonl", lines)
+    result = run_train("--data", data, "--eval-data", EVAL, "--out", tmp_path / "run", *extra, check=False)
+    assert result.returncode == 2
+    assert any(__import__("re").search(message, line) for line in result.stderr.splitlines()), result.stderr
+    assert not (tmp_path / "run").exists()  # nothing was computed or written
+
+
+def test_skip_bad_lines_and_long_examples_are_counted(tmp_path):
+    long = json.dumps({"instruction": "reverse abcdefghijk >", "output": " kjihgfedcba"})  # 33 tokens
+    data = write_lines(tmp_path / "mixed.jsonl", [GOOD, "{oops", long, GOOD, long])
+    cfg = quick_config(tmp_path, data=str(data), skip_bad_lines=True, long_examples="drop")
+    run = load_run_data(cfg)
+    assert (run.stats.skipped_lines, run.stats.dropped_too_long, len(run.train)) == (1, 2, 2)
+    cfg = quick_config(tmp_path, data=str(data), skip_bad_lines=True, long_examples="truncate")
+    run = load_run_data(cfg)
+    assert (run.stats.truncated, len(run.train)) == (2, 4)
+    assert all(len(e.ids) <= 24 for e in run.train)
+
+
+def test_nan_loss_stops_with_step_and_keeps_checkpoint(tmp_path):
+    import jax.numpy as jnp
+
+    cfg = quick_config(tmp_path, max_steps=10, checkpoint_interval=2, eval_data=None, eval_fraction=0.0)
+    trainer = Trainer(cfg, load_run_data(cfg), progress=False)
+    original, calls = trainer.value_and_grad, []
+
+    def nan_from_step_7(state, tokens, mask):
+        loss, grads = original(state, tokens, mask)
+        calls.append(1)
+        return (jnp.float32(jnp.nan) if len(calls) >= 7 else loss), grads
+
+    trainer.value_and_grad = nan_from_step_7
+    with pytest.raises(moe_jax.MoeJaxError, match=r"step 7: loss is nan; stopping. The last good checkpoint"):
+        trainer.run()
+    assert trainer.checkpoints.latest_step() == 6
+    fresh = Trainer(cfg, load_run_data(cfg), progress=False)
+    assert fresh.resume() == 6  # still readable
+
+
+def test_divergence_is_named_by_step(tmp_path):
+    cfg = quick_config(tmp_path, max_steps=5, learning_rate=1e30, max_grad_norm=0.0, eval_data=None, eval_fraction=0.0)
+    trainer = Trainer(cfg, load_run_data(cfg), progress=False)
+    with pytest.raises(moe_jax.MoeJaxError, match=r"step [1-5]: (loss is|the update made LoRA|the model diverged)"):
+        trainer.run()
