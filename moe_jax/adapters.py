@@ -82,7 +82,7 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
         "base_model_name_or_path": str(base_model),
         "r": lora_config.rank,
         "lora_alpha": lora_config.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora_config.dropout,
         "target_modules": peft_targets,
         "bias": "none",
         "fan_in_fan_out": False,

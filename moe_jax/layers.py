@@ -7,6 +7,9 @@ what trains from what never changes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,8 +53,22 @@ def apply_rope(x_bthd, cos_btd, sin_btd):
     return x_bthd * cos + rotated * sin
 
 
+# The random key for LoRA dropout while a training step is traced (None: no dropout, as at evaluation).
+# A context variable rather than an argument threaded through every module: only adapters read it.
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def lora_dropout_key(key):
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
 class Projection(nnx.Module):
-    """y = x @ W (+ b) (+ scale * x @ A @ B when a LoRA adapter is attached)."""
+    """y = x @ W (+ b) (+ scale * dropout(x) @ A @ B when a LoRA adapter is attached, as peft computes it)."""
 
     def __init__(self, weight, bias=None):
         self.weight = Frozen(weight)
@@ -59,18 +76,28 @@ class Projection(nnx.Module):
         self.lora_a = nnx.data(None)
         self.lora_b = nnx.data(None)
         self.lora_scale = 0.0
+        self.lora_dropout = 0.0
+        self.lora_index = 0  # distinct per adapter, so each draws its own dropout mask
 
-    def attach_lora(self, a_ir, b_ro, scale: float):
+    def attach_lora(self, a_ir, b_ro, scale: float, dropout: float = 0.0, index: int = 0):
         self.lora_a = LoRAParam(a_ir)
         self.lora_b = LoRAParam(b_ro)
         self.lora_scale = float(scale)
+        self.lora_dropout = float(dropout)
+        self.lora_index = int(index)
 
     def __call__(self, x):
         y = x @ self.weight[...]
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora_a is not None:
-            y = y + self.lora_scale * ((x @ self.lora_a[...]) @ self.lora_b[...])
+            x_in = x
+            key = _DROPOUT_KEY.get()
+            if key is not None and self.lora_dropout > 0:
+                keep = 1.0 - self.lora_dropout
+                mask = jax.random.bernoulli(jax.random.fold_in(key, self.lora_index), keep, x.shape)
+                x_in = jnp.where(mask, x / keep, 0).astype(x.dtype)
+            y = y + self.lora_scale * ((x_in @ self.lora_a[...]) @ self.lora_b[...])
         return y
 
 

@@ -30,6 +30,7 @@ class LoRAConfig:
     rank: int = 8
     alpha: float = 16.0
     targets: tuple[str, ...] = ATTENTION_TARGETS
+    dropout: float = 0.0  # on the adapter input of attention/MLP projections (not routed experts), training only
 
     def __post_init__(self):
         unknown = [t for t in self.targets if t not in KNOWN_TARGETS]
@@ -37,6 +38,8 @@ class LoRAConfig:
             raise ConfigError(f"unknown LoRA target module(s) {unknown}; known: {', '.join(KNOWN_TARGETS)}")
         if self.rank < 1:
             raise ConfigError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def scale(self) -> float:
@@ -51,6 +54,7 @@ def _kaiming_a(key, shape, fan_in, dtype):
 def attach_lora(transformer, config: LoRAConfig, seed: int = 0):
     """Adds freshly initialised adapters to every targeted module of `transformer`, in place."""
     key = jax.random.key(seed)
+    index = 0
     for path, module in sorted(nnx.iter_modules(transformer), key=lambda item: _path_key(item[0])):
         name = str(path[-1]) if path else ""
         if isinstance(module, Projection) and name in config.targets:
@@ -61,7 +65,10 @@ def attach_lora(transformer, config: LoRAConfig, seed: int = 0):
                 _kaiming_a(sub, (fan_in, config.rank), fan_in, dtype),
                 jnp.zeros((config.rank, fan_out), dtype),
                 config.scale,
+                config.dropout,
+                index,
             )
+            index += 1
         elif isinstance(module, MoEBlock) and EXPERTS_TARGET in config.targets:
             key, sub = jax.random.split(key)
             attach_expert_lora(module.experts, sub, transformer.config, config)

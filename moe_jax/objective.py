@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.layers import lora_dropout_key
 from moe_jax.lora import split_trainable
 
 
@@ -23,12 +24,16 @@ def causal_lm_loss(logits_btv, tokens_bt, mask_bt):
 
 
 def lora_value_and_grad(model):
-    """(jitted fn(lora_state, tokens, mask) -> (loss, grads), initial LoRA state)."""
+    """(jitted fn(lora_state, tokens, mask, dropout_key=None) -> (loss, grads), initial LoRA state).
+
+    With a `dropout_key`, adapters with dropout draw their masks from it (training); without, none is applied.
+    """
     graphdef, lora_state, rest = split_trainable(model.transformer)
 
-    def loss_fn(lora_state, tokens_bt, mask_bt):
+    def loss_fn(lora_state, tokens_bt, mask_bt, dropout_key=None):
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens_bt, positions)
+        with lora_dropout_key(dropout_key):
+            logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens_bt, positions)
         return causal_lm_loss(logits, tokens_bt, mask_bt)
 
     return jax.jit(jax.value_and_grad(loss_fn)), lora_state

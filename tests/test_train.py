@@ -225,3 +225,54 @@ def test_divergence_is_named_by_step(tmp_path):
     trainer = Trainer(cfg, load_run_data(cfg), progress=False)
     with pytest.raises(moe_jax.MoeJaxError, match=r"step [1-5]: (loss is|the update made LoRA|the model diverged)"):
         trainer.run()
+
+
+def test_lora_dropout_is_seeded_and_changes_training(tmp_path):
+    def losses(dropout, out):
+        cfg = quick_config(out, max_steps=4, lora_dropout=dropout, learning_rate=5e-3)
+        trainer = Trainer(cfg, load_run_data(cfg), progress=False)
+        return [trainer.step(s)[0] for s in range(4)]
+
+    plain = losses(0.0, tmp_path / "a")
+    dropped = losses(0.3, tmp_path / "b")
+    assert dropped == losses(0.3, tmp_path / "c")  # same seed, same masks
+    assert dropped[0] == plain[0]  # B starts at zero: dropout cannot matter before the first update
+    assert dropped[1:] != plain[1:]
+
+
+@pytest.mark.parametrize(
+    "record, targets",
+    [
+        ({"text": "copy ab > ab"}, "copy ab > ab</s>"),
+        ({"instruction": "reverse ab", "input": "now", "output": " ba"}, " ba</s>"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "sort ba"},
+                    {"role": "assistant", "content": "ab"},
+                    {"role": "user", "content": "copy c"},
+                    {"role": "assistant", "content": "c"},
+                ]
+            },
+            "ab<|end|>c<|end|>",
+        ),
+    ],
+)
+def test_data_formats_mask_only_targets(record, targets):
+    from moe_jax.tokenizer import load_tokenizer
+    from moe_jax.train.data import encode_record
+
+    tok = load_tokenizer(MODEL)
+    ex = encode_record(record, tok, "x: ")
+    assert len(ex.ids) == len(ex.mask)
+    assert tok.decode([i for i, m in zip(ex.ids, ex.mask, strict=True) if m], skip_special_tokens=False) == targets
+    assert ex.ids[0] == tok.token_to_id("<s>")
+
+
+def test_packing_keeps_targets_and_fills_rows():
+    from moe_jax.train.data import Example, pack
+
+    examples = [Example([1, 2, 3], [0, 1, 1]), Example([4, 5], [0, 1]), Example([6, 7, 8, 9], [0, 0, 1, 1])]
+    rows = pack(examples, 6)
+    assert [r.ids for r in rows] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert [r.mask for r in rows] == [[0, 1, 1, 0, 1], [0, 0, 1, 1]]

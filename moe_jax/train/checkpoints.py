@@ -24,6 +24,7 @@ RESUME_KEYS = (
     "data",
     "lora_rank",
     "lora_alpha",
+    "lora_dropout",
     "lora_targets",
     "batch_size",
     "grad_accum",

@@ -26,6 +26,7 @@ class TrainConfig:
     # LoRA
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: list(ATTENTION_TARGETS))
     # optimisation
     learning_rate: float = 2e-3
@@ -82,6 +83,8 @@ class TrainConfig:
             raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.long_examples not in LONG_EXAMPLES:
             raise ConfigError(f"long_examples must be one of {LONG_EXAMPLES}, got {self.long_examples!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         return self

@@ -119,7 +119,7 @@ def encode_record(record: dict, tok, where: str) -> Example:
         if not isinstance(record["text"], str):
             raise InputError(f"{where}'text' must be a string")
         ids = tok.encode(record["text"]) + eos_ids
-        return Example(ids, [1] * len(ids))
+        return Example(ids, [0] + [1] * (len(ids) - 1))  # the first token is never predicted
     raise InputError(f"{where}expected 'text', 'instruction'/'output' or 'messages'")
 
 

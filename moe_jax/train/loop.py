@@ -74,7 +74,7 @@ class Trainer:
         self.cfg, self.data, self.progress = cfg, data, progress
         self.out = Path(cfg.out)
         self.model = moe_jax.load_model(cfg.model, backend=cfg.backend, host_threads=cfg.host_threads)
-        self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets))
+        self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
         self.model.attach_lora(self.lora_config, seed=cfg.seed)
         self.value_and_grad, self.lora_state = lora_value_and_grad(self.model)
         self.tx = make_optimizer(cfg)
@@ -101,9 +101,12 @@ class Trainer:
         """One optimizer step (over grad_accum micro-batches); returns (loss, target tokens)."""
         total_loss, total_grads, targets = 0.0, None, 0
         for micro in range(self.cfg.grad_accum):
-            tokens, mask = self.batches.batch(step * self.cfg.grad_accum + micro)
+            index = step * self.cfg.grad_accum + micro
+            tokens, mask = self.batches.batch(index)
+            # the dropout key depends on the batch index only, so a resumed run draws the same masks
+            key = jax.random.fold_in(jax.random.key(self.cfg.seed), index) if self.cfg.lora_dropout else None
             try:
-                loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask)
+                loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask, key)
             except HostKernelError as e:
                 if "non-finite" not in str(e):
                     raise
