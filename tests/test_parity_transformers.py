@@ -32,3 +32,13 @@ def test_sliding_window_matches_transformers(tmp_path):
     model = moe_jax.load_model(tmp_path, backend="device")
     ids = np.random.default_rng(4).integers(0, model.config.vocab_size, size=(2, 11))
     np.testing.assert_allclose(model.logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_long_sequences_attend_in_chunks(tmp_path, window):
+    hf = make_hf_model("qwen3_moe", sliding_window=window, use_sliding_window=window is not None, max_window_layers=0)
+    save_hf_model(hf, tmp_path)
+    model = moe_jax.load_model(tmp_path, backend="device")
+    assert model.config.sliding_windows == (window, window)
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, size=(2, 150))  # > 2 query chunks
+    np.testing.assert_allclose(model.logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=0)

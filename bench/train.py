@@ -1,0 +1,155 @@
+"""LoRA fine-tuning throughput: this project (host and device backends) against transformers + peft on torch CPU.
+
+    python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick]
+
+Same Mixtral-shaped bench model (bench/models.py), same random token batches, LoRA r=8 alpha=16 on q/k/v/o,
+AdamW. Each side runs in its own process (so peak RSS is its own), two warm-up steps, then `--steps` timed
+steps. Prints a table and writes bench/results/train.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine_info, print_table, write_json  # noqa: E402
+from bench.models import bench_model_dir  # noqa: E402
+
+SIDES = ("moe_jax-host", "moe_jax-device", "transformers+peft")
+
+
+def batches(batch, seq, count):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]
+
+
+def run_moe_jax(backend, batch, seq, steps):
+    import jax
+    import numpy as np
+    import optax
+
+    import moe_jax
+    from moe_jax.lora import LoRAConfig
+    from moe_jax.objective import lora_value_and_grad
+
+    model = moe_jax.load_model(bench_model_dir(), backend=backend)
+    model.attach_lora(LoRAConfig(rank=8, alpha=16))
+    value_and_grad, lora_state = lora_value_and_grad(model)
+    tx = optax.adamw(1e-4)
+    opt_state = tx.init(lora_state)
+
+    @jax.jit
+    def update(lora_state, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, lora_state)
+        return optax.apply_updates(lora_state, updates), opt_state
+
+    data = batches(batch, seq, steps + 2)
+    mask = np.ones_like(data[0])
+    times, losses = [], []
+    model.metrics()
+    for i, tokens in enumerate(data):
+        start = time.perf_counter()
+        loss, grads = value_and_grad(lora_state, tokens, mask)
+        lora_state, opt_state = update(lora_state, opt_state, grads)
+        losses.append(float(loss))
+        times.append(time.perf_counter() - start)
+        if i == 1:
+            model.metrics()  # count the timed steps only
+    metrics = model.metrics().summary()
+    return times[2:], losses, metrics
+
+
+def run_transformers(batch, seq, steps):
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=torch.float32)
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    times, losses = [], []
+    for tokens in batches(batch, seq, steps + 2):
+        start = time.perf_counter()
+        ids = torch.from_numpy(tokens).long()
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+    return times[2:], losses, {}
+
+
+def child(side, batch, seq, steps):
+    if side == "transformers+peft":
+        times, losses, metrics = run_transformers(batch, seq, steps)
+    else:
+        times, losses, metrics = run_moe_jax(side.split("-")[1], batch, seq, steps)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"times": times, "losses": losses, "metrics": metrics, "peak_rss_mb": peak_mb}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="batch 2 x 128, 2 steps")
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.steps = 2, 128, 2
+    if args.child:
+        return child(args.child, args.batch, args.seq, args.steps)
+    bench_model_dir()  # made once, outside the timed processes
+    rows, raw = [], {}
+    for side in SIDES:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            side,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        result = json.loads(out)
+        raw[side] = result
+        median = sorted(result["times"])[len(result["times"]) // 2]
+        rows.append(
+            {
+                "side": side,
+                "step_s": median,
+                "tokens_per_s": args.batch * args.seq / median,
+                "peak_rss_MB": result["peak_rss_mb"],
+                "first_loss": result["losses"][0],
+                "host_busy_s_per_step": result["metrics"].get("host_busy_s", 0) / args.steps,
+                "device_wait_s_per_step": result["metrics"].get("device_wait_s", 0) / args.steps,
+            }
+        )
+    ref = rows[-1]["tokens_per_s"]
+    for r in rows:
+        r["vs_transformers"] = r["tokens_per_s"] / ref
+    print(machine_info())
+    print_table(f"LoRA fine-tuning, batch {args.batch} x {args.seq}, r=8 on q/k/v/o", rows)
+    write_json("train", {"batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows, "raw": raw})
+
+
+if __name__ == "__main__":
+    main()
