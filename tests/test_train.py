@@ -207,8 +207,8 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(tmp_path):
     trainer = Trainer(cfg, load_run_data(cfg), progress=False)
     original, calls = trainer.value_and_grad, []
 
-    def nan_from_step_7(state, tokens, mask):
-        loss, grads = original(state, tokens, mask)
+    def nan_from_step_7(state, tokens, mask, key=None):
+        loss, grads = original(state, tokens, mask, key)
         calls.append(1)
         return (jnp.float32(jnp.nan) if len(calls) >= 7 else loss), grads
 
