@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.errors import CheckpointError
+from moe_jax.errors import CheckpointError, read_json_file
 from moe_jax.layers import Projection
 from moe_jax.lora import EXPERTS_TARGET, LoRAConfig
 from moe_jax.moe import MoEBlock
@@ -99,17 +99,12 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     """(LoRA config, tensors by name) of a PEFT-format directory (as exported, or by peft itself)."""
     adapter_dir = Path(adapter_dir)
     config_file = adapter_dir / PEFT_CONFIG
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_file}: not found (is {adapter_dir} an adapter directory?)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+    config = read_json_file(config_file, "an adapter directory")
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
     targets = config.get("target_modules") or []
     if (adapter_dir / MOE_JAX_CONFIG).exists():
-        targets = json.loads((adapter_dir / MOE_JAX_CONFIG).read_text()).get("targets", targets)
+        targets = read_json_file(adapter_dir / MOE_JAX_CONFIG, "an adapter directory").get("targets", targets)
     if isinstance(targets, str):
         raise CheckpointError(f"{config_file}: regex target_modules {targets!r} are not supported; list the modules")
     lora_config = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=tuple(targets))

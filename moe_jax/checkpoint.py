@@ -8,7 +8,6 @@ stacked into the kernel layout one layer at a time.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import numpy as np
 from host_kernels.errors import StoreError
 from host_kernels.store import ExpertStore, LayerExperts
 from moe_jax.config import ModelConfig
-from moe_jax.errors import CheckpointError
+from moe_jax.errors import CheckpointError, read_json_file
 from moe_jax.safetensors_io import TensorSource
 
 EXPERT_STORE_DIR = "experts"
@@ -62,12 +61,7 @@ def open_checkpoint(path) -> Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory)")
     config_file = path / "config.json"
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_file}: not found (is {path} a model directory?)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+    hf_config = read_json_file(config_file, "a model directory")
     config = ModelConfig.from_hf(hf_config, source=str(config_file))
     tensors = TensorSource.open(path)
     store = None

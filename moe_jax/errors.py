@@ -19,3 +19,18 @@ class ConfigError(MoeJaxError):
 
 class InputError(MoeJaxError, ValueError):
     """An argument given to the API is out of range (token ids, sampling settings, shapes)."""
+
+
+def read_json_file(path, what: str) -> dict:
+    """A JSON file's content; a missing or broken file is a CheckpointError naming it (`what` says what the
+    directory was expected to be, for the missing case)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found (is {path.parent} {what}?)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from e

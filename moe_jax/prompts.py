@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe_jax.errors import InputError
 
 
-def read_jsonl(path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-empty line; a malformed line raises naming file and line."""
+def read_jsonl(path, on_bad_line: Callable[[str], None] | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-empty line. A malformed line raises naming file and line, or, when
+    `on_bad_line` is given, is passed to it as that message and skipped."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -23,10 +24,19 @@ def read_jsonl(path) -> Iterator[tuple[int, dict]]:
             continue
         try:
             record = json.loads(line)
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            problem = InputError(f"{path}:{number}: malformed JSON ({e.msg} at column {e.colno})")
+            if on_bad_line is None:
+                raise problem from None
+            on_bad_line(str(problem))
+            continue
+        except InputError as problem:
+            if on_bad_line is None:
+                raise
+            on_bad_line(str(problem))
+            continue
         yield number, record
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from moe_jax.errors import CheckpointError
+from moe_jax.errors import CheckpointError, read_json_file
 
 
 class Tokenizer:
@@ -20,10 +19,7 @@ class Tokenizer:
         settings = {}
         config_file = self.path / "tokenizer_config.json"
         if config_file.exists():
-            try:
-                settings = json.loads(config_file.read_text())
-            except ValueError as e:
-                raise CheckpointError(f"{config_file}: unreadable ({e})") from e
+            settings = read_json_file(config_file, "a tokenizer directory")
         self.chat_template = settings.get("chat_template")
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from moe_jax.backends.host import HostRuntime
+from moe_jax.backends.offload import SpecExperts
 from moe_jax.layers import Frozen
 from moe_jax.moe import subset_experts
 
@@ -106,7 +107,7 @@ def _hybrid_bwd(spec, residuals, dy_td):
 hybrid_experts.defvjp(_hybrid_fwd, _hybrid_bwd)
 
 
-class HybridExperts(nnx.Module):
+class HybridExperts(SpecExperts):
     """One layer split by a placement plan: `device_experts` resident on the device, the rest on the host."""
 
     def __init__(self, runtime: HostRuntime, layer: int, layer_experts, device_experts):
@@ -116,15 +117,6 @@ class HybridExperts(nnx.Module):
         self.w2 = Frozen(jnp.asarray(layer_experts.w2[index]))
         self.spec = HybridSpec(runtime, layer, layer_experts.num_experts, device_experts, 0.0)
         self.lora = nnx.data(None)
-
-    @property
-    def lora_scale(self) -> float:
-        return self.spec.lora_scale
-
-    @lora_scale.setter
-    def lora_scale(self, scale: float):
-        s = self.spec
-        self.spec = HybridSpec(s.runtime, s.layer, s.num_experts, s.device_experts, float(scale))
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}

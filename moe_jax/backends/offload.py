@@ -16,6 +16,7 @@ the planner (expert cache of the bandwidth-adaptive issue), which can keep predi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -127,7 +128,20 @@ def _offload_bwd(spec, residuals, dy_td):
 offload_experts.defvjp(_offload_fwd, _offload_bwd)
 
 
-class OffloadExperts(nnx.Module):
+class SpecExperts(nnx.Module):
+    """An expert module whose static settings live in a frozen `spec` (a custom_vjp argument): setting the LoRA
+    scale swaps in a new spec rather than mutating a hashed one."""
+
+    @property
+    def lora_scale(self) -> float:
+        return self.spec.lora_scale
+
+    @lora_scale.setter
+    def lora_scale(self, scale: float):
+        self.spec = dataclasses.replace(self.spec, lora_scale=float(scale))
+
+
+class OffloadExperts(SpecExperts):
     """Expert backend of one layer whose weights sit in pinned host memory, one buffer per expert."""
 
     def __init__(self, w13_edf2: np.ndarray, w2_efd: np.ndarray, layer: int, slots: int, counter: TransferCounter):
@@ -137,14 +151,6 @@ class OffloadExperts(nnx.Module):
         self.w2 = nnx.List([Frozen(jax.device_put(np.asarray(w2_efd[e]), host)) for e in range(num_experts)])
         self.spec = OffloadSpec(layer, min(slots, num_experts), 0.0, counter)
         self.lora = nnx.data(None)
-
-    @property
-    def lora_scale(self) -> float:
-        return self.spec.lora_scale
-
-    @lora_scale.setter
-    def lora_scale(self, scale: float):
-        self.spec = OffloadSpec(self.spec.layer, self.spec.slots, float(scale), self.spec.counter)
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}

@@ -50,16 +50,19 @@ def load_examples(
         raise InputError("fine-tuning needs a tokenizer, and the checkpoint has no tokenizer.json")
     stats = stats if stats is not None else DataStats()
     examples = []
-    lines = read_jsonl_lenient(path, skip_bad_lines, stats)
-    for number, record in lines:
+
+    def skip(message: str):
+        stats.skipped_lines += 1
+        stats.skipped_where.append(message)
+
+    for number, record in read_jsonl(path, on_bad_line=skip if skip_bad_lines else None):
         where = f"{path}:{number}: "
         try:
             example = encode_record(record, tokenizer, where)
         except InputError as e:
             if not skip_bad_lines:
                 raise
-            stats.skipped_lines += 1
-            stats.skipped_where.append(str(e))
+            skip(str(e))
             continue
         if len(example.ids) > max_seq_len:
             if long_examples == "drop":
@@ -75,32 +78,6 @@ def load_examples(
     if not examples:
         raise InputError(f"{path}: no usable examples (empty file, or every example was dropped)")
     return examples
-
-
-def read_jsonl_lenient(path, skip_bad_lines: bool, stats: DataStats):
-    """read_jsonl, but with skip_bad_lines a malformed line is counted and skipped instead of stopping."""
-    if not skip_bad_lines:
-        yield from read_jsonl(path)
-        return
-    import json
-    from pathlib import Path
-
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            stats.skipped_lines += 1
-            stats.skipped_where.append(f"{path}:{number}: {e}")
-            continue
-        yield number, record
 
 
 def encode_record(record: dict, tok, where: str) -> Example:
