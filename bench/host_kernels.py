@@ -7,7 +7,7 @@ Reports, for one MoE layer of the given shape:
   * decode (1-16 tokens): weight bytes read per second as a fraction of a plain numpy memory copy;
   * skew: Zipf-routed batch time over uniform-routed time at the same number of (token, expert) pairs;
   * the pure-JAX `ragged_dot` layer (moe_jax's device backend) on this CPU, as a time ratio.
-Writes bench/results/host_kernels.json.
+Every figure is the best of several runs, on every side alike. Writes bench/results/host_kernels.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine_info, print_table, reexec_with_native_blas_if_asked, timed, write_json  # noqa: E402
+from bench.common import machine_info, print_table, reexec_with_native_blas_if_asked, write_json  # noqa: E402
+from bench.common import timed as common_timed  # noqa: E402
 
 reexec_with_native_blas_if_asked(sys.argv)
 
@@ -25,6 +26,11 @@ import numpy as np  # noqa: E402
 
 from host_kernels.engine import HostMoE  # noqa: E402
 from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
+
+
+def timed(fn, repeats):
+    """Best (minimum) of `repeats` timed runs: every side of every ratio here is measured the same way."""
+    return common_timed(fn, repeats, best=True)
 
 
 def make_routing(rng, tokens, experts, top_k, skew: float):
