@@ -1,32 +1,18 @@
-"""Batched generation over a KV cache: one jit-compiled prefill, then jit-compiled single-token decode steps.
+"""`Model.generate` and `generate_tokens`: checked prompts in, completions out, through the generation engine.
 
 Prompts of different lengths share a batch right-padded; each row writes its cache at its own positions, so the
-padding of a short row is overwritten by its own generated tokens before any query can attend to it. Shapes are
-rounded up to buckets so a new prompt length rarely means a new compilation.
+padding of a short row is overwritten by its own generated tokens before any query can attend to it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
+from moe_jax.engine import Completion, GenerationEngine, Request
 from moe_jax.errors import InputError
-from moe_jax.sampling import check_sampling, sample
-
-BUCKET = 32
-
-
-@dataclass
-class Completion:
-    tokens: list[int]
-    finish_reason: str  # "eos", "stop" (a stop condition matched) or "length"
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+from moe_jax.sampling import check_sampling
 
 
 def generate(
@@ -64,53 +50,32 @@ def generate_tokens(
     top_k: int = 0,
     should_stop: Callable[[int, list[int]], bool] | None = None,
     timings: dict | None = None,
+    slots: int | None = None,
+    anchor_cache=None,
 ) -> list[Completion]:
-    """Generates for each prompt until EOS, `should_stop(row, tokens)` or `max_new_tokens`.
+    """Generates for each prompt until EOS, `should_stop(index, tokens)` or `max_new_tokens`, with continuous
+    batching over `slots` KV-cache rows (default: up to 16). Prompt i samples with seed `seed + i`.
 
     `timings`, when given, receives prefill/decode seconds and token counts (added to what it holds).
     """
-    timings = {} if timings is None else timings
-    start = time.perf_counter()
-    batch = len(prompts)
-    lengths = np.array([len(p) for p in prompts], dtype=np.int32)
-    longest = int(lengths.max())
+    longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > model.config.max_position_embeddings:
         raise InputError(
             f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the context window "
             f"({model.config.max_position_embeddings})"
         )
-    prefill_len = _round_up(longest, BUCKET)
-    caches = model.new_caches(batch, _round_up(prefill_len + max_new_tokens, BUCKET))
-    tokens = np.zeros((batch, prefill_len), dtype=np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    positions = np.broadcast_to(np.arange(prefill_len, dtype=np.int32), tokens.shape)
-    logits, caches = model.forward_cached(tokens, positions, caches)
-    last_logits = np.asarray(logits)[np.arange(batch), lengths - 1]
-    decode_start = time.perf_counter()
-    _add(timings, prefill_s=decode_start - start, prefill_tokens=int(lengths.sum()))
-
-    rng = np.random.default_rng(seed)
-    eos = set(model.config.eos_token_ids)
-    outputs = [Completion([], "length") for _ in range(batch)]
-    done = np.zeros(batch, dtype=bool)
-    for step in range(max_new_tokens):
-        next_tokens = sample(last_logits, rng, temperature, top_p, top_k)
-        for i in np.flatnonzero(~done):
-            outputs[i].tokens.append(int(next_tokens[i]))
-            if int(next_tokens[i]) in eos:
-                done[i], outputs[i].finish_reason = True, "eos"
-            elif should_stop is not None and should_stop(i, outputs[i].tokens):
-                done[i], outputs[i].finish_reason = True, "stop"
-        if done.all() or step == max_new_tokens - 1:
-            break
-        positions = (lengths + step)[:, None].astype(np.int32)
-        logits, caches = model.forward_cached(next_tokens[:, None].astype(np.int32), positions, caches)
-        last_logits = np.asarray(logits)[:, 0]
-    _add(timings, decode_s=time.perf_counter() - decode_start, decode_tokens=sum(len(c.tokens) for c in outputs))
-    return outputs
-
-
-def _add(totals: dict, **amounts):
-    for key, value in amounts.items():
-        totals[key] = totals.get(key, 0) + value
+    engine = GenerationEngine(model, slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache)
+    requests = [Request(list(p), max_new_tokens, seed + i) for i, p in enumerate(prompts)]
+    completions = engine.run(
+        requests, temperature, top_p, top_k, eos_ids=model.config.eos_token_ids, should_stop=should_stop
+    )
+    if timings is not None:
+        st = engine.stats
+        for key, value in (
+            ("prefill_s", st.prefill_s),
+            ("prefill_tokens", st.prefill_tokens),
+            ("decode_s", st.decode_s),
+            ("decode_tokens", st.decode_tokens),
+        ):
+            timings[key] = timings.get(key, 0) + value
+    return completions

@@ -1,0 +1,153 @@
+"""The semantic anchor cache: KV state at anchor boundaries, kept in host memory, reused by later requests.
+
+Agent harnesses resend almost the same context every turn, edited: an old thinking segment dropped, a tool
+result trimmed, a turn appended. The KV state of a prefix depends only on that prefix, so a request can start
+from the longest cached prefix that ends at an anchor (the end of a system prompt, a message, a tool call or
+result, a thinking segment) and prefill only the rest. Reuse is exact: an edit changes every later prefix, so
+everything after the edit point is prefilled again.
+
+Entries form a tree like a radix cache: each stores the KV of one segment (from its parent anchor to its own)
+under the hash of its whole prefix, so a long conversation costs its length once, not once per anchor.
+Least-recently-used entries are evicted under a byte budget; evicting an entry evicts its descendants, which
+could no longer be rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def prefix_key(tokens) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Segment:
+    key: bytes
+    parent: bytes | None
+    start: int
+    end: int
+    kv: list  # per layer: (k [end - start, kv_heads, head_dim], v [...]) numpy
+    children: set = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
+
+@dataclass
+class AnchorStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    def as_dict(self, bytes_held: int) -> dict:
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "reused_tokens": self.prompt_tokens - self.prefilled_tokens,
+            "hits": self.hits,
+            "evictions": self.evictions,
+            "bytes_held": bytes_held,
+        }
+
+
+class AnchorCache:
+    def __init__(self, anchor_token_ids, budget_bytes: int = 1 << 30):
+        self.anchor_ids = frozenset(int(t) for t in anchor_token_ids)
+        self.budget = int(budget_bytes)
+        self.segments: OrderedDict[bytes, Segment] = OrderedDict()  # LRU order: oldest first
+        self.bytes_held = 0
+        self.stats = AnchorStats()
+
+    def anchors(self, tokens) -> list[int]:
+        """Prefix lengths that end right after an anchor token (the last token is never one: it must be
+        prefilled to give the next-token logits)."""
+        return [i + 1 for i, t in enumerate(tokens[:-1]) if t in self.anchor_ids]
+
+    def lookup(self, tokens) -> tuple[int, list]:
+        """(reused length, per-layer (k, v) of that prefix) for the longest cached anchor prefix."""
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(tokens)
+        for length in reversed(self.anchors(tokens)):
+            chain = self._chain(prefix_key(tokens[:length]))
+            if chain is not None:
+                for seg in chain:
+                    self.segments.move_to_end(seg.key)
+                kv = [
+                    (np.concatenate([s.kv[i][0] for s in chain]), np.concatenate([s.kv[i][1] for s in chain]))
+                    for i in range(len(chain[0].kv))
+                ]
+                self.stats.hits += 1
+                self.stats.prefilled_tokens += len(tokens) - length
+                return length, kv
+        self.stats.prefilled_tokens += len(tokens)
+        return 0, []
+
+    def _chain(self, key: bytes) -> list[Segment] | None:
+        chain = []
+        while key is not None:
+            seg = self.segments.get(key)
+            if seg is None:
+                return None
+            chain.append(seg)
+            key = seg.parent
+        return chain[::-1]
+
+    def store(self, tokens, kv_of_range):
+        """Caches every anchor prefix of `tokens` not cached yet. `kv_of_range(start, end)` returns the
+        per-layer (k, v) of those positions (called only for segments that are new)."""
+        parent = None
+        start = 0
+        for end in self.anchors(tokens):
+            key = prefix_key(tokens[:end])
+            if key not in self.segments:
+                seg = Segment(key, parent, start, end, [(np.array(k), np.array(v)) for k, v in kv_of_range(start, end)])
+                if seg.nbytes > self.budget:
+                    return
+                self.segments[key] = seg
+                self.bytes_held += seg.nbytes
+                if parent is not None:
+                    self.segments[parent].children.add(key)
+                self._evict(keep=key)
+                if key not in self.segments:  # evicted at once: nothing later can chain to it
+                    return
+            else:
+                self.segments.move_to_end(key)
+            parent, start = key, end
+
+    def _evict(self, keep: bytes):
+        while self.bytes_held > self.budget:
+            victim = next((k for k in self.segments if k != keep and not self._is_ancestor(k, keep)), None)
+            if victim is None:
+                victim = keep
+            self._drop(victim)
+
+    def _is_ancestor(self, candidate: bytes, key: bytes) -> bool:
+        seg = self.segments.get(key)
+        while seg is not None and seg.parent is not None:
+            if seg.parent == candidate:
+                return True
+            seg = self.segments.get(seg.parent)
+        return False
+
+    def _drop(self, key: bytes):
+        seg = self.segments.pop(key, None)
+        if seg is None:
+            return
+        self.bytes_held -= seg.nbytes
+        self.stats.evictions += 1
+        if seg.parent in self.segments:
+            self.segments[seg.parent].children.discard(key)
+        for child in list(seg.children):
+            self._drop(child)
+
+    def summary(self) -> dict:
+        return self.stats.as_dict(self.bytes_held)

@@ -1,0 +1,223 @@
+"""The generation engine: a KV cache of `slots` rows, jit-compiled prefill and decode, continuous batching.
+
+Each slot holds one sequence. When a sequence finishes, its slot takes the next waiting prompt at once, so the
+batch never waits for its slowest member. New prompts are prefilled into their slots (a bucketed number of rows
+and tokens, so shapes repeat and compile once), then every step decodes one token for all slots together.
+With an anchor cache, a prompt first copies the KV of its longest cached anchor prefix into its slot and prefills
+only the rest. Every request samples from its own seeded generator, so its output does not depend on which other
+requests share the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.anchor_cache import AnchorCache
+from moe_jax.sampling import sample
+
+TOKEN_BUCKET = 32
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    max_new_tokens: int
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from the anchor cache
+    seconds: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+
+@dataclass
+class _Slot:
+    index: int  # request index
+    request: Request
+    position: int  # where the next token's KV goes
+    rng: np.random.Generator
+    started: float
+    reused: int
+    out: list[int] = field(default_factory=list)
+
+
+class GenerationEngine:
+    def __init__(self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None):
+        self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
+        self.anchor_cache = anchor_cache
+        self.stats = EngineStats()
+        graphdef = model.graphdef
+
+        def prefill(state, caches, slot_ids, tokens, positions, last):
+            rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
+            logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows)
+            caches = [
+                (k.at[slot_ids].set(rk), v.at[slot_ids].set(rv)) for (k, v), (rk, rv) in zip(caches, rows, strict=True)
+            ]
+            return logits[jnp.arange(tokens.shape[0]), last], caches
+
+        def decode(state, caches, tokens, positions):
+            logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)
+            return logits[:, 0], caches
+
+        def write_prefix(caches, slot, prefix):
+            return [
+                (
+                    jax.lax.dynamic_update_slice(k, pk[None], (slot, 0, 0, 0)),
+                    jax.lax.dynamic_update_slice(v, pv[None], (slot, 0, 0, 0)),
+                )
+                for (k, v), (pk, pv) in zip(caches, prefix, strict=True)
+            ]
+
+        self._prefill = jax.jit(prefill, donate_argnums=1)
+        self._decode = jax.jit(decode, donate_argnums=1)
+        self._write_prefix = jax.jit(write_prefix, donate_argnums=0)
+
+    def run(
+        self,
+        requests: list[Request],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_ids=(),
+        should_stop: Callable[[int, list[int]], bool] | None = None,
+        on_finish: Callable[[int, Completion], None] | None = None,
+    ) -> list[Completion]:
+        model = self.model
+        caches = model.new_caches(self.slots, self.max_len)
+        waiting = deque(range(len(requests)))
+        active: dict[int, _Slot] = {}
+        results: list[Completion | None] = [None] * len(requests)
+        logits = np.zeros((self.slots, model.config.vocab_size), np.float32)
+        eos = set(eos_ids)
+        while waiting or active:
+            free = [s for s in range(self.slots) if s not in active]
+            admitted = []
+            while free and waiting:
+                index = waiting.popleft()
+                admitted.append((free.pop(0), index))
+            if admitted:
+                caches, first_logits = self._admit(caches, admitted, requests, active)
+                for (slot, _), row in zip(admitted, first_logits, strict=True):
+                    logits[slot] = row
+            # sample one token for every active slot, then retire finished ones
+            finished = []
+            for slot, s in active.items():
+                token = int(sample(logits[slot][None], s.rng, temperature, top_p, top_k)[0])
+                s.out.append(token)
+                reason = None
+                if token in eos:
+                    reason = "eos"
+                elif should_stop is not None and should_stop(s.index, s.out):
+                    reason = "stop"
+                elif len(s.out) >= s.request.max_new_tokens:
+                    reason = "length"
+                if reason:
+                    finished.append((slot, reason))
+            for slot, reason in finished:
+                s = active.pop(slot)
+                done = Completion(s.out, reason, len(s.request.tokens), s.reused, time.perf_counter() - s.started)
+                results[s.index] = done
+                if on_finish is not None:
+                    on_finish(s.index, done)
+            if not active:
+                continue
+            # one decode step for all slots (free slots compute on padding and are ignored)
+            tokens = np.zeros((self.slots, 1), np.int32)
+            positions = np.zeros((self.slots, 1), np.int32)
+            for slot, s in active.items():
+                tokens[slot, 0], positions[slot, 0] = s.out[-1], s.position
+                s.position += 1
+            start = time.perf_counter()
+            step_logits, caches = model.run_jitted(self._decode, model.state, caches, tokens, positions)
+            logits = np.array(step_logits)
+            self.stats.decode_s += time.perf_counter() - start
+            self.stats.decode_tokens += len(active)
+            self.stats.decode_steps += 1
+        return results
+
+    def _admit(self, caches, admitted, requests, active):
+        """Prefills newly admitted requests into their slots; returns (caches, next-token logits per request)."""
+        start = time.perf_counter()
+        suffixes = []
+        for slot, index in admitted:
+            request = requests[index]
+            reused, prefix = self.anchor_cache.lookup(request.tokens) if self.anchor_cache else (0, [])
+            if reused:
+                padded = round_up(reused, TOKEN_BUCKET)
+                prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
+                caches = self.model.run_jitted(self._write_prefix, caches, np.int32(slot), prefix)
+            suffixes.append(request.tokens[reused:])
+            active[slot] = _Slot(
+                index, request, len(request.tokens), np.random.default_rng(request.seed), start, reused
+            )
+        rows = row_bucket(len(admitted))
+        width = round_up(max(len(s) for s in suffixes), TOKEN_BUCKET)
+        slot_ids = np.zeros(rows, np.int32)
+        tokens = np.zeros((rows, width), np.int32)
+        positions = np.zeros((rows, width), np.int32)
+        last = np.zeros(rows, np.int32)
+        for row in range(rows):
+            slot, index = admitted[min(row, len(admitted) - 1)]  # bucket padding repeats the last row exactly
+            suffix = suffixes[min(row, len(admitted) - 1)]
+            reused = active[slot].reused
+            slot_ids[row] = slot
+            tokens[row, : len(suffix)] = suffix
+            positions[row] = reused + np.arange(width)
+            last[row] = len(suffix) - 1
+        first_logits, caches = self.model.run_jitted(
+            self._prefill, self.model.state, caches, slot_ids, tokens, positions, last
+        )
+        first_logits = np.array(first_logits)[: len(admitted)]
+        if self.anchor_cache is not None:
+            for slot, index in admitted:
+                self._store_anchors(caches, slot, requests[index].tokens)
+        self.stats.prefill_s += time.perf_counter() - start
+        self.stats.prefill_tokens += sum(len(s) for s in suffixes)
+        return caches, first_logits
+
+    def _store_anchors(self, caches, slot, tokens):
+        rows = None
+
+        def kv_of_range(start, end):
+            nonlocal rows
+            if rows is None:  # one device-to-host copy of the slot's rows, only when a segment is new
+                rows = [(np.asarray(k[slot]), np.asarray(v[slot])) for k, v in caches]
+            return [(k[start:end], v[start:end]) for k, v in rows]
+
+        self.anchor_cache.store(tokens, kv_of_range)
+
+
+def _pad(array: np.ndarray, length: int) -> np.ndarray:
+    out = np.zeros((length, *array.shape[1:]), array.dtype)
+    out[: len(array)] = array
+    return out

@@ -1,0 +1,92 @@
+"""The generation engine: continuous batching and the semantic anchor cache keep outputs exact."""
+
+import numpy as np
+import pytest
+
+from tests.hf_models import make_hf_model, save_hf_model
+
+import moe_jax
+from moe_jax.anchor_cache import AnchorCache
+from moe_jax.engine import GenerationEngine, Request
+
+ANCHOR = 7  # token id that ends a "message" in these synthetic conversations
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral")
+    save_hf_model(make_hf_model("mixtral", seed=21), path)
+    return moe_jax.load_model(path, backend="host")
+
+
+def run(model, requests, slots=4, cache=None, max_len=96):
+    engine = GenerationEngine(model, slots, max_len, cache)
+    return engine, engine.run(requests)
+
+
+def test_more_prompts_than_slots_refill_at_once(model):
+    rng = np.random.default_rng(0)
+    lengths = [3, 12, 2, 9, 5, 1, 7]
+    requests = [
+        Request(rng.integers(8, 96, size=n).tolist(), max_new_tokens=m)
+        for n, m in zip(lengths, [2, 9, 3, 8, 2, 6, 4], strict=True)
+    ]
+    alone = [run(model, [r], slots=1)[1][0].tokens for r in requests]
+    engine, together = run(model, requests, slots=2)
+    assert [c.tokens for c in together] == alone
+    assert all(c.finish_reason == "length" for c in together)
+    # continuous batching: a slot refills as soon as its sequence ends, so the steps are close to
+    # total tokens / slots rather than the sum of each static batch's longest sequence
+    static_steps = sum(max(r.max_new_tokens for r in requests[i : i + 2]) - 1 for i in range(0, len(requests), 2))
+    assert engine.stats.decode_steps < static_steps
+
+
+def conversation(rng, turns):
+    """Token ids of a chat-like prompt: turns of random tokens, each ended by the anchor token."""
+    tokens = []
+    for n in turns:
+        tokens += rng.integers(8, 96, size=n).tolist() + [ANCHOR]
+    return tokens
+
+
+def test_anchor_cache_reuses_prefixes_exactly(model):
+    rng = np.random.default_rng(1)
+    first = conversation(rng, [6, 5, 4])
+    second = first + rng.integers(8, 96, size=5).tolist()  # the harness appended a turn
+    edited = first[:7] + rng.integers(8, 96, size=6).tolist() + [ANCHOR] + second[-5:]  # second turn rewritten
+    cache = AnchorCache([ANCHOR], budget_bytes=1 << 20)
+    prompts = [first + [3], second, edited]
+    with_cache = [run(model, [Request(p, 6)], slots=1, cache=cache)[1][0] for p in prompts]
+    without = [run(model, [Request(p, 6)], slots=1)[1][0] for p in prompts]
+    assert [c.tokens for c in with_cache] == [c.tokens for c in without]
+    assert [c.reused_tokens for c in with_cache] == [0, len(first), 7]  # the edit forces re-prefill after it
+    summary = cache.summary()
+    assert summary["prompt_tokens"] == sum(map(len, prompts))
+    assert summary["prefilled_tokens"] == summary["prompt_tokens"] - len(first) - 7
+    assert summary["hits"] == 2 and summary["bytes_held"] > 0
+
+
+def test_anchor_cache_evicts_lru_under_budget_with_descendants():
+    layers, kv, hd = 2, 2, 4
+
+    def kv_of_range(start, end):
+        return [(np.ones((end - start, kv, hd), np.float32), np.ones((end - start, kv, hd), np.float32))] * layers
+
+    per_token = layers * 2 * kv * hd * 4
+    cache = AnchorCache([ANCHOR], budget_bytes=10 * per_token)
+    a = [1, 2, ANCHOR, 3, ANCHOR, 9]  # segments of 3 and 2 tokens
+    cache.store(a, kv_of_range)
+    assert cache.bytes_held == 5 * per_token
+    b = [4, 5, 6, 8, ANCHOR, 9]  # 5 tokens: fits exactly
+    cache.store(b, kv_of_range)
+    assert cache.bytes_held == 10 * per_token
+    c = [8, 8, ANCHOR, 9]  # 3 more tokens: the least recently used root (a's) goes, with its child
+    cache.store(c, kv_of_range)
+    assert cache.bytes_held == 8 * per_token and cache.stats.evictions == 2
+    assert cache.lookup(a)[0] == 0 and cache.lookup(b)[0] == 5 and cache.lookup(c)[0] == 3
+
+
+def test_generate_through_the_engine_matches_alone_in_batch(model):
+    prompts = [[9, 10, 11], [12] * 20, [30, 31]]
+    alone = [model.generate([p], max_new_tokens=5)[0] for p in prompts]
+    assert model.generate(prompts, max_new_tokens=5) == alone
