@@ -1,9 +1,11 @@
 """Batch generation: `python infer.py --model DIR --prompts FILE --out FILE [--backend host] [--batch-size N]`.
 
-With no arguments it runs the bundled default model (models/tiny-moe) on the bundled prompts
-(data/default_prompts.jsonl) and prints the completions. Prompts are JSONL: {"prompt": text},
-{"messages": [{"role": ..., "content": ...}, ...]} (rendered with the checkpoint's chat template) or
-{"input_ids": [...]}. Output is JSONL: completion, token counts, finish reason, timings.
+With no arguments it runs the bundled default model (models/tiny-moe, with the adapter `python train.py` wrote
+when there is one) on the bundled prompts (data/default_prompts.jsonl) and prints the completions. Prompts are
+JSONL: {"prompt": text}, {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the checkpoint's chat
+template) or {"input_ids": [...]}. Output is JSONL in input order: completion, token counts, finish reason, time.
+Generation is continuously batched over --batch-size KV-cache slots; with --anchor-cache-mb, KV state at anchor
+tokens (the chat template's special tokens, or --anchor-token) is reused across prompts that share a prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from moe_jax.cli import run_cli
@@ -24,120 +25,191 @@ DEFAULT_ADAPTER = ROOT / "runs" / "default" / "adapter"  # written by `python tr
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="Hugging Face or converted directory")
-    p.add_argument("--adapter", type=Path, help="LoRA adapter directory (moe_jax or PEFT format)")
+    p.add_argument("--model", type=Path, help="Hugging Face or converted directory (default: the bundled model)")
+    p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL prompts")
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")
     p.add_argument("--backend", default="host", choices=["device", "host", "offload", "hybrid"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="KV-cache slots generating at once")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument(
+        "--too-long",
+        choices=["reject", "truncate"],
+        default="reject",
+        help="a prompt that does not fit the context window with --max-new-tokens: skip it (reported "
+        "with finish_reason 'too_long') or keep its last tokens",
+    )
+    p.add_argument("--anchor-cache-mb", type=float, default=0.0, help="host memory for the anchor cache (0: off)")
+    p.add_argument("--anchor-token", action="append", default=[], help="token string that ends an anchor segment")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.adapter is None and args.model == DEFAULT_MODEL and DEFAULT_ADAPTER.exists():
-        args.adapter = DEFAULT_ADAPTER
-        print(f"using the adapter train.py wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
+def check_settings(args):
+    """Everything that can be checked without the model, checked before loading it."""
     from moe_jax.errors import InputError
     from moe_jax.sampling import check_sampling
 
-    # everything that can be checked without the model is checked before loading it
     check_sampling(args.temperature, args.top_p, args.top_k)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
-    from moe_jax.prompts import read_jsonl
+    if args.anchor_cache_mb < 0:
+        raise InputError("--anchor-cache-mb must be >= 0")
 
-    records = list(read_jsonl(args.prompts))
-    if not records:
+
+def load_prompts(args, model):
+    """(line, token ids, text) per prompt, fitted to the context window; plus how many were cut or skipped."""
+    from moe_jax.errors import InputError
+    from moe_jax.prompts import prompt_token_ids, read_jsonl
+
+    window = model.config.max_position_embeddings - args.max_new_tokens
+    if window < 1:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room in the context window")
+    prompts, truncated, rejected = [], 0, []
+    for number, record in read_jsonl(args.prompts):
+        where = f"{args.prompts}:{number}: "
+        ids, text = prompt_token_ids(record, model.tokenizer, where=where)
+        if not ids:
+            raise InputError(f"{where}empty prompt")
+        try:
+            model.check_token_ids([ids])
+        except InputError as e:
+            raise InputError(f"{where}{e}") from None
+        if len(ids) > window:
+            if args.too_long == "reject":
+                rejected.append(number)
+                continue
+            ids, truncated = ids[-window:], truncated + 1
+        prompts.append((number, ids, text))
+    if not prompts and not rejected:
         raise InputError(f"{args.prompts}: no prompts")
+    return prompts, truncated, rejected
+
+
+def anchor_ids(args, tokenizer) -> list[int]:
+    """Anchor tokens: those named on the command line, else the special tokens of the chat template."""
+    from moe_jax.errors import InputError
+
+    if tokenizer is None:
+        return []
+    names = args.anchor_token or tokenizer.template_special_tokens()
+    ids = []
+    for name in names:
+        token = tokenizer.token_to_id(name)
+        if token is None:
+            raise InputError(f"--anchor-token {name!r} is not a token of this tokenizer")
+        ids.append(token)
+    return ids
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_settings(args)
+    if args.model is None:  # the bundled default, with the adapter train.py wrote for it if there is one
+        args.model = DEFAULT_MODEL
+        if args.adapter is None and DEFAULT_ADAPTER.exists():
+            args.adapter = DEFAULT_ADAPTER
+            print(f"using the adapter train.py wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
 
     from tqdm import tqdm
 
     import moe_jax
-    from moe_jax.generate import generate_tokens
-    from moe_jax.prompts import prompt_token_ids
+    from moe_jax.anchor_cache import AnchorCache
+    from moe_jax.engine import GenerationEngine, Request
 
     model = moe_jax.load_model(
         args.model, backend=args.backend, dtype=args.dtype, adapter=args.adapter, host_threads=args.host_threads
     )
     tok = model.tokenizer
-    prompts = []
-    for number, record in records:
-        ids, text = prompt_token_ids(record, tok, where=f"{args.prompts}:{number}: ")
-        if not ids:
-            raise InputError(f"{args.prompts}:{number}: empty prompt")
-        try:
-            model.check_token_ids([ids])
-        except InputError as e:
-            raise InputError(f"{args.prompts}:{number}: {e}") from None
-        prompts.append((number, record, ids, text))
-
-    stop_matcher = None
+    prompts, truncated, rejected = load_prompts(args, model)
+    cache = None
+    if args.anchor_cache_mb > 0:
+        cache = AnchorCache(anchor_ids(args, tok), budget_bytes=int(args.anchor_cache_mb * 2**20))
+    longest = max((len(ids) for _, ids, _ in prompts), default=1)
+    engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
+    requests = [Request(ids, args.max_new_tokens, args.seed + i) for i, (_, ids, _) in enumerate(prompts)]
+    stop = None
     if args.stop and tok is not None:
-        stop_matcher = lambda row, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
+        stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
+    bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr)
+    completions = engine.run(
+        requests,
+        args.temperature,
+        args.top_p,
+        args.top_k,
+        eos_ids=() if args.no_eos else model.config.eos_token_ids,
+        should_stop=stop,
+        on_finish=lambda index, done: bar.update(1),
+    )
+    bar.close()
+    results = [
+        result_record(number, ids, text, c, tok, args.stop)
+        for (number, ids, text), c in zip(prompts, completions, strict=True)
+    ]
+    results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
+    results.sort(key=lambda r: r["line"])
+    write_results(args.out, results)
+    print_summary(args, model, engine, cache, truncated, rejected)
 
-    timings: dict = {}
-    results = []
-    for start in tqdm(range(0, len(prompts), args.batch_size), desc="generating", unit="batch", file=sys.stderr):
-        batch = prompts[start : start + args.batch_size]
-        t0 = time.perf_counter()
-        completions = generate_tokens(
-            model,
-            [p[2] for p in batch],
-            args.max_new_tokens,
-            args.temperature,
-            args.top_p,
-            args.seed + start,
-            top_k=args.top_k,
-            should_stop=stop_matcher,
-            timings=timings,
-        )
-        elapsed = time.perf_counter() - t0
-        for (number, _record, ids, text), c in zip(batch, completions, strict=True):
-            completion = tok.decode(c.tokens) if tok is not None else None
-            if completion is not None:
-                for s in args.stop:
-                    completion = completion.split(s)[0] if s in completion else completion
-            results.append(
-                {
-                    "line": number,
-                    "prompt": text,
-                    "completion": completion,
-                    "completion_ids": c.tokens,
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": len(c.tokens),
-                    "finish_reason": c.finish_reason,
-                    "batch_seconds": elapsed,
-                }
-            )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
+
+def result_record(number, ids, text, completion, tok, stops) -> dict:
+    decoded = tok.decode(completion.tokens) if tok is not None else None
+    for s in stops:
+        if decoded is not None and s in decoded:
+            decoded = decoded.split(s)[0]
+    return {
+        "line": number,
+        "prompt": text,
+        "completion": decoded,
+        "completion_ids": completion.tokens,
+        "prompt_tokens": len(ids),
+        "reused_prompt_tokens": completion.reused_tokens,
+        "completion_tokens": len(completion.tokens),
+        "finish_reason": completion.finish_reason,
+        "seconds": completion.seconds,
+    }
+
+
+def write_results(out, results):
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".partial")
+        with open(tmp, "w") as f:
             for r in results:
                 f.write(json.dumps(r) + "\n")
-    else:
-        for r in results:
-            print(f"{r['prompt']!r} -> {r['completion']!r}  [{r['finish_reason']}]")
+        tmp.replace(out)
+        return
+    for r in results:
+        print(f"{r.get('prompt')!r} -> {r['completion']!r}  [{r['finish_reason']}]")
+
+
+def print_summary(args, model, engine, cache, truncated, rejected):
+    st = engine.stats
     metrics = model.metrics().summary()
-    prefill = timings.get("prefill_tokens", 0) / max(timings.get("prefill_s", 0), 1e-9)
-    decode = timings.get("decode_tokens", 0) / max(timings.get("decode_s", 0), 1e-9)
-    print(
-        f"{len(results)} prompts, backend={args.backend}: prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s "
-        "(first batch includes compilation); "
-        f"host busy {metrics['host_busy_s']:.2f}s, device waited {metrics['device_wait_s']:.2f}s, "
-        f"host {metrics['host_gflops']:.1f} GFLOP/s",
-        file=sys.stderr,
-    )
+    lines = [
+        f"backend={args.backend}: prefill {st.prefill_tokens / max(st.prefill_s, 1e-9):,.0f} tok/s, "
+        f"decode {st.decode_tokens / max(st.decode_s, 1e-9):,.0f} tok/s (compilation included); host busy "
+        f"{metrics['host_busy_s']:.2f}s, device waited {metrics['device_wait_s']:.2f}s, host "
+        f"{metrics['host_gflops']:.1f} GFLOP/s",
+    ]
+    if truncated or rejected:
+        lines.append(f"too long for the context window: {truncated} truncated, {len(rejected)} rejected")
+    if cache is not None:
+        c = cache.summary()
+        lines.append(
+            f"anchor cache: {c['prompt_tokens']} prompt tokens, {c['prefilled_tokens']} prefilled, {c['hits']} hits, "
+            f"{c['bytes_held'] / 2**20:.1f} MiB held, {c['evictions']} evictions"
+        )
     if args.out:
-        print(f"wrote {args.out}", file=sys.stderr)
+        lines.append(f"wrote {args.out}")
+    print("\n".join(lines), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def template_special_tokens(self) -> list[str]:
+        """Special tokens that the chat template writes (message, tool and thinking delimiters): the natural
+        anchor points of a conversation. BOS is left out: every prompt starts with it."""
+        if not self.chat_template:
+            return []
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        return [t for t in added if t in self.chat_template and t != self.bos_token]
+
 
 def _token_text(value):
     if isinstance(value, dict):  # older configs store AddedToken dicts

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
-from tests.hf_models import make_hf_model, save_hf_model
-
 import moe_jax
 from moe_jax.anchor_cache import AnchorCache
 from moe_jax.engine import GenerationEngine, Request
+from tests.hf_models import make_hf_model, save_hf_model
 
 ANCHOR = 7  # token id that ends a "message" in these synthetic conversations
 

@@ -1,0 +1,99 @@
+"""infer.py end to end on the bundled default model: output records, chat prompts, anchor reuse, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "tiny-moe"
+
+
+def infer(*args, check=True):
+    cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(MODEL), *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(result.stderr)
+    return result
+
+
+def write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat(*turns):
+    roles = ["user", "assistant"]
+    return {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+def test_outputs_in_input_order_with_reuse_of_shared_chat_prefixes(tmp_path):
+    prompts = write(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "copy abc >"},
+            chat("copy hello >", " hello", "sort dcba >"),
+            chat("copy hello >", " hello", "sort dcba >", " abcd", "copy xyz >"),  # the same conversation, one turn on
+            {"input_ids": [1, 20, 10, 21, 9, 42, 6, 7, 42, 43]},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    result = infer("--prompts", prompts, "--out", out, "--batch-size", 2, "--anchor-cache-mb", 16)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["completion"].strip() == "abc"
+    assert all(r["finish_reason"] == "eos" and r["completion_tokens"] == len(r["completion_ids"]) for r in rows)
+    assert rows[2]["reused_prompt_tokens"] > 0  # the third prompt starts from the second one's anchors
+    assert "anchor cache:" in result.stderr and "prefilled" in result.stderr
+
+
+def test_too_long_prompts_are_rejected_or_truncated_and_counted(tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy abc >"}, {"prompt": "copy " + "ab" * 100 + " >"}])
+    out = tmp_path / "out.jsonl"
+    result = infer("--prompts", prompts, "--out", out, "--max-new-tokens", 8)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[1] == {"line": 2, "finish_reason": "too_long", "completion": None}
+    assert "0 truncated, 1 rejected" in result.stderr
+    result = infer("--prompts", prompts, "--out", out, "--max-new-tokens", 8, "--too-long", "truncate")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[1]["prompt_tokens"] == 128 - 8 and "1 truncated, 0 rejected" in result.stderr
+
+
+def test_malformed_line_is_named(tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy a >"}, '{"prompt": "copy b >"'])
+    result = infer("--prompts", prompts, check=False)
+    assert result.returncode == 2
+    assert f"error: {prompts}:2: malformed JSON" in result.stderr
+
+
+def test_bad_sampling_refused_before_loading_the_model(tmp_path):
+    for flags, message in ((["--top-p", "0"], "top_p must be in (0, 1]"), (["--temperature", "-1"], "temperature")):
+        cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(tmp_path / "no-such-model"), *flags]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 2 and message in result.stderr and "no-such-model" not in result.stderr
+
+
+def test_adapter_for_another_base_is_refused(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    )
+    import numpy as np
+
+    from moe_jax.safetensors_io import save_safetensors
+
+    save_safetensors(
+        adapter / "adapter_model.safetensors",
+        {
+            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight": np.zeros((4, 256), np.float32)
+            for i in range(2)
+        }
+        | {
+            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight": np.zeros((128, 4), np.float32)
+            for i in range(2)
+        },
+    )
+    result = infer("--adapter", adapter, check=False)
+    assert result.returncode == 2
+    assert "adapter does not fit" in result.stderr or "this model needs (128, 4)" in result.stderr
