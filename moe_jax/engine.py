@@ -24,6 +24,7 @@ from moe_jax.anchor_cache import AnchorCache
 from moe_jax.sampling import sample
 
 TOKEN_BUCKET = 32
+PREFILL_CHUNK = 256
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -180,24 +181,31 @@ class GenerationEngine:
             active[slot] = _Slot(
                 index, request, len(request.tokens), np.random.default_rng(request.seed), start, reused
             )
+        first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
+        longest = max(len(s) for s in suffixes)
+        # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
+        # serves every length; shorter prompts use one step of their rounded-up width
+        width = min(PREFILL_CHUNK, round_up(longest, TOKEN_BUCKET))
         rows = row_bucket(len(admitted))
-        width = round_up(max(len(s) for s in suffixes), TOKEN_BUCKET)
-        slot_ids = np.zeros(rows, np.int32)
-        tokens = np.zeros((rows, width), np.int32)
-        positions = np.zeros((rows, width), np.int32)
-        last = np.zeros(rows, np.int32)
-        for row in range(rows):
-            slot, index = admitted[min(row, len(admitted) - 1)]  # bucket padding repeats the last row exactly
-            suffix = suffixes[min(row, len(admitted) - 1)]
-            reused = active[slot].reused
-            slot_ids[row] = slot
-            tokens[row, : len(suffix)] = suffix
-            positions[row] = reused + np.arange(width)
-            last[row] = len(suffix) - 1
-        first_logits, caches = self.model.run_jitted(
-            self._prefill, self.model.state, caches, slot_ids, tokens, positions, last
-        )
-        first_logits = np.array(first_logits)[: len(admitted)]
+        for chunk_start in range(0, longest, width):
+            slot_ids = np.zeros(rows, np.int32)
+            tokens = np.zeros((rows, width), np.int32)
+            positions = np.zeros((rows, width), np.int32)
+            last = np.zeros(rows, np.int32)
+            for row in range(rows):
+                i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
+                slot, suffix = admitted[i][0], suffixes[i][chunk_start : chunk_start + width]
+                slot_ids[row] = slot
+                tokens[row, : len(suffix)] = suffix
+                positions[row] = active[slot].reused + chunk_start + np.arange(width)
+                last[row] = max(len(suffix) - 1, 0)
+            step_logits, caches = self.model.run_jitted(
+                self._prefill, self.model.state, caches, slot_ids, tokens, positions, last
+            )
+            step_logits = np.asarray(step_logits)
+            for i, suffix in enumerate(suffixes):
+                if chunk_start < len(suffix) <= chunk_start + width:  # this request's last prompt token
+                    first_logits[i] = step_logits[i]
         if self.anchor_cache is not None:
             for slot, index in admitted:
                 self._store_anchors(caches, slot, requests[index].tokens)

@@ -89,3 +89,13 @@ def test_generate_through_the_engine_matches_alone_in_batch(model):
     prompts = [[9, 10, 11], [12] * 20, [30, 31]]
     alone = [model.generate([p], max_new_tokens=5)[0] for p in prompts]
     assert model.generate(prompts, max_new_tokens=5) == alone
+
+
+def test_chunked_prefill_of_long_prompts(model, monkeypatch):
+    import moe_jax.engine as engine_module
+
+    rng = np.random.default_rng(3)
+    requests = [Request(rng.integers(8, 96, size=n).tolist(), 4) for n in (70, 5, 33)]
+    whole = [c.tokens for c in run(model, requests, slots=3, max_len=128)[1]]
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 32)  # 70 tokens: three chunks
+    assert [c.tokens for c in run(model, requests, slots=3, max_len=128)[1]] == whole
