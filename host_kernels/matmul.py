@@ -10,11 +10,18 @@ import numpy as np
 
 # Widened block size in bytes: about half of a per-core L2, so the block and its GEMM panel both fit.
 BLOCK_BYTES = 512 * 1024
+# Decode-size products (a few rows) fall into OpenBLAS's skinny-GEMM regime, which reads weights at a third of
+# the GEMV rate; cutting the weight into column panels of this width roughly doubles the rate for 2-4 rows
+# (measured on 4096 x 2816 float32 panels streamed from RAM: 3.7 -> 8.4 GB/s at 2 rows, 3.6 -> 5.9 at 4).
+SKINNY_ROWS = 4
+SKINNY_PANEL_COLS = 256
 
 
 def matmul_w(x: np.ndarray, w: np.ndarray, transpose: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """x @ w (or x @ w.T when `transpose`), float32 result; `w` may be bfloat16 storage."""
     if w.dtype == np.float32:
+        if not transpose and 1 < x.shape[0] <= SKINNY_ROWS and w.shape[1] > SKINNY_PANEL_COLS:
+            return _panelled(x, w, out)
         return np.matmul(x, w.T if transpose else w, out=out)
     if transpose:  # contraction over w's columns
         k, cols = w.shape[1], w.shape[0]
@@ -35,4 +42,11 @@ def _zeros(rows, cols, out):
     if out is None:
         return np.zeros((rows, cols), dtype=np.float32)
     out[...] = 0
+    return out
+
+
+def _panelled(x, w, out):
+    out = np.empty((x.shape[0], w.shape[1]), np.float32) if out is None else out
+    for c0 in range(0, w.shape[1], SKINNY_PANEL_COLS):
+        np.matmul(x, w[:, c0 : c0 + SKINNY_PANEL_COLS], out=out[:, c0 : c0 + SKINNY_PANEL_COLS])
     return out

@@ -216,3 +216,16 @@ def test_worker_failure_surfaces_in_caller(monkeypatch):
     np.testing.assert_allclose(  # the pool still works afterwards
         engine.forward(2, x, ids, weights), numpy_reference_forward(engine.store[2], x, ids, weights), atol=1e-4
     )
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_decode_size_products_match_numpy(rows):
+    from host_kernels.matmul import matmul_w
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 600)).astype(np.float32)  # wider than one panel
+    np.testing.assert_allclose(matmul_w(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    out = np.zeros((rows, 600), np.float32)
+    assert matmul_w(x, w, out=out) is out
+    np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-5)
