@@ -47,6 +47,7 @@ class Model:
 
     def _set_transformer(self, transformer: Transformer):
         self.graphdef, self.state = nnx.split(transformer)
+        self._engines = {}  # compiled for the old structure
         graphdef = self.graphdef
 
         def forward(state, tokens_bt, positions_bt, caches):
@@ -135,6 +136,20 @@ class Model:
     def forward_cached(self, tokens_bt, positions_bt, caches):
         """One jit-compiled step over the KV caches: returns (logits [b, t, vocab], updated caches)."""
         return self._forward(self.state, tokens_bt, positions_bt, caches)
+
+    def engine(self, slots: int, max_len: int, anchor_cache=None):
+        """A generation engine over this model; engines without an anchor cache are kept and reused, so their
+        compiled steps are too (an evaluation loop does not recompile each time)."""
+        from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, round_up
+
+        if anchor_cache is not None:
+            return GenerationEngine(self, slots, max_len, anchor_cache)
+        key = (slots, round_up(max_len, TOKEN_BUCKET))
+        if key not in self._engines:
+            self._engines[key] = GenerationEngine(self, *key)
+        engine = self._engines[key]
+        engine.stats = type(engine.stats)()
+        return engine
 
     def generate(
         self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_jax.engine import Completion, GenerationEngine, Request
+from moe_jax.engine import Completion, Request
 from moe_jax.errors import InputError
 from moe_jax.sampling import check_sampling
 
@@ -64,7 +64,7 @@ def generate_tokens(
             f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the context window "
             f"({model.config.max_position_embeddings})"
         )
-    engine = GenerationEngine(model, slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache)
+    engine = model.engine(slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache)
     requests = [Request(list(p), max_new_tokens, seed + i) for i, p in enumerate(prompts)]
     completions = engine.run(
         requests, temperature, top_p, top_k, eos_ids=model.config.eos_token_ids, should_stop=should_stop

@@ -276,3 +276,14 @@ def test_packing_keeps_targets_and_fills_rows():
     rows = pack(examples, 6)
     assert [r.ids for r in rows] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     assert [r.mask for r in rows] == [[0, 1, 1, 0, 1], [0, 0, 1, 1]]
+
+
+def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
+    default = TrainConfig.from_sources(str(ROOT / "configs" / "default.toml"), {})
+    assert default == TrainConfig().validate()
+    mixtral = TrainConfig.from_sources(str(ROOT / "configs" / "mixtral-8x7b-chat-lora.toml"), {"max_steps": 5})
+    assert mixtral.max_steps == 5 and mixtral.grad_accum == 8  # flags override the file
+    bad = tmp_path / "bad.toml"
+    bad.write_text("learning_rat = 0.1\n")
+    with pytest.raises(moe_jax.ConfigError, match=r"bad.toml: unknown setting\(s\) \['learning_rat'\]"):
+        TrainConfig.from_sources(str(bad), {})
