@@ -3,10 +3,11 @@
 Forward, for each (token t, slot k) pair routed to expert e with weight w:
     a = silu(x_t @ Wg_e) * (x_t @ Wu_e)          phase 1, tiles over ffn columns
     y_t += w * (a @ Wd_e)                          phase 2, tiles over hidden columns
-Backward recomputes phase 1 instead of keeping it from the forward pass. Keeping it would cost
-pairs x 2 x ffn floats per layer held between the passes (for 4 x 512 tokens, top-2, ffn 1408: 46 MB a layer,
-times every layer of the model), and the forward callback would have to hand a buffer to a later, separate
-callback. Recomputing costs one extra x @ W13 GEMM: 4 of the 16 GEMM FLOP units of a forward+backward.
+Backward recomputes phase 1 by default: keeping it costs pairs x 2 x ffn floats per layer held between the passes
+(for 4 x 512 tokens, top-2, ffn 1408: 46 MB a layer, times every layer of the model), while recomputing costs one
+extra x @ W13 GEMM: 4 of the 16 GEMM FLOP units of a forward+backward. A caller with the memory uses
+`forward_keeping`, which returns the pre-activations for `backward(..., saved=)` (the host backend does, under a
+byte budget).
 The routing-weight gradient needs no extra GEMM: dL/dw = <dy_t, a @ Wd_e> = <dy_t @ Wd_e^T, a>, and
 dy_t @ Wd_e^T is needed anyway.
 
@@ -17,6 +18,7 @@ Work is split into tiles (see schedule.py) and run on a WorkerPool; statistics o
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +64,14 @@ class HostMoE:
 
     # ---------------------------------------------------------------- forward
     def forward(self, layer: int, x_td, ids_tk, weights_tk, lora: ExpertLoRA | None = None) -> np.ndarray:
+        return self._forward(layer, x_td, ids_tk, weights_tk, lora, keep=False)[0]
+
+    def forward_keeping(self, layer: int, x_td, ids_tk, weights_tk, lora: ExpertLoRA | None = None):
+        """Forward that also returns the gate/up pre-activations, so `backward(..., saved=)` skips recomputing
+        them (one x @ W13 GEMM, 4 of the 16 GEMM FLOP units of forward+backward) at pairs x 2f floats of memory."""
+        return self._forward(layer, x_td, ids_tk, weights_tk, lora, keep=True)
+
+    def _forward(self, layer, x_td, ids_tk, weights_tk, lora, keep: bool):
         start = time.perf_counter()
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
@@ -72,9 +82,13 @@ class HostMoE:
         f, d = w.ffn, w.hidden
         act = np.empty((routing.pairs, f), np.float32)
         out_s = _rows_plus_zero_row(routing.pairs, d)  # weighted expert outputs, in expert-sorted pair order
+        h_s = np.empty((routing.pairs, 2 * f), np.float32) if keep else None
 
         def gate_up(tile: Tile):
             hg, hu = _gate_up(w, lora, tile, x_td[routing.token_of_pair[tile.rows]])
+            if keep:
+                h_s[tile.rows, tile.cols] = hg
+                h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
             swiglu_into(hg, hu, act[tile.rows, tile.cols])
 
         def down(tile: Tile):
@@ -90,7 +104,7 @@ class HostMoE:
         y = self._combine(stats, layer, out_s, routing)
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
-        return y
+        return y, (SavedActivations(layer, ids_tk.copy(), h_s) if keep else None)
 
     def _combine(self, stats: CallStats, layer: int, rows_sorted, routing: Routing) -> np.ndarray:
         """y_t = sum over t's slots of the expert-sorted rows: a gather and add, split over token blocks.
@@ -111,8 +125,21 @@ class HostMoE:
         return y
 
     # ---------------------------------------------------------------- backward
-    def backward(self, layer: int, x_td, ids_tk, weights_tk, dy_td, lora: ExpertLoRA | None = None):
-        """Returns (dx [t, d], d_weights [t, k], LoRA gradients as an ExpertLoRA or None)."""
+    def backward(
+        self,
+        layer: int,
+        x_td,
+        ids_tk,
+        weights_tk,
+        dy_td,
+        lora: ExpertLoRA | None = None,
+        saved: SavedActivations | None = None,
+    ):
+        """Returns (dx [t, d], d_weights [t, k], LoRA gradients as an ExpertLoRA or None).
+
+        `saved` (from `forward_keeping` on the same inputs) replaces recomputing the gate/up pre-activations; it is
+        consumed (overwritten in place). Saved activations of another layer or routing are ignored.
+        """
         start = time.perf_counter()
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
@@ -128,11 +155,16 @@ class HostMoE:
         act = np.empty((p, f), np.float32) if keep_act else None
         tiles1 = plan_tiles(routing, f, self.threads)
         dw_blocks = np.zeros((p, max_column_blocks(tiles1)), np.float32)
+        if saved is not None and not (saved.layer == layer and np.array_equal(saved.ids_tk, ids_tk)):
+            saved = None
 
         def recompute_and_differentiate(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
             dy_r = dy_s[rows]
-            hg, hu = _gate_up(w, lora, tile, x_s[rows])
+            if saved is not None:
+                hg, hu = saved.h[rows, cols], saved.h[rows, f + cols.start : f + cols.stop]
+            else:
+                hg, hu = _gate_up(w, lora, tile, x_s[rows])
             g = matmul_w(dy_r, w.w2[e][cols, :], transpose=True)  # dL/da before the routing weight
             if lora is not None and lora.down is not None:
                 a_d, b_d = lora.down
@@ -153,7 +185,8 @@ class HostMoE:
             dh_gate *= dsilu
             np.multiply(g, hg, out=dh[rows, f + cols.start : f + cols.stop])
 
-        self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=2 * d + d)
+        phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
+        self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)
 
         dx_s = _rows_plus_zero_row(p, d)  # per pair, expert-sorted
 
@@ -200,6 +233,19 @@ class HostMoE:
             raise
         except Exception as e:
             raise HostKernelError(f"layer {layer}: host expert kernel failed: {type(e).__name__}: {e}") from e
+
+
+@dataclass
+class SavedActivations:
+    """Gate/up pre-activations of one forward call, in expert-sorted pair order ([pairs, 2f])."""
+
+    layer: int
+    ids_tk: np.ndarray
+    h: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.h.nbytes
 
 
 def _rows_plus_zero_row(rows: int, width: int) -> np.ndarray:

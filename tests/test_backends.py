@@ -161,3 +161,19 @@ def test_bad_placement_plan(checkpoint):
 
 def moe_layers(checkpoint):
     return moe_jax.load_model(checkpoint, backend="device").config.moe_layers
+
+
+def test_host_backward_uses_the_forwards_kept_activations(checkpoint):
+    model = moe_jax.load_model(checkpoint, backend="host")
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 96, size=(2, 9)))
+    engine = model.placement.runtime.engine
+    original, used = engine.backward, []
+
+    def spy(*args, saved=None, **kwargs):
+        used.append(saved is not None)
+        return original(*args, saved=saved, **kwargs)
+
+    engine.backward = spy
+    lora_loss_grad(model, tokens)
+    assert used == [True] * len(model.config.moe_layers)
+    assert not model.placement.runtime._kept  # consumed, nothing left behind

@@ -117,6 +117,7 @@ def test_forward_and_backward_match_references(kind, storage, with_lora, threads
     np.testing.assert_allclose(y, numpy_reference_forward(layer, x, ids, weights, lora), rtol=1e-4, atol=1e-4)
 
     dx, dweights, dlora = engine.backward(0, x, ids, weights, dy, lora)
+    recomputing_flops = engine.last_stats.flops
     arrays = {n: (jnp.asarray(a), jnp.asarray(b)) for n, (a, b) in lora_dict(lora).items()}
     scale = lora.scale if lora else 0.0
 
@@ -132,6 +133,14 @@ def test_forward_and_backward_match_references(kind, storage, with_lora, threads
         got_a, got_b = getattr(dlora, name)
         np.testing.assert_allclose(got_a, ga, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(got_b, gb, rtol=1e-4, atol=1e-4)
+
+    # keeping the forward's pre-activations gives the same gradients without recomputing them
+    y_kept, saved = engine.forward_keeping(0, x, ids, weights, lora)
+    np.testing.assert_array_equal(y_kept, y)
+    kept = engine.backward(0, x, ids, weights, dy, lora, saved=saved)
+    np.testing.assert_allclose(kept[0], dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kept[1], dweights, rtol=1e-5, atol=1e-5)
+    assert engine.last_stats.flops < recomputing_flops
 
 
 def test_matches_pure_jax_ragged_dot_layer():

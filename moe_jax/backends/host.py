@@ -12,6 +12,7 @@ import functools
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -31,10 +32,15 @@ class HostRuntime:
     call site (see `Model._run`).
     """
 
-    def __init__(self, engine: HostMoE, metrics: MetricsRecorder | None = None):
+    def __init__(self, engine: HostMoE, metrics: MetricsRecorder | None = None, keep_bytes: int = 2 << 30):
         self.engine = engine
         self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
+        # forward activations kept for the backward, by ticket, oldest first; beyond `keep_bytes` the oldest are
+        # dropped and their backward recomputes (so does a backward whose ticket is unknown)
+        self.keep_bytes = keep_bytes
+        self._kept: OrderedDict[int, object] = OrderedDict()
+        self._kept_bytes = 0
         # asynchronous calls (hybrid placement): one background thread drives the engine's pool
         self._background = ThreadPoolExecutor(1, thread_name_prefix="host-experts-submit")
         self._tickets = itertools.count()
@@ -47,8 +53,35 @@ class HostRuntime:
     def forward(self, layer: int, scale: float, x, ids, weights, lora: dict) -> np.ndarray:
         return self._guarded(self._forward, layer, scale, x, ids, weights, lora)
 
-    def backward(self, layer: int, scale: float, x, ids, weights, lora: dict, dy):
-        return self._guarded(self._backward, layer, scale, x, ids, weights, lora, dy)
+    def backward(self, layer: int, scale: float, x, ids, weights, lora: dict, dy, ticket=-1):
+        return self._guarded(self._backward, layer, scale, x, ids, weights, lora, dy, int(ticket))
+
+    def forward_keeping(self, layer: int, scale: float, x, ids, weights, lora: dict):
+        """Forward under differentiation: also keeps the pre-activations for the backward; returns (y, ticket)."""
+        return self._guarded(self._forward_keeping, layer, scale, x, ids, weights, lora)
+
+    def _forward_keeping(self, layer, scale, x, ids, weights, lora):
+        if self.keep_bytes <= 0:
+            return self._forward(layer, scale, x, ids, weights, lora), np.int32(-1)
+        x32 = np.asarray(x, np.float32)
+        y, saved = self.engine.forward_keeping(
+            layer, x32, ids, np.asarray(weights, np.float32), _expert_lora(scale, lora)
+        )
+        self._record(layer, inputs=(x, ids, weights, *lora.values()), outputs=(y,))
+        with self._lock:
+            ticket = next(self._tickets)
+            self._kept[ticket] = saved
+            self._kept_bytes += saved.nbytes
+            while self._kept_bytes > self.keep_bytes and self._kept:
+                self._kept_bytes -= self._kept.popitem(last=False)[1].nbytes
+        return y.astype(x.dtype), np.int32(ticket)
+
+    def _take_kept(self, ticket: int):
+        with self._lock:
+            saved = self._kept.pop(ticket, None)
+            if saved is not None:
+                self._kept_bytes -= saved.nbytes
+        return saved
 
     def _guarded(self, fn, *args, device_waits: bool = True):
         start = time.perf_counter()
@@ -95,7 +128,7 @@ class HostRuntime:
         self._record(layer, inputs=(x, ids, weights, *lora.values()), outputs=(y,))
         return y.astype(x.dtype)
 
-    def _backward(self, layer, scale, x, ids, weights, lora, dy):
+    def _backward(self, layer, scale, x, ids, weights, lora, dy, ticket=-1):
         dx, dweights, dlora = self.engine.backward(
             layer,
             np.asarray(x, np.float32),
@@ -103,6 +136,7 @@ class HostRuntime:
             np.asarray(weights, np.float32),
             np.asarray(dy, np.float32),
             _expert_lora(scale, lora),
+            saved=self._take_kept(ticket) if ticket >= 0 else None,
         )
         grads = {name: getattr(dlora, name.split("_")[0])[name.endswith("_b")] for name in lora}
         self._record(layer, inputs=(x, ids, weights, dy, *lora.values()), outputs=(dx, dweights, *grads.values()))
@@ -149,11 +183,20 @@ def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, w
 
 
 def _host_experts_fwd(runtime, layer, scale, x_td, ids_tk, weights_tk, lora):
-    return host_experts(runtime, layer, scale, x_td, ids_tk, weights_tk, lora), (x_td, ids_tk, weights_tk, lora)
+    y, ticket = jax.pure_callback(
+        functools.partial(runtime.forward_keeping, layer, scale),
+        (jax.ShapeDtypeStruct(x_td.shape, x_td.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
+        x_td,
+        ids_tk,
+        weights_tk,
+        lora,
+        vmap_method="sequential",
+    )
+    return y, (x_td, ids_tk, weights_tk, lora, ticket)
 
 
 def _host_experts_bwd(runtime, layer, scale, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora = residuals
+    x_td, ids_tk, weights_tk, lora, ticket = residuals
     shapes = (
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
         jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
@@ -167,6 +210,7 @@ def _host_experts_bwd(runtime, layer, scale, residuals, dy_td):
         weights_tk,
         lora,
         dy_td,
+        ticket,
         vmap_method="sequential",
     )
     ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
