@@ -1,0 +1,171 @@
+"""`python -m moe_jax.probe [--model DIR] [--out FILE]`: this machine's figures for choosing where experts compute.
+
+Measures, for one expert of the model's shape (or the bench shape without --model):
+  bus      host->device bandwidth: pinned-host expert buffers copied to device memory inside jit, as the offload
+           backend does;
+  host     host_kernels' time for one expert at decode and prefill sizes (rows routed to it): GFLOP/s, weight GB/s;
+  device   the same expert computed by the pure-JAX path on device-resident weights;
+  both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth).
+Writes a JSON profile (the cost model's input; default probe.json) and prints a table. On a machine without an
+accelerator the "device" is the CPU client's device memory: the figures are real for this machine, not a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moe_jax.cli import run_cli
+
+ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def expert_shape(model_dir) -> tuple[int, int]:
+    if model_dir is None:
+        return 512, 1408
+    from moe_jax.checkpoint import open_checkpoint
+
+    config = open_checkpoint(model_dir).config
+    return config.hidden_size, config.expert_intermediate_size
+
+
+def probe_bus(d: int, f: int, repeats: int, copies: int = 4) -> dict:
+    """Seconds to copy `copies` experts (fresh buffers each, so nothing is cached on the device) host->device."""
+    import jax
+
+    from moe_jax.backends.offload import memory_sharding
+
+    host, device = memory_sharding("pinned_host"), memory_sharding("device")
+    rng = np.random.default_rng(0)
+    buffers = [jax.device_put(rng.standard_normal((3 * d * f,), np.float32), host) for _ in range(copies)]
+    move = jax.jit(lambda bufs: [jax.device_put(b, device) for b in bufs])
+    seconds = _best(lambda: jax.block_until_ready(move(buffers)), repeats)
+    nbytes = sum(b.nbytes for b in buffers)
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
+
+
+def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> list[dict]:
+    from host_kernels.engine import HostMoE
+    from host_kernels.store import ExpertStore, LayerExperts
+
+    rng = np.random.default_rng(1)
+    # 8 experts so that decode-size calls read weights from RAM, as in a real step, rather than from cache
+    layer = LayerExperts(
+        (rng.standard_normal((8, d, 2 * f)) / np.sqrt(d)).astype(np.float32),
+        (rng.standard_normal((8, f, d)) / np.sqrt(f)).astype(np.float32),
+    )
+    engine = HostMoE(ExpertStore({0: layer}), threads=threads)
+    out = []
+    for n in rows:
+        x = rng.standard_normal((n * 8, d)).astype(np.float32)
+        ids = np.repeat(np.arange(8), n)[:, None]  # n rows for each of the 8 experts
+        w = np.ones_like(ids, np.float32)
+        seconds = _best(lambda x=x, ids=ids, w=w: engine.forward(0, x, ids, w), repeats) / 8
+        flops = engine.last_stats.flops / 8
+        out.append(
+            {
+                "rows": n,
+                "seconds": seconds,
+                "gflops": flops / seconds / 1e9,
+                "weight_gbps": 3 * d * f * 4 / seconds / 1e9,
+            }
+        )
+    return out
+
+
+def probe_device(d: int, f: int, rows: tuple[int, ...], repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.moe import grouped_swiglu
+
+    rng = np.random.default_rng(2)
+    w13 = jnp.asarray(rng.standard_normal((1, d, 2 * f)) / np.sqrt(d), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((1, f, d)) / np.sqrt(f), jnp.float32)
+    run = jax.jit(lambda x: grouped_swiglu(x, w13, w2, jnp.array([x.shape[0]], jnp.int32)))
+    out = []
+    for n in rows:
+        x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+        seconds = _best(lambda x=x: run(x).block_until_ready(), repeats)
+        out.append({"rows": n, "seconds": seconds, "gflops": 6 * n * d * f / seconds / 1e9})
+    return out
+
+
+def probe_both(d: int, f: int, repeats: int, threads: int | None) -> dict:
+    """Host expert work and bus copies at the same time: each side's rate while the other runs."""
+    stop = threading.Event()
+    bus_results = []
+
+    def copy_loop():
+        while not stop.is_set():
+            bus_results.append(probe_bus(d, f, 1))
+
+    worker = threading.Thread(target=copy_loop, daemon=True)
+    worker.start()
+    try:
+        host = probe_host(d, f, (1, 64), repeats, threads)
+    finally:
+        stop.set()
+        worker.join()
+    return {"host": host, "bus_gbps": float(np.median([r["gbps"] for r in bus_results])) if bus_results else None}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m moe_jax.probe", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="take the expert shape from this checkpoint")
+    parser.add_argument("--out", type=Path, default=Path("probe.json"))
+    parser.add_argument("--threads", type=int, help="host expert engine threads (default: all cores)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    parser.add_argument("--shape", type=int, nargs=2, metavar=("HIDDEN", "FFN"), help="expert shape (no --model)")
+    args = parser.parse_args(argv)
+    import jax
+
+    d, f = tuple(args.shape) if args.shape else expert_shape(args.model)
+    rows = (1, 16, 256) if args.quick else ROWS
+    profile = {
+        "machine": {"platform": platform.platform(), "jax_device": str(jax.devices()[0])},
+        "expert": {"hidden": d, "ffn": f, "bytes": 3 * d * f * 4, "dtype": "float32"},
+        "bus": probe_bus(d, f, args.repeats),
+        "host": probe_host(d, f, rows, args.repeats, args.threads),
+        "device": probe_device(d, f, rows, args.repeats),
+        "both": probe_both(d, f, args.repeats, args.threads),
+    }
+    args.out.write_text(json.dumps(profile, indent=1))
+    print(f"expert {d} x {f} ({profile['expert']['bytes'] / 2**20:.1f} MiB), device {profile['machine']['jax_device']}")
+    print(
+        f"bus host->device: {profile['bus']['gbps']:.2f} GB/s alone, "
+        f"{profile['both']['bus_gbps'] or float('nan'):.2f} GB/s while the host computes"
+    )
+    print(
+        f"{'rows':>6} {'host us':>10} {'host GFLOP/s':>13} {'host GB/s':>10} {'device us':>10} {'device GFLOP/s':>15}"
+    )
+    for h, dv in zip(profile["host"], profile["device"], strict=True):
+        print(
+            f"{h['rows']:>6} {h['seconds'] * 1e6:>10.0f} {h['gflops']:>13.1f} {h['weight_gbps']:>10.2f} "
+            f"{dv['seconds'] * 1e6:>10.0f} {dv['gflops']:>15.1f}"
+        )
+    both = profile["both"]["host"]
+    print("host while copying: " + ", ".join(f"{b['rows']} rows {b['weight_gbps']:.2f} GB/s" for b in both))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
