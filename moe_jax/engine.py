@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.anchor_cache import AnchorCache
+from moe_jax.errors import InputError
 from moe_jax.sampling import sample
 
 TOKEN_BUCKET = 32
@@ -114,6 +115,12 @@ class GenerationEngine:
         on_finish: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:
         model = self.model
+        for i, r in enumerate(requests):
+            if not r.tokens or len(r.tokens) + r.max_new_tokens > self.max_len:
+                raise InputError(
+                    f"request {i}: {len(r.tokens)} prompt tokens + {r.max_new_tokens} new tokens do not fit this "
+                    f"engine's {self.max_len}-token cache (or the prompt is empty)"
+                )
         caches = model.new_caches(self.slots, self.max_len)
         waiting = deque(range(len(requests)))
         active: dict[int, _Slot] = {}

@@ -99,3 +99,9 @@ def test_chunked_prefill_of_long_prompts(model, monkeypatch):
     whole = [c.tokens for c in run(model, requests, slots=3, max_len=128)[1]]
     monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 32)  # 70 tokens: three chunks
     assert [c.tokens for c in run(model, requests, slots=3, max_len=128)[1]] == whole
+
+
+def test_request_that_does_not_fit_the_cache_is_refused(model):
+    engine = GenerationEngine(model, 2, 32)
+    with pytest.raises(moe_jax.InputError, match="request 1: 30 prompt tokens \\+ 8 new tokens do not fit"):
+        engine.run([Request([5, 6], 4), Request([9] * 30, 8)])
