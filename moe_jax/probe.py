@@ -4,7 +4,7 @@ Measures, for one expert of the model's shape (or the bench shape without --mode
   bus      host->device bandwidth: pinned-host expert buffers copied to device memory inside jit, as the offload
            backend does;
   host     host_kernels' time for one expert at decode and prefill sizes (rows routed to it): GFLOP/s, weight GB/s;
-  device   the same expert computed by the pure-JAX path on device-resident weights;
+  device   the device backend's layer (ragged_dot) on device-resident weights, per expert;
   both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth).
 Writes a JSON profile (the cost model's input; default probe.json) and prints a table. On a machine without an
 accelerator the "device" is the CPU client's device memory: the figures are real for this machine, not a GPU.
@@ -61,7 +61,7 @@ def probe_bus(d: int, f: int, repeats: int, copies: int = 4) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
 
 
-def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> list[dict]:
+def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> tuple[list[dict], float]:
     from host_kernels.engine import HostMoE
     from host_kernels.store import ExpertStore, LayerExperts
 
@@ -73,6 +73,8 @@ def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int
     )
     engine = HostMoE(ExpertStore({0: layer}), threads=threads)
     out = []
+    x1 = rng.standard_normal((1, d)).astype(np.float32)
+    one = _best(lambda: engine.forward(0, x1, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)), repeats)
     for n in rows:
         x = rng.standard_normal((n * 8, d)).astype(np.float32)
         ids = np.repeat(np.arange(8), n)[:, None]  # n rows for each of the 8 experts
@@ -87,25 +89,34 @@ def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int
                 "weight_gbps": 3 * d * f * 4 / seconds / 1e9,
             }
         )
-    return out
+    # what one call costs beyond its experts' share (dispatch, routing, combine): the cost model adds it per layer
+    return out, max(0.0, one - out[0]["seconds"])
 
 
-def probe_device(d: int, f: int, rows: tuple[int, ...], repeats: int) -> list[dict]:
+def probe_device(d: int, f: int, rows: tuple[int, ...], repeats: int) -> tuple[list[dict], float]:
+    """The device backend's layer (expert-sorted ragged_dot) over 8 resident experts, n rows each, per expert."""
     import jax
     import jax.numpy as jnp
 
-    from moe_jax.moe import grouped_swiglu
+    from moe_jax.moe import DeviceExperts
 
     rng = np.random.default_rng(2)
-    w13 = jnp.asarray(rng.standard_normal((1, d, 2 * f)) / np.sqrt(d), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((1, f, d)) / np.sqrt(f), jnp.float32)
-    run = jax.jit(lambda x: grouped_swiglu(x, w13, w2, jnp.array([x.shape[0]], jnp.int32)))
+    experts = DeviceExperts(
+        jnp.asarray(rng.standard_normal((8, d, 2 * f)) / np.sqrt(d), jnp.float32),
+        jnp.asarray(rng.standard_normal((8, f, d)) / np.sqrt(f), jnp.float32),
+    )
+    run = jax.jit(lambda x, ids, w: experts(x, ids, w))
     out = []
+    x1 = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    ids1, w1 = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.float32)
+    one = _best(lambda: run(x1, ids1, w1).block_until_ready(), repeats)
     for n in rows:
-        x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
-        seconds = _best(lambda x=x: run(x).block_until_ready(), repeats)
+        x = jnp.asarray(rng.standard_normal((n * 8, d)), jnp.float32)
+        ids = jnp.asarray(np.repeat(np.arange(8), n)[:, None], jnp.int32)
+        w = jnp.ones(ids.shape, jnp.float32)
+        seconds = _best(lambda x=x, ids=ids, w=w: run(x, ids, w).block_until_ready(), repeats) / 8
         out.append({"rows": n, "seconds": seconds, "gflops": 6 * n * d * f / seconds / 1e9})
-    return out
+    return out, max(0.0, one - out[0]["seconds"])
 
 
 def probe_both(d: int, f: int, repeats: int, threads: int | None) -> dict:
@@ -120,7 +131,7 @@ def probe_both(d: int, f: int, repeats: int, threads: int | None) -> dict:
     worker = threading.Thread(target=copy_loop, daemon=True)
     worker.start()
     try:
-        host = probe_host(d, f, (1, 64), repeats, threads)
+        host, _ = probe_host(d, f, (1, 64), repeats, threads)
     finally:
         stop.set()
         worker.join()
@@ -144,10 +155,10 @@ def main(argv=None):
         "machine": {"platform": platform.platform(), "jax_device": str(jax.devices()[0])},
         "expert": {"hidden": d, "ffn": f, "bytes": 3 * d * f * 4, "dtype": "float32"},
         "bus": probe_bus(d, f, args.repeats),
-        "host": probe_host(d, f, rows, args.repeats, args.threads),
-        "device": probe_device(d, f, rows, args.repeats),
-        "both": probe_both(d, f, args.repeats, args.threads),
     }
+    profile["host"], profile["host_call_s"] = probe_host(d, f, rows, args.repeats, args.threads)
+    profile["device"], profile["device_call_s"] = probe_device(d, f, rows, args.repeats)
+    profile["both"] = probe_both(d, f, args.repeats, args.threads)
     args.out.write_text(json.dumps(profile, indent=1))
     print(f"expert {d} x {f} ({profile['expert']['bytes'] / 2**20:.1f} MiB), device {profile['machine']['jax_device']}")
     print(
@@ -164,6 +175,10 @@ def main(argv=None):
         )
     both = profile["both"]["host"]
     print("host while copying: " + ", ".join(f"{b['rows']} rows {b['weight_gbps']:.2f} GB/s" for b in both))
+    print(
+        f"fixed cost per layer call: host {profile['host_call_s'] * 1e6:.0f} us, "
+        f"device {profile['device_call_s'] * 1e6:.0f} us"
+    )
     print(f"wrote {args.out}")
 
 
