@@ -5,7 +5,9 @@
 
 The base is a tiny Mixtral (4 experts, top-2) pretrained from scratch with transformers on two generated string
 tasks, `copy` and `sort` (moe_jax/data/tasks.py). The fine-tuning task is `reverse`, which the base has never
-seen: `python train.py` teaches it with LoRA. A character-level tokenizer.json with a chat template is written
+seen: `python train.py` teaches it with LoRA. data/reverse_train.jsonl holds 2000 `reverse` examples plus 500
+replayed `copy`/`sort` ones (so the adapter does not make the model forget them); data/reverse_eval.jsonl holds
+200 held-out `reverse` examples. A character-level tokenizer.json with a chat template is written
 beside the weights. Deterministic for a given seed; takes a few minutes on 2 CPU cores.
 """
 
@@ -60,7 +62,11 @@ def write_data(data_dir: Path, seed: int) -> set[str]:
     data_dir.mkdir(exist_ok=True)
     train = examples(FINETUNE_TASK, 2000, seed=seed + 1)
     held_out = examples(FINETUNE_TASK, 200, seed=seed + 2, exclude={p for p, _ in train})
-    for name, rows in (("reverse_train.jsonl", train), ("reverse_eval.jsonl", held_out)):
+    # replay: some examples of the tasks the base knows, so the adapter adds `reverse` without forgetting them
+    replay = [ex for i, t in enumerate(BASE_TASKS) for ex in examples(t, 250, seed=seed + 20 + i)]
+    mixed = train + replay
+    random.Random(seed + 4).shuffle(mixed)
+    for name, rows in (("reverse_train.jsonl", mixed), ("reverse_eval.jsonl", held_out)):
         with open(data_dir / name, "w") as f:
             for p, a in rows:
                 f.write(json.dumps({"instruction": p, "output": a}) + "\n")

@@ -41,7 +41,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     max_seq_len: int = 32
-    max_steps: int = 300
+    max_steps: int = 400
     pack: bool = False
     long_examples: str = "truncate"
     skip_bad_lines: bool = False
