@@ -17,7 +17,6 @@ from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.layers import LoRAParam
 from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
@@ -50,8 +49,8 @@ class Model:
         self._engines = {}  # compiled for the old structure
         graphdef = self.graphdef
 
-        def forward(state, tokens_bt, positions_bt, caches):
-            return nnx.merge(graphdef, state)(tokens_bt, positions_bt, caches)
+        def forward(state, tokens_bt, positions_bt):
+            return nnx.merge(graphdef, state)(tokens_bt, positions_bt)[0]
 
         self._forward_jit = jax.jit(forward)
 
@@ -73,18 +72,11 @@ class Model:
         self._set_transformer(transformer)
         self.lora_config = config
 
-    def lora_state(self):
-        """The trainable LoRA parameters as an nnx.State."""
-        return nnx.state(self.transformer, LoRAParam)
-
     def set_lora_state(self, lora_state):
         """Replaces the LoRA parameters' values (same structure); compiled steps are reused."""
         transformer = self.transformer
         nnx.update(transformer, lora_state)
         _, self.state = nnx.split(transformer)
-
-    def _forward(self, *args):
-        return self.run_jitted(self._forward_jit, *args)
 
     def run_jitted(self, fn, *args):
         """Runs a jitted function of this model; an error raised inside a host callback is re-raised here as
@@ -124,7 +116,7 @@ class Model:
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise InputError(f"input_ids must have shape [batch, seq] with seq >= 1, got {ids.shape}")
         positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-        logits, _ = self._forward(self.state, ids, positions, None)
+        logits = self.run_jitted(self._forward_jit, self.state, ids, positions)
         return np.asarray(logits, dtype=np.float32)
 
     def new_caches(self, batch: int, length: int):
@@ -132,10 +124,6 @@ class Model:
         shape = (batch, length, c.num_kv_heads, c.head_dim)
         dtype = DTYPES[self.dtype]
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
-
-    def forward_cached(self, tokens_bt, positions_bt, caches):
-        """One jit-compiled step over the KV caches: returns (logits [b, t, vocab], updated caches)."""
-        return self._forward(self.state, tokens_bt, positions_bt, caches)
 
     def engine(self, slots: int, max_len: int, anchor_cache=None):
         """A generation engine over this model; engines without an anchor cache are kept and reused, so their

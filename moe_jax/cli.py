@@ -15,7 +15,7 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     """Runs `main`; a user-caused error prints `error: ...` to stderr and returns exit code 2."""
     try:
         return main(argv) or 0
-    except (MoeJaxError, HostKernelError, NotImplementedError) as e:
+    except (MoeJaxError, HostKernelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

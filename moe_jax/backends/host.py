@@ -61,20 +61,16 @@ class HostRuntime:
         return self._guarded(self._forward_keeping, layer, scale, x, ids, weights, lora)
 
     def _forward_keeping(self, layer, scale, x, ids, weights, lora):
-        if self.keep_bytes <= 0:
-            return self._forward(layer, scale, x, ids, weights, lora), np.int32(-1)
-        x32 = np.asarray(x, np.float32)
-        y, saved = self.engine.forward_keeping(
-            layer, x32, ids, np.asarray(weights, np.float32), _expert_lora(scale, lora)
-        )
-        self._record(layer, inputs=(x, ids, weights, *lora.values()), outputs=(y,))
+        y, saved = self._run_forward(layer, scale, x, ids, weights, lora, keep=self.keep_bytes > 0)
+        if saved is None:
+            return y, np.int32(-1)
         with self._lock:
             ticket = next(self._tickets)
             self._kept[ticket] = saved
             self._kept_bytes += saved.nbytes
             while self._kept_bytes > self.keep_bytes and self._kept:
                 self._kept_bytes -= self._kept.popitem(last=False)[1].nbytes
-        return y.astype(x.dtype), np.int32(ticket)
+        return y, np.int32(ticket)
 
     def _take_kept(self, ticket: int):
         with self._lock:
@@ -123,10 +119,14 @@ class HostRuntime:
         return result
 
     def _forward(self, layer, scale, x, ids, weights, lora):
-        x32 = np.asarray(x, np.float32)
-        y = self.engine.forward(layer, x32, ids, np.asarray(weights, np.float32), _expert_lora(scale, lora))
+        return self._run_forward(layer, scale, x, ids, weights, lora, keep=False)[0]
+
+    def _run_forward(self, layer, scale, x, ids, weights, lora, keep: bool):
+        """(y in x's dtype, saved pre-activations when `keep`, else None), with the call's metrics recorded."""
+        args = (layer, np.asarray(x, np.float32), ids, np.asarray(weights, np.float32), _expert_lora(scale, lora))
+        y, saved = self.engine.forward_keeping(*args) if keep else (self.engine.forward(*args), None)
         self._record(layer, inputs=(x, ids, weights, *lora.values()), outputs=(y,))
-        return y.astype(x.dtype)
+        return y.astype(x.dtype), saved
 
     def _backward(self, layer, scale, x, ids, weights, lora, dy, ticket=-1):
         dx, dweights, dlora = self.engine.backward(
