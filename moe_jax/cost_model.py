@@ -11,6 +11,7 @@ bandwidth measured while the host computes when both lanes are busy (they share 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ class Profile:
     device_seconds: np.ndarray
     host_call_s: float = 0.0  # fixed cost of one host call (dispatch, routing, combine), beyond its experts
     device_call_s: float = 0.0
+    host_workers: int = 1  # threads the host times were measured with
 
     @classmethod
     def load(cls, path) -> Profile:
@@ -51,26 +53,56 @@ class Profile:
             np.array([r["seconds"] for r in p["device"]], float),
             float(p.get("host_call_s", 0.0)),
             float(p.get("device_call_s", 0.0)),
+            int(p.get("host_threads", 1)),
         )
 
-    def host_time(self, rows: float) -> float:
-        return _interpolate(self.host_rows, self.host_seconds, rows)
+    def host_time(self, rows):
+        """Host seconds for one expert with `rows` rows (a number or an array of them)."""
+        return _plain(_interpolate(self.host_rows, self.host_seconds, np.asarray(rows, float)))
 
-    def device_time(self, rows: float) -> float:
-        return _interpolate(self.device_rows, self.device_seconds, rows)
+    def device_time(self, rows):
+        return _plain(_interpolate(self.device_rows, self.device_seconds, np.asarray(rows, float)))
+
+    def with_bus(self, gbps: float) -> Profile:
+        """The same machine behind a bus of `gbps` (the shared-RAM slowdown kept in proportion): a simulated bus."""
+        return dataclasses.replace(self, bus_gbps=gbps, bus_gbps_shared=gbps * self.bus_gbps_shared / self.bus_gbps)
 
     def copy_time(self, shared: bool) -> float:
         return self.expert_bytes / ((self.bus_gbps_shared if shared else self.bus_gbps) * 1e9)
 
 
-def _interpolate(rows_table: np.ndarray, seconds_table: np.ndarray, rows: float) -> float:
-    """Linear between measured sizes (time is affine in rows within a regime), extrapolated by the last slope."""
-    if rows <= 0:
-        return 0.0
-    if rows >= rows_table[-1]:
-        slope = (seconds_table[-1] - seconds_table[-2]) / (rows_table[-1] - rows_table[-2])
-        return float(seconds_table[-1] + slope * (rows - rows_table[-1]))
-    return float(np.interp(rows, rows_table, seconds_table))
+def _plain(values):
+    return float(values) if np.ndim(values) == 0 else values
+
+
+def _interpolate(rows_table, seconds_table, rows, xp=np):
+    """Linear between measured sizes (time is affine in rows within a regime), extrapolated by the last slope;
+    zero rows cost nothing. `xp` is numpy or jax.numpy (the planner also runs inside jit)."""
+    slope = (seconds_table[-1] - seconds_table[-2]) / (rows_table[-1] - rows_table[-2])
+    beyond = seconds_table[-1] + slope * (rows - rows_table[-1])
+    inside = xp.interp(rows, xp.asarray(rows_table), xp.asarray(seconds_table))
+    return xp.where(rows <= 0, 0.0, xp.where(rows > rows_table[-1], beyond, inside))
+
+
+def _host_lane(profile: Profile, host_s, rows, on_host, xp=np):
+    """Host lane of the experts masked by `on_host` (leading axes: alternatives). The per-expert seconds were
+    measured with every worker busy, but work spreads over the workers in whole tiles, cut as
+    host_kernels.schedule cuts them (by rows in half-share pieces from 64 rows, else by columns when bigger than
+    a share), so 5 equal tiles on 2 workers take 3 tiles' time, not 2.5."""
+    workers = profile.host_workers
+    seconds = xp.sum(xp.where(on_host, host_s, 0.0), axis=-1)
+    share = xp.maximum(seconds / workers, 1e-12)[..., None]
+    by_rows = xp.minimum(xp.ceil(host_s / (share / 2)), xp.floor(rows / 32))
+    by_cols = xp.minimum(xp.ceil(host_s / share), workers)
+    pieces = xp.where((rows >= 64) & (host_s > share / 2), by_rows, by_cols)
+    pieces = xp.maximum(pieces, 1.0)
+    tiles = xp.sum(xp.where(on_host, pieces, 0.0), axis=-1)
+    # equal tiles leave the last round part-filled; largest-first, that last round holds the smallest tiles
+    spread = xp.ceil(tiles / workers) * workers / xp.maximum(tiles, 1.0) - 1.0
+    smallest = xp.min(xp.where(on_host, host_s / pieces, xp.inf), axis=-1)
+    smallest = xp.where(tiles > 0, smallest, 0.0)
+    smallest_over_mean = xp.where(tiles > 0, smallest * tiles / xp.maximum(seconds, 1e-12), 1.0)
+    return xp.where(tiles > 0, seconds * (1.0 + spread * smallest_over_mean) + profile.host_call_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -83,39 +115,99 @@ class LayerTime:
         return max(self.host_lane, self.device_lane)
 
 
+def _bus_seconds(profile: Profile, copies, host_lane, xp=np):
+    """Seconds to copy `copies` experts back to back from t=0: at the shared bandwidth while the host lane reads
+    RAM (until `host_lane`), at the full bandwidth after."""
+    nbytes = copies * profile.expert_bytes
+    shared_bps, full_bps = profile.bus_gbps_shared * 1e9, profile.bus_gbps * 1e9
+    moved_while_shared = host_lane * shared_bps
+    return xp.where(
+        nbytes <= moved_while_shared, nbytes / shared_bps, host_lane + (nbytes - moved_while_shared) / full_bps
+    )
+
+
+def _device_lane(profile: Profile, resident_s, device_s, streamed, host_lane, xp=np):
+    """Device lane: the fixed call cost and the resident experts first, then the experts masked by `streamed`,
+    copied back to back in the order given and each computed once its copy lands (a two-stage flow shop: the
+    lane ends at the latest of, over streamed experts i, the i-th copy's arrival plus the compute from i on),
+    into two buffers.
+    `device_s` are the experts' device seconds; leading axes are alternatives."""
+    mine = xp.where(streamed, device_s, 0.0)
+    after = xp.cumsum(mine, axis=-1)
+    streamed_s = after[..., -1]
+    compute = resident_s + streamed_s
+    compute = xp.where(compute > 0, compute + profile.device_call_s, 0.0)
+    arrival = _bus_seconds(profile, xp.cumsum(streamed, axis=-1), host_lane[..., None], xp)
+    from_here = streamed_s[..., None] - (after - mine)  # compute of this expert and the ones after it
+    waits = xp.max(xp.where(streamed, arrival + from_here, 0.0), axis=-1)
+    # two buffers: a copy cannot start before the expert two back has computed, so past the first copy each
+    # expert holds the lane for the longer of a copy and its compute; the quickest goes last
+    count = xp.sum(streamed, axis=-1)
+    copy = arrival[..., -1] / xp.maximum(count, 1)
+    quickest = xp.min(xp.where(streamed, device_s, xp.inf), axis=-1)
+    quickest = xp.where(count > 0, quickest, 0.0)
+    held = xp.sum(xp.where(streamed, xp.maximum(copy[..., None], device_s), 0.0), axis=-1)
+    buffered = xp.where(count > 0, arrival[..., 0] + held - xp.maximum(copy, quickest) + quickest, 0.0)
+    return xp.maximum(xp.maximum(compute, waits), buffered)
+
+
 def layer_time(profile: Profile, tokens_per_expert, placement) -> LayerTime:
     """Predicted time of one layer: `placement[e]` in PLACES for each expert e."""
-    host = sum(profile.host_time(n) for n, p in zip(tokens_per_expert, placement, strict=True) if p == "host")
-    host += profile.host_call_s if host else 0.0
-    compute = [profile.device_time(n) for n, p in zip(tokens_per_expert, placement, strict=True) if p != "host" and n]
-    if compute:
-        compute[0] += profile.device_call_s
-    streamed = sum(1 for n, p in zip(tokens_per_expert, placement, strict=True) if p == "stream" and n)
-    copy = profile.copy_time(shared=host > 0)
-    if streamed:  # double buffering: copies overlap compute; the first copy and the last compute do not
-        device = max(streamed * copy + min(compute), sum(compute) + copy)
-    else:
-        device = sum(compute)
-    return LayerTime(host, device)
+    n = np.asarray(tokens_per_expert, float)
+    place = np.asarray(placement)
+    if not set(place.tolist()) <= set(PLACES):
+        raise InputError(f"placement {sorted(set(place.tolist()) - set(PLACES))} not in {PLACES}")
+    host_s, device_s = profile.host_time(n), profile.device_time(n)
+    host = float(_host_lane(profile, host_s, n, (place == "host") & (n > 0)))
+    resident_s = device_s[place == "resident"].sum()
+    order = np.argsort(-device_s, stable=True)  # streamed longest first: the quickest after the last copy
+    streamed = (place == "stream") & (n > 0)
+    device = _device_lane(profile, resident_s, device_s[order], streamed[order], np.asarray(host))
+    return LayerTime(host, float(device))
+
+
+def best_stream_count(profile: Profile, tokens_e, resident_e, xp=np):
+    """The planner's core, shared by the cost model (numpy) and the running backend (jax.numpy, inside jit).
+
+    Streaming an expert moves its host time to the device lane at the price of one copy. When the device lane
+    binds, the experts to stream first are those that save the most host time per device-lane second added;
+    when the host lane binds, those that save the most host time (the busiest). The best set is nearly always a
+    prefix of one of these two rankings: all 2 (E + 1) prefixes are scored at once and the fastest is returned
+    as (k, ranking): stream the first k experts of the ranking."""
+    tokens_e = xp.asarray(tokens_e, dtype=xp.float32)
+    host_s = _interpolate(profile.host_rows, profile.host_seconds, tokens_e, xp)
+    device_s = _interpolate(profile.device_rows, profile.device_seconds, tokens_e, xp)
+    candidate = (~resident_e) & (tokens_e > 0)
+    per_device_second = host_s / (device_s + _bus_seconds(profile, 1, 0.0, xp))
+    rankings = [xp.argsort(xp.where(candidate, -key, 1.0), stable=True) for key in (per_device_second, host_s)]
+    seconds = xp.stack(
+        [_prefix_seconds(profile, host_s, device_s, tokens_e, candidate, resident_e, r, xp) for r in rankings]
+    )
+    best = xp.argmin(seconds)
+    experts = tokens_e.shape[0] + 1
+    return best % experts, xp.where(best < experts, rankings[0], rankings[1])
+
+
+def _prefix_seconds(profile, host_s, device_s, tokens_e, candidate, resident_e, order, xp):
+    """Layer seconds when streaming the first k experts of `order`, for k = 0..E (inf past the candidates)."""
+    valid = xp.cumsum(candidate[order]) == xp.arange(1, tokens_e.shape[0] + 1)
+    k = xp.arange(tokens_e.shape[0] + 1)
+    streamed = (xp.arange(tokens_e.shape[0])[None, :] < k[:, None]) & valid[None, :]
+    on_host = candidate[order][None, :] & ~streamed
+    host_lane = _host_lane(profile, host_s[order][None, :], tokens_e[order][None, :], on_host, xp)
+    resident_s = xp.sum(xp.where(resident_e, device_s, 0.0))
+    device_lane = _device_lane(profile, resident_s, device_s[order][None, :], streamed, host_lane, xp)
+    feasible = xp.concatenate([xp.ones(1, dtype=bool), valid])
+    return xp.where(feasible, xp.maximum(host_lane, device_lane), xp.inf)
 
 
 def plan_layer(profile: Profile, tokens_per_expert, resident: set[int] | frozenset = frozenset()) -> list[str]:
-    """A placement for one layer: experts in `resident` (cached on the device) compute there; every other expert
-    goes to the host or is streamed, greedily moving the expert that most shortens the layer from the host lane
-    to streaming while that helps."""
-    placement = ["resident" if e in resident else "host" for e in range(len(tokens_per_expert))]
-    best = layer_time(profile, tokens_per_expert, placement).seconds
-    while True:
-        candidates = []
-        for e, place in enumerate(placement):
-            if place != "host" or not tokens_per_expert[e]:
-                continue
-            trial = placement.copy()
-            trial[e] = "stream"
-            candidates.append((layer_time(profile, tokens_per_expert, trial).seconds, e))
-        if not candidates:
-            return placement
-        seconds, e = min(candidates)
-        if seconds >= best:
-            return placement
-        placement[e], best = "stream", seconds
+    """A placement for one layer: experts in `resident` (cached on the device) compute there; the others are
+    streamed or left on the host as `best_stream_count` finds fastest."""
+    tokens = np.asarray(tokens_per_expert, float)
+    resident_e = np.isin(np.arange(len(tokens)), list(resident))
+    k, order = best_stream_count(profile, tokens, resident_e)
+    placement = ["resident" if r else "host" for r in resident_e]
+    for e in order[: int(k)]:
+        placement[int(e)] = "stream"
+    return placement

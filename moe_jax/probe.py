@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from host_kernels.pool import default_threads
 from moe_jax.cli import run_cli
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
@@ -157,6 +158,7 @@ def main(argv=None):
         "bus": probe_bus(d, f, args.repeats),
     }
     profile["host"], profile["host_call_s"] = probe_host(d, f, rows, args.repeats, args.threads)
+    profile["host_threads"] = args.threads or default_threads()
     profile["device"], profile["device_call_s"] = probe_device(d, f, rows, args.repeats)
     profile["both"] = probe_both(d, f, args.repeats, args.threads)
     args.out.write_text(json.dumps(profile, indent=1))
