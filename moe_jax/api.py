@@ -42,6 +42,9 @@ class Model:
         self.dtype = dtype
         self.checkpoint = checkpoint
         self.lora_config: LoRAConfig | None = None
+        self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
+        self.kv_budget_bytes: int | None = None  # None: the KV cache is not limited
+        self.kv_live_bytes = 0  # held by a running generation engine
         self._set_transformer(transformer)
 
     def _set_transformer(self, transformer: Transformer):
@@ -74,9 +77,77 @@ class Model:
 
     def set_lora_state(self, lora_state):
         """Replaces the LoRA parameters' values (same structure); compiled steps are reused."""
+        self._edit(lambda transformer: nnx.update(transformer, lora_state))
+
+    def _edit(self, change):
+        """Applies `change(transformer)`; keeps compiled steps when only values changed, not structure."""
         transformer = self.transformer
-        nnx.update(transformer, lora_state)
-        _, self.state = nnx.split(transformer)
+        result = change(transformer)
+        graphdef, state = nnx.split(transformer)
+        if graphdef == self.graphdef:
+            self.state = state
+        else:
+            self._set_transformer(transformer)
+        return result
+
+    # ------------------------------------------------------------------ device memory: KV cache vs experts
+    def set_memory_split(self, *, kv_fraction: float | None = None, kv_bytes: int | None = None):
+        """Shares `device_budget_bytes` (given at load) between the KV cache and the expert weights the backend
+        keeps on the device (auto's cache and stream buffers, offload's rounds, a hybrid plan). Takes effect
+        between generation batches or training steps; weights already on the host are not reloaded."""
+        if self.device_budget_bytes is None:
+            raise InputError("set_memory_split needs a device budget: load_model(..., device_budget_bytes=N)")
+        if (kv_fraction is None) == (kv_bytes is None):
+            raise InputError("give exactly one of kv_fraction and kv_bytes")
+        if kv_fraction is not None:
+            if not 0.0 <= kv_fraction <= 1.0:
+                raise InputError(f"kv_fraction must be in [0, 1], got {kv_fraction}")
+            kv_bytes = int(kv_fraction * self.device_budget_bytes)
+        if not 0 <= kv_bytes <= self.device_budget_bytes:
+            raise InputError(f"kv_bytes must be in [0, {self.device_budget_bytes}], got {kv_bytes}")
+        if self.kv_live_bytes > kv_bytes:
+            raise InputError(f"a running generation holds {self.kv_live_bytes} bytes of KV cache; finish it first")
+        expert_bytes = self.device_budget_bytes - kv_bytes
+        self._edit(lambda transformer: self.placement.set_expert_budget(expert_bytes, transformer))
+        self.kv_budget_bytes = kv_bytes
+
+    def memory_split(self) -> dict:
+        """Device bytes: the budget, the KV cache's share and use, the expert side's share and use."""
+        experts = self.placement.device_expert_bytes(self.transformer)
+        return {
+            "budget": self.device_budget_bytes,
+            "kv_budget": self.kv_budget_bytes,
+            "kv_in_use": self.kv_live_bytes,
+            "experts_in_use": experts,
+        }
+
+    def kv_bytes_per_sequence(self, max_len: int) -> int:
+        c = self.config
+        return 2 * c.num_layers * max_len * c.num_kv_heads * c.head_dim * np.dtype(DTYPES[self.dtype]).itemsize
+
+    def kv_slots(self, max_len: int) -> int | None:
+        """How many sequences of `max_len` tokens the KV budget holds (None: no limit)."""
+        if self.kv_budget_bytes is None:
+            return None
+        return self.kv_budget_bytes // self.kv_bytes_per_sequence(max_len)
+
+    def refresh_expert_cache(self) -> bool:
+        """auto: updates the device expert cache from the routing seen since the last call (bounded churn).
+        The generation engine and the trainer call this between steps."""
+        if self.placement.expert_cache is None:
+            return False
+        return self._edit(self.placement.refresh_expert_cache)
+
+    def calibrate_expert_cache(self, input_ids):
+        """auto: fills the device expert cache from the routing of a calibration batch [batch, seq]."""
+        self.logits(input_ids)
+        cache = self.placement.expert_cache
+        if cache is not None:
+            max_swaps, cache.max_swaps = cache.max_swaps, cache.capacity  # no churn bound for a fresh fill
+            try:
+                self.refresh_expert_cache()
+            finally:
+                cache.max_swaps = max_swaps
 
     def run_jitted(self, fn, *args):
         """Runs a jitted function of this model; an error raised inside a host callback is re-raised here as
@@ -156,13 +227,18 @@ def load_model(
     adapter=None,
     host_threads: int | None = None,
     device_budget_bytes: int | None = None,
+    kv_fraction: float | None = None,
     placement_plan: dict[int, list[int]] | None = None,
+    profile=None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
-    `device_budget_bytes` caps the expert bytes the offload backend keeps on the device at once.
+    `device_budget_bytes` is the device memory for expert weights (offload's rounds, auto's cache and streams);
+    with `kv_fraction`, that share of it goes to the KV cache instead (see `Model.set_memory_split`).
     `placement_plan` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
+    `profile` (backend="auto"): a probe profile (path or cost_model.Profile); by default this machine's, measured
+    once for the model's expert shape and kept under ~/.cache/moe_jax.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -176,16 +252,30 @@ def load_model(
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
 
+    if kv_fraction is not None and device_budget_bytes is None:
+        raise InputError("kv_fraction needs device_budget_bytes: the budget it is a fraction of")
+    expert_budget = device_budget_bytes
+    if kv_fraction is not None:
+        if not 0.0 <= kv_fraction <= 1.0:
+            raise InputError(f"kv_fraction must be in [0, 1], got {kv_fraction}")
+        expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
+    if backend == "auto":
+        profile = resolve_profile(profile, checkpoint.config, jdtype)
     placement = Backend(
         backend,
         checkpoint,
         jdtype,
         host_threads=host_threads,
-        device_budget_bytes=device_budget_bytes,
+        device_budget_bytes=expert_budget,
         placement_plan=placement_plan,
+        profile=profile,
     )
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
     model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)
+    if device_budget_bytes is not None:
+        model.device_budget_bytes = int(device_budget_bytes)
+        if kv_fraction is not None:
+            model.kv_budget_bytes = int(kv_fraction * device_budget_bytes)
     if adapter is not None:
         model.load_adapter(adapter)
     return model
@@ -197,3 +287,16 @@ def resolve_adapter_dir(path) -> Path:
     if not (path / "adapter_config.json").exists() and (path / "adapter" / "adapter_config.json").exists():
         return path / "adapter"
     return path
+
+
+def resolve_profile(profile, config, dtype):
+    """A probe profile for backend="auto": given, loaded from a path, or measured here once and cached."""
+    from moe_jax.cost_model import Profile
+
+    if profile is None:
+        from moe_jax.probe import cached_profile
+
+        profile = cached_profile(config.hidden_size, config.expert_intermediate_size)
+    elif not isinstance(profile, Profile):
+        profile = Profile.load(profile)
+    return profile.for_dtype(np.dtype(dtype).itemsize)

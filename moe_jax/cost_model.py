@@ -63,6 +63,11 @@ class Profile:
     def device_time(self, rows):
         return _plain(_interpolate(self.device_rows, self.device_seconds, np.asarray(rows, float)))
 
+    def for_dtype(self, itemsize: int) -> Profile:
+        """The profile for weights of `itemsize` bytes (the probe measures float32): copies move fewer bytes.
+        Compute times are kept as measured."""
+        return dataclasses.replace(self, expert_bytes=self.expert_bytes * itemsize / 4)
+
     def with_bus(self, gbps: float) -> Profile:
         """The same machine behind a bus of `gbps` (the shared-RAM slowdown kept in proportion): a simulated bus."""
         return dataclasses.replace(self, bus_gbps=gbps, bus_gbps_shared=gbps * self.bus_gbps_shared / self.bus_gbps)

@@ -26,6 +26,7 @@ from moe_jax.sampling import sample
 
 TOKEN_BUCKET = 32
 PREFILL_CHUNK = 256
+CACHE_REFRESH_STEPS = 16  # decode steps between expert cache updates (backend="auto")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -77,7 +78,14 @@ class GenerationEngine:
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.stats = EngineStats()
-        graphdef = model.graphdef
+        self._compiled_for = None
+
+    def _compile(self):
+        """The jitted steps for the model's current structure (rebuilt if a memory split resized its cache)."""
+        graphdef = self.model.graphdef
+        if self._compiled_for is graphdef:
+            return
+        self._compiled_for = graphdef
 
         def prefill(state, caches, slot_ids, tokens, positions, last):
             rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
@@ -104,6 +112,18 @@ class GenerationEngine:
         self._decode = jax.jit(decode, donate_argnums=1)
         self._write_prefix = jax.jit(write_prefix, donate_argnums=0)
 
+    def slots_that_fit(self) -> int:
+        """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
+        fit = self.model.kv_slots(self.max_len)
+        if fit is None:
+            return self.slots
+        if fit < 1:
+            raise InputError(
+                f"the KV cache budget ({self.model.kv_budget_bytes} bytes) holds no {self.max_len}-token sequence "
+                f"({self.model.kv_bytes_per_sequence(self.max_len)} bytes); give the KV cache a larger share"
+            )
+        return min(self.slots, fit)
+
     def run(
         self,
         requests: list[Request],
@@ -121,14 +141,25 @@ class GenerationEngine:
                     f"request {i}: {len(r.tokens)} prompt tokens + {r.max_new_tokens} new tokens do not fit this "
                     f"engine's {self.max_len}-token cache (or the prompt is empty)"
                 )
-        caches = model.new_caches(self.slots, self.max_len)
+        slots = self.slots_that_fit()
+        model.refresh_expert_cache()
+        self._compile()
+        caches = model.new_caches(slots, self.max_len)
+        model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
+        try:
+            return self._run(requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish)
+        finally:
+            model.kv_live_bytes = 0
+
+    def _run(self, requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish):
+        model = self.model
         waiting = deque(range(len(requests)))
         active: dict[int, _Slot] = {}
         results: list[Completion | None] = [None] * len(requests)
-        logits = np.zeros((self.slots, model.config.vocab_size), np.float32)
+        logits = np.zeros((slots, model.config.vocab_size), np.float32)
         eos = set(eos_ids)
         while waiting or active:
-            free = [s for s in range(self.slots) if s not in active]
+            free = [s for s in range(slots) if s not in active]
             admitted = []
             while free and waiting:
                 index = waiting.popleft()
@@ -160,11 +191,13 @@ class GenerationEngine:
             if not active:
                 continue
             # one decode step for all slots (free slots compute on padding and are ignored)
-            tokens = np.zeros((self.slots, 1), np.int32)
-            positions = np.zeros((self.slots, 1), np.int32)
+            tokens = np.zeros((slots, 1), np.int32)
+            positions = np.zeros((slots, 1), np.int32)
             for slot, s in active.items():
                 tokens[slot, 0], positions[slot, 0] = s.out[-1], s.position
                 s.position += 1
+            if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
+                model.refresh_expert_cache()  # values only: the compiled step is reused
             start = time.perf_counter()
             step_logits, caches = model.run_jitted(self._decode, model.state, caches, tokens, positions)
             logits = np.array(step_logits)

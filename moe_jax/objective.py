@@ -1,8 +1,8 @@
 """The fine-tuning objective: next-token cross-entropy over masked positions, differentiated in the LoRA weights.
 
-`lora_value_and_grad(model)` returns a jitted function of (LoRA state, tokens [b, t], loss mask [b, t]) giving the
-mean loss over masked target positions and its gradient for the LoRA parameters only: the base weights are
-closed over as constants, so no gradient (nor optimizer state) is ever made for them.
+`lora_value_and_grad(model)` returns a function of (LoRA state, tokens [b, t], loss mask [b, t]) giving the mean
+loss over masked target positions and its gradient for the LoRA parameters only: the base weights are a separate,
+non-differentiated argument, so no gradient (nor optimizer state) is ever made for them.
 """
 
 from __future__ import annotations
@@ -24,16 +24,29 @@ def causal_lm_loss(logits_btv, tokens_bt, mask_bt):
 
 
 def lora_value_and_grad(model):
-    """(jitted fn(lora_state, tokens, mask, dropout_key=None) -> (loss, grads), initial LoRA state).
+    """(fn(lora_state, tokens, mask, dropout_key=None) -> (loss, grads), initial LoRA state).
 
     With a `dropout_key`, adapters with dropout draw their masks from it (training); without, none is applied.
+    The frozen rest of the model is read from `model` at each call, so a device expert cache refreshed between
+    steps is used at once; a change of structure (a resized cache) recompiles.
     """
-    graphdef, lora_state, rest = split_trainable(model.transformer)
+    compiled = {}
 
-    def loss_fn(lora_state, tokens_bt, mask_bt, dropout_key=None):
+    def value_and_grad(lora_state, tokens_bt, mask_bt, dropout_key=None):
+        if compiled.get("graphdef") is not model.graphdef:
+            compiled.update(graphdef=model.graphdef, step=_compile(split_trainable(model.transformer)[0]))
+        if compiled.get("state") is not model.state:  # the frozen part, split again only when the model changed
+            compiled.update(state=model.state, rest=split_trainable(model.transformer)[2])
+        return compiled["step"](lora_state, compiled["rest"], tokens_bt, mask_bt, dropout_key)
+
+    return value_and_grad, split_trainable(model.transformer)[1]
+
+
+def _compile(graphdef):
+    def loss_fn(lora_state, rest, tokens_bt, mask_bt, dropout_key=None):
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         with lora_dropout_key(dropout_key):
             logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens_bt, positions)
         return causal_lm_loss(logits, tokens_bt, mask_bt)
 
-    return jax.jit(jax.value_and_grad(loss_fn)), lora_state
+    return jax.jit(jax.value_and_grad(loss_fn))

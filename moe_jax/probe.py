@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import threading
@@ -26,6 +27,7 @@ from host_kernels.pool import default_threads
 from moe_jax.cli import run_cli
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
+QUICK_ROWS = (1, 4, 16, 64, 256)
 
 
 def _best(fn, repeats: int) -> float:
@@ -139,6 +141,39 @@ def probe_both(d: int, f: int, repeats: int, threads: int | None) -> dict:
     return {"host": host, "bus_gbps": float(np.median([r["gbps"] for r in bus_results])) if bus_results else None}
 
 
+def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> dict:
+    """The whole profile for experts of shape (d, f): bus, host, device, both at once."""
+    import jax
+
+    profile = {
+        "machine": {"platform": platform.platform(), "jax_device": str(jax.devices()[0])},
+        "expert": {"hidden": d, "ffn": f, "bytes": 3 * d * f * 4, "dtype": "float32"},
+        "bus": probe_bus(d, f, repeats),
+    }
+    profile["host"], profile["host_call_s"] = probe_host(d, f, rows, repeats, threads)
+    profile["host_threads"] = threads or default_threads()
+    profile["device"], profile["device_call_s"] = probe_device(d, f, rows, repeats)
+    profile["both"] = probe_both(d, f, repeats, threads)
+    return profile
+
+
+def cached_profile(d: int, f: int):
+    """This machine's profile for experts of shape (d, f): measured once (quick sizes), then read from
+    ~/.cache/moe_jax (or $MOE_JAX_CACHE)."""
+    from moe_jax.cost_model import Profile
+
+    cache = Path(os.environ.get("MOE_JAX_CACHE", Path.home() / ".cache" / "moe_jax"))
+    path = cache / f"probe-{d}x{f}-{default_threads()}threads.json"
+    if not path.exists():
+        print(f"measuring this machine for backend='auto' (once; kept in {path}) ...", file=sys.stderr)
+        profile = measure(d, f, QUICK_ROWS, 3, None)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(profile, indent=1))
+        partial.replace(path)
+    return Profile.load(path)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m moe_jax.probe", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="take the expert shape from this checkpoint")
@@ -148,19 +183,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--shape", type=int, nargs=2, metavar=("HIDDEN", "FFN"), help="expert shape (no --model)")
     args = parser.parse_args(argv)
-    import jax
-
     d, f = tuple(args.shape) if args.shape else expert_shape(args.model)
-    rows = (1, 16, 256) if args.quick else ROWS
-    profile = {
-        "machine": {"platform": platform.platform(), "jax_device": str(jax.devices()[0])},
-        "expert": {"hidden": d, "ffn": f, "bytes": 3 * d * f * 4, "dtype": "float32"},
-        "bus": probe_bus(d, f, args.repeats),
-    }
-    profile["host"], profile["host_call_s"] = probe_host(d, f, rows, args.repeats, args.threads)
-    profile["host_threads"] = args.threads or default_threads()
-    profile["device"], profile["device_call_s"] = probe_device(d, f, rows, args.repeats)
-    profile["both"] = probe_both(d, f, args.repeats, args.threads)
+    profile = measure(d, f, QUICK_ROWS if args.quick else ROWS, args.repeats, args.threads)
     args.out.write_text(json.dumps(profile, indent=1))
     print(f"expert {d} x {f} ({profile['expert']['bytes'] / 2**20:.1f} MiB), device {profile['machine']['jax_device']}")
     print(

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from moe_jax.probe import QUICK_ROWS
+
 
 def test_probe_writes_a_complete_profile(tmp_path):
     out = tmp_path / "probe.json"
@@ -16,7 +18,7 @@ def test_probe_writes_a_complete_profile(tmp_path):
     profile = json.loads(out.read_text())
     assert profile["expert"] == {"hidden": 64, "ffn": 128, "bytes": 3 * 64 * 128 * 4, "dtype": "float32"}
     assert profile["bus"]["gbps"] > 0
-    assert [h["rows"] for h in profile["host"]] == [1, 16, 256] == [d["rows"] for d in profile["device"]]
+    assert [h["rows"] for h in profile["host"]] == list(QUICK_ROWS) == [d["rows"] for d in profile["device"]]
     assert all(h["seconds"] > 0 and h["gflops"] > 0 for h in profile["host"] + profile["device"])
     assert profile["both"]["bus_gbps"] is None or profile["both"]["bus_gbps"] > 0
     assert "bus host->device" in result.stdout

@@ -4,24 +4,34 @@ device   all experts in accelerator memory (pure JAX, `ragged_dot`): the referen
 host     experts on the host CPU through host_kernels callbacks (co-compute)
 offload  experts in pinned host memory, the routed ones copied to the device per layer
 hybrid   a placement plan: some experts on the device, the rest on the host, both at once
+auto     hybrid layers whose device cache follows the routing (moe_jax.expert_cache) and whose planner streams
+         experts per call when the probe profile says copying them beats computing them on the host
+
+`device_budget_bytes` is the device memory this placement may hold expert weights in: the offload rounds, the
+hybrid plan, or auto's stream buffers and cache. `Model.set_memory_split` moves it at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from host_kernels.engine import HostMoE
 from host_kernels.store import ExpertStore
 from moe_jax.backends.host import HostExperts, HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
-from moe_jax.backends.offload import OffloadExperts, TransferCounter
+from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
 from moe_jax.checkpoint import Checkpoint
+from moe_jax.cost_model import Profile
 from moe_jax.errors import InputError
+from moe_jax.expert_cache import ExpertCache
 from moe_jax.moe import DeviceExperts
 
-BACKENDS = ("device", "host", "offload", "hybrid")
+BACKENDS = ("device", "host", "offload", "hybrid", "auto")
 
 
 class Backend:
@@ -35,6 +45,7 @@ class Backend:
         host_threads: int | None = None,
         device_budget_bytes: int | None = None,
         placement_plan: dict[int, list[int]] | None = None,
+        profile: Profile | None = None,
     ):
         self.name = name
         self.checkpoint = checkpoint
@@ -43,12 +54,32 @@ class Backend:
         self.runtime: HostRuntime | None = None
         config = checkpoint.config
         self.expert_bytes = 3 * config.hidden_size * config.expert_intermediate_size * self.dtype.itemsize
-        # offload keeps two rounds of `slots` experts on the device (double buffer); default: two top-k sets
-        budget = device_budget_bytes or 2 * config.num_experts_per_tok * self.expert_bytes
+        self.total_expert_bytes = self.expert_bytes * config.num_experts * len(config.moe_layers)
+        # offload keeps two rounds of `slots` experts on the device (double buffer); default: two top-k sets.
+        # auto by default takes half the free device memory (where the device reports it), else a quarter of
+        # the experts
+        if device_budget_bytes is None:
+            if name == "auto":
+                device_budget_bytes = _free_device_bytes() // 2 or self.total_expert_bytes // 4
+            else:
+                device_budget_bytes = 2 * config.num_experts_per_tok * self.expert_bytes
+        budget = device_budget_bytes
         self.offload_slots = max(1, budget // (2 * self.expert_bytes))
         self.plan = _check_plan(placement_plan or {}, config) if name == "hybrid" else {}
-        if name in ("host", "hybrid"):
+        self.profile = profile
+        self.expert_cache: ExpertCache | None = None
+        if name == "auto":
+            self.stream_slots = _stream_slots(budget, self.expert_bytes, config.num_experts_per_tok, profile)
+            self.expert_cache = ExpertCache(
+                config.moe_layers, config.num_experts, self.expert_bytes, budget - self.stream_buffer_bytes
+            )
+        if name in ("host", "hybrid", "auto"):
             self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
+
+    @property
+    def stream_buffer_bytes(self) -> int:
+        """auto: device memory the streamed experts' double-buffered rounds take while a layer runs."""
+        return 2 * self.stream_slots * self.expert_bytes if self.name == "auto" else 0
 
     def _host_store(self) -> ExpertStore:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
@@ -61,12 +92,85 @@ class Backend:
         if self.name == "host":
             return HostExperts(self.runtime, layer)
         if self.name == "hybrid":
-            return HybridExperts(self.runtime, layer, self.runtime.engine.store[layer], self.plan.get(layer, ()))
+            return HybridExperts(self.runtime, layer, self._device_layer(layer), self.plan.get(layer, ()))
+        if self.name == "auto":
+            stream = None
+            if self.stream_slots:
+                stream = OffloadSpec(layer, self.stream_slots, 0.0, TransferCounter(self.metrics, self.expert_bytes))
+            capacity = self.expert_cache.capacity
+            profile = self.profile if self.stream_slots else None
+            # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
+            first = range(capacity)
+            return HybridExperts(self.runtime, layer, self._device_layer(layer), first, capacity, profile, stream)
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         if self.name == "offload":
             counter = TransferCounter(self.metrics, self.expert_bytes)
             return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter)
         return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
+
+    def _device_layer(self, layer: int):
+        """The layer's experts in the model's dtype, as the device cache and the streams hold them."""
+        store_layer = self.runtime.engine.store[layer]
+        if store_layer.w13.dtype == self.dtype:
+            return store_layer
+        return self.checkpoint.layer_experts(layer, self.dtype)
+
+    # ------------------------------------------------------------ device memory of the expert side
+    def device_expert_bytes(self, transformer) -> int:
+        """Expert weight bytes this placement holds (or, for streams, may hold) in device memory now."""
+        if self.name == "device":
+            return self.total_expert_bytes
+        if self.name == "offload":
+            return 2 * self.offload_slots * self.expert_bytes
+        cached = sum(m.cache_bytes for m in _hybrid_layers(transformer))
+        return cached + self.stream_buffer_bytes
+
+    def set_expert_budget(self, budget_bytes: int, transformer):
+        """Fits the expert side into `budget_bytes` of device memory, changing `transformer`'s modules."""
+        if self.name == "auto":
+            if budget_bytes < self.stream_buffer_bytes:
+                raise InputError(
+                    f"auto keeps {self.stream_buffer_bytes} bytes of stream buffers on the device; a split leaving "
+                    f"{budget_bytes} bytes for experts does not fit"
+                )
+            self.expert_cache.set_budget(budget_bytes - self.stream_buffer_bytes)
+            for module in _hybrid_layers(transformer):
+                cache = self.expert_cache
+                if module.spec.capacity != cache.capacity:
+                    hottest = sorted(module.cached, key=lambda e: -cache.heat[module.spec.layer][e])
+                    fill = hottest + [e for e in cache.target(module.spec.layer) if e not in hottest]
+                    module.resize(cache.capacity, fill[: cache.capacity])
+            return
+        if self.name == "offload":
+            slots = budget_bytes // (2 * self.expert_bytes)
+            if slots < 1:
+                raise InputError(
+                    f"offload needs device room for 2 experts ({2 * self.expert_bytes} bytes); got {budget_bytes}"
+                )
+            self.offload_slots = slots
+            for module in _modules(transformer, OffloadExperts):
+                module.spec = dataclasses.replace(module.spec, slots=min(slots, len(module.w13)))
+            return
+        needed = self.device_expert_bytes(transformer)
+        if needed > budget_bytes:
+            raise InputError(
+                f"the {self.name} placement holds {needed} bytes of experts on the device; a split leaving "
+                f"{budget_bytes} bytes for them does not fit"
+            )
+
+    def refresh_expert_cache(self, transformer) -> bool:
+        """auto: folds the routing seen since the last call into the cache policy and moves the device cache
+        toward it (bounded churn). Returns whether any layer's cache changed."""
+        if self.expert_cache is None:
+            return False
+        self.expert_cache.observe(self.runtime.routing.take())
+        changed = False
+        for module in _hybrid_layers(transformer):
+            chosen = self.expert_cache.choose(module.spec.layer, module.cached)
+            if chosen != module.cached:
+                module.set_cached(chosen)
+                changed = True
+        return changed
 
     def take_metrics(self) -> BackendMetrics:
         return self.metrics.take()
@@ -76,6 +180,28 @@ class Backend:
             return None
         error, self.runtime.error = self.runtime.error, None
         return error
+
+
+def _stream_slots(budget: int, expert_bytes: int, top_k: int, profile: Profile | None) -> int:
+    """auto streams rounds of up to top-k experts, double-buffered, when the budget has room for them."""
+    if profile is None:
+        return 0
+    return int(min(top_k, budget // (4 * expert_bytes)))  # at most half the budget for stream buffers
+
+
+def _free_device_bytes() -> int:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return max(0, int(stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0)))
+
+
+def _modules(transformer, kind) -> list:
+    return [m for _, m in nnx.iter_graph(transformer) if isinstance(m, kind)]
+
+
+def _hybrid_layers(transformer) -> list[HybridExperts]:
+    return _modules(transformer, HybridExperts)
 
 
 def _check_plan(plan: dict, config) -> dict[int, tuple[int, ...]]:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from host_kernels.engine import HostMoE
 from host_kernels.lora import ExpertLoRA
-from moe_jax.backends.metrics import MetricsRecorder
+from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 
 
 class HostRuntime:
@@ -36,6 +36,7 @@ class HostRuntime:
         self.engine = engine
         self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
+        self.routing = RoutingCounts()  # every pair's expert, recorded by the hybrid placements
         # forward activations kept for the backward, by ticket, oldest first; beyond `keep_bytes` the oldest are
         # dropped and their backward recomputes (so does a backward whose ticket is unknown)
         self.keep_bytes = keep_bytes

@@ -1,15 +1,21 @@
-"""backend="hybrid": a placement plan keeps some experts of each layer in device memory, the rest on the host.
+"""backend="hybrid" and "auto": each layer's experts split between a device cache, the bus and the host.
 
-Pairs routed to device experts are computed there (`ragged_dot` over the resident subset); the others go to the
-host engine, which receives them with device-resident pairs masked out (expert id -1), so it only sees and counts
-its own pairs. The host call is submitted before the device computes and collected after, so both sides work at
-once: an `optimization_barrier` orders the submit before the device work, and the collect takes a one-element
-slice of the device result as an input so it cannot run before it. Backward overlaps the same way.
-The plan is an input here; choosing it from measurements is the planner's job.
+Every layer holds a device expert cache: `capacity` slots of expert weights plus the id of the expert in each
+slot (num_experts marks an empty slot). The slot ids are data, not structure, so the cache can change between
+steps (the expert cache of moe_jax.expert_cache decides what it holds) without recompiling. With `backend="auto"`
+the layer also has a planner: per call, from this call's routing, `cost_model.best_stream_count` picks which
+of the other experts to copy over the bus and compute on the device (in double-buffered rounds, as the offload
+backend does); the rest go to the host engine, which receives them with device pairs masked out (expert id -1).
+
+The host call is submitted before the device computes and collected after, so both sides work at once: an
+`optimization_barrier` orders the submit before the device work, and the collect takes a one-element slice of the
+device result as an input so it cannot run before it. Backward recomputes the same placement from the same
+routing and overlaps the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -20,59 +26,111 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from moe_jax.backends.host import HostRuntime
-from moe_jax.backends.offload import SpecExperts
-from moe_jax.layers import Frozen
+from moe_jax.backends.offload import (
+    OffloadSpec,
+    SpecExperts,
+    pinned_expert_buffers,
+    streamed_backward,
+    streamed_forward,
+)
+from moe_jax.cost_model import Profile, best_stream_count
 from moe_jax.moe import subset_experts
 
 
-@dataclass(frozen=True)
+class CacheSlot(nnx.Variable):
+    """Device expert cache contents: weights of the cached experts and which expert each slot holds."""
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: a static custom_vjp argument holding arrays
 class HybridSpec:
     runtime: HostRuntime
     layer: int
-    num_experts: int
-    device_experts: tuple[int, ...]
+    store: object  # this layer's host store arrays (LayerExperts): the source of cache fills and streams
+    capacity: int
     lora_scale: float
+    profile: Profile | None = None  # with a profile, the planner streams experts over the bus
+    stream: OffloadSpec | None = None
 
     @property
-    def host_experts(self) -> tuple[int, ...]:
-        return tuple(e for e in range(self.num_experts) if e not in self.device_experts)
+    def num_experts(self) -> int:
+        return self.store.num_experts
+
+    @property
+    def host_needed(self) -> bool:
+        return self.capacity < self.num_experts
 
 
-def _host_ids(spec: HybridSpec, ids_tk):
-    on_device = jnp.zeros(spec.num_experts, bool).at[jnp.asarray(spec.device_experts, jnp.int32)].set(True)
-    return jnp.where(on_device[ids_tk], -1, ids_tk)
+def _placement(spec: HybridSpec, ids_tk, cache_ids):
+    """(on_device [e] mask, routing counts [e], streamed rounds [r, slots] or None, streamed count)."""
+    e = spec.num_experts
+    resident = jnp.zeros(e + 1, bool).at[cache_ids].set(True)[:e]
+    counts = jnp.bincount(ids_tk.reshape(-1), length=e)
+    if spec.profile is None:
+        return resident, counts, None, 0
+    k, order = best_stream_count(spec.profile, counts, resident, jnp)
+    streamed = jnp.where(jnp.arange(e) < k, order, e).astype(jnp.int32)
+    slots = spec.stream.slots
+    rounds = jnp.concatenate([streamed, jnp.full(-e % slots, e, jnp.int32)]).reshape(-1, slots)
+    on_device = resident.at[jnp.where(jnp.arange(e) < k, order, e)].set(True, mode="drop")
+    return on_device, counts, rounds, k
 
 
-def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, w13_s, w2_s):
-    slots = jnp.asarray(spec.device_experts, jnp.int32)
-    return subset_experts(x_td, ids_tk, weights_tk, slots, w13_s, w2_s, spec.num_experts, lora, spec.lora_scale)
+def _stream_spec(spec: HybridSpec) -> OffloadSpec:
+    return dataclasses.replace(spec.stream, lora_scale=spec.lora_scale)
 
 
-def _overlapped(spec: HybridSpec, method: str, host_args: tuple, result_shapes, device_fn, device_inputs):
+def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, rounds, k):
+    w13_c, w2_c, cache_ids = cache
+    y = jnp.zeros_like(x_td)
+    if spec.capacity:
+        y = y + subset_experts(
+            x_td, ids_tk, weights_tk, cache_ids, w13_c, w2_c, spec.num_experts, lora, spec.lora_scale
+        )
+    if rounds is not None:
+        stream_spec = _stream_spec(spec)
+        y = y + jax.lax.cond(
+            k > 0,
+            lambda: streamed_forward(stream_spec, x_td, ids_tk, weights_tk, lora, *streaming, rounds),
+            lambda: jnp.zeros_like(x_td),
+        )
+    return y
+
+
+def _overlapped(spec: HybridSpec, method: str, counts, host_args: tuple, result_shapes, device_fn, device_inputs):
     """Submits the host call, runs `device_fn(*device_inputs)` meanwhile, then collects the host result."""
-    if not spec.host_experts:
+    if not spec.host_needed:
         return None, device_fn(*device_inputs)
-    submit = functools.partial(spec.runtime.submit, method, spec.layer, spec.lora_scale)
-    ticket = io_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), *host_args)
+
+    def submit(counts, *args):
+        if counts is not None:
+            spec.runtime.routing.add(spec.layer, counts)
+        return spec.runtime.submit(method, spec.layer, spec.lora_scale, *args)
+
+    ticket = io_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), counts, *host_args)
     ticket, device_inputs = jax.lax.optimization_barrier((ticket, device_inputs))
-    device_out = device_fn(*device_inputs) if spec.device_experts else None
-    probe = jax.tree.leaves(device_out)[0].reshape(-1)[:1] if device_out is not None else ticket
+    device_out = device_fn(*device_inputs)
+    probe = jax.tree.leaves(device_out)[0].reshape(-1)[:1]
     host_out = io_callback(lambda t, _: spec.runtime.collect(t), result_shapes, ticket, probe)
     return host_out, device_out
 
 
+def _host_ids(on_device, ids_tk):
+    return jnp.where(on_device[ids_tk], -1, ids_tk)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, w13_s, w2_s):
-    host_ids = _host_ids(spec, ids_tk)
+def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming):
+    on_device, counts, rounds, k = _placement(spec, ids_tk, cache[2])
     host_y, device_y = _overlapped(
         spec,
         "forward",
-        (x_td, host_ids, weights_tk, lora),
+        counts,
+        (x_td, _host_ids(on_device, ids_tk), weights_tk, lora),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-        lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, w13_s, w2_s),
+        lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, cache, streaming, rounds, k),
         (x_td,),
     )
-    return sum(y for y in (host_y, device_y) if y is not None)
+    return device_y if host_y is None else host_y + device_y
 
 
 def _hybrid_fwd(spec, *args):
@@ -80,7 +138,8 @@ def _hybrid_fwd(spec, *args):
 
 
 def _hybrid_bwd(spec, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora, w13_s, w2_s = residuals
+    x_td, ids_tk, weights_tk, lora, cache, streaming = residuals
+    on_device, _, rounds, k = _placement(spec, ids_tk, cache[2])
     shapes = (
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
         jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
@@ -88,36 +147,109 @@ def _hybrid_bwd(spec, residuals, dy_td):
     )
 
     def device_grads(x, weights, lora_arrays):
-        _, vjp = jax.vjp(lambda *a: _device_part(spec, *a[:1], ids_tk, *a[1:], w13_s, w2_s), x, weights, lora_arrays)
-        return vjp(dy_td)
+        w13_c, w2_c, cache_ids = cache
+        grads = jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))
+        if spec.capacity:
+
+            def cached(x, weights, lora_arrays):
+                e = spec.num_experts
+                return subset_experts(x, ids_tk, weights, cache_ids, w13_c, w2_c, e, lora_arrays, spec.lora_scale)
+
+            grads = jax.vjp(cached, x, weights, lora_arrays)[1](dy_td)
+        if rounds is not None:
+            stream_spec = _stream_spec(spec)
+            streamed = jax.lax.cond(
+                k > 0,
+                lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_arrays, *streaming, rounds, dy_td),
+                lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays)),
+            )
+            grads = jax.tree.map(jnp.add, grads, streamed)
+        return grads
 
     host_grads, device_grads_ = _overlapped(
         spec,
         "backward",
-        (x_td, _host_ids(spec, ids_tk), weights_tk, lora, dy_td),
+        None,
+        (x_td, _host_ids(on_device, ids_tk), weights_tk, lora, dy_td),
         shapes,
         device_grads,
         (x_td, weights_tk, lora),
     )
     grads = [g for g in (host_grads, device_grads_) if g is not None]
     dx, dweights, dlora = jax.tree.map(lambda *parts: sum(parts), *grads)
-    return dx, np.zeros(ids_tk.shape, dtype=jax.dtypes.float0), dweights, dlora, None, None
+    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
+    return dx, ids_cotangent, dweights, dlora, None, None
 
 
 hybrid_experts.defvjp(_hybrid_fwd, _hybrid_bwd)
 
 
 class HybridExperts(SpecExperts):
-    """One layer split by a placement plan: `device_experts` resident on the device, the rest on the host."""
+    """One layer: a device cache of `capacity` experts (initially `cached`), the rest on the host; with a
+    profile, the planner also streams experts per call (`stream_slots` per double-buffered round)."""
 
-    def __init__(self, runtime: HostRuntime, layer: int, layer_experts, device_experts):
-        device_experts = tuple(sorted(int(e) for e in device_experts))
-        index = np.asarray(device_experts, dtype=np.int64)
-        self.w13 = Frozen(jnp.asarray(layer_experts.w13[index]))
-        self.w2 = Frozen(jnp.asarray(layer_experts.w2[index]))
-        self.spec = HybridSpec(runtime, layer, layer_experts.num_experts, device_experts, 0.0)
+    def __init__(
+        self,
+        runtime: HostRuntime,
+        layer: int,
+        layer_experts,
+        cached,
+        capacity: int | None = None,
+        profile: Profile | None = None,
+        stream: OffloadSpec | None = None,
+    ):
+        capacity = len(cached) if capacity is None else capacity
+        self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream)
+        self._empty_cache()
+        self.set_cached(cached)
+        if profile is not None:
+            self.stream_w13, self.stream_w2 = pinned_expert_buffers(layer_experts.w13, layer_experts.w2)
+        else:
+            self.stream_w13 = self.stream_w2 = nnx.data(())
         self.lora = nnx.data(None)
+
+    @property
+    def cached(self) -> list[int]:
+        """The experts in the device cache, by slot (empty slots left out)."""
+        return [int(e) for e in np.asarray(self.cache_ids[...]) if e < self.spec.num_experts]
+
+    def set_cached(self, experts):
+        """Fills the cache with `experts` (at most `capacity`): slots whose expert stays are not copied again."""
+        experts = [int(e) for e in experts]
+        if len(experts) > self.spec.capacity:
+            raise ValueError(f"layer {self.spec.layer}: {len(experts)} experts for a {self.spec.capacity}-slot cache")
+        current = np.asarray(self.cache_ids[...]).tolist()
+        keep = set(experts) & set(current)
+        free = [s for s, e in enumerate(current) if e not in keep]
+        w13, w2, ids = self.cache_w13[...], self.cache_w2[...], list(current)
+        for e in [e for e in experts if e not in keep]:
+            slot = free.pop(0)
+            w13 = w13.at[slot].set(jnp.asarray(self.spec.store.w13[e], w13.dtype))
+            w2 = w2.at[slot].set(jnp.asarray(self.spec.store.w2[e], w2.dtype))
+            ids[slot] = e
+        for slot in free:
+            ids[slot] = self.spec.num_experts
+        self.cache_w13[...], self.cache_w2[...] = w13, w2
+        self.cache_ids[...] = jnp.asarray(ids, jnp.int32)
+
+    def resize(self, capacity: int, experts):
+        """A cache of `capacity` slots holding `experts` (new array shapes: the next call recompiles once)."""
+        self.spec = dataclasses.replace(self.spec, capacity=capacity)
+        self._empty_cache()
+        self.set_cached(list(experts)[:capacity])
+
+    def _empty_cache(self):
+        store, capacity = self.spec.store, self.spec.capacity
+        self.cache_w13 = CacheSlot(jnp.zeros((capacity, *store.w13.shape[1:]), store.w13.dtype))
+        self.cache_w2 = CacheSlot(jnp.zeros((capacity, *store.w2.shape[1:]), store.w2.dtype))
+        self.cache_ids = CacheSlot(jnp.full(capacity, self.spec.num_experts, jnp.int32))
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_w13[...].nbytes + self.cache_w2[...].nbytes
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
-        return hybrid_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, self.w13[...], self.w2[...])
+        cache = (self.cache_w13[...], self.cache_w2[...], self.cache_ids[...])
+        streaming = (tuple(w[...] for w in self.stream_w13), tuple(w[...] for w in self.stream_w2))
+        return hybrid_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, cache, streaming)

@@ -72,3 +72,22 @@ class MetricsRecorder:
         with self._lock:
             metrics, self._metrics = self._metrics, BackendMetrics()
         return metrics
+
+
+class RoutingCounts:
+    """Tokens routed to each expert of each layer since the last `take()`, recorded from inside compiled steps
+    (all pairs, wherever they computed): what the expert cache learns from."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[int, np.ndarray] = {}
+
+    def add(self, layer: int, counts):
+        counts = np.asarray(counts, np.int64)
+        with self._lock:
+            self._counts[layer] = self._counts[layer] + counts if layer in self._counts else counts.copy()
+
+    def take(self) -> dict[int, np.ndarray]:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return counts

@@ -84,10 +84,10 @@ def _rounds(spec: OffloadSpec, ids_tk, num_experts: int):
     return used.reshape(rounds, spec.slots).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds):
+    """Output of the pairs routed to the experts in `rounds` ([rounds, slots] ids, num_experts = none), each
+    round's experts copied to the device while the previous round computes."""
     num_experts = len(w13_host)
-    rounds = _rounds(spec, ids_tk, num_experts)
 
     def step(carry, next_ids):
         y, current_ids, w13_s, w2_s = carry
@@ -101,13 +101,9 @@ def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host,
     return y
 
 
-def _offload_fwd(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
-    y = offload_experts(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
-    return y, (x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
-
-
-def _offload_bwd(spec, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = residuals
+def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td):
+    """(dx, d weights, d lora) of `streamed_forward`: each round's experts fetched again and that round
+    differentiated alone, so backward holds one round of experts at a time."""
     num_experts = len(w13_host)
 
     def step(grads, round_ids):
@@ -120,7 +116,25 @@ def _offload_bwd(spec, residuals, dy_td):
         return jax.tree.map(jnp.add, grads, vjp(dy_td)), None
 
     zeros = jax.tree.map(jnp.zeros_like, (x_td, weights_tk, lora))
-    (dx, dweights, dlora), _ = jax.lax.scan(step, zeros, _rounds(spec, ids_tk, num_experts))
+    grads, _ = jax.lax.scan(step, zeros, rounds)
+    return grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+    rounds = _rounds(spec, ids_tk, len(w13_host))
+    return streamed_forward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds)
+
+
+def _offload_fwd(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+    y = offload_experts(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
+    return y, (x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
+
+
+def _offload_bwd(spec, residuals, dy_td):
+    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = residuals
+    rounds = _rounds(spec, ids_tk, len(w13_host))
+    dx, dweights, dlora = streamed_backward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td)
     ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
     return dx, ids_cotangent, dweights, dlora, None, None
 
@@ -141,15 +155,20 @@ class SpecExperts(nnx.Module):
         self.spec = dataclasses.replace(self.spec, lora_scale=float(scale))
 
 
+def pinned_expert_buffers(w13_edf2, w2_efd) -> tuple[nnx.List, nnx.List]:
+    """Each expert's weights as their own pinned-host buffers (a whole-buffer copy per expert to the device)."""
+    host = memory_sharding("pinned_host")
+    w13 = nnx.List([Frozen(jax.device_put(np.asarray(w13_edf2[e]), host)) for e in range(len(w13_edf2))])
+    w2 = nnx.List([Frozen(jax.device_put(np.asarray(w2_efd[e]), host)) for e in range(len(w2_efd))])
+    return w13, w2
+
+
 class OffloadExperts(SpecExperts):
     """Expert backend of one layer whose weights sit in pinned host memory, one buffer per expert."""
 
     def __init__(self, w13_edf2: np.ndarray, w2_efd: np.ndarray, layer: int, slots: int, counter: TransferCounter):
-        host = memory_sharding("pinned_host")
-        num_experts = w13_edf2.shape[0]
-        self.w13 = nnx.List([Frozen(jax.device_put(np.asarray(w13_edf2[e]), host)) for e in range(num_experts)])
-        self.w2 = nnx.List([Frozen(jax.device_put(np.asarray(w2_efd[e]), host)) for e in range(num_experts)])
-        self.spec = OffloadSpec(layer, min(slots, num_experts), 0.0, counter)
+        self.w13, self.w2 = pinned_expert_buffers(w13_edf2, w2_efd)
+        self.spec = OffloadSpec(layer, min(slots, w13_edf2.shape[0]), 0.0, counter)
         self.lora = nnx.data(None)
 
     def __call__(self, x_td, ids_tk, weights_tk):

@@ -100,6 +100,7 @@ class Trainer:
     def step(self, step: int) -> tuple[float, int]:
         """One optimizer step (over grad_accum micro-batches); returns (loss, target tokens)."""
         total_loss, total_grads, targets = 0.0, None, 0
+        self.model.refresh_expert_cache()  # backend="auto": the device cache follows the routing between steps
         for micro in range(self.cfg.grad_accum):
             index = step * self.cfg.grad_accum + micro
             tokens, mask = self.batches.batch(index)

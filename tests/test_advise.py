@@ -1,0 +1,93 @@
+"""The advisor: its co-compute/offload verdict flips where the (simulated) bus makes offload as fast as the host,
+and `python -m moe_jax.advise` answers the three questions for a checkpoint."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_jax.advise import Shape, advise
+from moe_jax.cost_model import Profile
+
+ROWS = np.array([1.0, 64.0, 1024.0, 4096.0])
+SHAPE = Shape(layers=4, experts=8, top_k=2, expert_params=3 * 512 * 1408, itemsize=2)
+HOST_S, DEVICE_S = 1e-3, 2e-5  # one expert with 1024 rows (4096 tokens, top-2 of 8)
+
+
+def machine(bus_gbps):
+    """Host and device times proportional to rows, no fixed costs, one host worker: offload's step is
+    8 copies + one expert's compute (copies bound it), co-compute's is 8 host experts."""
+    return Profile(
+        SHAPE.expert_bytes, bus_gbps, bus_gbps, ROWS, ROWS * HOST_S / 1024, ROWS, ROWS * DEVICE_S / 1024, host_workers=1
+    )
+
+
+def test_verdict_flips_at_the_crossover_bandwidth():
+    # 8 c + d = 8 h  =>  c = h - d / 8  =>  bus = bytes / c
+    crossover = SHAPE.expert_bytes / (HOST_S - DEVICE_S / 8) / 1e9
+    below = advise(machine(0.97 * crossover), SHAPE, [4096])["rows"][0]
+    above = advise(machine(1.03 * crossover), SHAPE, [4096])["rows"][0]
+    assert below["co_compute_or_offload"] == "host" and above["co_compute_or_offload"] == "offload"
+    assert below["options"]["host"]["step_s"] == pytest.approx(4 * 8 * HOST_S)
+
+
+def test_recommendation_moves_from_host_through_auto_to_offload_as_the_bus_speeds_up():
+    crossover = SHAPE.expert_bytes / (HOST_S - DEVICE_S / 8) / 1e9
+    memory = 2 * SHAPE.expert_bytes * SHAPE.top_k + 1  # room for the stream buffers, not for all experts
+    picks = []
+    for factor in (0.05, 0.2, 1.0, 5.0, 50.0):
+        row = advise(machine(factor * crossover), SHAPE, [4096], device_memory=memory)["rows"][0]
+        assert not row["options"]["device"]["fits"]
+        picks.append(row["recommend"])
+    assert picks[0] == "host" and picks[-1] == "offload"
+    assert picks[2] == "auto"  # at the crossover the lanes balance: half streamed, half on the host
+    for row_pick, factor in zip(picks, (0.05, 0.2, 1.0, 5.0, 50.0), strict=True):
+        row = advise(machine(factor * crossover), SHAPE, [4096], device_memory=memory)["rows"][0]
+        fastest = min(row["options"]["host"]["step_s"], row["options"]["offload"]["step_s"])
+        assert row["options"][row_pick]["step_s"] <= fastest  # never worse than the best single paradigm
+
+
+def test_decode_stays_on_the_host_when_the_bus_is_slow():
+    row = advise(machine(4.0), SHAPE, [1])["rows"][0]
+    assert row["transfer"]["copy_s"] > row["transfer"]["host_s"]  # the host computes it faster than it moves
+    assert row["co_compute_or_offload"] == "host"
+
+
+def test_advise_cli_answers_for_a_checkpoint(tmp_path):
+    out = tmp_path / "advice.json"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.advise",
+            "--model",
+            str(root / "models" / "tiny-moe"),
+            "--profile",
+            str(root / "tests" / "data" / "probe_2core_cpu.json"),
+            "--batch",
+            "1",
+            "512",
+            "--bus-gbps",
+            "16",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    for heading in ("1. is one expert's compute", "2. can this CPU do the experts", "3. predicted"):
+        assert heading in result.stdout
+    answer = json.loads(out.read_text())
+    assert [r["tokens"] for r in answer["rows"]] == [1, 512]
+    assert all(r["recommend"] in ("device", "offload", "host", "auto") for r in answer["rows"])
+    bad = subprocess.run(
+        [sys.executable, "-m", "moe_jax.advise", "--model", str(root / "models" / "tiny-moe"), "--batch", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--batch" in bad.stderr

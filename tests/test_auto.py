@@ -1,0 +1,170 @@
+"""backend="auto": the planner's placement computes the same function as every other backend, the device expert
+cache follows the routing inside its budget, and the memory split moves at run time without changing outputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.backends import offload
+from moe_jax.cost_model import Profile
+from moe_jax.engine import GenerationEngine, Request
+from tests.hf_models import make_hf_model, save_hf_model
+from tests.test_backends import lora_loss_grad
+
+ROWS = np.array([1.0, 16.0, 256.0, 1024.0])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral")
+    save_hf_model(make_hf_model("mixtral", seed=11), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return moe_jax.load_model(checkpoint, backend="device")
+
+
+def expert_bytes(config):
+    return 3 * config.hidden_size * config.expert_intermediate_size * 4
+
+
+def profile(config, kind: str) -> Profile:
+    """Synthetic machines: `bus` copies for free (the planner streams every routed expert), `host` has no bus
+    to speak of (everything stays on the host), `mixed` copies one expert in the time of 30 host rows (some
+    experts stream, the rest stay)."""
+    nbytes = expert_bytes(config)
+    copy_s = {"bus": 1e-9, "host": 1e3, "mixed": 3e-3}[kind]
+    gbps = nbytes / copy_s / 1e9
+    return Profile(nbytes, gbps, gbps, ROWS, ROWS * 1e-4, ROWS, ROWS * 1e-7, host_workers=1)
+
+
+def load_auto(checkpoint, config, kind="mixed", cached_per_layer=2, **kwargs):
+    """auto with room for the stream buffers (one top-k round, double-buffered) plus `cached_per_layer`."""
+    eb = expert_bytes(config)
+    budget = 2 * config.num_experts_per_tok * eb + cached_per_layer * eb * len(config.moe_layers)
+    kwargs.setdefault("device_budget_bytes", budget)
+    return moe_jax.load_model(checkpoint, backend="auto", profile=profile(config, kind), **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["bus", "host", "mixed"])
+def test_auto_logits_and_lora_gradients_agree_with_the_device_backend(checkpoint, reference, kind):
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 11))
+    model = load_auto(checkpoint, reference.config, kind)
+    np.testing.assert_allclose(model.logits(ids), reference.logits(ids), atol=1e-5)
+    tokens = jnp.asarray(ids)
+    ref_loss, ref_grad = lora_loss_grad(reference, tokens)
+    loss, grad = lora_loss_grad(load_auto(checkpoint, reference.config, kind), tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+
+
+def test_mixed_placement_uses_cache_bus_and_host_in_one_call(checkpoint, reference, monkeypatch):
+    copies = []
+    monkeypatch.setattr(offload.TransferCounter, "record", lambda self, layer, expert: copies.append(int(expert)))
+    model = load_auto(checkpoint, reference.config, "mixed")
+    ids = np.random.default_rng(1).integers(0, 96, size=(4, 16))
+    model.logits(ids)
+    jax.effects_barrier()
+    host_pairs = sum(int(c.sum()) for c in model.metrics().tokens_per_expert.values())
+    all_pairs = ids.size * reference.config.num_experts_per_tok * len(reference.config.moe_layers)
+    assert copies, "the planner streamed nothing"
+    assert 0 < host_pairs < all_pairs  # the host computed some pairs, the device (cache + streams) the rest
+
+
+def test_expert_cache_holds_the_most_routed_experts_within_its_budget(checkpoint, reference):
+    config = reference.config
+    ids = np.random.default_rng(2).integers(0, 96, size=(4, 16))
+    host = moe_jax.load_model(checkpoint, backend="host")
+    host.logits(ids)
+    routed = host.metrics().tokens_per_expert
+    model = load_auto(checkpoint, config, "host", cached_per_layer=2)
+    cache = model.placement.expert_cache
+    assert cache.capacity == 2
+    model.calibrate_expert_cache(ids)
+    for module in _layers(model):
+        counts = routed[module.spec.layer]
+        hottest = set(np.argsort(-counts, stable=True)[:2].tolist())
+        assert set(module.cached) == hottest
+    split = model.memory_split()
+    assert split["experts_in_use"] <= model.device_budget_bytes
+    assert cache.bytes_when_full + model.placement.stream_buffer_bytes <= model.device_budget_bytes
+    np.testing.assert_allclose(model.logits(ids), reference.logits(ids), atol=1e-5)
+
+
+def _layers(model):
+    from moe_jax.backends import _hybrid_layers
+
+    return _hybrid_layers(model.transformer)
+
+
+def test_memory_split_changes_mid_run_keep_outputs_identical_and_within_budget(checkpoint, reference):
+    config = reference.config
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(8, 96, size=n).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    expected = reference.generate(prompts, max_new_tokens=6)
+    model = load_auto(checkpoint, config, "mixed", cached_per_layer=3, kv_fraction=0.5)
+    budget = model.device_budget_bytes
+    seen = []
+
+    def check(*_):
+        split = model.memory_split()
+        seen.append(split)
+        assert split["kv_in_use"] + split["experts_in_use"] <= budget
+        assert split["kv_in_use"] <= split["kv_budget"]
+
+    outputs = []
+    for kv_fraction, batch in ((0.5, prompts[:2]), (0.2, prompts[2:4]), (0.8, prompts[4:])):
+        model.set_memory_split(kv_fraction=kv_fraction)
+        check()
+        engine = GenerationEngine(model, slots=4, max_len=32)
+        done = engine.run([Request(p, 6) for p in batch], on_finish=check)
+        outputs += [c.tokens for c in done]
+    assert outputs == expected
+    capacities = {s["experts_in_use"] for s in seen}
+    assert len(capacities) >= 2  # the expert side really grew and shrank
+    assert max(s["kv_in_use"] for s in seen) > 0
+
+
+def test_kv_budget_limits_the_slots_and_a_too_small_one_is_refused(checkpoint, reference):
+    model = load_auto(checkpoint, reference.config, "host", cached_per_layer=1)
+    per_sequence = model.kv_bytes_per_sequence(32)
+    model.set_memory_split(kv_bytes=2 * per_sequence)
+    engine = GenerationEngine(model, slots=4, max_len=32)
+    assert engine.slots_that_fit() == 2
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    done = engine.run([Request(p, 4) for p in prompts])
+    assert [c.tokens for c in done] == reference.generate(prompts, max_new_tokens=4)
+    model.set_memory_split(kv_bytes=per_sequence - 1)
+    with pytest.raises(moe_jax.InputError, match="KV cache budget"):
+        engine.run([Request([5, 6], 4)])
+
+
+def test_bad_memory_splits_are_refused(checkpoint, reference):
+    no_budget = moe_jax.load_model(checkpoint, backend="host")
+    with pytest.raises(moe_jax.InputError, match="device_budget_bytes"):
+        no_budget.set_memory_split(kv_fraction=0.5)
+    model = load_auto(checkpoint, reference.config)
+    with pytest.raises(moe_jax.InputError, match="kv_fraction must be in"):
+        model.set_memory_split(kv_fraction=1.5)
+    with pytest.raises(moe_jax.InputError, match="stream buffers"):
+        model.set_memory_split(kv_fraction=1.0)  # nothing left for the stream buffers
+    device = moe_jax.load_model(checkpoint, backend="device", device_budget_bytes=1000)
+    with pytest.raises(moe_jax.InputError, match="does not fit"):
+        device.set_memory_split(kv_fraction=0.1)
+
+
+def test_auto_without_a_profile_measures_this_machine_once(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_JAX_CACHE", str(tmp_path))
+    first = moe_jax.load_model(checkpoint, backend="auto")
+    (path,) = tmp_path.glob("probe-*.json")
+    stamp = path.stat().st_mtime_ns
+    second = moe_jax.load_model(checkpoint, backend="auto")
+    assert path.stat().st_mtime_ns == stamp  # read, not measured again
+    assert first.placement.profile.bus_gbps == second.placement.profile.bus_gbps > 0
+    np.testing.assert_array_equal(first.placement.profile.host_seconds, second.placement.profile.host_seconds)
