@@ -29,7 +29,7 @@ def parse_args(argv):
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL prompts")
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")
-    p.add_argument("--backend", default="host", choices=["device", "host", "offload", "hybrid"])
+    p.add_argument("--backend", default="host", choices=["device", "host", "offload", "hybrid", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-size", type=int, default=8, help="KV-cache slots generating at once")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -49,6 +49,18 @@ def parse_args(argv):
     p.add_argument("--anchor-cache-mb", type=float, default=0.0, help="host memory for the anchor cache (0: off)")
     p.add_argument("--anchor-token", action="append", default=[], help="token string that ends an anchor segment")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
+    p.add_argument("--device-memory-mb", type=float, help="device memory for the KV cache and expert weights")
+    p.add_argument(
+        "--kv-fraction",
+        help="share of --device-memory-mb for the KV cache (the rest holds experts), or 'auto': each wave of "
+        "prompts gets the KV cache it needs and the experts the rest",
+    )
+    p.add_argument(
+        "--wave-size",
+        type=int,
+        help="prompts per generation batch (default: all at once); the memory split can change between waves",
+    )
+    p.add_argument("--profile", type=Path, help="probe profile for --backend auto (default: this machine's)")
     return p.parse_args(argv)
 
 
@@ -62,6 +74,22 @@ def check_settings(args):
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
     if args.anchor_cache_mb < 0:
         raise InputError("--anchor-cache-mb must be >= 0")
+    if args.wave_size is not None and args.wave_size < 1:
+        raise InputError("--wave-size must be >= 1")
+    if args.device_memory_mb is not None and args.device_memory_mb <= 0:
+        raise InputError("--device-memory-mb must be > 0")
+    if args.kv_fraction is not None:
+        if args.device_memory_mb is None:
+            raise InputError("--kv-fraction needs --device-memory-mb: the memory it is a share of")
+        if args.kv_fraction != "auto":
+            try:
+                fraction = float(args.kv_fraction)
+            except ValueError:
+                raise InputError(
+                    f"--kv-fraction must be a number in [0, 1] or 'auto', got {args.kv_fraction!r}"
+                ) from None
+            if not 0.0 <= fraction <= 1.0:
+                raise InputError(f"--kv-fraction must be in [0, 1], got {fraction}")
 
 
 def load_prompts(args, model):
@@ -122,32 +150,48 @@ def main(argv=None):
 
     import moe_jax
     from moe_jax.anchor_cache import AnchorCache
-    from moe_jax.engine import GenerationEngine, Request
+    from moe_jax.engine import EngineStats, GenerationEngine, Request
 
+    budget = int(args.device_memory_mb * 2**20) if args.device_memory_mb else None
+    fixed_fraction = float(args.kv_fraction) if args.kv_fraction not in (None, "auto") else None
     model = moe_jax.load_model(
-        args.model, backend=args.backend, dtype=args.dtype, adapter=args.adapter, host_threads=args.host_threads
+        args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        adapter=args.adapter,
+        host_threads=args.host_threads,
+        device_budget_bytes=budget,
+        kv_fraction=fixed_fraction,
+        profile=args.profile,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)
     cache = None
     if args.anchor_cache_mb > 0:
         cache = AnchorCache(anchor_ids(args, tok), budget_bytes=int(args.anchor_cache_mb * 2**20))
-    longest = max((len(ids) for _, ids, _ in prompts), default=1)
-    engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
     requests = [Request(ids, args.max_new_tokens, args.seed + i) for i, (_, ids, _) in enumerate(prompts)]
     stop = None
     if args.stop and tok is not None:
         stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
     bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr)
-    completions = engine.run(
-        requests,
-        args.temperature,
-        args.top_p,
-        args.top_k,
-        eos_ids=() if args.no_eos else model.config.eos_token_ids,
-        should_stop=stop,
-        on_finish=lambda index, done: bar.update(1),
-    )
+    stats, completions = EngineStats(), []
+    wave_size = args.wave_size or max(1, len(requests))
+    for start in range(0, len(requests), wave_size):
+        wave = requests[start : start + wave_size]
+        longest = max(len(r.tokens) for r in wave)
+        engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
+        if args.kv_fraction == "auto":
+            fit_split_to_wave(model, engine, len(wave))
+        completions += engine.run(
+            wave,
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            eos_ids=() if args.no_eos else model.config.eos_token_ids,
+            should_stop=stop,
+            on_finish=lambda index, done: bar.update(1),
+        )
+        stats.add(engine.stats)
     bar.close()
     results = [
         result_record(number, ids, text, c, tok, args.stop)
@@ -156,7 +200,14 @@ def main(argv=None):
     results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
     results.sort(key=lambda r: r["line"])
     write_results(args.out, results)
-    print_summary(args, model, engine, cache, truncated, rejected)
+    print_summary(args, model, stats, cache, truncated, rejected)
+
+
+def fit_split_to_wave(model, engine, prompts: int):
+    """--kv-fraction auto: the KV cache gets what this wave's slots need, the experts everything else."""
+    slots = min(engine.slots, prompts)
+    room = model.device_budget_bytes - model.placement.stream_buffer_bytes
+    model.set_memory_split(kv_bytes=min(slots * model.kv_bytes_per_sequence(engine.max_len), max(room, 0)))
 
 
 def result_record(number, ids, text, completion, tok, stops) -> dict:
@@ -190,8 +241,7 @@ def write_results(out, results):
         print(f"{r.get('prompt')!r} -> {r['completion']!r}  [{r['finish_reason']}]")
 
 
-def print_summary(args, model, engine, cache, truncated, rejected):
-    st = engine.stats
+def print_summary(args, model, st, cache, truncated, rejected):
     metrics = model.metrics().summary()
     lines = [
         f"backend={args.backend}: prefill {st.prefill_tokens / max(st.prefill_s, 1e-9):,.0f} tok/s, "
@@ -199,6 +249,13 @@ def print_summary(args, model, engine, cache, truncated, rejected):
         f"{metrics['host_busy_s']:.2f}s, device waited {metrics['device_wait_s']:.2f}s, host "
         f"{metrics['host_gflops']:.1f} GFLOP/s",
     ]
+    split = model.memory_split()
+    if split["budget"] is not None:
+        kv = "unlimited" if split["kv_budget"] is None else f"{split['kv_budget'] / 2**20:.1f} MiB"
+        lines.append(
+            f"device memory {split['budget'] / 2**20:.1f} MiB: KV cache {kv}, experts "
+            f"{split['experts_in_use'] / 2**20:.1f} MiB in use"
+        )
     if truncated or rejected:
         lines.append(f"too long for the context window: {truncated} truncated, {len(rejected)} rejected")
     if cache is not None:

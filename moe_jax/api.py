@@ -50,6 +50,7 @@ class Model:
     def _set_transformer(self, transformer: Transformer):
         self.graphdef, self.state = nnx.split(transformer)
         self._engines = {}  # compiled for the old structure
+        self._steps = getattr(self, "_steps", [])  # [(graphdef, generation steps)] of recent structures
         graphdef = self.graphdef
 
         def forward(state, tokens_bt, positions_bt):
@@ -195,6 +196,18 @@ class Model:
         shape = (batch, length, c.num_kv_heads, c.head_dim)
         dtype = DTYPES[self.dtype]
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
+
+    def generation_steps(self):
+        """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
+        a memory split moved back and forth does not recompile each time."""
+        from moe_jax.engine import compile_generation_steps
+
+        for graphdef, steps in self._steps:
+            if graphdef == self.graphdef:
+                return steps
+        steps = compile_generation_steps(self.graphdef)
+        self._steps = [(self.graphdef, steps), *self._steps[:3]]
+        return steps
 
     def engine(self, slots: int, max_len: int, anchor_cache=None):
         """A generation engine over this model; engines without an anchor cache are kept and reused, so their

@@ -61,6 +61,10 @@ class EngineStats:
     decode_s: float = 0.0
     decode_steps: int = 0
 
+    def add(self, other: EngineStats):
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass
 class _Slot:
@@ -78,39 +82,11 @@ class GenerationEngine:
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.stats = EngineStats()
-        self._compiled_for = None
 
     def _compile(self):
-        """The jitted steps for the model's current structure (rebuilt if a memory split resized its cache)."""
-        graphdef = self.model.graphdef
-        if self._compiled_for is graphdef:
-            return
-        self._compiled_for = graphdef
-
-        def prefill(state, caches, slot_ids, tokens, positions, last):
-            rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
-            logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows)
-            caches = [
-                (k.at[slot_ids].set(rk), v.at[slot_ids].set(rv)) for (k, v), (rk, rv) in zip(caches, rows, strict=True)
-            ]
-            return logits[jnp.arange(tokens.shape[0]), last], caches
-
-        def decode(state, caches, tokens, positions):
-            logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)
-            return logits[:, 0], caches
-
-        def write_prefix(caches, slot, prefix):
-            return [
-                (
-                    jax.lax.dynamic_update_slice(k, pk[None], (slot, 0, 0, 0)),
-                    jax.lax.dynamic_update_slice(v, pv[None], (slot, 0, 0, 0)),
-                )
-                for (k, v), (pk, pv) in zip(caches, prefix, strict=True)
-            ]
-
-        self._prefill = jax.jit(prefill, donate_argnums=1)
-        self._decode = jax.jit(decode, donate_argnums=1)
-        self._write_prefix = jax.jit(write_prefix, donate_argnums=0)
+        """The model's jitted steps for its current structure (a memory split that resizes its expert cache
+        changes the structure; the model keeps the steps of each structure it has had)."""
+        self._prefill, self._decode, self._write_prefix = self.model.generation_steps()
 
     def slots_that_fit(self) -> int:
         """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
@@ -269,3 +245,34 @@ def _pad(array: np.ndarray, length: int) -> np.ndarray:
     out = np.zeros((length, *array.shape[1:]), array.dtype)
     out[: len(array)] = array
     return out
+
+
+def compile_generation_steps(graphdef):
+    """(prefill, decode, write_prefix): the jitted steps of a model with this structure."""
+
+    def prefill(state, caches, slot_ids, tokens, positions, last):
+        rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
+        logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows)
+        caches = [
+            (k.at[slot_ids].set(rk), v.at[slot_ids].set(rv)) for (k, v), (rk, rv) in zip(caches, rows, strict=True)
+        ]
+        return logits[jnp.arange(tokens.shape[0]), last], caches
+
+    def decode(state, caches, tokens, positions):
+        logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)
+        return logits[:, 0], caches
+
+    def write_prefix(caches, slot, prefix):
+        return [
+            (
+                jax.lax.dynamic_update_slice(k, pk[None], (slot, 0, 0, 0)),
+                jax.lax.dynamic_update_slice(v, pv[None], (slot, 0, 0, 0)),
+            )
+            for (k, v), (pk, pv) in zip(caches, prefix, strict=True)
+        ]
+
+    return (
+        jax.jit(prefill, donate_argnums=1),
+        jax.jit(decode, donate_argnums=1),
+        jax.jit(write_prefix, donate_argnums=0),
+    )

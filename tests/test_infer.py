@@ -97,3 +97,34 @@ def test_adapter_for_another_base_is_refused(tmp_path):
     result = infer("--adapter", adapter, check=False)
     assert result.returncode == 2
     assert "adapter does not fit" in result.stderr or "this model needs (128, 4)" in result.stderr
+
+
+def test_auto_backend_with_a_memory_split_per_wave_gives_the_host_backends_output(tmp_path):
+    prompts = write(
+        tmp_path / "p.jsonl",
+        [{"prompt": p} for p in ("copy abc >", "reverse hello >", "sort dcba >", "copy xy >", "reverse tub >")],
+    )
+    host_out, auto_out = tmp_path / "host.jsonl", tmp_path / "auto.jsonl"
+    infer("--prompts", prompts, "--out", host_out, "--batch-size", 2)
+    profile = ROOT / "tests" / "data" / "probe_2core_cpu.json"
+    result = infer(
+        "--prompts", prompts, "--out", auto_out, "--batch-size", 2, "--backend", "auto", "--profile", profile,
+        "--device-memory-mb", 2, "--kv-fraction", "auto", "--wave-size", 2,
+    )  # fmt: skip
+    completions = [
+        [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()] for f in (host_out, auto_out)
+    ]
+    assert completions[0] == completions[1]
+    assert "device memory 2.0 MiB: KV cache" in result.stderr
+
+
+def test_bad_memory_settings_refused_before_loading_the_model(tmp_path):
+    for flags, message in (
+        (["--kv-fraction", "0.5"], "--kv-fraction needs --device-memory-mb"),
+        (["--device-memory-mb", "4", "--kv-fraction", "2"], "--kv-fraction must be in [0, 1]"),
+        (["--device-memory-mb", "4", "--kv-fraction", "half"], "a number in [0, 1] or 'auto'"),
+        (["--wave-size", "0"], "--wave-size must be >= 1"),
+    ):
+        cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(tmp_path / "no-such-model"), *flags]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 2 and message in result.stderr, result.stderr

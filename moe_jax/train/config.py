@@ -52,6 +52,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     host_threads: int | None = None
+    device_budget_mb: float = 0.0  # offload/auto: device memory for expert weights (0: the backend's default)
 
     def validate(self):
         def positive(name):
@@ -70,7 +71,11 @@ class TrainConfig:
             "keep_checkpoints",
         ):
             positive(name)
-        for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps"):
+        from moe_jax.backends import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_budget_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
