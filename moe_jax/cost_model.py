@@ -145,14 +145,14 @@ def _device_lane(profile: Profile, resident_s, device_s, streamed, host_lane, xp
     arrival = _bus_seconds(profile, xp.cumsum(streamed, axis=-1), host_lane[..., None], xp)
     from_here = streamed_s[..., None] - (after - mine)  # compute of this expert and the ones after it
     waits = xp.max(xp.where(streamed, arrival + from_here, 0.0), axis=-1)
-    # two buffers: a copy cannot start before the expert two back has computed, so past the first copy each
-    # expert holds the lane for the longer of a copy and its compute; the quickest goes last
+    # two buffers: while expert i computes, only copy i + 1 can be in flight, so each step takes the longer of
+    # expert i's compute and copy i + 1
     count = xp.sum(streamed, axis=-1)
-    copy = arrival[..., -1] / xp.maximum(count, 1)
-    quickest = xp.min(xp.where(streamed, device_s, xp.inf), axis=-1)
-    quickest = xp.where(count > 0, quickest, 0.0)
-    held = xp.sum(xp.where(streamed, xp.maximum(copy[..., None], device_s), 0.0), axis=-1)
-    buffered = xp.where(count > 0, arrival[..., 0] + held - xp.maximum(copy, quickest) + quickest, 0.0)
+    index = xp.cumsum(streamed, axis=-1)  # 1-based position among the streamed experts
+    next_copy = _bus_seconds(profile, index + 1, host_lane[..., None], xp) - arrival
+    next_copy = xp.where(index < count[..., None], next_copy, 0.0)
+    steps = xp.sum(xp.where(streamed, xp.maximum(device_s, next_copy), 0.0), axis=-1)
+    buffered = xp.where(count > 0, _bus_seconds(profile, 1, host_lane, xp) + steps, 0.0)
     return xp.maximum(xp.maximum(compute, waits), buffered)
 
 
