@@ -4,7 +4,8 @@
 
 Runs unchanged on CPU and on an accelerator (the device lane is whatever `jax.devices()[0]` is). Uses the
 Mixtral-shaped bench model (bench/models.py), LoRA r=8 on q/k/v/o; the hybrid plan keeps half of each layer's
-experts on the device. Writes bench/results/backends.json.
+experts on the device; auto gets room for half the experts (its cache, calibrated on the batch, and its stream
+buffers) and plans with this machine's probe profile. Writes bench/results/backends.json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--backends", default="device,host,offload,hybrid")
+    parser.add_argument("--backends", default="device,host,offload,hybrid,auto")
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, one repeat")
     args = parser.parse_args()
     if args.quick:
@@ -45,7 +46,11 @@ def main():
         kwargs = {}
         if backend == "hybrid":
             kwargs["placement_plan"] = {layer: [0, 1, 2, 3] for layer in range(4)}
+        if backend == "auto":  # this machine's probe profile; room for half the experts (cache + streams)
+            kwargs["device_budget_bytes"] = 16 * 3 * 512 * 1408 * 4
         model = moe_jax.load_model(path, backend=backend, **kwargs)
+        if backend == "auto":
+            model.calibrate_expert_cache(tokens[:1])
         model.attach_lora(LoRAConfig(rank=8, alpha=16))
         fwd = timed(lambda m=model: m.logits(tokens), args.repeats)
         model.metrics()

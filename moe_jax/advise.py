@@ -62,12 +62,16 @@ def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_mem
         "offload": layer_time(profile, counts, ["stream"] * e),
         "host": layer_time(profile, counts, ["host"] * e),
     }
-    # auto: what fits of the hottest experts stays cached, the planner places the rest per step
-    room = all_experts if device_memory is None else max(0.0, device_memory - stream_buffers)
-    cached = int(min(e, room // (shape.expert_bytes * shape.layers)))
-    resident = set(np.argsort(-counts, stable=True)[:cached].tolist())
-    layer["auto"] = layer_time(profile, counts, plan_layer(profile, counts, resident))
-    memory["auto"] = stream_buffers + cached * shape.layers * shape.expert_bytes
+    # auto: what fits of the hottest experts stays cached, the planner places the rest per step; where the
+    # device neither runs beside the host nor beats it (jax on this CPU), auto keeps everything on the host
+    if profile.parallel_lanes or profile.device_ever_faster:
+        room = all_experts if device_memory is None else max(0.0, device_memory - stream_buffers)
+        cached = int(min(e, room // (shape.expert_bytes * shape.layers)))
+        resident = set(np.argsort(-counts, stable=True)[:cached].tolist())
+        layer["auto"] = layer_time(profile, counts, plan_layer(profile, counts, resident))
+        memory["auto"] = stream_buffers + cached * shape.layers * shape.expert_bytes
+    else:
+        layer["auto"], memory["auto"] = layer["host"], 0
     out = {}
     for name in OPTIONS:
         step = shape.layers * layer[name].seconds

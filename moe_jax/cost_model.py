@@ -4,7 +4,8 @@ Each expert is computed in one of three places:
   host      on the host CPU by host_kernels, where its weights are (the host lane);
   resident  on the device from a cached copy (the device lane);
   stream    copied over the bus, then computed on the device (the device lane, copies double-buffered).
-The two lanes run at once, so a layer takes the slower of them. Per-expert times come from the probe's tables
+The two lanes run at once, so a layer takes the slower of them (on a machine whose "device" is its own CPU they
+share the cores and add up). Per-expert times come from the probe's tables
 (`python -m moe_jax.probe`), interpolated in rows routed to the expert; copies take bytes / bus bandwidth, the
 bandwidth measured while the host computes when both lanes are busy (they share RAM bandwidth).
 """
@@ -35,6 +36,8 @@ class Profile:
     host_call_s: float = 0.0  # fixed cost of one host call (dispatch, routing, combine), beyond its experts
     device_call_s: float = 0.0
     host_workers: int = 1  # threads the host times were measured with
+    # False where the "device" is the host's own CPU (jax on CPU): the lanes then share cores and add up
+    parallel_lanes: bool = True
 
     @classmethod
     def load(cls, path) -> Profile:
@@ -54,6 +57,7 @@ class Profile:
             float(p.get("host_call_s", 0.0)),
             float(p.get("device_call_s", 0.0)),
             int(p.get("host_threads", 1)),
+            bool(p.get("parallel_lanes", True)),
         )
 
     def host_time(self, rows):
@@ -69,8 +73,15 @@ class Profile:
         return dataclasses.replace(self, expert_bytes=self.expert_bytes * itemsize / 4)
 
     def with_bus(self, gbps: float) -> Profile:
-        """The same machine behind a bus of `gbps` (the shared-RAM slowdown kept in proportion): a simulated bus."""
-        return dataclasses.replace(self, bus_gbps=gbps, bus_gbps_shared=gbps * self.bus_gbps_shared / self.bus_gbps)
+        """The same host and device timings behind a bus of `gbps` (the shared-RAM slowdown kept in proportion):
+        a simulated machine whose device is a separate chip, so its lanes run in parallel."""
+        shared = gbps * self.bus_gbps_shared / self.bus_gbps
+        return dataclasses.replace(self, bus_gbps=gbps, bus_gbps_shared=shared, parallel_lanes=True)
+
+    @property
+    def device_ever_faster(self) -> bool:
+        """Whether the device computes an expert faster than the host at any measured size."""
+        return bool(np.any(self.device_time(self.host_rows) < self.host_seconds))
 
     def copy_time(self, shared: bool) -> float:
         return self.expert_bytes / ((self.bus_gbps_shared if shared else self.bus_gbps) * 1e9)
@@ -114,10 +125,11 @@ def _host_lane(profile: Profile, host_s, rows, on_host, xp=np):
 class LayerTime:
     host_lane: float
     device_lane: float
+    parallel: bool = True  # the lanes overlap (a separate device) or add up (one CPU for both)
 
     @property
     def seconds(self) -> float:
-        return max(self.host_lane, self.device_lane)
+        return max(self.host_lane, self.device_lane) if self.parallel else self.host_lane + self.device_lane
 
 
 def _bus_seconds(profile: Profile, copies, host_lane, xp=np):
@@ -168,7 +180,7 @@ def layer_time(profile: Profile, tokens_per_expert, placement) -> LayerTime:
     order = np.argsort(-device_s, stable=True)  # streamed longest first: the quickest after the last copy
     streamed = (place == "stream") & (n > 0)
     device = _device_lane(profile, resident_s, device_s[order], streamed[order], np.asarray(host))
-    return LayerTime(host, float(device))
+    return LayerTime(host, float(device), profile.parallel_lanes)
 
 
 def best_stream_count(profile: Profile, tokens_e, resident_e, xp=np):
@@ -203,7 +215,8 @@ def _prefix_seconds(profile, host_s, device_s, tokens_e, candidate, resident_e, 
     resident_s = xp.sum(xp.where(resident_e, device_s, 0.0))
     device_lane = _device_lane(profile, resident_s, device_s[order][None, :], streamed, host_lane, xp)
     feasible = xp.concatenate([xp.ones(1, dtype=bool), valid])
-    return xp.where(feasible, xp.maximum(host_lane, device_lane), xp.inf)
+    layer = xp.maximum(host_lane, device_lane) if profile.parallel_lanes else host_lane + device_lane
+    return xp.where(feasible, layer, xp.inf)
 
 
 def plan_layer(profile: Profile, tokens_per_expert, resident: set[int] | frozenset = frozenset()) -> list[str]:

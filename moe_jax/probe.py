@@ -168,6 +168,7 @@ def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | 
     profile["host_threads"] = threads or default_threads()
     profile["device"], profile["device_call_s"] = probe_device(d, f, rows, repeats)
     profile["both"] = probe_both(d, f, repeats, threads)
+    profile["parallel_lanes"] = jax.devices()[0].platform != "cpu"  # a CPU "device" shares the host's cores
     return profile
 
 

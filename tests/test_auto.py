@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import moe_jax
 from moe_jax.backends import offload
@@ -168,3 +169,17 @@ def test_auto_without_a_profile_measures_this_machine_once(checkpoint, tmp_path,
     assert path.stat().st_mtime_ns == stamp  # read, not measured again
     assert first.placement.profile.bus_gbps == second.placement.profile.bus_gbps > 0
     np.testing.assert_array_equal(first.placement.profile.host_seconds, second.placement.profile.host_seconds)
+
+
+def test_auto_keeps_every_expert_on_the_host_where_the_device_is_this_cpu(checkpoint, reference):
+    """A profile measured with jax on the CPU (lanes share the cores, the device never faster): auto must
+    not spend time or memory on a device copy."""
+    from moe_jax.backends.host import HostExperts
+
+    config = reference.config
+    cpu = Profile(expert_bytes(config), 5.0, 3.0, ROWS, ROWS * 1e-5, ROWS, ROWS * 1e-4, parallel_lanes=False)
+    model = moe_jax.load_model(checkpoint, backend="auto", profile=cpu, device_budget_bytes=10**8)
+    assert not _layers(model) and model.memory_split()["experts_in_use"] == 0
+    assert any(isinstance(m, HostExperts) for _, m in nnx.iter_graph(model.transformer))
+    ids = np.random.default_rng(4).integers(0, 96, size=(2, 9))
+    np.testing.assert_allclose(model.logits(ids), reference.logits(ids), atol=1e-5)

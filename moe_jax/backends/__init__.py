@@ -69,12 +69,19 @@ class Backend:
         self.profile = profile
         self.expert_cache: ExpertCache | None = None
         if name == "auto":
-            self.stream_slots = _stream_slots(budget, self.expert_bytes, config.num_experts_per_tok, profile)
+            # where the device neither runs beside the host nor computes any expert faster (jax on this CPU),
+            # auto keeps every expert on the host: no cache, no streams
+            self.device_helps = profile is not None and (profile.parallel_lanes or profile.device_ever_faster)
+            top_k = config.num_experts_per_tok
+            self.stream_slots = _stream_slots(budget, self.expert_bytes, top_k, profile) if self.device_helps else 0
             self.expert_cache = ExpertCache(
-                config.moe_layers, config.num_experts, self.expert_bytes, budget - self.stream_buffer_bytes
+                config.moe_layers, config.num_experts, self.expert_bytes, self._cache_budget(budget)
             )
         if name in ("host", "hybrid", "auto"):
             self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
+
+    def _cache_budget(self, expert_budget: int) -> int:
+        return expert_budget - self.stream_buffer_bytes if self.device_helps else 0
 
     @property
     def stream_buffer_bytes(self) -> int:
@@ -89,7 +96,7 @@ class Backend:
         return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
 
     def experts_for_layer(self, layer: int):
-        if self.name == "host":
+        if self.name == "host" or (self.name == "auto" and not self.device_helps):
             return HostExperts(self.runtime, layer)
         if self.name == "hybrid":
             return HybridExperts(self.runtime, layer, self._device_layer(layer), self.plan.get(layer, ()))
@@ -133,7 +140,7 @@ class Backend:
                     f"auto keeps {self.stream_buffer_bytes} bytes of stream buffers on the device; a split leaving "
                     f"{budget_bytes} bytes for experts does not fit"
                 )
-            self.expert_cache.set_budget(budget_bytes - self.stream_buffer_bytes)
+            self.expert_cache.set_budget(self._cache_budget(budget_bytes))
             for module in _hybrid_layers(transformer):
                 cache = self.expert_cache
                 if module.spec.capacity != cache.capacity:
