@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,7 +115,8 @@ COMMON = [
 
 
 def test_resume_after_kill_gives_the_same_adapter(tmp_path):
-    run_train(*COMMON, "--out", tmp_path / "straight")
+    result = run_train(*COMMON, "--out", tmp_path / "straight")
+    assert re.search(r"held-out loss: \d+\.\d+ -> \d+\.\d+", result.stdout), result.stdout
     out = tmp_path / "killed"
     cmd = [sys.executable, str(ROOT / "train.py"), "--no-progress", *map(str, COMMON), "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -184,7 +186,7 @@ def test_bad_input_exits_2_before_compute(tmp_path, lines, extra, message):
     data = write_lines(tmp_path / "bad.jsonl", lines)
     result = run_train("--data", data, "--eval-data", EVAL, "--out", tmp_path / "run", *extra, check=False)
     assert result.returncode == 2
-    assert any(__import__("re").search(message, line) for line in result.stderr.splitlines()), result.stderr
+    assert any(re.search(message, line) for line in result.stderr.splitlines()), result.stderr
     assert not (tmp_path / "run").exists()  # nothing was computed or written
 
 

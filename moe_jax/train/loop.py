@@ -237,8 +237,8 @@ class Trainer:
         self.model.set_lora_state(self.lora_state)
         export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
         plot_losses(self.history, self.out / "loss.png")
-        first = next((h for h in self.history if "exact_match" in h), {})
-        last = next((h for h in reversed(self.history) if "exact_match" in h or "eval_loss" in h), {})
+        evaluated = [h for h in self.history if "exact_match" in h or "eval_loss" in h]
+        first, last = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
         return {"first": first, "last": last, "steps": self.cfg.max_steps, "out": str(self.out)}
 
 
