@@ -135,7 +135,8 @@ class Model:
     def refresh_expert_cache(self) -> bool:
         """auto: updates the device expert cache from the routing seen since the last call (bounded churn).
         The generation engine and the trainer call this between steps."""
-        if self.placement.expert_cache is None:
+        cache = self.placement.expert_cache
+        if cache is None or cache.capacity == 0:  # nothing to place (or auto keeps every expert on the host)
             return False
         return self._edit(self.placement.refresh_expert_cache)
 

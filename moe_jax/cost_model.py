@@ -5,9 +5,12 @@ Each expert is computed in one of three places:
   resident  on the device from a cached copy (the device lane);
   stream    copied over the bus, then computed on the device (the device lane, copies double-buffered).
 The two lanes run at once, so a layer takes the slower of them (on a machine whose "device" is its own CPU they
-share the cores and add up). Per-expert times come from the probe's tables
-(`python -m moe_jax.probe`), interpolated in rows routed to the expert; copies take bytes / bus bandwidth, the
-bandwidth measured while the host computes when both lanes are busy (they share RAM bandwidth).
+share the cores and add up). Per-expert times come from the probe's tables (`python -m moe_jax.probe`),
+interpolated in rows routed to the expert, plus each side's fixed cost per call. The host lane accounts for
+experts spreading over its workers in whole tiles; copies move at the bandwidth measured while the host computes
+for as long as the host lane runs (both read RAM) and at the full bandwidth after; the device lane is a two-stage
+flow shop (bus, then compute) with two buffers. The planner (`best_stream_count`) uses the same formulas,
+vectorised over candidate placements, in numpy or inside jit.
 """
 
 from __future__ import annotations
@@ -82,9 +85,6 @@ class Profile:
     def device_ever_faster(self) -> bool:
         """Whether the device computes an expert faster than the host at any measured size."""
         return bool(np.any(self.device_time(self.host_rows) < self.host_seconds))
-
-    def copy_time(self, shared: bool) -> float:
-        return self.expert_bytes / ((self.bus_gbps_shared if shared else self.bus_gbps) * 1e9)
 
 
 def _plain(values):
