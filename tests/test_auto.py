@@ -183,3 +183,33 @@ def test_auto_keeps_every_expert_on_the_host_where_the_device_is_this_cpu(checkp
     assert any(isinstance(m, HostExperts) for _, m in nnx.iter_graph(model.transformer))
     ids = np.random.default_rng(4).integers(0, 96, size=(2, 9))
     np.testing.assert_allclose(model.logits(ids), reference.logits(ids), atol=1e-5)
+
+
+def test_training_steps_use_the_cache_as_refreshed_between_them(checkpoint, reference):
+    """The objective reads the frozen weights at each call: after the cache changes (values only, or resized by a
+    memory split) the next step computes with it, and the loss and gradients stay those of the device backend."""
+    from moe_jax.lora import LoRAConfig
+    from moe_jax.objective import lora_value_and_grad
+
+    tokens = np.random.default_rng(5).integers(0, 96, size=(2, 12)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    reference.attach_lora(LoRAConfig(rank=4, alpha=8), seed=3)
+    want_loss, want_grads = lora_value_and_grad(reference)[0](lora_value_and_grad(reference)[1], tokens, mask)
+    # experts' share: stream buffers + 2 cached per layer; the KV cache holds room for one more per layer
+    model = load_auto(checkpoint, reference.config, "mixed", cached_per_layer=3, kv_fraction=0.2)
+    assert model.placement.expert_cache.capacity == 2
+    model.attach_lora(LoRAConfig(rank=4, alpha=8), seed=3)
+    step, lora_state = lora_value_and_grad(model)
+    caches = []
+    for change in (None, "refresh", "split"):
+        if change == "refresh":
+            model.calibrate_expert_cache(tokens)
+        elif change == "split":
+            model.set_memory_split(kv_bytes=0)  # the KV share goes to the experts: one more cached per layer
+        loss, grads = step(lora_state, tokens, mask)
+        caches.append([m.cached for m in _layers(model)])
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()) + 1e-7)
+    assert caches[0] != caches[1] or caches[1] != caches[2]  # the cache really changed between steps
+    assert all(len(c) == 3 for c in caches[2])
