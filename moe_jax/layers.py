@@ -172,7 +172,7 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
     if t <= chunk:
         return grouped_attention(q_bthd, k_bskd, v_bskd, positions_bt, positions_bt, window)
     kv = k_bskd.shape[2]
-    q_bkgtd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4)
+    q_bktgd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 1, 3, 4)
     k_bksd = k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
     v_bksd = v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
     query_ranges, key_ranges = [], []
@@ -184,7 +184,7 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
     outs = [
         _attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window)
         for q, k, v, (qa, qb), (ka, kb) in zip(
-            take_ranges(q_bkgtd, query_ranges, 3),
+            take_ranges(q_bktgd, query_ranges, 2),
             take_ranges(k_bksd, key_ranges, 2),
             take_ranges(v_bksd, key_ranges, 2),
             query_ranges,
@@ -192,7 +192,7 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
             strict=True,
         )
     ]
-    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
+    return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -227,23 +227,25 @@ take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 def grouped_attention(q_bthd, k_bskd, v_bskd, q_pos_bt, k_pos_bs, window):
     b, t, h, hd = q_bthd.shape
     kv = k_bskd.shape[2]
-    q_bkgtd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 3, 1, 4)
+    q_bktgd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 1, 3, 4)
     k_bksd = k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
     v_bksd = v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
-    out = _attend(q_bkgtd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
+    out = _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
 
 
-def _attend(q_bkgtd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window):
-    """Grouped-query attention in head-major layout: queries [b, kv, group, t, d], keys/values [b, kv, s, d]."""
-    hd = q_bkgtd.shape[-1]
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q_bkgtd, k_bksd) * (hd**-0.5)
+def _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window):
+    """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys/values [b, kv, s, d].
+    The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv head."""
+    b, kv, t, g, hd = q_bktgd.shape
+    q = q_bktgd.reshape(b, kv, t * g, hd)
+    scores = jnp.einsum("bkmd,bksd->bkms", q, k_bksd).reshape(b, kv, t, g, -1) * (hd**-0.5)
     allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
     if window is not None:
         allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
-    scores = jnp.where(allowed[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bkgtd.dtype)
-    return jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd)
+    scores = jnp.where(allowed[:, None, :, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, -1)
+    return jnp.einsum("bkms,bksd->bkmd", probs, v_bksd).reshape(b, kv, t, g, hd)
 
 
 class SwiGLU(nnx.Module):
