@@ -193,8 +193,10 @@ def test_training_steps_use_the_cache_as_refreshed_between_them(checkpoint, refe
 
     tokens = np.random.default_rng(5).integers(0, 96, size=(2, 12)).astype(np.int32)
     mask = np.ones_like(tokens)
-    reference.attach_lora(LoRAConfig(rank=4, alpha=8), seed=3)
-    want_loss, want_grads = lora_value_and_grad(reference)[0](lora_value_and_grad(reference)[1], tokens, mask)
+    device = moe_jax.load_model(checkpoint, backend="device")  # not the shared fixture: adapters get attached
+    device.attach_lora(LoRAConfig(rank=4, alpha=8), seed=3)
+    device_step, device_lora = lora_value_and_grad(device)
+    want_loss, want_grads = device_step(device_lora, tokens, mask)
     # experts' share: stream buffers + 2 cached per layer; the KV cache holds room for one more per layer
     model = load_auto(checkpoint, reference.config, "mixed", cached_per_layer=3, kv_fraction=0.2)
     assert model.placement.expert_cache.capacity == 2
