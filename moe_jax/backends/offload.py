@@ -84,40 +84,48 @@ def _rounds(spec: OffloadSpec, ids_tk, num_experts: int):
     return used.reshape(rounds, spec.slots).astype(jnp.int32)
 
 
-def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds):
-    """Output of the pairs routed to the experts in `rounds` ([rounds, slots] ids, num_experts = none), each
-    round's experts copied to the device while the previous round computes."""
-    num_experts = len(w13_host)
+def _used_rounds(rounds, num_experts: int):
+    """Rounds that hold an expert: ids are packed first, so a round is used when its first slot is."""
+    return jnp.sum(rounds[:, 0] < num_experts)
 
-    def step(carry, next_ids):
-        y, current_ids, w13_s, w2_s = carry
+
+def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds):
+    """Output of the pairs routed to the experts in `rounds` ([rounds, slots] ids packed first, num_experts =
+    none), each round's experts copied to the device while the previous round computes. Only the rounds that
+    hold experts run (a loop of dynamic length), so a decode step routed to few experts copies and computes
+    only those."""
+    num_experts = len(w13_host)
+    used = _used_rounds(rounds, num_experts)
+    nothing = jnp.full(spec.slots, num_experts, jnp.int32)
+
+    def step(i, carry):
+        y, w13_s, w2_s = carry
+        next_ids = jnp.where(i + 1 < used, rounds[jnp.minimum(i + 1, len(rounds) - 1)], nothing)
         next_w13, next_w2 = _fetch(spec, w13_host, w2_host, next_ids)  # issued before this round computes
-        y = y + subset_experts(x_td, ids_tk, weights_tk, current_ids, w13_s, w2_s, num_experts, lora, spec.lora_scale)
-        return (y, next_ids, next_w13, next_w2), None
+        y = y + subset_experts(x_td, ids_tk, weights_tk, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale)
+        return y, next_w13, next_w2
 
     first = _fetch(spec, w13_host, w2_host, rounds[0])
-    nothing = jnp.full((1, spec.slots), num_experts, jnp.int32)  # the last step prefetches nothing
-    (y, *_), _ = jax.lax.scan(step, (jnp.zeros_like(x_td), rounds[0], *first), jnp.concatenate([rounds[1:], nothing]))
+    y, _, _ = jax.lax.fori_loop(0, used, step, (jnp.zeros_like(x_td), *first))
     return y
 
 
 def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td):
-    """(dx, d weights, d lora) of `streamed_forward`: each round's experts fetched again and that round
+    """(dx, d weights, d lora) of `streamed_forward`: each used round's experts fetched again and that round
     differentiated alone, so backward holds one round of experts at a time."""
     num_experts = len(w13_host)
 
-    def step(grads, round_ids):
-        w13_s, w2_s = _fetch(spec, w13_host, w2_host, round_ids)
+    def step(i, grads):
+        w13_s, w2_s = _fetch(spec, w13_host, w2_host, rounds[i])
 
         def contribution(x, weights, lora):
-            return subset_experts(x, ids_tk, weights, round_ids, w13_s, w2_s, num_experts, lora, spec.lora_scale)
+            return subset_experts(x, ids_tk, weights, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale)
 
         _, vjp = jax.vjp(contribution, x_td, weights_tk, lora)
-        return jax.tree.map(jnp.add, grads, vjp(dy_td)), None
+        return jax.tree.map(jnp.add, grads, vjp(dy_td))
 
     zeros = jax.tree.map(jnp.zeros_like, (x_td, weights_tk, lora))
-    grads, _ = jax.lax.scan(step, zeros, rounds)
-    return grads
+    return jax.lax.fori_loop(0, _used_rounds(rounds, num_experts), step, zeros)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
