@@ -50,6 +50,10 @@ def swiglu_into(hg, hu, out):
     out *= hu
 
 
+# An expert with at most this many rows is weight-bound: decode-sized calls run each expert as one task.
+FUSED_MAX_ROWS = 16
+
+
 class HostMoE:
     """Computes routed experts of any layer of `store` on the host CPU."""
 
@@ -99,8 +103,22 @@ class HostMoE:
                 o += lora.scale * ((act[tile.rows] @ a[tile.expert]) @ b[tile.expert][:, tile.cols])
             o *= weight_s[tile.rows, None]
 
-        self._run(stats, layer, plan_tiles(routing, f, self.threads), gate_up, w, phase_width=2 * d)
-        self._run(stats, layer, plan_tiles(routing, d, self.threads), down, w, phase_width=f)
+        active = np.flatnonzero(routing.sizes)
+        if len(active) >= self.threads and routing.sizes.max() <= FUSED_MAX_ROWS:
+            # decode-sized: one task per expert runs both phases, so the workers meet once, not twice; each
+            # expert's work is reading its weights, and there are enough experts to go round
+            def expert(e):
+                rows = slice(int(routing.offsets[e]), int(routing.offsets[e + 1]))
+                gate_up(Tile(e, rows, slice(0, f), 0, 0.0))
+                down(Tile(e, rows, slice(0, d), 0, 0.0))
+
+            order = sorted(active.tolist(), key=lambda e: -routing.sizes[e])
+            self._run_tasks(stats, layer, [lambda e=e: expert(e) for e in order])
+            stats.flops += 2.0 * routing.pairs * 3 * d * f
+            stats.weight_bytes += len(active) * 3 * d * f * w.w13.dtype.itemsize
+        else:
+            self._run(stats, layer, plan_tiles(routing, f, self.threads), gate_up, w, phase_width=2 * d)
+            self._run(stats, layer, plan_tiles(routing, d, self.threads), down, w, phase_width=f)
         y = self._combine(stats, layer, out_s, routing)
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
@@ -121,6 +139,9 @@ class HostMoE:
                 y[block] += rows_sorted[position[block, slot]]
 
         step = max(64, -(-tokens // (2 * self.threads)))
+        if tokens <= step:  # one block: not worth waking the workers
+            gather_sum(slice(0, tokens))
+            return y
         self._run_tasks(stats, layer, [lambda b=slice(t, t + step): gather_sum(b) for t in range(0, tokens, step)])
         return y
 
