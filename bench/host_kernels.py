@@ -55,6 +55,27 @@ def memcpy_gbps(rng, nbytes, repeats):
     return nbytes / timed(lambda: np.copyto(dst, src), repeats) / 1e9
 
 
+def gemv_streaming_gbps(rng, nbytes, threads, repeats):
+    """The weight-streaming ceiling: `threads` threads each running GEMVs (one BLAS thread each) over their own
+    share of 4 distinct float32 matrices totalling `nbytes`: what reading weights once per token can reach."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    mats = [rng.standard_normal((nbytes // 16 // 4096, 4096), np.float32) for _ in range(4)]
+    x = rng.standard_normal(4096).astype(np.float32)
+
+    def stream():
+        workers = [threading.Thread(target=lambda ms=mats[i::threads]: [m @ x for m in ms]) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    with threadpool_limits(1, "blas"):
+        return sum(m.nbytes for m in mats) / timed(stream, repeats) / 1e9
+
+
 def jax_layer(layer: LayerExperts):
     import jax
     import jax.numpy as jnp
@@ -127,6 +148,7 @@ def main():
     # together exceed the last-level cache: time a pass over enough distinct layer copies (>= 256 MiB), or
     # one layer would be served from cache and overstate RAM streaming.
     copy = memcpy_gbps(rng, 256 << 20, args.repeats)
+    gemv = gemv_streaming_gbps(rng, 256 << 20, engine.threads, args.repeats)
     n_layers = max(1, -(-(256 << 20) // (layer.w13.nbytes + layer.w2.nbytes)))
     decode_store = ExpertStore({i: LayerExperts(layer.w13.copy(), layer.w2.copy()) for i in range(n_layers)})
     decode_engine = HostMoE(decode_store, threads=args.threads)
@@ -152,12 +174,14 @@ def main():
                 "weight_gbps": gbps,
                 "memcpy_gbps": copy,
                 "vs_memcpy": gbps / copy,
+                "gemv_gbps": gemv,
+                "vs_gemv": gbps / gemv,
                 "jax_over_host": jf / t,
             }
         )
     print_table(
         f"decode (per layer, {n_layers} distinct layers in turn; weight bytes read per second vs numpy "
-        "copy of 256 MiB)",
+        "copy of 256 MiB and vs GEMVs streaming 256 MiB on the engine's threads)",
         rows,
     )
     results["decode"] = rows
