@@ -64,7 +64,7 @@ def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_mem
     }
     # auto: what fits of the hottest experts stays cached, the planner places the rest per step; where the
     # device neither runs beside the host nor beats it (jax on this CPU), auto keeps everything on the host
-    if profile.parallel_lanes or profile.device_ever_faster:
+    if profile.device_helps:
         room = all_experts if device_memory is None else max(0.0, device_memory - stream_buffers)
         cached = int(min(e, room // (shape.expert_bytes * shape.layers)))
         resident = set(np.argsort(-counts, stable=True)[:cached].tolist())
@@ -133,10 +133,7 @@ def cpu_question(profile: Profile, shape: Shape) -> dict:
     }
 
 
-def load_shape(model_dir: Path, dtype: str) -> Shape:
-    from moe_jax.checkpoint import open_checkpoint
-
-    c = open_checkpoint(model_dir).config
+def model_shape(c, dtype: str) -> Shape:
     params = 3 * c.hidden_size * c.expert_intermediate_size
     return Shape(len(c.moe_layers), c.num_experts, c.num_experts_per_tok, params, {"float32": 4, "bfloat16": 2}[dtype])
 
@@ -172,16 +169,12 @@ def main(argv=None):
         raise InputError(f"--batch sizes must be >= 1, got {args.batch}")
     if args.bus_gbps is not None and args.bus_gbps <= 0:
         raise InputError(f"--bus-gbps must be > 0, got {args.bus_gbps}")
-    shape = load_shape(args.model, args.dtype)
-    if args.profile is not None:
-        profile = Profile.load(args.profile)
-    else:
-        from moe_jax.checkpoint import open_checkpoint
-        from moe_jax.probe import cached_profile
+    from moe_jax.api import resolve_profile
+    from moe_jax.checkpoint import open_checkpoint
 
-        c = open_checkpoint(args.model).config
-        profile = cached_profile(c.hidden_size, c.expert_intermediate_size)
-    profile = fit_profile(profile, shape)
+    config = open_checkpoint(args.model).config
+    shape = model_shape(config, args.dtype)
+    profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)
     memory = None if args.device_memory_gb is None else args.device_memory_gb * 1e9

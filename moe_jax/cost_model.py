@@ -82,9 +82,10 @@ class Profile:
         return dataclasses.replace(self, bus_gbps=gbps, bus_gbps_shared=shared, parallel_lanes=True)
 
     @property
-    def device_ever_faster(self) -> bool:
-        """Whether the device computes an expert faster than the host at any measured size."""
-        return bool(np.any(self.device_time(self.host_rows) < self.host_seconds))
+    def device_helps(self) -> bool:
+        """Whether placing experts on the device can pay: it runs beside the host (a separate chip), or it
+        computes an expert faster than the host at some measured size. Not so for jax on the host's own CPU."""
+        return self.parallel_lanes or bool(np.any(self.device_time(self.host_rows) < self.host_seconds))
 
 
 def _plain(values):

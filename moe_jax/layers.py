@@ -168,13 +168,10 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
     than one [t, t] block on a CPU at t = 512, forward and backward. q, k and v are put in head-major layout
     once, not once per chunk (and again in backward).
     """
-    b, t, h, hd = q_bthd.shape
+    t = q_bthd.shape[1]
     if t <= chunk:
         return grouped_attention(q_bthd, k_bskd, v_bskd, positions_bt, positions_bt, window)
-    kv = k_bskd.shape[2]
-    q_bktgd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 1, 3, 4)
-    k_bksd = k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
-    v_bksd = v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
+    q_bktgd, k_bksd, v_bksd = _kv_head_major(q_bthd, k_bskd, v_bskd)
     query_ranges, key_ranges = [], []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
@@ -192,7 +189,7 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
             strict=True,
         )
     ]
-    return jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
+    return _token_major(jnp.concatenate(outs, axis=2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -225,13 +222,21 @@ take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 
 
 def grouped_attention(q_bthd, k_bskd, v_bskd, q_pos_bt, k_pos_bs, window):
+    out = _attend(*_kv_head_major(q_bthd, k_bskd, v_bskd), q_pos_bt, k_pos_bs, window)
+    return _token_major(out)
+
+
+def _kv_head_major(q_bthd, k_bskd, v_bskd):
+    """Queries [b, kv, t, group, d] and keys/values [b, kv, s, d] (in the queries' dtype) from token-major."""
     b, t, h, hd = q_bthd.shape
     kv = k_bskd.shape[2]
     q_bktgd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 1, 3, 4)
-    k_bksd = k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
-    v_bksd = v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
-    out = _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window)
-    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h, hd)
+    return q_bktgd, k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3), v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
+
+
+def _token_major(out_bktgd):
+    b, kv, t, g, hd = out_bktgd.shape
+    return out_bktgd.transpose(0, 2, 1, 3, 4).reshape(b, t, kv * g, hd)
 
 
 def _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window):

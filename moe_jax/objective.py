@@ -30,16 +30,18 @@ def lora_value_and_grad(model):
     The frozen rest of the model is read from `model` at each call, so a device expert cache refreshed between
     steps is used at once; a change of structure (a resized cache) recompiles.
     """
-    compiled = {}
+    graphdef, lora_state, rest = split_trainable(model.transformer)
+    compiled = {"graphdef": model.graphdef, "state": model.state, "step": _compile(graphdef), "rest": rest}
 
     def value_and_grad(lora_state, tokens_bt, mask_bt, dropout_key=None):
-        if compiled.get("graphdef") is not model.graphdef:
-            compiled.update(graphdef=model.graphdef, step=_compile(split_trainable(model.transformer)[0]))
-        if compiled.get("state") is not model.state:  # the frozen part, split again only when the model changed
-            compiled.update(state=model.state, rest=split_trainable(model.transformer)[2])
+        if compiled["state"] is not model.state:  # split again only when the model changed
+            graphdef, _, rest = split_trainable(model.transformer)
+            if compiled["graphdef"] is not model.graphdef:
+                compiled["step"] = _compile(graphdef)
+            compiled.update(graphdef=model.graphdef, state=model.state, rest=rest)
         return compiled["step"](lora_state, compiled["rest"], tokens_bt, mask_bt, dropout_key)
 
-    return value_and_grad, split_trainable(model.transformer)[1]
+    return value_and_grad, lora_state
 
 
 def _compile(graphdef):

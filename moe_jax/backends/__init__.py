@@ -71,7 +71,7 @@ class Backend:
         if name == "auto":
             # where the device neither runs beside the host nor computes any expert faster (jax on this CPU),
             # auto keeps every expert on the host: no cache, no streams
-            self.device_helps = profile is not None and (profile.parallel_lanes or profile.device_ever_faster)
+            self.device_helps = profile is not None and profile.device_helps
             top_k = config.num_experts_per_tok
             self.stream_slots = _stream_slots(budget, self.expert_bytes, top_k, profile) if self.device_helps else 0
             self.expert_cache = ExpertCache(

@@ -68,10 +68,10 @@ def _placement(spec: HybridSpec, ids_tk, cache_ids):
     if spec.profile is None:
         return resident, counts, None, 0
     k, order = best_stream_count(spec.profile, counts, resident, jnp)
-    streamed = jnp.where(jnp.arange(e) < k, order, e).astype(jnp.int32)
+    streamed = jnp.where(jnp.arange(e) < k, order, e).astype(jnp.int32)  # the first k of the ranking, then none
     slots = spec.stream.slots
     rounds = jnp.concatenate([streamed, jnp.full(-e % slots, e, jnp.int32)]).reshape(-1, slots)
-    on_device = resident.at[jnp.where(jnp.arange(e) < k, order, e)].set(True, mode="drop")
+    on_device = resident.at[streamed].set(True, mode="drop")
     return on_device, counts, rounds, k
 
 
@@ -79,13 +79,15 @@ def _stream_spec(spec: HybridSpec) -> OffloadSpec:
     return dataclasses.replace(spec.stream, lora_scale=spec.lora_scale)
 
 
-def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, rounds, k):
+def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache):
     w13_c, w2_c, cache_ids = cache
+    return subset_experts(x_td, ids_tk, weights_tk, cache_ids, w13_c, w2_c, spec.num_experts, lora, spec.lora_scale)
+
+
+def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, rounds, k):
     y = jnp.zeros_like(x_td)
     if spec.capacity:
-        y = y + subset_experts(
-            x_td, ids_tk, weights_tk, cache_ids, w13_c, w2_c, spec.num_experts, lora, spec.lora_scale
-        )
+        y = y + _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache)
     if rounds is not None:
         stream_spec = _stream_spec(spec)
         y = y + jax.lax.cond(
@@ -147,14 +149,9 @@ def _hybrid_bwd(spec, residuals, dy_td):
     )
 
     def device_grads(x, weights, lora_arrays):
-        w13_c, w2_c, cache_ids = cache
         grads = jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))
         if spec.capacity:
-
-            def cached(x, weights, lora_arrays):
-                e = spec.num_experts
-                return subset_experts(x, ids_tk, weights, cache_ids, w13_c, w2_c, e, lora_arrays, spec.lora_scale)
-
+            cached = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache)  # noqa: E731
             grads = jax.vjp(cached, x, weights, lora_arrays)[1](dy_td)
         if rounds is not None:
             stream_spec = _stream_spec(spec)

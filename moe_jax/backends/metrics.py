@@ -65,8 +65,7 @@ class MetricsRecorder:
 
     def count_tokens(self, layer: int, counts: np.ndarray):
         with self._lock:
-            seen = self._metrics.tokens_per_expert
-            seen[layer] = seen[layer] + counts if layer in seen else counts.copy()
+            _add_counts(self._metrics.tokens_per_expert, layer, counts)
 
     def take(self) -> BackendMetrics:
         with self._lock:
@@ -83,11 +82,14 @@ class RoutingCounts:
         self._counts: dict[int, np.ndarray] = {}
 
     def add(self, layer: int, counts):
-        counts = np.asarray(counts, np.int64)
         with self._lock:
-            self._counts[layer] = self._counts[layer] + counts if layer in self._counts else counts.copy()
+            _add_counts(self._counts, layer, np.asarray(counts, np.int64))
 
     def take(self) -> dict[int, np.ndarray]:
         with self._lock:
             counts, self._counts = self._counts, {}
         return counts
+
+
+def _add_counts(per_layer: dict[int, np.ndarray], layer: int, counts: np.ndarray):
+    per_layer[layer] = per_layer[layer] + counts if layer in per_layer else counts.copy()
