@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels.errors import HostKernelError
+from host_kernels.expert_matmuls import expert_matmuls
 from host_kernels.lora import ExpertLoRA
-from host_kernels.matmul import matmul_w
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
@@ -61,6 +61,20 @@ class HostMoE:
         self.store = store
         self.pool = pool or WorkerPool(threads)
         self.last_stats: CallStats | None = None
+        self._matmuls = {}
+
+    @property
+    def kernel(self) -> str:
+        """Which GEMM path runs the experts: "amx-bf16" (bfloat16 store on an AMX CPU) or "numpy"."""
+        return self._layer_matmuls(next(iter(self.store.layers))).name
+
+    def _layer_matmuls(self, layer: int, backward: bool = False):
+        mm = self._matmuls.get(layer)
+        if mm is None:
+            mm = self._matmuls[layer] = expert_matmuls(self.store[layer])
+        if hasattr(mm, "prepare"):
+            mm.prepare(backward)
+        return mm
 
     @property
     def threads(self) -> int:
@@ -79,6 +93,7 @@ class HostMoE:
         start = time.perf_counter()
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
+        mm = self._layer_matmuls(layer)
         stats = CallStats("forward", layer)
         routing = Routing.build(ids_tk, w.num_experts)
         stats.tokens_per_expert = routing.sizes
@@ -89,7 +104,7 @@ class HostMoE:
         h_s = np.empty((routing.pairs, 2 * f), np.float32) if keep else None
 
         def gate_up(tile: Tile):
-            hg, hu = _gate_up(w, lora, tile, x_td[routing.token_of_pair[tile.rows]])
+            hg, hu = _gate_up(mm, lora, tile, x_td, routing.token_of_pair[tile.rows])
             if keep:
                 h_s[tile.rows, tile.cols] = hg
                 h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
@@ -97,7 +112,7 @@ class HostMoE:
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
-            matmul_w(act[tile.rows], w.w2[tile.expert][:, tile.cols], out=o)
+            mm.down(tile.expert, act[tile.rows], tile.cols, o)
             if lora is not None and lora.down is not None:
                 a, b = lora.down
                 o += lora.scale * ((act[tile.rows] @ a[tile.expert]) @ b[tile.expert][:, tile.cols])
@@ -165,6 +180,7 @@ class HostMoE:
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
         dy_td = _check_activations(layer, "output gradient", dy_td, x_td.shape)
+        mm = self._layer_matmuls(layer, backward=True)
         stats = CallStats("backward", layer)
         routing = Routing.build(ids_tk, w.num_experts)
         stats.tokens_per_expert = routing.sizes
@@ -185,8 +201,8 @@ class HostMoE:
             if saved is not None:
                 hg, hu = saved.h[rows, cols], saved.h[rows, f + cols.start : f + cols.stop]
             else:
-                hg, hu = _gate_up(w, lora, tile, x_s[rows])
-            g = matmul_w(dy_r, w.w2[e][cols, :], transpose=True)  # dL/da before the routing weight
+                hg, hu = _gate_up(mm, lora, tile, x_s[rows], None)
+            g = mm.down_t(e, dy_r, cols)  # dL/da before the routing weight
             if lora is not None and lora.down is not None:
                 a_d, b_d = lora.down
                 g += lora.scale * ((dy_r @ b_d[e].T) @ a_d[e][cols, :].T)
@@ -213,7 +229,8 @@ class HostMoE:
 
         def input_grad(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
-            dx = matmul_w(dh[rows], w.w13[e][cols, :], transpose=True, out=dx_s[rows, cols])
+            dx = dx_s[rows, cols]
+            mm.gate_up_t(e, dh[rows], cols, dx)
             if lora is not None:
                 for pair, dh_part in ((lora.gate, dh[rows, :f]), (lora.up, dh[rows, f:])):
                     if pair is not None:
@@ -275,16 +292,13 @@ def _rows_plus_zero_row(rows: int, width: int) -> np.ndarray:
     return buffer
 
 
-def _gate_up(w: LayerExperts, lora: ExpertLoRA | None, tile: Tile, x_rd):
-    """Gate and up pre-activations of one tile's rows and ffn columns (with LoRA when given)."""
-    e, cols, f = tile.expert, tile.cols, w.ffn
-    if cols.start == 0 and cols.stop == f:
-        h = matmul_w(x_rd, w.w13[e])
-        hg, hu = h[:, :f], h[:, f:]
-    else:
-        hg = matmul_w(x_rd, w.w13[e][:, cols])
-        hu = matmul_w(x_rd, w.w13[e][:, f + cols.start : f + cols.stop])
+def _gate_up(mm, lora: ExpertLoRA | None, tile: Tile, x, rows):
+    """Gate and up pre-activations of one tile's rows (`x[rows]`, or `x` when rows is None) and ffn columns,
+    with LoRA when given."""
+    e, cols = tile.expert, tile.cols
+    hg, hu = mm.gate_up(e, x, rows, cols)
     if lora is not None:
+        x_rd = x if rows is None else x[rows]
         for pair, h in ((lora.gate, hg), (lora.up, hu)):
             if pair is not None:
                 h += lora.scale * ((x_rd @ pair[0][e]) @ pair[1][e][:, cols])

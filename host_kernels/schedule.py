@@ -56,6 +56,7 @@ class Tile:
 WEIGHT_READ_ROWS = 10
 MIN_SPLIT_ROWS = 32  # below this a row split makes GEMMs too skinny: split columns instead
 MIN_SPLIT_COLS = 64
+COLUMN_ALIGN = 32  # column splits start on multiples of this: AMX tiles are 16 columns, cache lines 16 floats
 
 
 def plan_tiles(routing: Routing, width: int, threads: int) -> list[Tile]:
@@ -81,11 +82,18 @@ def plan_tiles(routing: Routing, width: int, threads: int) -> list[Tile]:
                 tiles.append(Tile(e, slice(int(r0), int(r1)), slice(0, width), 0, (r1 - r0) + WEIGHT_READ_ROWS / parts))
         else:
             parts = max(1, min(math.ceil(cost / col_share) if cost > col_share else 1, width // MIN_SPLIT_COLS))
-            bounds = np.linspace(0, width, parts + 1).round().astype(int)
+            bounds = _column_bounds(width, parts)
             for j, (c0, c1) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
                 tiles.append(Tile(e, slice(start, stop), slice(int(c0), int(c1)), j, cost / parts))
     tiles.sort(key=lambda t: -t.cost)
     return tiles
+
+
+def _column_bounds(width: int, parts: int) -> np.ndarray:
+    """parts + 1 increasing bounds from 0 to width, the inner ones at multiples of COLUMN_ALIGN (parts is at most
+    width // MIN_SPLIT_COLS, so no part comes out empty)."""
+    inner = (np.linspace(0, width, parts + 1)[1:-1] / COLUMN_ALIGN).round().astype(int) * COLUMN_ALIGN
+    return np.concatenate([[0], inner, [width]])
 
 
 def max_column_blocks(tiles: list[Tile]) -> int:

@@ -1,0 +1,147 @@
+"""bfloat16 GEMMs on Intel AMX tiles (host_kernels/csrc/amx_bf16.c), and the packed weight layout they read.
+
+The native library is built by `pip install` (setup.py; optional, so an install on a machine whose compiler
+cannot target AMX still succeeds) and loaded with ctypes, whose calls release the GIL: the worker pool runs one
+GEMM per thread. `status()` says whether this machine can use it and, if not, why; the engine then falls back to
+the numpy path (float32 BLAS, bfloat16 weights widened block by block).
+
+Set MOE_JAX_HOST_KERNEL=numpy to use the numpy path even where AMX works (to compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+K_BLOCK = 32  # k rows per AMX tile (16 pairs of bfloat16)
+N_BLOCK = 16  # columns per AMX tile
+M_BLOCK = 16  # rows per AMX tile
+REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [k, n] weight in AMX tile layout: [n blocks][k blocks][16 pairs][16 columns][2], zero-padded."""
+
+    data: np.ndarray  # uint16 view of bfloat16 bits
+    k: int
+    n: int
+
+    @property
+    def kp(self) -> int:
+        return self.data.shape[1] * K_BLOCK
+
+
+def padded(size: int, block: int) -> int:
+    return -(-size // block) * block
+
+
+def pack(w: np.ndarray) -> PackedWeight:
+    """Packs a [k, n] weight (float32 or bfloat16; float32 is rounded to nearest even) for `gemm`."""
+    k, n = w.shape
+    kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
+    full = np.zeros((kp, np_), BF16)
+    full[:k, :n] = w
+    tiles = full.reshape(kp // K_BLOCK, K_BLOCK // 2, 2, np_ // N_BLOCK, N_BLOCK).transpose(3, 0, 1, 4, 2)
+    data = np.ascontiguousarray(tiles).view(np.uint16).reshape(np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK * N_BLOCK)
+    return PackedWeight(data, k, n)
+
+
+def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 copy of `x` (float32 [m, k], rows contiguous) — or of its rows `rows` — padded for `gemm`:
+    [m rounded up to 16, kp], zeros in the padding."""
+    m = x.shape[0] if rows is None else rows.shape[0]
+    k = x.shape[1]
+    if x.dtype != np.float32 or x.strides[1] != 4:
+        raise ValueError(f"pack_rows needs float32 rows with unit column stride, got {x.dtype} {x.strides}")
+    out = np.empty((padded(max(m, 1), M_BLOCK), kp), np.uint16)
+    if rows is not None:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+    _lib().bf16_pack_rows(
+        x.ctypes.data,
+        x.strides[0] // 4,
+        None if rows is None else rows.ctypes.data,
+        m,
+        k,
+        out.ctypes.data,
+        kp,
+        out.shape[0],
+    )
+    return out
+
+
+def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """out[:m, :] = (a @ w)[:m, n0:n1] in float32; `a` from `pack_rows` with w.kp columns, `n0` a multiple of 16,
+    `out` a float32 [m, n1 - n0] array or view with unit column stride (rows may be strided)."""
+    n1 = w.n if n1 is None else n1
+    if a.shape[1] != w.kp or a.dtype != np.uint16:
+        raise ValueError(f"packed rows have shape {a.shape} {a.dtype}, expected uint16 [*, {w.kp}]")
+    if n0 % N_BLOCK or not 0 <= n0 < n1 <= w.n:
+        raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 16")
+    if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:
+        raise ValueError(f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]")
+    _lib().amx_gemm(a.ctypes.data, w.kp, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1)
+    return out
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why not): the CPU has AMX-BF16, the library was built, and the OS grants the tile state."""
+    if os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() == "numpy":
+        return False, "MOE_JAX_HOST_KERNEL=numpy"
+    return _probe()
+
+
+@cache
+def _probe() -> tuple[bool, str]:
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return False, f"CPU lacks {', '.join(missing)}"
+    path = _library_path()
+    if path is None:
+        return False, "native library not built (reinstall with `pip install -e .` and a compiler that targets AMX)"
+    try:
+        lib = _lib()
+    except OSError as e:
+        return False, f"cannot load {path.name}: {e}"
+    if lib.amx_request_permission() != 0:
+        return False, "the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return True, ""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_amx_bf16{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+@cache
+def _lib():
+    lib = ctypes.CDLL(str(_library_path()))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.amx_request_permission.restype = ctypes.c_int
+    lib.amx_gemm.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, i64, i64]
+    lib.amx_gemm.restype = None
+    lib.bf16_pack_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64]
+    lib.bf16_pack_rows.restype = None
+    return lib

@@ -1,0 +1,155 @@
+/* bfloat16 GEMM on Intel AMX tiles, for the host expert engine (loaded with ctypes; see host_kernels/amx.py).
+ *
+ * C[m, n] (float32) = A[m, k] (bfloat16, row-major) @ B[k, n] (bfloat16, pre-packed), float32 accumulation.
+ *
+ * B is packed once per weight matrix into the layout TDPBF16PS reads: blocks of 32 k-rows x 16 columns, each a
+ * 16 x 64-byte tile whose row r holds the pairs (B[2r, c], B[2r + 1, c]) for its 16 columns c ("VNNI" layout),
+ * ordered column block by column block, k blocks contiguous within one:  packed[nb][kb][16][16][2].
+ * So one column block's weights are one contiguous stream, which is what a weight-bound (decode) call reads.
+ *
+ * A is passed padded: rows to a multiple of 16 (their values only reach output rows that are never stored),
+ * k to a multiple of 32 with zeros (they meet B's zero padding). bf16_pack_rows() makes such a buffer.
+ *
+ * Register blocking: 2 x 2 output tiles (32 rows x 32 columns) from 2 A tiles and 2 B tiles per k step, which
+ * uses all 8 tile registers. Column blocks are the outer loop so a 32-column strip of B (k x 64 bytes) stays in
+ * L1/L2 while every row block of A passes over it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The kernel runs only after the OS has granted this process the AMX tile state. 0 on success. */
+int amx_request_permission(void) {
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+static void load_config(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Stores one 16 x 16 float32 tile, keeping only `rows` x `cols` of it. */
+#define STORE_TILE(T, dst, ldc, rows, cols)                                          \
+    do {                                                                             \
+        if ((rows) == 16 && (cols) == 16) {                                          \
+            _tile_stored(T, (dst), (ldc) * 4);                                       \
+        } else {                                                                     \
+            _tile_stored(T, scratch, 64);                                            \
+            for (int r_ = 0; r_ < (rows); r_++)                                      \
+                memcpy((dst) + (int64_t)r_ * (ldc), scratch + r_ * 16, (cols) * 4); \
+        }                                                                            \
+    } while (0)
+
+/* Columns [n0, n1) of C = A @ B, written to c (which points at column n0 of row 0; row stride ldc floats).
+ * n0 must be a multiple of 16. kp: padded k (multiple of 32); m: rows of A and C (A has them padded to 16). */
+void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
+              int64_t m, int64_t n0, int64_t n1) {
+    float scratch[16 * 16];
+    const int64_t kb_count = kp / 32;
+    const int64_t mb_count = (m + 15) / 16;
+    const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
+    load_config();
+    for (int64_t nb = nb0; nb < nb1; nb += 2) {
+        const int two_n = nb + 1 < nb1;
+        const uint16_t *b0 = b_packed + nb * kb_count * 512;
+        const uint16_t *b1 = b0 + kb_count * 512;
+        const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
+        const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
+        float *c0 = c + (nb - nb0) * 16;
+        for (int64_t mb = 0; mb < mb_count; mb += 2) {
+            const int two_m = mb + 1 < mb_count;
+            const uint16_t *a0 = a + mb * 16 * lda;
+            const uint16_t *a1 = a0 + 16 * lda;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            if (two_n && two_m) {
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_loadd(5, a1 + kb * 32, lda * 2);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            } else if (two_n) {
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            } else if (two_m) {
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_loadd(5, a1 + kb * 32, lda * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+            } else {
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+            }
+            const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
+            const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
+            float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
+            STORE_TILE(0, r0, ldc, rows0, cols0);
+            if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
+            if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
+            if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
+        }
+    }
+    _tile_release();
+}
+
+/* dst[i, :k] = bfloat16(src[rows[i], :k]) (rows == NULL: row i), round to nearest even; dst[i, k:kp] = 0 and
+ * rows m..mp of dst are zero. src row stride lds floats; dst row stride kp. */
+void bf16_pack_rows(const float *src, int64_t lds, const int64_t *rows, int64_t m, int64_t k, uint16_t *dst,
+                    int64_t kp, int64_t mp) {
+    for (int64_t i = 0; i < mp; i++) {
+        uint16_t *out = dst + i * kp;
+        if (i >= m) {
+            memset(out, 0, kp * 2);
+            continue;
+        }
+        const float *in = src + (rows ? rows[i] : i) * lds;
+        int64_t j = 0;
+        for (; j + 16 <= k; j += 16) {
+            __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + j));
+            _mm256_storeu_si256((__m256i *)(out + j), (__m256i)v);
+        }
+        if (j < k) {
+            __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
+            __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, in + j));
+            _mm256_mask_storeu_epi16(out + j, mask, (__m256i)v);
+        }
+        memset(out + k, 0, (kp - k) * 2);
+    }
+}

@@ -1,0 +1,112 @@
+"""The four GEMMs against one layer's expert weights that the engine needs, on the numpy path or on AMX.
+
+For expert e with gate/up weight W13 [d, 2f] and down weight W2 [f, d]:
+    gate_up    x @ W13[:, cols] and x @ W13[:, f + cols]     forward phase 1 (and its recompute)
+    down       a @ W2[:, cols]                               forward phase 2
+    down_t     dy @ W2[cols, :].T                            backward: gradient at the activation
+    gate_up_t  dh @ W13[cols, :].T                           backward: gradient at the input
+Rows come in as float32; results go out as float32. `rows` (an index array) gathers the input's rows, so the AMX
+path can gather and round to bfloat16 in one pass.
+
+The AMX path keeps each weight packed in the tile layout (host_kernels/amx.py), made once per layer on first use
+in this process: W13 and W2 for forward, and their transposes when a backward first needs them. The packed copies
+are bfloat16: forward alone holds half the bytes of a float32 store, training as many.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from host_kernels import amx
+from host_kernels.matmul import matmul_w
+from host_kernels.store import LayerExperts
+
+
+class NumpyExpertMatmuls:
+    """float32 BLAS; bfloat16 storage widened block by block (host_kernels/matmul.py)."""
+
+    name = "numpy"
+
+    def __init__(self, w: LayerExperts):
+        self.w = w
+
+    def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
+        x = x if rows is None else x[rows]
+        w13, f = self.w.w13[e], self.w.ffn
+        if cols.start == 0 and cols.stop == f:
+            h = matmul_w(x, w13)
+            return h[:, :f], h[:, f:]
+        return matmul_w(x, w13[:, cols]), matmul_w(x, w13[:, f + cols.start : f + cols.stop])
+
+    def down(self, e: int, act: np.ndarray, cols: slice, out: np.ndarray):
+        matmul_w(act, self.w.w2[e][:, cols], out=out)
+
+    def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
+        return matmul_w(dy, self.w.w2[e][cols, :], transpose=True)
+
+    def gate_up_t(self, e: int, dh: np.ndarray, cols: slice, out: np.ndarray):
+        matmul_w(dh, self.w.w13[e][cols, :], transpose=True, out=out)
+
+
+class AMXExpertMatmuls:
+    """bfloat16 inputs and weights on AMX tiles, float32 accumulation. Column ranges must start at multiples of
+    16 (the tile planner cuts at multiples of 32)."""
+
+    name = "amx-bf16"
+
+    def __init__(self, w: LayerExperts):
+        self.w = w
+        self._lock = threading.Lock()
+        self._forward: list[tuple[amx.PackedWeight, amx.PackedWeight]] | None = None
+        self._backward: list[tuple[amx.PackedWeight, amx.PackedWeight]] | None = None
+
+    def prepare(self, backward: bool):
+        """Packs the weights a forward (and, when asked, a backward) reads; call before running tiles."""
+        with self._lock:
+            if self._forward is None:
+                f, fp = self.w.ffn, amx.padded(self.w.ffn, amx.N_BLOCK)
+                packed = []
+                for e in range(self.w.num_experts):
+                    # gate columns at [0, f), up columns at [fp, fp + f): both halves start on a tile boundary
+                    w13 = np.zeros((self.w.hidden, 2 * fp), amx.BF16)
+                    w13[:, :f], w13[:, fp : fp + f] = self.w.w13[e][:, :f], self.w.w13[e][:, f:]
+                    packed.append((amx.pack(w13), amx.pack(self.w.w2[e])))
+                self._forward = packed
+            if backward and self._backward is None:
+                self._backward = [
+                    (amx.pack(np.asarray(self.w.w2[e]).T), amx.pack(np.asarray(self.w.w13[e]).T))
+                    for e in range(self.w.num_experts)
+                ]
+
+    def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
+        w13 = self._forward[e][0]
+        fp = w13.n // 2
+        a = amx.pack_rows(x, w13.kp, rows)
+        m = x.shape[0] if rows is None else rows.shape[0]
+        width = cols.stop - cols.start
+        hg, hu = np.empty((m, width), np.float32), np.empty((m, width), np.float32)
+        amx.gemm(a, m, w13, hg, cols.start, cols.stop)
+        amx.gemm(a, m, w13, hu, fp + cols.start, fp + cols.stop)
+        return hg, hu
+
+    def down(self, e: int, act: np.ndarray, cols: slice, out: np.ndarray):
+        w2 = self._forward[e][1]
+        amx.gemm(amx.pack_rows(act, w2.kp), act.shape[0], w2, out, cols.start, cols.stop)
+
+    def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
+        w2t = self._backward[e][0]
+        out = np.empty((dy.shape[0], cols.stop - cols.start), np.float32)
+        return amx.gemm(amx.pack_rows(dy, w2t.kp), dy.shape[0], w2t, out, cols.start, cols.stop)
+
+    def gate_up_t(self, e: int, dh: np.ndarray, cols: slice, out: np.ndarray):
+        w13t = self._backward[e][1]
+        amx.gemm(amx.pack_rows(dh, w13t.kp), dh.shape[0], w13t, out, cols.start, cols.stop)
+
+
+def expert_matmuls(w: LayerExperts):
+    """AMX for bfloat16 weights where this machine has it, else numpy."""
+    if w.w13.dtype == amx.BF16 and amx.status()[0]:
+        return AMXExpertMatmuls(w)
+    return NumpyExpertMatmuls(w)
