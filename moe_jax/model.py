@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig
-from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU
+from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, frozen_matmul
 from moe_jax.moe import MoEBlock
 
 
@@ -37,6 +37,18 @@ class Transformer(nnx.Module):
         self.layers = nnx.List(layers)
         self.norm = final_norm
         self.lm_head = Frozen(lm_head_dv) if lm_head_dv is not None else None
+        # while training in bfloat16 on a CPU (layers.frozen_matmul): the head's transpose — lm_head.T, or for a
+        # tied head the embedding's transpose, which is then the head itself
+        self.head_copy = nnx.data(None)
+
+    def keep_transposed_weights(self):
+        """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul)."""
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Projection) and module.weight_t is None:
+                module.keep_transposed()
+        if self.head_copy is None:
+            head = self.lm_head if self.lm_head is not None else self.embed
+            self.head_copy = Frozen(jnp.array(head[...].T))
 
     def __call__(self, tokens_bt, positions_bt, caches=None):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches)."""
@@ -47,8 +59,12 @@ class Transformer(nnx.Module):
             if new_caches is not None:
                 new_caches.append(cache)
         x = self.norm(x)
-        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
-        return (x @ head).astype(jnp.float32), new_caches
+        copy = None if self.head_copy is None else self.head_copy[...]
+        if self.lm_head is not None:
+            head, head_t = self.lm_head[...], copy
+        else:
+            head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
+        return frozen_matmul(x, head, head_t, out_dtype=jnp.float32), new_caches
 
 
 def build_transformer(
