@@ -1,24 +1,18 @@
-"""bfloat16 GEMMs on Intel AMX tiles (host_kernels/csrc/amx_bf16.c), and the packed weight layout they read.
+"""bfloat16 GEMMs on Intel AMX tiles (host_kernels/csrc/amx_gemm.c), and the packed weight layout they read.
 
-The native library is built by `pip install` (setup.py; optional, so an install on a machine whose compiler
-cannot target AMX still succeeds) and loaded with ctypes, whose calls release the GIL: the worker pool runs one
-GEMM per thread. `status()` says whether this machine can use it and, if not, why; the engine then falls back to
-the numpy path (float32 BLAS, bfloat16 weights widened block by block).
-
-Set MOE_JAX_HOST_KERNEL=numpy to use the numpy path even where AMX works (to compare the two).
+`status()` says whether this machine can run them and, if not, why; the engine then falls back to the numpy path
+(float32 BLAS, bfloat16 weights widened block by block). One GEMM per worker thread (ctypes releases the GIL).
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.machinery
-import os
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from host_kernels import native
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 K_BLOCK = 32  # k rows per AMX tile (16 pairs of bfloat16)
@@ -65,7 +59,7 @@ def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None) -> np.ndar
     out = np.empty((padded(max(m, 1), M_BLOCK), kp), np.uint16)
     if rows is not None:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-    _lib().bf16_pack_rows(
+    native.lib().bf16_pack_rows(
         x.ctypes.data,
         x.strides[0] // 4,
         None if rows is None else rows.ctypes.data,
@@ -88,60 +82,22 @@ def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n
         raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 16")
     if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:
         raise ValueError(f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]")
-    _lib().amx_gemm(a.ctypes.data, w.kp, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1)
+    native.lib().amx_gemm(
+        a.ctypes.data, w.kp, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1
+    )
     return out
 
 
 def status() -> tuple[bool, str]:
     """(usable, why not): the CPU has AMX-BF16, the library was built, and the OS grants the tile state."""
-    if os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() == "numpy":
-        return False, "MOE_JAX_HOST_KERNEL=numpy"
-    return _probe()
+    usable, reason = native.status(REQUIRED_CPU_FLAGS)
+    if not usable:
+        return usable, reason
+    return _permission()
 
 
 @cache
-def _probe() -> tuple[bool, str]:
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return False, f"CPU lacks {', '.join(missing)}"
-    path = _library_path()
-    if path is None:
-        return False, "native library not built (reinstall with `pip install -e .` and a compiler that targets AMX)"
-    try:
-        lib = _lib()
-    except OSError as e:
-        return False, f"cannot load {path.name}: {e}"
-    if lib.amx_request_permission() != 0:
+def _permission() -> tuple[bool, str]:
+    if native.lib().amx_request_permission() != 0:
         return False, "the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return True, ""
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _library_path() -> Path | None:
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_amx_bf16{suffix}"
-        if candidate.exists():
-            return candidate
-    return None
-
-
-@cache
-def _lib():
-    lib = ctypes.CDLL(str(_library_path()))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.amx_request_permission.restype = ctypes.c_int
-    lib.amx_gemm.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, i64, i64]
-    lib.amx_gemm.restype = None
-    lib.bf16_pack_rows.argtypes = [pointer, i64, pointer, i64, i64, pointer, i64, i64]
-    lib.bf16_pack_rows.restype = None
-    return lib

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host_kernels.activations import swiglu_backward, swiglu_forward
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import expert_matmuls
 from host_kernels.lora import ExpertLoRA
@@ -29,26 +30,6 @@ from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
 from host_kernels.store import ExpertStore, LayerExperts
-
-
-def sigmoid(x):
-    """0.5 * (1 + tanh(x / 2)): no overflow for large |x|, unlike 1 / (1 + exp(-x)); one temporary."""
-    out = np.multiply(x, 0.5)
-    np.tanh(out, out=out)
-    out += 1.0
-    out *= 0.5
-    return out
-
-
-def swiglu_into(hg, hu, out):
-    """out = silu(hg) * hu, in place: no temporaries the size of the tile."""
-    np.multiply(hg, 0.5, out=out)
-    np.tanh(out, out=out)
-    out += 1.0
-    out *= 0.5
-    out *= hg
-    out *= hu
-
 
 # An expert with at most this many rows is weight-bound: decode-sized calls run each expert as one task.
 FUSED_MAX_ROWS = 16
@@ -108,7 +89,7 @@ class HostMoE:
             if keep:
                 h_s[tile.rows, tile.cols] = hg
                 h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
-            swiglu_into(hg, hu, act[tile.rows, tile.cols])
+            swiglu_forward(hg, hu, act[tile.rows, tile.cols])
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
@@ -206,21 +187,9 @@ class HostMoE:
             if lora is not None and lora.down is not None:
                 a_d, b_d = lora.down
                 g += lora.scale * ((dy_r @ b_d[e].T) @ a_d[e][cols, :].T)
-            # in place, to keep tile-sized temporaries to two: sg, then silu'(hg); hg becomes silu(hg)
-            sg = sigmoid(hg)
-            dsilu = np.subtract(1.0, sg)
-            dsilu *= hg
-            dsilu += 1.0
-            dsilu *= sg
-            hg *= sg
-            a = act[rows, cols] if keep_act else sg
-            np.multiply(hg, hu, out=a)
-            dw_blocks[rows, tile.block] = np.einsum("pf,pf->p", g, a)
-            g *= weight_s[rows, None]
-            dh_gate = dh[rows, cols]
-            np.multiply(g, hu, out=dh_gate)
-            dh_gate *= dsilu
-            np.multiply(g, hg, out=dh[rows, f + cols.start : f + cols.stop])
+            dh_gate, dh_up = dh[rows, cols], dh[rows, f + cols.start : f + cols.stop]
+            a = act[rows, cols] if keep_act else None
+            swiglu_backward(hg, hu, g, weight_s[rows], dh_gate, dh_up, dw_blocks[rows, tile.block], a)
 
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
         self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)

@@ -273,3 +273,35 @@ def test_decode_size_products_match_numpy(rows):
     out = np.zeros((rows, 600), np.float32)
     assert matmul_w(x, w, out=out) is out
     np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_act", [False, True])
+def test_native_swiglu_passes_match_numpy(with_act, monkeypatch):
+    from host_kernels import activations
+
+    if not activations.native_usable():
+        pytest.skip("native SwiGLU passes unavailable on this machine")
+    rng = np.random.default_rng(9)
+    rows, cols = 7, 37  # a masked tail in every row
+    h = rng.standard_normal((rows, 2 * cols)).astype(np.float32) * 4
+    h[0, :4] = [-100.0, 100.0, -1e30, 1e30]  # saturating sigmoid: no overflow, no NaN
+    grad = rng.standard_normal((rows, cols)).astype(np.float32)
+    weight = rng.uniform(0.1, 1, rows).astype(np.float32)
+
+    def run():
+        hg, hu, g = h[:, :cols].copy(), h[:, cols:].copy(), grad.copy()  # the numpy path works in place
+        act_f = np.empty((rows, cols), np.float32)
+        activations.swiglu_forward(hg, hu, act_f)
+        dh = np.empty((rows, 2 * cols), np.float32)
+        dw = np.empty((rows, 3), np.float32)[:, 1]  # a strided column, as the engine passes
+        act_b = np.empty((rows, cols), np.float32) if with_act else None
+        activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b)
+        return act_f, dh, dw.copy(), act_b
+
+    native = run()
+    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
+    reference = run()
+    for got, expected in zip(native, reference, strict=True):
+        if expected is not None:
+            assert np.isfinite(got).all()
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-/* bfloat16 GEMM on Intel AMX tiles, for the host expert engine (loaded with ctypes; see host_kernels/amx.py).
+/* bfloat16 GEMM on Intel AMX tiles, for the host expert engine (loaded with ctypes; see host_kernels/amx.py,
+ * which calls it only where the CPU has AMX: this file alone is compiled for it).
  *
  * C[m, n] (float32) = A[m, k] (bfloat16, row-major) @ B[k, n] (bfloat16, pre-packed), float32 accumulation.
  *
@@ -14,6 +15,7 @@
  * uses all 8 tile registers. Column blocks are the outer loop so a 32-column strip of B (k x 64 bytes) stays in
  * L1/L2 while every row block of A passes over it.
  */
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,0 +1,67 @@
+"""The SwiGLU elementwise passes of the engine: native (one AVX-512 pass, host_kernels/csrc/swiglu.c) where the
+CPU has it, else numpy (in place, at most two tile-sized temporaries). Both compute in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host_kernels import native
+
+NATIVE_CPU_FLAGS = ("avx512f",)
+
+
+def native_usable() -> bool:
+    return native.status(NATIVE_CPU_FLAGS)[0]
+
+
+def sigmoid(x):
+    """0.5 * (1 + tanh(x / 2)): no overflow for large |x|, unlike 1 / (1 + exp(-x)); one temporary."""
+    out = np.multiply(x, 0.5)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def swiglu_forward(hg, hu, act):
+    """act = silu(hg) * hu, into `act` (a float32 view with contiguous rows)."""
+    if native_usable():
+        native.lib().swiglu_forward(
+            hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), act.ctypes.data,
+            native.row_stride(act), act.shape[0], act.shape[1],
+        )  # fmt: skip
+        return
+    np.multiply(hg, 0.5, out=act)
+    np.tanh(act, out=act)
+    act += 1.0
+    act *= 0.5
+    act *= hg
+    act *= hu
+
+
+def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
+    """Given grad = dL/da for a = silu(hg) * hu (before the rows' routing weights `weight`): writes
+    dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg), dw[i] = <grad_i, a_i> (a column view), and `act` = a
+    when given. May overwrite hg and grad (the numpy path works in place)."""
+    if native_usable():
+        native.lib().swiglu_backward(
+            hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), grad.ctypes.data,
+            native.row_stride(grad), np.ascontiguousarray(weight, np.float32).ctypes.data, dh_gate.ctypes.data,
+            dh_up.ctypes.data, native.row_stride(dh_gate), dw.ctypes.data, dw.strides[0] // 4, native.address(act),
+            0 if act is None else native.row_stride(act), grad.shape[0], grad.shape[1],
+        )  # fmt: skip
+        return
+    # in place, to keep tile-sized temporaries to two: sg, then silu'(hg); hg becomes silu(hg)
+    sg = sigmoid(hg)
+    dsilu = np.subtract(1.0, sg)
+    dsilu *= hg
+    dsilu += 1.0
+    dsilu *= sg
+    hg *= sg
+    a = act if act is not None else sg
+    np.multiply(hg, hu, out=a)
+    dw[:] = np.einsum("pf,pf->p", grad, a)
+    grad *= weight[:, None]
+    np.multiply(grad, hu, out=dh_gate)
+    dh_gate *= dsilu
+    np.multiply(grad, hg, out=dh_up)

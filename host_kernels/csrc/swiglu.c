@@ -1,0 +1,81 @@
+/* The SwiGLU elementwise passes of the host expert engine, one pass over memory each (loaded with ctypes; see
+ * host_kernels/native.py, which calls them only where the CPU has AVX-512: this file alone is compiled for it).
+ * numpy needs 6-9 passes with temporaries for the same work, which on training-sized tiles took longer than the
+ * GEMMs around them. Arrays are float32, row-major, with row strides ("ld"); 16 columns per step, the last
+ * step masked.
+ */
+#pragma GCC target("avx512f")
+#include <immintrin.h>
+#include <stdint.h>
+
+/* exp(x): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (< 2 ulp), times 2^n by
+ * scalef. x is clamped to [-88, 88] first (exp there is ~0 and ~FLT_MAX): beyond, r loses all its bits. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* sigmoid(x) = 1 / (1 + exp(-x)): 0 or 1 at the extremes, never NaN for finite x */
+static inline __m512 sigmoid16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+}
+
+/* act[i, j] = silu(hg[i, j]) * hu[i, j] */
+void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, float *act, int64_t ld_a, int64_t m,
+                    int64_t n) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = hg + i * ld_g, *u = hu + i * ld_u;
+        float *a = act + i * ld_a;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + j), uv = _mm512_maskz_loadu_ps(k, u + j);
+            _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), uv));
+        }
+    }
+}
+
+/* Backward of y = w * (silu(hg) * hu) @ W2 given grad = dL/d(silu(hg) * hu) before the routing weight w:
+ *   dh_gate = w grad hu silu'(hg),  dh_up = w grad silu(hg),  dw[i] = sum_j grad * silu(hg) * hu,
+ * with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h); and act = silu(hg) * hu when act is not NULL (for the down
+ * projection's LoRA gradients). */
+void swiglu_backward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad, int64_t ld_grad,
+                     const float *weight, float *dh_gate, float *dh_up, int64_t ld_dh, float *dw, int64_t ld_dw,
+                     float *act, int64_t ld_a, int64_t m, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = hg + i * ld_g, *u = hu + i * ld_u, *d = grad + i * ld_grad;
+        float *dg = dh_gate + i * ld_dh, *du = dh_up + i * ld_dh, *a = act ? act + i * ld_a : 0;
+        const __m512 w = _mm512_set1_ps(weight[i]);
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = tail_mask(n - j);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + j), uv = _mm512_maskz_loadu_ps(k, u + j);
+            const __m512 dv = _mm512_maskz_loadu_ps(k, d + j);
+            const __m512 s = sigmoid16(gv);
+            const __m512 silu = _mm512_mul_ps(gv, s);
+            const __m512 av = _mm512_mul_ps(silu, uv);
+            dot = _mm512_fmadd_ps(dv, av, dot);
+            if (a) _mm512_mask_storeu_ps(a + j, k, av);
+            const __m512 dwv = _mm512_mul_ps(dv, w);
+            const __m512 dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+            _mm512_mask_storeu_ps(dg + j, k, _mm512_mul_ps(_mm512_mul_ps(dwv, uv), dsilu));
+            _mm512_mask_storeu_ps(du + j, k, _mm512_mul_ps(dwv, silu));
+        }
+        dw[i * ld_dw] = _mm512_reduce_add_ps(dot);
+    }
+}
