@@ -1,10 +1,12 @@
 """LoRA fine-tuning throughput: this project (host and device backends) against transformers + peft on torch CPU.
 
-    python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick]
+    python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick] [--sides moe_jax-host-bfloat16,...]
 
 Same Mixtral-shaped bench model (bench/models.py), same random token batches, LoRA r=8 alpha=16 on q/k/v/o,
-AdamW. Each side runs in its own process (so peak RSS is its own), two warm-up steps, then `--steps` timed
-steps. Prints a table and writes bench/results/train.json.
+AdamW, each side in float32 and in bfloat16 (weights and activations; adapters and optimizer state in float32
+for this project, in the model's dtype for peft, as each does by default). Each side runs in its own process (so
+peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
+against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine_info, print_table, write_json  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
 
-SIDES = ("moe_jax-host", "moe_jax-device", "transformers+peft")
+DTYPES = ("float32", "bfloat16")
+SIDES = tuple(f"{side}-{dtype}" for side in ("moe_jax-host", "moe_jax-device", "transformers+peft") for dtype in DTYPES)
 
 
 def batches(batch, seq, count):
@@ -32,7 +35,7 @@ def batches(batch, seq, count):
     return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]
 
 
-def run_moe_jax(backend, batch, seq, steps):
+def run_moe_jax(backend, dtype, batch, seq, steps):
     import jax
     import numpy as np
     import optax
@@ -41,7 +44,7 @@ def run_moe_jax(backend, batch, seq, steps):
     from moe_jax.lora import LoRAConfig
     from moe_jax.objective import lora_value_and_grad
 
-    model = moe_jax.load_model(bench_model_dir(), backend=backend)
+    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype)
     model.attach_lora(LoRAConfig(rank=8, alpha=16))
     value_and_grad, lora_state = lora_value_and_grad(model)
     tx = optax.adamw(1e-4)
@@ -68,12 +71,12 @@ def run_moe_jax(backend, batch, seq, steps):
     return times[2:], losses, metrics
 
 
-def run_transformers(batch, seq, steps):
+def run_transformers(dtype, batch, seq, steps):
     import peft
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype))
     model = peft.get_peft_model(
         model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     )
@@ -93,10 +96,11 @@ def run_transformers(batch, seq, steps):
 
 
 def child(side, batch, seq, steps):
-    if side == "transformers+peft":
-        times, losses, metrics = run_transformers(batch, seq, steps)
+    name, dtype = side.rsplit("-", 1)
+    if name == "transformers+peft":
+        times, losses, metrics = run_transformers(dtype, batch, seq, steps)
     else:
-        times, losses, metrics = run_moe_jax(side.split("-")[1], batch, seq, steps)
+        times, losses, metrics = run_moe_jax(name.split("-")[1], dtype, batch, seq, steps)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"times": times, "losses": losses, "metrics": metrics, "peak_rss_mb": peak_mb}))
 
@@ -107,6 +111,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, 2 steps")
+    parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ", ".join(SIDES))
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -115,7 +120,11 @@ def main():
         return child(args.child, args.batch, args.seq, args.steps)
     bench_model_dir()  # made once, outside the timed processes
     rows, raw = [], {}
-    for side in SIDES:
+    sides = args.sides.split(",")
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown:
+        parser.error(f"unknown side(s) {unknown}; choose from {', '.join(SIDES)}")
+    for side in sides:
         cmd = [
             sys.executable,
             __file__,
@@ -143,7 +152,8 @@ def main():
                 "device_wait_s_per_step": result["metrics"].get("device_wait_s", 0) / args.steps,
             }
         )
-    ref = rows[-1]["tokens_per_s"]
+    reference = [r["tokens_per_s"] for r in rows if r["side"].startswith("transformers")]
+    ref = max(reference) if reference else float("nan")  # transformers+peft in its faster dtype
     for r in rows:
         r["vs_transformers"] = r["tokens_per_s"] / ref
     print(machine_info())

@@ -3,11 +3,12 @@ CPU has it, else numpy (in place, at most two tile-sized temporaries). Both comp
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from host_kernels import native
 
-NATIVE_CPU_FLAGS = ("avx512f",)
+NATIVE_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
 def native_usable() -> bool:
@@ -24,31 +25,36 @@ def sigmoid(x):
 
 
 def swiglu_forward(hg, hu, act):
-    """act = silu(hg) * hu, into `act` (a float32 view with contiguous rows)."""
+    """act = silu(hg) * hu, into `act`: float32, or uint16 holding bfloat16 (a `amx.row_buffer`); a view with
+    contiguous rows."""
     if native_usable():
         native.lib().swiglu_forward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), act.ctypes.data,
-            native.row_stride(act), act.shape[0], act.shape[1],
+            native.row_stride(act), act.dtype == np.uint16, act.shape[0], act.shape[1],
         )  # fmt: skip
         return
-    np.multiply(hg, 0.5, out=act)
-    np.tanh(act, out=act)
-    act += 1.0
-    act *= 0.5
-    act *= hg
-    act *= hu
+    out = _float32_target(act)
+    np.multiply(hg, 0.5, out=out)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    out *= hg
+    out *= hu
+    _store(act, out)
 
 
 def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
     """Given grad = dL/da for a = silu(hg) * hu (before the rows' routing weights `weight`): writes
-    dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg), dw[i] = <grad_i, a_i> (a column view), and `act` = a
-    when given. May overwrite hg and grad (the numpy path works in place)."""
+    dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg) (float32, or bfloat16 in uint16 views), dw[i] =
+    <grad_i, a_i> (a column view), and `act` = a when given. May overwrite hg and grad (the numpy path works in
+    place)."""
     if native_usable():
         native.lib().swiglu_backward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), grad.ctypes.data,
             native.row_stride(grad), np.ascontiguousarray(weight, np.float32).ctypes.data, dh_gate.ctypes.data,
-            dh_up.ctypes.data, native.row_stride(dh_gate), dw.ctypes.data, dw.strides[0] // 4, native.address(act),
-            0 if act is None else native.row_stride(act), grad.shape[0], grad.shape[1],
+            dh_up.ctypes.data, native.row_stride(dh_gate), dh_gate.dtype == np.uint16, dw.ctypes.data,
+            dw.strides[0] // 4, native.address(act), 0 if act is None else native.row_stride(act), grad.shape[0],
+            grad.shape[1],
         )  # fmt: skip
         return
     # in place, to keep tile-sized temporaries to two: sg, then silu'(hg); hg becomes silu(hg)
@@ -62,6 +68,22 @@ def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
     np.multiply(hg, hu, out=a)
     dw[:] = np.einsum("pf,pf->p", grad, a)
     grad *= weight[:, None]
-    np.multiply(grad, hu, out=dh_gate)
-    dh_gate *= dsilu
-    np.multiply(grad, hg, out=dh_up)
+    gate, up = (_float32_target(out) for out in (dh_gate, dh_up))
+    np.multiply(grad, hu, out=gate)
+    gate *= dsilu
+    np.multiply(grad, hg, out=up)
+    _store(dh_gate, gate)
+    _store(dh_up, up)
+
+
+def _float32_target(out):
+    """`out` itself when float32, else a float32 temporary that `_store` rounds into it."""
+    return out if out.dtype == np.float32 else np.empty(out.shape, np.float32)
+
+
+def _store(out, values):
+    """out[...] = values, rounding to bfloat16 when `out` holds bfloat16 bits (uint16)."""
+    if out.dtype == np.uint16:
+        out[...] = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    elif out is not values:
+        out[...] = values

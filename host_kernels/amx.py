@@ -39,7 +39,11 @@ def padded(size: int, block: int) -> int:
 
 
 def pack(w: np.ndarray) -> PackedWeight:
-    """Packs a [k, n] weight (float32 or bfloat16; float32 is rounded to nearest even) for `gemm`."""
+    """Packs a [k, n] weight (float32 or bfloat16; float32 is rounded to nearest even) for `gemm`. Refuses on a
+    machine where `gemm` cannot run (and asks the OS for the tile state, once, where it can)."""
+    usable, reason = status()
+    if not usable:
+        raise RuntimeError(f"AMX GEMM unavailable: {reason}")
     k, n = w.shape
     kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
     full = np.zeros((kp, np_), BF16)
@@ -72,12 +76,22 @@ def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None) -> np.ndar
     return out
 
 
+def row_buffer(rows: int, width: int) -> np.ndarray:
+    """An uninitialised bfloat16 (uint16) [rows, width] array that `gemm` reads as it is, also from any row on:
+    each row padded with zeros to a multiple of 32 columns, and 16 spare rows after the last (a tile reads 16
+    rows; what it reads past the rows asked for only reaches output that is never stored)."""
+    base = np.empty((rows + M_BLOCK, padded(width, K_BLOCK)), np.uint16)
+    base[:, width:] = 0
+    return base[:rows, :width]
+
+
 def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
-    """out[:m, :] = (a @ w)[:m, n0:n1] in float32; `a` from `pack_rows` with w.kp columns, `n0` a multiple of 16,
+    """out[:m, :] = (a @ w)[:m, n0:n1] in float32. `a`: bfloat16 rows (uint16) from `pack_rows` or a
+    `row_buffer` (or a view of one from some row on) with w.k columns before the padding; `n0` a multiple of 16;
     `out` a float32 [m, n1 - n0] array or view with unit column stride (rows may be strided)."""
     n1 = w.n if n1 is None else n1
-    if a.shape[1] != w.kp or a.dtype != np.uint16:
-        raise ValueError(f"packed rows have shape {a.shape} {a.dtype}, expected uint16 [*, {w.kp}]")
+    if a.dtype != np.uint16 or a.strides != (2 * w.kp, 2) or a.shape[1] < w.k:
+        raise ValueError(f"packed rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of {w.kp}")
     if n0 % N_BLOCK or not 0 <= n0 < n1 <= w.n:
         raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 16")
     if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:

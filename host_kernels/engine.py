@@ -80,7 +80,7 @@ class HostMoE:
         stats.tokens_per_expert = routing.sizes
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d = w.ffn, w.hidden
-        act = np.empty((routing.pairs, f), np.float32)
+        act = mm.input_buffer(routing.pairs, f, float32=lora is not None and lora.down is not None)
         out_s = _rows_plus_zero_row(routing.pairs, d)  # weighted expert outputs, in expert-sorted pair order
         h_s = np.empty((routing.pairs, 2 * f), np.float32) if keep else None
 
@@ -93,7 +93,7 @@ class HostMoE:
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
-            mm.down(tile.expert, act[tile.rows], tile.cols, o)
+            mm.down(tile.expert, act, tile.rows, tile.cols, o)
             if lora is not None and lora.down is not None:
                 a, b = lora.down
                 o += lora.scale * ((act[tile.rows] @ a[tile.expert]) @ b[tile.expert][:, tile.cols])
@@ -169,7 +169,7 @@ class HostMoE:
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d, p = w.ffn, w.hidden, routing.pairs
         keep_act = lora is not None and lora.down is not None
-        dh = np.empty((p, 2 * f), np.float32)  # gradient at the gate/up pre-activations
+        dh = mm.input_buffer(p, 2 * f, float32=lora is not None)  # gradient at the gate/up pre-activations
         act = np.empty((p, f), np.float32) if keep_act else None
         tiles1 = plan_tiles(routing, f, self.threads)
         dw_blocks = np.zeros((p, max_column_blocks(tiles1)), np.float32)
@@ -199,7 +199,7 @@ class HostMoE:
         def input_grad(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
             dx = dx_s[rows, cols]
-            mm.gate_up_t(e, dh[rows], cols, dx)
+            mm.gate_up_t(e, dh, rows, cols, dx)
             if lora is not None:
                 for pair, dh_part in ((lora.gate, dh[rows, :f]), (lora.up, dh[rows, f:])):
                     if pair is not None:

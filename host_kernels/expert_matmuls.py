@@ -40,14 +40,18 @@ class NumpyExpertMatmuls:
             return h[:, :f], h[:, f:]
         return matmul_w(x, w13[:, cols]), matmul_w(x, w13[:, f + cols.start : f + cols.stop])
 
-    def down(self, e: int, act: np.ndarray, cols: slice, out: np.ndarray):
-        matmul_w(act, self.w.w2[e][:, cols], out=out)
+    def input_buffer(self, rows: int, width: int, float32: bool = False) -> np.ndarray:
+        """Where the engine writes the rows that `down` and `gate_up_t` read (activations, gate/up gradients)."""
+        return np.empty((rows, width), np.float32)
+
+    def down(self, e: int, act: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
+        matmul_w(act[rows], self.w.w2[e][:, cols], out=out)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
         return matmul_w(dy, self.w.w2[e][cols, :], transpose=True)
 
-    def gate_up_t(self, e: int, dh: np.ndarray, cols: slice, out: np.ndarray):
-        matmul_w(dh, self.w.w13[e][cols, :], transpose=True, out=out)
+    def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
+        matmul_w(dh[rows], self.w.w13[e][cols, :], transpose=True, out=out)
 
 
 class AMXExpertMatmuls:
@@ -91,18 +95,26 @@ class AMXExpertMatmuls:
         amx.gemm(a, m, w13, hu, fp + cols.start, fp + cols.stop)
         return hg, hu
 
-    def down(self, e: int, act: np.ndarray, cols: slice, out: np.ndarray):
-        w2 = self._forward[e][1]
-        amx.gemm(amx.pack_rows(act, w2.kp), act.shape[0], w2, out, cols.start, cols.stop)
+    def input_buffer(self, rows: int, width: int, float32: bool = False) -> np.ndarray:
+        """bfloat16 rows the GEMMs read in place (written rounded by the SwiGLU passes), or float32 when the
+        caller needs them so (LoRA terms): those are rounded per tile."""
+        return np.empty((rows, width), np.float32) if float32 else amx.row_buffer(rows, width)
+
+    def down(self, e: int, act: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
+        self._gemm(self._forward[e][1], act, rows, cols, out)
+
+    def _gemm(self, w: amx.PackedWeight, a: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
+        m = rows.stop - rows.start
+        a = a[rows.start :] if a.dtype == np.uint16 else amx.pack_rows(a[rows], w.kp)
+        amx.gemm(a, m, w, out, cols.start, cols.stop)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
         w2t = self._backward[e][0]
         out = np.empty((dy.shape[0], cols.stop - cols.start), np.float32)
         return amx.gemm(amx.pack_rows(dy, w2t.kp), dy.shape[0], w2t, out, cols.start, cols.stop)
 
-    def gate_up_t(self, e: int, dh: np.ndarray, cols: slice, out: np.ndarray):
-        w13t = self._backward[e][1]
-        amx.gemm(amx.pack_rows(dh, w13t.kp), dh.shape[0], w13t, out, cols.start, cols.stop)
+    def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
+        self._gemm(self._backward[e][1], dh, rows, cols, out)
 
 
 def expert_matmuls(w: LayerExperts):

@@ -14,13 +14,16 @@ import os
 from functools import cache
 from pathlib import Path
 
+from host_kernels.native_sources import source_hash
+
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
+    "native_source_hash": ([], ctypes.c_char_p),
     "amx_request_permission": ([], ctypes.c_int),
     "amx_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "bf16_pack_rows": ([_P, _I, _P, _I, _I, _P, _I, _I], None),
-    "swiglu_forward": ([_P, _I, _P, _I, _P, _I, _I, _I], None),
-    "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I], None),
+    "swiglu_forward": ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None),
+    "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
 }
 
 
@@ -40,9 +43,11 @@ def _loadable() -> tuple[bool, str]:
     if path is None:
         return False, "native library not built (reinstall with `pip install -e .`; it needs a C compiler)"
     try:
-        lib()
+        built_from = lib().native_source_hash().decode()
     except (OSError, AttributeError) as e:
         return False, f"cannot load {path.name}: {e}"
+    if built_from != source_hash():
+        return False, f"{path.name} was built from other sources than host_kernels/csrc/ (reinstall: pip install -e .)"
     return True, ""
 
 
@@ -80,7 +85,7 @@ def address(array) -> int | None:
 
 
 def row_stride(array) -> int:
-    """Row stride in elements of a 2-D array whose columns are contiguous."""
+    """Row stride in elements of a 2-D array whose columns are contiguous (bfloat16 data travels as uint16)."""
     if array.strides[1] != array.itemsize:
         raise ValueError(f"array with strides {array.strides} does not have contiguous rows")
     return array.strides[0] // array.itemsize

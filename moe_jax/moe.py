@@ -40,11 +40,15 @@ def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e, lora=None, scale=0.0):
     """
     lora = lora or {}
 
-    def adapter(name, inputs):
-        low = jax.lax.ragged_dot(inputs, lora[f"{name}_a"], group_sizes_e)
-        return scale * jax.lax.ragged_dot(low, lora[f"{name}_b"], group_sizes_e)
+    def ragged_dot(lhs, rhs):  # float32 accumulation, the result in the inputs' dtype (as frozen_matmul)
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes_e, preferred_element_type=jnp.float32)
+        return out.astype(jnp.result_type(lhs, rhs))
 
-    h = jax.lax.ragged_dot(x_pd, w13_edf2, group_sizes_e)
+    def adapter(name, inputs):
+        low = ragged_dot(inputs, lora[f"{name}_a"])
+        return scale * ragged_dot(low, lora[f"{name}_b"])
+
+    h = ragged_dot(x_pd, w13_edf2)
     f = w2_efd.shape[1]
     gate, up = h[:, :f], h[:, f:]
     if "gate_a" in lora:
@@ -52,7 +56,7 @@ def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e, lora=None, scale=0.0):
     if "up_a" in lora:
         up = up + adapter("up", x_pd)
     act = jax.nn.silu(gate) * up
-    out = jax.lax.ragged_dot(act, w2_efd, group_sizes_e)
+    out = ragged_dot(act, w2_efd)
     if "down_a" in lora:
         out = out + adapter("down", act)
     return out

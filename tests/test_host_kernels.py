@@ -276,7 +276,8 @@ def test_decode_size_products_match_numpy(rows):
 
 
 @pytest.mark.parametrize("with_act", [False, True])
-def test_native_swiglu_passes_match_numpy(with_act, monkeypatch):
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_native_swiglu_passes_match_numpy(with_act, out_dtype, monkeypatch):
     from host_kernels import activations
 
     if not activations.native_usable():
@@ -290,18 +291,38 @@ def test_native_swiglu_passes_match_numpy(with_act, monkeypatch):
 
     def run():
         hg, hu, g = h[:, :cols].copy(), h[:, cols:].copy(), grad.copy()  # the numpy path works in place
-        act_f = np.empty((rows, cols), np.float32)
+        # bfloat16 outputs travel as uint16 bits (what the AMX GEMM reads), widened here to compare
+        out = np.float32 if out_dtype == "float32" else np.uint16
+        act_f = np.empty((rows, cols), out)
         activations.swiglu_forward(hg, hu, act_f)
-        dh = np.empty((rows, 2 * cols), np.float32)
+        dh = np.empty((rows, 2 * cols), out)
         dw = np.empty((rows, 3), np.float32)[:, 1]  # a strided column, as the engine passes
         act_b = np.empty((rows, cols), np.float32) if with_act else None
         activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b)
-        return act_f, dh, dw.copy(), act_b
+        return [widen(a) for a in (act_f, dh, dw.copy(), act_b)]
+
+    def widen(a):
+        return a if a is None or a.dtype == np.float32 else a.view(ml_dtypes.bfloat16).astype(np.float32)
 
     native = run()
     monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
     reference = run()
+    rtol = 2e-5 if out_dtype == "float32" else 2**-8  # one bfloat16 step where float32 results straddle a rounding
     for got, expected in zip(native, reference, strict=True):
         if expected is not None:
             assert np.isfinite(got).all()
-            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-5)
+            np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-5)
+
+
+def test_stale_native_library_is_refused(monkeypatch):
+    from host_kernels import native
+
+    if native.library_path() is None:
+        pytest.skip("native library not built")
+    native._loadable.cache_clear()
+    monkeypatch.setattr(native, "source_hash", lambda: "0" * 64)  # as if csrc/ changed since the build
+    try:
+        usable, reason = native.status(())
+        assert not usable and "built from other sources" in reason
+    finally:
+        native._loadable.cache_clear()

@@ -12,8 +12,9 @@
  * k to a multiple of 32 with zeros (they meet B's zero padding). bf16_pack_rows() makes such a buffer.
  *
  * Register blocking: 2 x 2 output tiles (32 rows x 32 columns) from 2 A tiles and 2 B tiles per k step, which
- * uses all 8 tile registers. Column blocks are the outer loop so a 32-column strip of B (k x 64 bytes) stays in
- * L1/L2 while every row block of A passes over it.
+ * uses all 8 tile registers. Loops, outermost first: chunks of A's rows small enough to stay in L2 (A_CHUNK_BYTES),
+ * 32-column strips of B (k x 64 bytes, in L1), 32-row blocks of the chunk. Without the chunks, a 2048 x 512 A
+ * (2 MiB) was re-read from L3 for every strip: 0.6 TFLOP/s on one core against 1.15 with them.
  */
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
@@ -22,6 +23,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#define A_CHUNK_BYTES (768 * 1024)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -69,63 +71,68 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
     const int64_t kb_count = kp / 32;
     const int64_t mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
+    int64_t chunk_blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2; /* an even number of 16-row blocks */
+    if (chunk_blocks < 2) chunk_blocks = 2;
     load_config();
-    for (int64_t nb = nb0; nb < nb1; nb += 2) {
-        const int two_n = nb + 1 < nb1;
-        const uint16_t *b0 = b_packed + nb * kb_count * 512;
-        const uint16_t *b1 = b0 + kb_count * 512;
-        const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
-        const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
-        float *c0 = c + (nb - nb0) * 16;
-        for (int64_t mb = 0; mb < mb_count; mb += 2) {
-            const int two_m = mb + 1 < mb_count;
-            const uint16_t *a0 = a + mb * 16 * lda;
-            const uint16_t *a1 = a0 + 16 * lda;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            if (two_n && two_m) {
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(5, a1 + kb * 32, lda * 2);
-                    _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+    for (int64_t mc = 0; mc < mb_count; mc += chunk_blocks) {
+        const int64_t mc_end = mc + chunk_blocks < mb_count ? mc + chunk_blocks : mb_count;
+        for (int64_t nb = nb0; nb < nb1; nb += 2) {
+            const int two_n = nb + 1 < nb1;
+            const uint16_t *b0 = b_packed + nb * kb_count * 512;
+            const uint16_t *b1 = b0 + kb_count * 512;
+            const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
+            const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
+            float *c0 = c + (nb - nb0) * 16;
+            for (int64_t mb = mc; mb < mc_end; mb += 2) {
+                const int two_m = mb + 1 < mc_end;
+                const uint16_t *a0 = a + mb * 16 * lda;
+                const uint16_t *a1 = a0 + 16 * lda;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                if (two_n && two_m) {
+                    for (int64_t kb = 0; kb < kb_count; kb++) {
+                        _tile_loadd(4, a0 + kb * 32, lda * 2);
+                        _tile_loadd(6, b0 + kb * 512, 64);
+                        _tile_loadd(5, a1 + kb * 32, lda * 2);
+                        _tile_loadd(7, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                } else if (two_n) {
+                    for (int64_t kb = 0; kb < kb_count; kb++) {
+                        _tile_loadd(4, a0 + kb * 32, lda * 2);
+                        _tile_loadd(6, b0 + kb * 512, 64);
+                        _tile_loadd(7, b1 + kb * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                } else if (two_m) {
+                    for (int64_t kb = 0; kb < kb_count; kb++) {
+                        _tile_loadd(4, a0 + kb * 32, lda * 2);
+                        _tile_loadd(6, b0 + kb * 512, 64);
+                        _tile_loadd(5, a1 + kb * 32, lda * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(2, 5, 6);
+                    }
+                } else {
+                    for (int64_t kb = 0; kb < kb_count; kb++) {
+                        _tile_loadd(4, a0 + kb * 32, lda * 2);
+                        _tile_loadd(6, b0 + kb * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                    }
                 }
-            } else if (two_n) {
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-            } else if (two_m) {
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(5, a1 + kb * 32, lda * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                }
-            } else {
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                }
+                const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
+                const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
+                float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
+                STORE_TILE(0, r0, ldc, rows0, cols0);
+                if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
+                if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
+                if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
             }
-            const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
-            const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
-            float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
-            STORE_TILE(0, r0, ldc, rows0, cols0);
-            if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
-            if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
-            if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
         }
     }
     _tile_release();

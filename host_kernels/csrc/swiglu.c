@@ -4,7 +4,7 @@
  * GEMMs around them. Arrays are float32, row-major, with row strides ("ld"); 16 columns per step, the last
  * step masked.
  */
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -31,20 +31,34 @@ static inline __m512 sigmoid16(__m512 x) {
     return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
+/* Stores 16 floats (masked) as float32, or as bfloat16 rounded to nearest even when `bf16` (inputs for the AMX
+ * GEMM that reads them next: half the bytes written, and no separate conversion pass). */
+static inline void store16(void *dst, int64_t j, __mmask16 k, __m512 v, int bf16) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)dst + j, k, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16((uint16_t *)dst + j, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 static inline __mmask16 tail_mask(int64_t remaining) {
     return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
 }
 
-/* act[i, j] = silu(hg[i, j]) * hu[i, j] */
-void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, float *act, int64_t ld_a, int64_t m,
-                    int64_t n) {
+/* act[i, j] = silu(hg[i, j]) * hu[i, j]; act is float32, or bfloat16 when `bf16` (its ld in elements) */
+void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
+                    int64_t m, int64_t n) {
+    const int64_t size = bf16 ? 2 : 4;
     for (int64_t i = 0; i < m; i++) {
         const float *g = hg + i * ld_g, *u = hu + i * ld_u;
-        float *a = act + i * ld_a;
+        char *a = (char *)act + i * ld_a * size;
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 k = tail_mask(n - j);
             const __m512 gv = _mm512_maskz_loadu_ps(k, g + j), uv = _mm512_maskz_loadu_ps(k, u + j);
-            _mm512_mask_storeu_ps(a + j, k, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), uv));
+            store16(a, j, k, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), uv), bf16);
         }
     }
 }
@@ -52,14 +66,16 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 /* Backward of y = w * (silu(hg) * hu) @ W2 given grad = dL/d(silu(hg) * hu) before the routing weight w:
  *   dh_gate = w grad hu silu'(hg),  dh_up = w grad silu(hg),  dw[i] = sum_j grad * silu(hg) * hu,
  * with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h); and act = silu(hg) * hu when act is not NULL (for the down
- * projection's LoRA gradients). */
+ * projection's LoRA gradients). dh_gate and dh_up are float32, or bfloat16 when `bf16` (ld_dh in elements). */
 void swiglu_backward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad, int64_t ld_grad,
-                     const float *weight, float *dh_gate, float *dh_up, int64_t ld_dh, float *dw, int64_t ld_dw,
+                     const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh, int bf16, float *dw, int64_t ld_dw,
                      float *act, int64_t ld_a, int64_t m, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f);
+    const int64_t size = bf16 ? 2 : 4;
     for (int64_t i = 0; i < m; i++) {
         const float *g = hg + i * ld_g, *u = hu + i * ld_u, *d = grad + i * ld_grad;
-        float *dg = dh_gate + i * ld_dh, *du = dh_up + i * ld_dh, *a = act ? act + i * ld_a : 0;
+        char *dg = (char *)dh_gate + i * ld_dh * size, *du = (char *)dh_up + i * ld_dh * size;
+        float *a = act ? act + i * ld_a : 0;
         const __m512 w = _mm512_set1_ps(weight[i]);
         __m512 dot = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
@@ -73,8 +89,8 @@ void swiglu_backward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_
             if (a) _mm512_mask_storeu_ps(a + j, k, av);
             const __m512 dwv = _mm512_mul_ps(dv, w);
             const __m512 dsilu = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
-            _mm512_mask_storeu_ps(dg + j, k, _mm512_mul_ps(_mm512_mul_ps(dwv, uv), dsilu));
-            _mm512_mask_storeu_ps(du + j, k, _mm512_mul_ps(dwv, silu));
+            store16(dg, j, k, _mm512_mul_ps(_mm512_mul_ps(dwv, uv), dsilu), bf16);
+            store16(du, j, k, _mm512_mul_ps(dwv, silu), bf16);
         }
         dw[i * ld_dw] = _mm512_reduce_add_ps(dot);
     }
