@@ -17,6 +17,7 @@ Work is split into tiles (see schedule.py) and run on a WorkerPool; statistics o
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
 from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.workspace import Workspace
 
 # An expert with at most this many rows is weight-bound: decode-sized calls run each expert as one task.
 FUSED_MAX_ROWS = 16
@@ -43,6 +45,8 @@ class HostMoE:
         self.pool = pool or WorkerPool(threads)
         self.last_stats: CallStats | None = None
         self._matmuls = {}
+        self.workspace = Workspace()  # temporaries reused from call to call
+        self._one_call_at_a_time = threading.Lock()  # calls share the workspace
 
     @property
     def kernel(self) -> str:
@@ -52,7 +56,7 @@ class HostMoE:
     def _layer_matmuls(self, layer: int, backward: bool = False):
         mm = self._matmuls.get(layer)
         if mm is None:
-            mm = self._matmuls[layer] = expert_matmuls(self.store[layer])
+            mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.workspace)
         if hasattr(mm, "prepare"):
             mm.prepare(backward)
         return mm
@@ -71,6 +75,10 @@ class HostMoE:
         return self._forward(layer, x_td, ids_tk, weights_tk, lora, keep=True)
 
     def _forward(self, layer, x_td, ids_tk, weights_tk, lora, keep: bool):
+        with self._one_call_at_a_time:
+            return self._forward_locked(layer, x_td, ids_tk, weights_tk, lora, keep)
+
+    def _forward_locked(self, layer, x_td, ids_tk, weights_tk, lora, keep: bool):
         start = time.perf_counter()
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
@@ -80,8 +88,8 @@ class HostMoE:
         stats.tokens_per_expert = routing.sizes
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d = w.ffn, w.hidden
-        act = mm.input_buffer(routing.pairs, f, float32=lora is not None and lora.down is not None)
-        out_s = _rows_plus_zero_row(routing.pairs, d)  # weighted expert outputs, in expert-sorted pair order
+        act = mm.input_buffer("activations", routing.pairs, f, float32=lora is not None and lora.down is not None)
+        out_s = self._rows_plus_zero_row("expert outputs", routing.pairs, d)  # weighted, in expert-sorted order
         h_s = np.empty((routing.pairs, 2 * f), np.float32) if keep else None
 
         def gate_up(tile: Tile):
@@ -157,6 +165,10 @@ class HostMoE:
         `saved` (from `forward_keeping` on the same inputs) replaces recomputing the gate/up pre-activations; it is
         consumed (overwritten in place). Saved activations of another layer or routing are ignored.
         """
+        with self._one_call_at_a_time:
+            return self._backward_locked(layer, x_td, ids_tk, weights_tk, dy_td, lora, saved)
+
+    def _backward_locked(self, layer, x_td, ids_tk, weights_tk, dy_td, lora, saved):
         start = time.perf_counter()
         w = self.store[layer]
         x_td, ids_tk, weights_tk = _check_inputs(layer, w, x_td, ids_tk, weights_tk, lora)
@@ -169,7 +181,7 @@ class HostMoE:
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d, p = w.ffn, w.hidden, routing.pairs
         keep_act = lora is not None and lora.down is not None
-        dh = mm.input_buffer(p, 2 * f, float32=lora is not None)  # gradient at the gate/up pre-activations
+        dh = mm.input_buffer("pre-activation gradient", p, 2 * f, float32=lora is not None)  # at gate/up
         act = np.empty((p, f), np.float32) if keep_act else None
         tiles1 = plan_tiles(routing, f, self.threads)
         dw_blocks = np.zeros((p, max_column_blocks(tiles1)), np.float32)
@@ -194,7 +206,7 @@ class HostMoE:
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
         self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)
 
-        dx_s = _rows_plus_zero_row(p, d)  # per pair, expert-sorted
+        dx_s = self._rows_plus_zero_row("input gradients", p, d)  # per pair, expert-sorted
 
         def input_grad(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
@@ -223,6 +235,13 @@ class HostMoE:
         stats.wall_s = time.perf_counter() - start
         self.last_stats = stats
         return dx, dweights.reshape(ids_tk.shape), grads
+
+    def _rows_plus_zero_row(self, name: str, rows: int, width: int) -> np.ndarray:
+        """[rows + 1, width] float32 from the workspace (aligned rows for the GEMMs that write them), the extra
+        row zero: where pairs not routed here point."""
+        buffer = self.workspace.get(name, (rows + 1, width), np.float32)
+        buffer[rows] = 0.0
+        return buffer
 
     # ---------------------------------------------------------------- running tiles
     def _run(self, stats: CallStats, layer: int, tiles: list[Tile], fn, w: LayerExperts, phase_width: int):
@@ -253,12 +272,6 @@ class SavedActivations:
     @property
     def nbytes(self) -> int:
         return self.h.nbytes
-
-
-def _rows_plus_zero_row(rows: int, width: int) -> np.ndarray:
-    buffer = np.empty((rows + 1, width), np.float32)
-    buffer[rows] = 0.0
-    return buffer
 
 
 def _gate_up(mm, lora: ExpertLoRA | None, tile: Tile, x, rows):

@@ -22,6 +22,7 @@ import numpy as np
 from host_kernels import amx
 from host_kernels.matmul import matmul_w
 from host_kernels.store import LayerExperts
+from host_kernels.workspace import Workspace
 
 
 class NumpyExpertMatmuls:
@@ -40,7 +41,7 @@ class NumpyExpertMatmuls:
             return h[:, :f], h[:, f:]
         return matmul_w(x, w13[:, cols]), matmul_w(x, w13[:, f + cols.start : f + cols.stop])
 
-    def input_buffer(self, rows: int, width: int, float32: bool = False) -> np.ndarray:
+    def input_buffer(self, name: str, rows: int, width: int, float32: bool = False) -> np.ndarray:
         """Where the engine writes the rows that `down` and `gate_up_t` read (activations, gate/up gradients)."""
         return np.empty((rows, width), np.float32)
 
@@ -60,8 +61,9 @@ class AMXExpertMatmuls:
 
     name = "amx-bf16"
 
-    def __init__(self, w: LayerExperts):
+    def __init__(self, w: LayerExperts, workspace: Workspace | None = None):
         self.w = w
+        self.workspace = workspace or Workspace()
         self._lock = threading.Lock()
         self._forward: list[tuple[amx.PackedWeight, amx.PackedWeight]] | None = None
         self._backward: list[tuple[amx.PackedWeight, amx.PackedWeight]] | None = None
@@ -87,38 +89,45 @@ class AMXExpertMatmuls:
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
         w13 = self._forward[e][0]
         fp = w13.n // 2
-        a = amx.pack_rows(x, w13.kp, rows)
         m = x.shape[0] if rows is None else rows.shape[0]
+        a = self._packed_rows(x, w13.kp, rows, m)
         width = cols.stop - cols.start
-        hg, hu = np.empty((m, width), np.float32), np.empty((m, width), np.float32)
+        hg, hu = (self.workspace.get(name, (m, width), np.float32) for name in ("gate", "up"))
         amx.gemm(a, m, w13, hg, cols.start, cols.stop)
         amx.gemm(a, m, w13, hu, fp + cols.start, fp + cols.stop)
         return hg, hu
 
-    def input_buffer(self, rows: int, width: int, float32: bool = False) -> np.ndarray:
+    def input_buffer(self, name: str, rows: int, width: int, float32: bool = False) -> np.ndarray:
         """bfloat16 rows the GEMMs read in place (written rounded by the SwiGLU passes), or float32 when the
-        caller needs them so (LoRA terms): those are rounded per tile."""
-        return np.empty((rows, width), np.float32) if float32 else amx.row_buffer(rows, width)
+        caller needs them so (LoRA terms): those are rounded per tile. The calling thread's buffer `name`."""
+        if float32:
+            return self.workspace.get(name, (rows, width), np.float32)
+        return amx.row_buffer(rows, width, empty=lambda shape, dtype: self.workspace.get(name, shape, dtype))
+
+    def _packed_rows(self, x, kp, rows, m):
+        out = self.workspace.get("packed rows", (amx.padded(max(m, 1), amx.M_BLOCK), kp), np.uint16)
+        return amx.pack_rows(x, kp, rows, out=out)
 
     def down(self, e: int, act: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         self._gemm(self._forward[e][1], act, rows, cols, out)
 
     def _gemm(self, w: amx.PackedWeight, a: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         m = rows.stop - rows.start
-        a = a[rows.start :] if a.dtype == np.uint16 else amx.pack_rows(a[rows], w.kp)
+        a = a[rows.start :] if a.dtype == np.uint16 else self._packed_rows(a[rows], w.kp, None, m)
         amx.gemm(a, m, w, out, cols.start, cols.stop)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
-        w2t = self._backward[e][0]
-        out = np.empty((dy.shape[0], cols.stop - cols.start), np.float32)
-        return amx.gemm(amx.pack_rows(dy, w2t.kp), dy.shape[0], w2t, out, cols.start, cols.stop)
+        w2t, m = self._backward[e][0], dy.shape[0]
+        out = self.workspace.get("activation gradient", (m, cols.stop - cols.start), np.float32)
+        return amx.gemm(self._packed_rows(dy, w2t.kp, None, m), m, w2t, out, cols.start, cols.stop)
 
     def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         self._gemm(self._backward[e][1], dh, rows, cols, out)
 
 
-def expert_matmuls(w: LayerExperts):
-    """AMX for bfloat16 weights where this machine has it, else numpy."""
+def expert_matmuls(w: LayerExperts, workspace: Workspace | None = None):
+    """AMX for bfloat16 weights where this machine has it, else numpy. The AMX path keeps its temporaries in
+    `workspace` (share one across layers: only one layer runs at a time)."""
     if w.w13.dtype == amx.BF16 and amx.status()[0]:
-        return AMXExpertMatmuls(w)
+        return AMXExpertMatmuls(w, workspace)
     return NumpyExpertMatmuls(w)

@@ -29,6 +29,14 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_running = threading.local()
+
+
+def current_worker() -> int | None:
+    """Index of the pool worker running the calling task (0 is a run's caller), or None outside any task."""
+    return getattr(_running, "worker", None)
+
+
 class WorkerPool:
     def __init__(self, threads: int | None = None):
         self.threads = threads or default_threads()
@@ -68,11 +76,14 @@ class WorkerPool:
             except queue.Empty:
                 return
             start = time.perf_counter()
+            _running.worker = worker
             try:
                 if not errors:  # after a failure, drain without running: the call is lost anyway
                     task()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
+            finally:
+                _running.worker = None
             busy[worker] += time.perf_counter() - start
 
     def _helper_loop(self):

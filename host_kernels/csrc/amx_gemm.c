@@ -23,7 +23,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define A_CHUNK_BYTES (768 * 1024)
+#define A_CHUNK_BYTES (512 * 1024)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
