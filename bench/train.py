@@ -3,8 +3,8 @@
     python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick] [--sides moe_jax-host-bfloat16,...]
 
 Same Mixtral-shaped bench model (bench/models.py), same random token batches, LoRA r=8 alpha=16 on q/k/v/o,
-AdamW, each side in float32 and in bfloat16 (weights and activations; adapters and optimizer state in float32
-for this project, in the model's dtype for peft, as each does by default). Each side runs in its own process (so
+AdamW, each side in float32 and in bfloat16 (base weights and activations; adapters and optimizer state stay
+float32 on both sides, as peft keeps them by default). Each side runs in its own process (so
 peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
 against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
 """

@@ -145,7 +145,8 @@ class Projection(nnx.Module):
                 keep = 1.0 - self.lora_dropout
                 mask = jax.random.bernoulli(jax.random.fold_in(key, self.lora_index), keep, x.shape)
                 x_in = jnp.where(mask, x / keep, 0).astype(x.dtype)
-            y = y + self.lora_scale * ((x_in @ self.lora_a[...]) @ self.lora_b[...])
+            a, b = self.lora_a[...], self.lora_b[...]  # float32; the update joins y in y's dtype
+            y = y + (self.lora_scale * ((x_in.astype(a.dtype) @ a) @ b)).astype(y.dtype)
         return y
 
 

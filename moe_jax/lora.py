@@ -60,10 +60,11 @@ def attach_lora(transformer, config: LoRAConfig, seed: int = 0):
         if isinstance(module, Projection) and name in config.targets:
             key, sub = jax.random.split(key)
             fan_in, fan_out = module.weight.shape
-            dtype = module.weight.dtype
+            # float32 adapters on any base, as peft keeps them (autocast_adapter_dtype): AdamW steps on bfloat16
+            # weights would round most of each update away
             module.attach_lora(
-                _kaiming_a(sub, (fan_in, config.rank), fan_in, dtype),
-                jnp.zeros((config.rank, fan_out), dtype),
+                _kaiming_a(sub, (fan_in, config.rank), fan_in, jnp.float32),
+                jnp.zeros((config.rank, fan_out), jnp.float32),
                 config.scale,
                 config.dropout,
                 index,

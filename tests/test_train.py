@@ -43,12 +43,17 @@ def quick_config(out, **changes):
     return TrainConfig(**settings).validate()
 
 
-def test_losses_match_transformers_peft_step_for_step(tmp_path):
+# bfloat16: both sides round weights and activations (adapters and AdamW stay float32 on both), each its own way:
+# the first losses agree to 0.1%, and the rounding differences compound to ~2% over 12 steps at this learning rate
+@pytest.mark.parametrize("dtype, rtol_first, rtol", [("float32", 1e-3, 1e-3), ("bfloat16", 2e-3, 4e-2)])
+def test_losses_match_transformers_peft_step_for_step(tmp_path, dtype, rtol_first, rtol):
     peft = pytest.importorskip("peft")
-    cfg = quick_config(tmp_path, schedule="constant", learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.0)
+    cfg = quick_config(
+        tmp_path, schedule="constant", learning_rate=3e-3, weight_decay=0.01, max_grad_norm=0.0, dtype=dtype
+    )
     trainer = Trainer(cfg, load_run_data(cfg), progress=False)
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=getattr(torch, dtype))
     peft_model = peft.get_peft_model(
         hf,
         peft.LoraConfig(
@@ -82,7 +87,9 @@ def test_losses_match_transformers_peft_step_for_step(tmp_path):
         opt.step()
         theirs.append(loss.item())
     assert ours[-1] < 0.8 * ours[0]  # it learns
-    np.testing.assert_allclose(ours, theirs, rtol=1e-3)
+    assert all(p.dtype == torch.float32 for p in params)  # peft's adapters, as ours, whatever the base dtype
+    np.testing.assert_allclose(ours[:2], theirs[:2], rtol=rtol_first)
+    np.testing.assert_allclose(ours, theirs, rtol=rtol)
 
 
 def run_train(*args, check=True, **kwargs):
@@ -179,6 +186,7 @@ GOOD = json.dumps({"instruction": "reverse abc >", "output": " cba"})
         ([], [], r"bad.jsonl: no usable examples"),
         ([GOOD], ["--lora-targets", "q_proj,w_qkv"], r"unknown LoRA target module\(s\) \['w_qkv'\]"),
         ([GOOD], ["--learning-rate", "fast"], r"--learning-rate: invalid float value: 'fast'"),
+        ([GOOD], ["--dtype", "float16"], r"dtype must be one of float32, bfloat16, got 'float16'"),
         ([json.dumps({"question": "x"})], [], r"bad.jsonl:1: expected 'text'"),
     ],
 )

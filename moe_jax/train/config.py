@@ -23,6 +23,7 @@ class TrainConfig:
     eval_fraction: float = 0.05  # held out from `data` when no eval_data is given
     out: str = "runs/default"
     backend: str = "host"
+    dtype: str = "float32"  # of the base weights and activations; bfloat16 runs the experts on AMX where there is one
     # LoRA
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -75,6 +76,10 @@ class TrainConfig:
 
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from moe_jax.api import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_budget_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

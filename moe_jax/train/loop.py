@@ -75,7 +75,7 @@ class Trainer:
         self.out = Path(cfg.out)
         budget = int(cfg.device_budget_mb * 2**20) or None
         self.model = moe_jax.load_model(
-            cfg.model, backend=cfg.backend, host_threads=cfg.host_threads, device_budget_bytes=budget
+            cfg.model, backend=cfg.backend, dtype=cfg.dtype, host_threads=cfg.host_threads, device_budget_bytes=budget
         )
         self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
         self.model.attach_lora(self.lora_config, seed=cfg.seed)
