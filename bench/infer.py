@@ -3,7 +3,8 @@
     python bench/infer.py [--quick]
 
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) on the Mixtral-shaped
-   bench model: moe_jax with the host and device backends, and Hugging Face `generate` on torch CPU.
+   bench model: moe_jax with the host backend (float32 and bfloat16) and the device backend (float32), and
+   Hugging Face `generate` on torch CPU in float32 and bfloat16; ratios are against transformers' faster dtype.
 2. Agent traces (bench/data/agent_trace.json, bench/agent_traces.py): prompt tokens prefilled with the anchor
    cache and without, for (a) previous thinking dropped each turn and (b) also an old tool result trimmed every
    fourth turn; greedy outputs must be identical with and without the cache.
@@ -49,11 +50,11 @@ def ours(model, batch, new_tokens):
     return {"decode_tok_s": st.decode_tokens / st.decode_s, "end_to_end_tok_s": batch * new_tokens / total}
 
 
-def transformers_generate(batch, new_tokens):
+def transformers_generate(batch, new_tokens, dtype="float32"):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts(batch))
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -67,13 +68,16 @@ def transformers_generate(batch, new_tokens):
 def decode_table(batches, new_tokens):
     rows = []
     for batch in batches:
-        hf = transformers_generate(batch, new_tokens)
-        row = {"batch": batch, "transformers_tok_s": hf["end_to_end_tok_s"]}
-        for backend in ("host", "device"):
-            result = ours(moe_jax.load_model(bench_model_dir(), backend=backend), batch, new_tokens)
-            row[f"{backend}_decode_tok_s"] = result["decode_tok_s"]
-            row[f"{backend}_end_to_end_tok_s"] = result["end_to_end_tok_s"]
-            row[f"{backend}_vs_transformers"] = result["end_to_end_tok_s"] / hf["end_to_end_tok_s"]
+        row = {"batch": batch}
+        for dtype in ("float32", "bfloat16"):
+            row[f"transformers_{dtype}_tok_s"] = transformers_generate(batch, new_tokens, dtype)["end_to_end_tok_s"]
+        reference = max(row["transformers_float32_tok_s"], row["transformers_bfloat16_tok_s"])
+        for backend, dtype in (("host", "float32"), ("host", "bfloat16"), ("device", "float32")):
+            result = ours(moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype), batch, new_tokens)
+            name = f"{backend}_{dtype}"
+            row[f"{name}_decode_tok_s"] = result["decode_tok_s"]
+            row[f"{name}_end_to_end_tok_s"] = result["end_to_end_tok_s"]
+            row[f"{name}_vs_transformers"] = result["end_to_end_tok_s"] / reference
         rows.append(row)
     return rows
 

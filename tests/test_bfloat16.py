@@ -99,3 +99,17 @@ def amx_usable():
     from host_kernels import amx
 
     return amx.status()[0]
+
+
+def test_one_row_product_equals_its_row_of_a_two_row_product():
+    """Batch-1 decode takes the padded path of frozen_matmul (XLA:CPU's one-row bfloat16 product is slow)."""
+    import jax.numpy as jnp
+
+    from moe_jax.layers import frozen_matmul
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 40)), jnp.bfloat16)
+    one = jax.jit(frozen_matmul)(x[:1], w)
+    assert one.shape == (1, 1, 40) and one.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(jax.jit(frozen_matmul)(x, w)[:1], np.float32))
