@@ -25,7 +25,7 @@ import numpy as np
 
 from host_kernels.activations import swiglu_backward, swiglu_forward
 from host_kernels.errors import HostKernelError
-from host_kernels.expert_matmuls import expert_matmuls
+from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, expert_matmuls, uses_amx
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
@@ -51,7 +51,7 @@ class HostMoE:
     @property
     def kernel(self) -> str:
         """Which GEMM path runs the experts: "amx-bf16" (bfloat16 store on an AMX CPU) or "numpy"."""
-        return self._layer_matmuls(next(iter(self.store.layers))).name
+        return AMXExpertMatmuls.name if uses_amx(self.store.dtype) else NumpyExpertMatmuls.name
 
     def _layer_matmuls(self, layer: int, backward: bool = False):
         mm = self._matmuls.get(layer)

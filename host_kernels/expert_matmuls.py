@@ -99,7 +99,7 @@ class AMXExpertMatmuls:
 
     def input_buffer(self, name: str, rows: int, width: int, float32: bool = False) -> np.ndarray:
         """bfloat16 rows the GEMMs read in place (written rounded by the SwiGLU passes), or float32 when the
-        caller needs them so (LoRA terms): those are rounded per tile. The calling thread's buffer `name`."""
+        caller needs them so (LoRA terms): those are rounded per tile. In the workspace's buffer `name`."""
         if float32:
             return self.workspace.get(name, (rows, width), np.float32)
         return amx.row_buffer(rows, width, empty=lambda shape, dtype: self.workspace.get(name, shape, dtype))
@@ -125,9 +125,14 @@ class AMXExpertMatmuls:
         self._gemm(self._backward[e][1], dh, rows, cols, out)
 
 
+def uses_amx(dtype) -> bool:
+    """Whether weights stored in `dtype` run on AMX here: bfloat16, where this machine has it."""
+    return np.dtype(dtype) == amx.BF16 and amx.status()[0]
+
+
 def expert_matmuls(w: LayerExperts, workspace: Workspace | None = None):
     """AMX for bfloat16 weights where this machine has it, else numpy. The AMX path keeps its temporaries in
     `workspace` (share one across layers: only one layer runs at a time)."""
-    if w.w13.dtype == amx.BF16 and amx.status()[0]:
+    if uses_amx(w.w13.dtype):
         return AMXExpertMatmuls(w, workspace)
     return NumpyExpertMatmuls(w)

@@ -30,7 +30,3 @@ class Workspace:
         if buffer is None or buffer.nbytes < nbytes:
             buffer = self._buffers[key] = aligned_empty((max(nbytes, 1),), np.uint8)
         return buffer[:nbytes].view(dtype).reshape(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
