@@ -6,7 +6,8 @@ Reports, for one MoE layer of the given shape:
   * forward and forward+backward GFLOP/s as a fraction of numpy's own GEMMs of the same total size;
   * decode (1-16 tokens): weight bytes read per second as a fraction of a plain numpy memory copy;
   * skew: Zipf-routed batch time over uniform-routed time at the same number of (token, expert) pairs;
-  * the pure-JAX `ragged_dot` layer (moe_jax's device backend) on this CPU, as a time ratio.
+  * the pure-JAX `ragged_dot` layer (moe_jax's device backend) on this CPU, as a time ratio;
+  * where the CPU has AMX: the same layer stored in bfloat16 on the AMX kernel, GFLOP/s and speed-up.
 Every figure is the best of several runs, on every side alike. Writes bench/results/host_kernels.json.
 """
 
@@ -24,7 +25,9 @@ reexec_with_native_blas_if_asked(sys.argv)
 
 import numpy as np  # noqa: E402
 
+from host_kernels import amx  # noqa: E402
 from host_kernels.engine import HostMoE  # noqa: E402
+from host_kernels.expert_matmuls import uses_amx  # noqa: E402
 from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
 
 
@@ -106,6 +109,9 @@ def main():
         (rng.standard_normal((e, f, d)) / np.sqrt(f)).astype(np.float32),
     )
     engine = HostMoE(ExpertStore({0: layer}), threads=args.threads)
+    bf16 = LayerExperts(layer.w13.astype(amx.BF16), layer.w2.astype(amx.BF16))
+    amx_engine = HostMoE(ExpertStore({0: bf16}), threads=args.threads) if uses_amx(amx.BF16) else None
+    print(f"AMX bfloat16 kernel: {'yes' if amx_engine else 'no (' + amx.status()[1] + ')'}")
     print(f"layer: hidden {d}, ffn {f}, {e} experts, top-{k}; {engine.threads} worker threads")
     print(machine_info())
     jax_forward, jax_grad = jax_layer(layer)
@@ -129,18 +135,27 @@ def main():
         peak = fwd_flops / gemm / 1e9  # numpy's GFLOP/s on GEMMs of the same total size
         jf = timed(lambda x=x, ids=ids, w=w: jax_forward(x, ids, w).block_until_ready(), args.repeats)
         jfb = timed(lambda x=x, ids=ids, w=w, dy=dy: jax.block_until_ready(jax_grad(x, ids, w, dy)), args.repeats)
-        rows.append(
-            {
-                "tokens": tokens,
-                "numpy_gemm_gflops": peak,
-                "fwd_gflops": fwd_flops / fwd / 1e9,
-                "fwd_vs_gemm": fwd_flops / fwd / 1e9 / peak,
-                "fwd_bwd_gflops": fb_flops / fb / 1e9,
-                "fwd_bwd_vs_gemm": fb_flops / fb / 1e9 / peak,
-                "jax_fwd_over_host": jf / fwd,
-                "jax_fwd_bwd_over_host": jfb / fb,
-            }
-        )
+        row = {
+            "tokens": tokens,
+            "numpy_gemm_gflops": peak,
+            "fwd_gflops": fwd_flops / fwd / 1e9,
+            "fwd_vs_gemm": fwd_flops / fwd / 1e9 / peak,
+            "fwd_bwd_gflops": fb_flops / fb / 1e9,
+            "fwd_bwd_vs_gemm": fb_flops / fb / 1e9 / peak,
+            "jax_fwd_over_host": jf / fwd,
+            "jax_fwd_bwd_over_host": jfb / fb,
+        }
+        if amx_engine is not None:
+            amx_fb = timed(
+                lambda x=x, ids=ids, w=w, dy=dy: (
+                    amx_engine.forward(0, x, ids, w),
+                    amx_engine.backward(0, x, ids, w, dy),
+                ),
+                args.repeats,
+            )
+            row["amx_bf16_fwd_bwd_gflops"] = fb_flops / amx_fb / 1e9
+            row["amx_bf16_speedup"] = fb / amx_fb
+        rows.append(row)
     print_table("throughput (uniform routing; *_vs_gemm = fraction of numpy GEMM GFLOP/s)", rows)
     results["throughput"] = rows
 
