@@ -46,7 +46,11 @@ def _loadable() -> tuple[bool, str]:
         built_from = lib().native_source_hash().decode()
     except (OSError, AttributeError) as e:
         return False, f"cannot load {path.name}: {e}"
-    if built_from != source_hash():
+    try:
+        expected = source_hash()
+    except OSError as e:  # an install without host_kernels/csrc/: nothing to check the build against
+        return False, f"cannot read the native library's sources: {e}"
+    if built_from != expected:
         return False, f"{path.name} was built from other sources than host_kernels/csrc/ (reinstall: pip install -e .)"
     return True, ""
 
