@@ -57,8 +57,7 @@ class HostMoE:
         mm = self._matmuls.get(layer)
         if mm is None:
             mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.workspace)
-        if hasattr(mm, "prepare"):
-            mm.prepare(backward)
+        mm.prepare(backward)
         return mm
 
     @property

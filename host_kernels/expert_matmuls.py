@@ -33,6 +33,9 @@ class NumpyExpertMatmuls:
     def __init__(self, w: LayerExperts):
         self.w = w
 
+    def prepare(self, backward: bool):
+        """Nothing to prepare: numpy reads the stored weights as they are."""
+
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
         x = x if rows is None else x[rows]
         w13, f = self.w.w13[e], self.w.ffn
