@@ -15,9 +15,9 @@ def native_usable() -> bool:
     return native.status(NATIVE_CPU_FLAGS)[0]
 
 
-def sigmoid(x):
-    """0.5 * (1 + tanh(x / 2)): no overflow for large |x|, unlike 1 / (1 + exp(-x)); one temporary."""
-    out = np.multiply(x, 0.5)
+def sigmoid(x, out=None):
+    """0.5 * (1 + tanh(x / 2)): no overflow for large |x|, unlike 1 / (1 + exp(-x)); into `out`, or one temporary."""
+    out = np.multiply(x, 0.5, out=out)
     np.tanh(out, out=out)
     out += 1.0
     out *= 0.5
@@ -33,11 +33,7 @@ def swiglu_forward(hg, hu, act):
             native.row_stride(act), act.dtype == np.uint16, act.shape[0], act.shape[1],
         )  # fmt: skip
         return
-    out = _float32_target(act)
-    np.multiply(hg, 0.5, out=out)
-    np.tanh(out, out=out)
-    out += 1.0
-    out *= 0.5
+    out = sigmoid(hg, out=_float32_target(act))
     out *= hg
     out *= hu
     _store(act, out)

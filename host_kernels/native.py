@@ -1,6 +1,7 @@
 """The host kernels' native library (host_kernels/csrc/, built by `pip install`; see setup.py), loaded with ctypes.
 
-Each part needs CPU features: the AMX GEMM needs amx_tile/amx_bf16/avx512_bf16, the SwiGLU passes avx512f.
+Each part needs CPU features: the AMX GEMM needs amx_tile/amx_bf16/avx512_bf16 (amx.REQUIRED_CPU_FLAGS), the
+SwiGLU passes avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS).
 `status(flags)` says whether a part can run here and, if not, why; callers fall back to numpy. ctypes calls
 release the GIL, so the worker pool runs them in parallel. MOE_JAX_HOST_KERNEL=numpy turns every part off (to
 compare the two paths).

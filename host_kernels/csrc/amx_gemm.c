@@ -91,39 +91,16 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                if (two_n && two_m) {
-                    for (int64_t kb = 0; kb < kb_count; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, lda * 2);
-                        _tile_loadd(6, b0 + kb * 512, 64);
-                        _tile_loadd(5, a1 + kb * 32, lda * 2);
-                        _tile_loadd(7, b1 + kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                } else if (two_n) {
-                    for (int64_t kb = 0; kb < kb_count; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, lda * 2);
-                        _tile_loadd(6, b0 + kb * 512, 64);
-                        _tile_loadd(7, b1 + kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                } else if (two_m) {
-                    for (int64_t kb = 0; kb < kb_count; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, lda * 2);
-                        _tile_loadd(6, b0 + kb * 512, 64);
-                        _tile_loadd(5, a1 + kb * 32, lda * 2);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(2, 5, 6);
-                    }
-                } else {
-                    for (int64_t kb = 0; kb < kb_count; kb++) {
-                        _tile_loadd(4, a0 + kb * 32, lda * 2);
-                        _tile_loadd(6, b0 + kb * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                    }
+                /* one loop for the 1-4 tiles present; the conditions are loop-invariant (gcc -O3 unswitches) */
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    if (two_m) _tile_loadd(5, a1 + kb * 32, lda * 2);
+                    if (two_n) _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_n) _tile_dpbf16ps(1, 4, 7);
+                    if (two_m) _tile_dpbf16ps(2, 5, 6);
+                    if (two_n && two_m) _tile_dpbf16ps(3, 5, 7);
                 }
                 const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
                 const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
