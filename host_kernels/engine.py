@@ -26,6 +26,7 @@ import numpy as np
 from host_kernels.activations import swiglu_backward, swiglu_forward
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, expert_matmuls, uses_amx
+from host_kernels.fused_forward import FusedForward, supported
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
@@ -47,6 +48,7 @@ class HostMoE:
         self._matmuls = {}
         self.workspace = Workspace()  # temporaries reused from call to call
         self._one_call_at_a_time = threading.Lock()  # calls share the workspace
+        self._fused: FusedForward | None = None
 
     @property
     def kernel(self) -> str:
@@ -59,6 +61,14 @@ class HostMoE:
             mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.workspace)
         mm.prepare(backward)
         return mm
+
+    def fused_forward(self) -> FusedForward | None:
+        """The native fused forward (host_kernels/fused_forward.py) over this engine's packed AMX weights, or None
+        where the store or the CPU does not allow it. Made once; shares the packed weights with `forward`."""
+        if self._fused is None and supported(self.store)[0]:
+            self._fused = FusedForward(self.store, lambda layer: self._layer_matmuls(layer).forward_weights(),
+                                       self.threads)  # fmt: skip
+        return self._fused
 
     @property
     def threads(self) -> int:

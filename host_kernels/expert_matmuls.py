@@ -90,6 +90,11 @@ class AMXExpertMatmuls:
                     for e in range(self.w.num_experts)
                 ]
 
+    def forward_weights(self) -> list[tuple[amx.PackedWeight, amx.PackedWeight]]:
+        """(w13, w2) packed per expert, as the forward reads them (w13's up columns start at its n // 2)."""
+        self.prepare(backward=False)
+        return self._forward
+
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
         w13 = self._forward[e][0]
         fp = w13.n // 2

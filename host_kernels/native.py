@@ -25,6 +25,14 @@ SIGNATURES = {
     "bf16_pack_rows": ([_P, _I, _P, _I, _I, _P, _I, _I], None),
     "swiglu_forward": ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None),
     "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
+    "moe_layer_new": ([_I, _I, _I, _P, _P, _P], _P),
+    "moe_layer_free": ([_P], None),
+    "moe_runner_new": ([ctypes.c_int], _P),
+    "moe_runner_free": ([_P], None),
+    "moe_runner_threads": ([_P], ctypes.c_int),
+    "moe_runner_totals": ([_P, _P], None),
+    "moe_forward": ([_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _I, _I, _P, _P, _I], ctypes.c_int),
+    "moe_call_init": ([_P, _P, _P], None),
 }
 
 

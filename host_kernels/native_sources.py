@@ -5,12 +5,13 @@ before the package is installed."""
 import hashlib
 from pathlib import Path
 
-SOURCES = ("amx_gemm.c", "swiglu.c", "source_hash.c")
+SOURCES = ("amx_gemm.c", "swiglu.c", "moe_forward.c", "source_hash.c")
+HEADERS = ("simd.h", "moe_forward.h")
 CSRC = Path(__file__).parent / "csrc"
 
 
 def source_hash() -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
     return digest.hexdigest()

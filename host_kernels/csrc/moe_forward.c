@@ -1,0 +1,423 @@
+/* The fused forward of one MoE layer's routed experts on the host, for inference: routing, the gather of each
+ * expert's rows, the AMX gate/up GEMM, SwiGLU, the AMX down GEMM, the routing weights and the combine, in one call
+ * without Python. The numpy engine (host_kernels/engine.py) makes ~10 Python and ctypes calls per expert and wakes
+ * its pool twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1:
+ * 1.1 ms a layer call, of which ~0.2 ms of weight reading). The arithmetic is the engine's AMX path step for step,
+ * so both give the same bits.
+ *
+ * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
+ * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts
+ * would keep two threads busy unevenly is split by columns instead. Phases (gather, gate/up + SwiGLU, down,
+ * combine) are separated by the runner's barrier.
+ *
+ * The runner's helper threads spin for a while after each phase (the next phase, or the next layer's call, comes
+ * within microseconds to a millisecond) and then sleep on a condition variable, so an idle model costs no CPU.
+ * Compiled for AMX and AVX-512 (host_kernels/amx.py checks the CPU before anything here is called).
+ */
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moe_forward.h"
+#include "simd.h"
+
+void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
+              int64_t m, int64_t n0, int64_t n1);
+void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
+                    int64_t m, int64_t n);
+
+#define MAX_THREADS 256
+#define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
+#define TOKEN_BLOCK 64     /* tokens per combine task */
+#define GATHER_BLOCK 256   /* rows per gather task */
+#define SPIN_NS 200000     /* how long an idle helper spins before it sleeps */
+
+#define ALIGN 64
+enum { CALLS, NANOSECONDS, TOKENS, PAIRS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
+static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+
+/* ------------------------------------------------------------------------------------------------ one layer */
+
+typedef struct {
+    int64_t experts, hidden, ffn;
+    int64_t kp_hidden, kp_ffn; /* k padded to the AMX tile (32): the row strides of packed inputs */
+    int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column tile boundary) */
+    const uint16_t **w13;      /* [experts] packed [hidden, 2 * ffn_padded]: gate at [0, ffn), up at [ffn_padded, ...) */
+    const uint16_t **w2;       /* [experts] packed [ffn, hidden] */
+    int64_t *routed;           /* [experts] pairs routed to each expert, accumulated over calls (owner reads them) */
+} moe_layer;
+
+moe_layer *moe_layer_new(int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13, const uint64_t *w2,
+                         int64_t *routed) {
+    moe_layer *l = calloc(1, sizeof *l);
+    if (!l) return NULL;
+    l->experts = experts, l->hidden = hidden, l->ffn = ffn;
+    l->kp_hidden = padded(hidden, 32), l->kp_ffn = padded(ffn, 32), l->ffn_padded = padded(ffn, 16);
+    l->w13 = malloc(experts * sizeof *l->w13);
+    l->w2 = malloc(experts * sizeof *l->w2);
+    if (!l->w13 || !l->w2) {
+        free(l->w13), free(l->w2), free(l);
+        return NULL;
+    }
+    for (int64_t e = 0; e < experts; e++) l->w13[e] = (const uint16_t *)w13[e], l->w2[e] = (const uint16_t *)w2[e];
+    l->routed = routed;
+    return l;
+}
+
+void moe_layer_free(moe_layer *l) {
+    if (!l) return;
+    free(l->w13), free(l->w2), free(l);
+}
+
+/* ------------------------------------------------------------------------------------------------ the runner */
+
+typedef struct call_state call_state;
+typedef void (*task_fn)(call_state *s, int worker, int64_t task);
+
+typedef struct {
+    void *data;
+    size_t bytes;
+} buffer;
+
+typedef struct {
+    int threads;
+    pthread_t helpers[MAX_THREADS];
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+    int sleepers, stop;
+    _Atomic uint64_t generation; /* bumped once per phase */
+    _Atomic int busy;            /* helpers still in the current phase */
+    _Atomic int64_t next_task;
+    int64_t tasks;
+    task_fn fn;
+    call_state *state;
+    pthread_mutex_t one_call; /* calls share the buffers */
+    buffer rows, act, out, index, scratch[MAX_THREADS];
+    uint64_t totals[TOTALS]; /* over calls, read by moe_runner_totals */
+} moe_runner;
+
+static void *reserve(buffer *b, size_t bytes) {
+    if (b->bytes >= bytes) return b->data;
+    free(b->data);
+    b->bytes = 0;
+    b->data = aligned_alloc(ALIGN, padded((int64_t)bytes, ALIGN));
+    if (b->data) b->bytes = bytes;
+    return b->data;
+}
+
+static void run_tasks(moe_runner *r, int worker) {
+    for (;;) {
+        const int64_t task = atomic_fetch_add_explicit(&r->next_task, 1, memory_order_relaxed);
+        if (task >= r->tasks) return;
+        r->fn(r->state, worker, task);
+    }
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+typedef struct {
+    moe_runner *runner;
+    int worker;
+} helper_arg;
+
+static void *helper_main(void *p) {
+    helper_arg arg = *(helper_arg *)p;
+    free(p);
+    moe_runner *r = arg.runner;
+    uint64_t seen = atomic_load(&r->generation);
+    for (;;) {
+        const uint64_t spin_until = now_ns() + SPIN_NS;
+        int spins = 0;
+        while (atomic_load_explicit(&r->generation, memory_order_acquire) == seen) {
+            _mm_pause();
+            if (++spins % 64 || now_ns() < spin_until) continue;
+            pthread_mutex_lock(&r->mutex);
+            while (atomic_load(&r->generation) == seen && !r->stop) {
+                r->sleepers++;
+                pthread_cond_wait(&r->wake, &r->mutex);
+                r->sleepers--;
+            }
+            pthread_mutex_unlock(&r->mutex);
+            break;
+        }
+        if (r->stop) return NULL;
+        seen = atomic_load_explicit(&r->generation, memory_order_acquire);
+        run_tasks(r, arg.worker);
+        atomic_fetch_sub_explicit(&r->busy, 1, memory_order_release);
+    }
+}
+
+/* Runs fn(state, worker, task) for task in [0, tasks) on every thread (the caller is worker 0); returns when all
+ * are done. */
+static void run_phase(moe_runner *r, task_fn fn, call_state *state, int64_t tasks) {
+    if (tasks <= 0) return;
+    if (r->threads == 1 || tasks == 1) {
+        for (int64_t t = 0; t < tasks; t++) fn(state, 0, t);
+        return;
+    }
+    r->fn = fn, r->state = state, r->tasks = tasks;
+    atomic_store_explicit(&r->next_task, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->busy, r->threads - 1, memory_order_relaxed);
+    pthread_mutex_lock(&r->mutex);
+    atomic_fetch_add_explicit(&r->generation, 1, memory_order_release);
+    if (r->sleepers) pthread_cond_broadcast(&r->wake);
+    pthread_mutex_unlock(&r->mutex);
+    run_tasks(r, 0);
+    while (atomic_load_explicit(&r->busy, memory_order_acquire)) _mm_pause();
+}
+
+moe_runner *moe_runner_new(int threads) {
+    if (threads < 1 || threads > MAX_THREADS) return NULL;
+    moe_runner *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->threads = threads;
+    pthread_mutex_init(&r->mutex, NULL);
+    pthread_mutex_init(&r->one_call, NULL);
+    pthread_cond_init(&r->wake, NULL);
+    for (int i = 1; i < threads; i++) {
+        helper_arg *arg = malloc(sizeof *arg);
+        if (arg) arg->runner = r, arg->worker = i;
+        if (!arg || pthread_create(&r->helpers[i], NULL, helper_main, arg)) {
+            free(arg);
+            r->threads = i; /* run with the helpers that started */
+            break;
+        }
+    }
+    return r;
+}
+
+void moe_runner_free(moe_runner *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mutex);
+    r->stop = 1;
+    atomic_fetch_add(&r->generation, 1);
+    pthread_cond_broadcast(&r->wake);
+    pthread_mutex_unlock(&r->mutex);
+    for (int i = 1; i < r->threads; i++) pthread_join(r->helpers[i], NULL);
+    free(r->rows.data), free(r->act.data), free(r->out.data), free(r->index.data);
+    for (int i = 0; i < MAX_THREADS; i++) free(r->scratch[i].data);
+    pthread_mutex_destroy(&r->mutex), pthread_mutex_destroy(&r->one_call), pthread_cond_destroy(&r->wake);
+    free(r);
+}
+
+int moe_runner_threads(const moe_runner *r) { return r->threads; }
+
+/* Since the runner was made: calls, their wall time in ns, tokens, routed pairs, expert weight bytes read, bytes
+ * of inputs (x, ids, weights) and of outputs (y); in that order (host_kernels/fused_forward.py names them). */
+void moe_runner_totals(moe_runner *r, uint64_t *totals) {
+    pthread_mutex_lock(&r->one_call);
+    memcpy(totals, r->totals, sizeof r->totals);
+    pthread_mutex_unlock(&r->one_call);
+}
+
+/* ------------------------------------------------------------------------------------------------ one call */
+
+typedef struct {
+    int32_t expert;
+    int32_t c0, c1; /* output columns */
+} tile;
+
+struct call_state {
+    moe_runner *runner;
+    const moe_layer *layer;
+    const void *x;
+    int x_bf16;
+    int64_t tokens, top_k, pairs;
+    int64_t *offsets;       /* [experts + 1] start of each expert's rows in sorted order */
+    int64_t *token_of;      /* [pairs] token of each sorted row */
+    int64_t *position;      /* [tokens * top_k] sorted row of each pair */
+    float *weight_sorted;   /* [pairs] */
+    uint16_t *rows;         /* [pairs + 16, kp_hidden] bfloat16 inputs in sorted order */
+    uint16_t *act;          /* [pairs + 16, kp_ffn] bfloat16 SwiGLU outputs */
+    float *out;             /* [pairs, hidden] weighted expert outputs */
+    void *y;
+    tile *tiles;
+    int64_t tile_count;
+};
+
+static void gather_task(call_state *s, int worker, int64_t task) {
+    (void)worker;
+    const moe_layer *l = s->layer;
+    const int64_t d = l->hidden, kp = l->kp_hidden;
+    const int64_t first = task * GATHER_BLOCK, last = first + GATHER_BLOCK < s->pairs ? first + GATHER_BLOCK : s->pairs;
+    for (int64_t i = first; i < last; i++) {
+        uint16_t *dst = s->rows + i * kp;
+        const int64_t t = s->token_of[i];
+        if (s->x_bf16) {
+            memcpy(dst, (const uint16_t *)s->x + t * d, d * 2);
+        } else {
+            const float *src = (const float *)s->x + t * d;
+            for (int64_t j = 0; j < d; j += 16) store16(dst, j, tail_mask(d - j), _mm512_maskz_loadu_ps(tail_mask(d - j), src + j), 1);
+        }
+        memset(dst + d, 0, (kp - d) * 2); /* k padding meets the weights' zero padding: must not be NaN */
+        uint16_t *act_row = s->act + i * l->kp_ffn;
+        memset(act_row + l->ffn, 0, (l->kp_ffn - l->ffn) * 2);
+    }
+}
+
+static void gate_up_task(call_state *s, int worker, int64_t task) {
+    const moe_layer *l = s->layer;
+    const tile t = s->tiles[task];
+    const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, width = t.c1 - t.c0;
+    float *hg = s->runner->scratch[worker].data, *hu = hg + m * COLUMN_BLOCK;
+    const uint16_t *a = s->rows + r0 * l->kp_hidden;
+    amx_gemm(a, l->kp_hidden, l->w13[t.expert], l->kp_hidden, hg, COLUMN_BLOCK, m, t.c0, t.c1);
+    amx_gemm(a, l->kp_hidden, l->w13[t.expert], l->kp_hidden, hu, COLUMN_BLOCK, m, l->ffn_padded + t.c0,
+             l->ffn_padded + t.c1);
+    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, s->act + r0 * l->kp_ffn + t.c0, l->kp_ffn, 1, m, width);
+}
+
+static void down_task(call_state *s, int worker, int64_t task) {
+    (void)worker;
+    const moe_layer *l = s->layer;
+    const tile t = s->tiles[task];
+    const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, d = l->hidden;
+    float *out = s->out + r0 * d + t.c0;
+    amx_gemm(s->act + r0 * l->kp_ffn, l->kp_ffn, l->w2[t.expert], l->kp_ffn, out, d, m, t.c0, t.c1);
+    for (int64_t i = 0; i < m; i++) {
+        const __m512 w = _mm512_set1_ps(s->weight_sorted[r0 + i]);
+        float *row = out + i * d;
+        for (int64_t j = 0; j < t.c1 - t.c0; j += 16) {
+            const __mmask16 k = tail_mask(t.c1 - t.c0 - j);
+            _mm512_mask_storeu_ps(row + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row + j), w));
+        }
+    }
+}
+
+/* y[t] = sum over t's pairs, in slot order, of the weighted expert rows (the engine's combine, same order) */
+static void combine_task(call_state *s, int worker, int64_t task) {
+    (void)worker;
+    const int64_t d = s->layer->hidden;
+    const int64_t first = task * TOKEN_BLOCK, last = first + TOKEN_BLOCK < s->tokens ? first + TOKEN_BLOCK : s->tokens;
+    for (int64_t t = first; t < last; t++) {
+        const int64_t *pos = s->position + t * s->top_k;
+        for (int64_t j = 0; j < d; j += 16) {
+            const __mmask16 k = tail_mask(d - j);
+            __m512 sum = _mm512_maskz_loadu_ps(k, s->out + pos[0] * d + j);
+            for (int64_t slot = 1; slot < s->top_k; slot++)
+                sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(k, s->out + pos[slot] * d + j));
+            store16((char *)s->y + t * d * (s->x_bf16 ? 2 : 4), j, k, sum, s->x_bf16);
+        }
+    }
+}
+
+/* Tiles of one phase: every routed expert's rows x column blocks of `width`, the experts with most rows first. */
+static int64_t plan_tiles(const moe_layer *l, const int64_t *sizes, const int32_t *by_size, int64_t width,
+                          tile *tiles) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < l->experts; i++) {
+        const int32_t e = by_size[i];
+        if (!sizes[e]) break;
+        for (int64_t c = 0; c < width; c += COLUMN_BLOCK)
+            tiles[n++] = (tile){e, (int32_t)c, (int32_t)(c + COLUMN_BLOCK < width ? c + COLUMN_BLOCK : width)};
+    }
+    return n;
+}
+
+static float load_weight(const void *weights, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)weights)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)weights)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static int fail(char *err, int64_t err_len, const char *message, long long a, long long b) {
+    if (err && err_len > 0) snprintf(err, (size_t)err_len, message, a, b);
+    return 1;
+}
+
+static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
+                          const void *weights, int w_dtype, int64_t tokens, int64_t top_k, void *y, char *err,
+                          int64_t err_len) {
+    const int64_t experts = l->experts, pairs = tokens * top_k, d = l->hidden;
+    if (tokens <= 0) return 0;
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] < 0 || ids[p] >= experts)
+            return fail(err, err_len, "expert id %lld out of range (the layer has %lld experts)", ids[p], experts);
+    /* index arrays: offsets, sizes, fill, order by size, token_of, position, weight_sorted, tiles */
+    const int64_t tile_cap = experts * (padded(l->ffn > d ? l->ffn : d, COLUMN_BLOCK) / COLUMN_BLOCK);
+    const size_t index_bytes = (3 * (experts + 1) + 2 * pairs) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
+    char *index = reserve(&r->index, index_bytes);
+    uint16_t *rows = reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * 2);
+    uint16_t *act = reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * 2);
+    float *out = reserve(&r->out, (size_t)pairs * d * 4);
+    if (!index || !rows || !act || !out) return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
+    int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
+    int64_t *token_of = fill + experts + 1, *position = token_of + pairs;
+    int32_t *by_size = (int32_t *)(position + pairs);
+    float *weight_sorted = (float *)(by_size + experts);
+    tile *tiles = (tile *)(weight_sorted + pairs);
+    int64_t largest = 0;
+
+    /* stable counting sort of the pairs by expert (np.argsort(kind="stable") order) */
+    memset(sizes, 0, experts * 8);
+    for (int64_t p = 0; p < pairs; p++) sizes[ids[p]]++;
+    offsets[0] = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        offsets[e + 1] = offsets[e] + sizes[e], fill[e] = offsets[e];
+        largest = sizes[e] > largest ? sizes[e] : largest;
+        by_size[e] = (int32_t)e;
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t at = fill[ids[p]]++;
+        position[p] = at, token_of[at] = p / top_k, weight_sorted[at] = load_weight(weights, w_dtype, p);
+    }
+    for (int64_t i = 1; i < experts; i++) /* insertion sort by size, descending (few experts) */
+        for (int64_t j = i; j > 0 && sizes[by_size[j]] > sizes[by_size[j - 1]]; j--) {
+            const int32_t swap = by_size[j];
+            by_size[j] = by_size[j - 1], by_size[j - 1] = swap;
+        }
+    for (int i = 0; i < r->threads; i++)
+        if (!reserve(&r->scratch[i], (size_t)2 * largest * COLUMN_BLOCK * 4))
+            return fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
+
+    call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
+                    weight_sorted, rows, act, out, y, tiles, 0};
+    run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
+    s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
+    run_phase(r, gate_up_task, &s, s.tile_count);
+    s.tile_count = plan_tiles(l, sizes, by_size, d, tiles);
+    run_phase(r, down_task, &s, s.tile_count);
+    run_phase(r, combine_task, &s, (tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
+
+    int64_t active = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        active += sizes[e] > 0;
+        if (l->routed) l->routed[e] += sizes[e];
+    }
+    const int64_t x_size = x_dtype == MOE_BFLOAT16 ? 2 : 4, w_size = w_dtype == MOE_BFLOAT16 ? 2 : 4;
+    r->totals[TOKENS] += tokens;
+    r->totals[PAIRS] += pairs;
+    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * 2;
+    r->totals[BYTES_IN] += tokens * d * x_size + pairs * (4 + w_size);
+    r->totals[BYTES_OUT] += tokens * d * x_size;
+    return 0;
+}
+
+int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
+                const void *weights, int w_dtype, int64_t tokens, int64_t top_k, void *y, char *err,
+                int64_t err_len) {
+    moe_runner *r = runner;
+    const uint64_t start = now_ns();
+    pthread_mutex_lock(&r->one_call);
+    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, top_k, y, err, err_len);
+    r->totals[CALLS]++;
+    r->totals[NANOSECONDS] += now_ns() - start;
+    pthread_mutex_unlock(&r->one_call);
+    return status;
+}
+
+/* The moe_call an FFI handler calls through (moe_forward.h) */
+void moe_call_init(moe_call *call, moe_runner *runner, const moe_layer *layer) {
+    call->forward = moe_forward, call->runner = runner, call->layer = layer;
+}

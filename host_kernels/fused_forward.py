@@ -1,0 +1,145 @@
+"""The fused forward of a layer's routed experts in one native call (host_kernels/csrc/moe_forward.c).
+
+For inference on AMX (bfloat16 store): routing, gathers, both GEMMs, SwiGLU, routing weights and the combine run
+in C on the runner's own threads, with no Python between them, over the engine's packed weights. The result is
+bit-identical to the engine's AMX forward. Two ways in:
+- `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
+- `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
+  device buffers directly (moe_jax/backends/native_call.py), so a jitted decode step never enters Python.
+Expert LoRA, backward passes and float32 stores stay on the engine (host_kernels/engine.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from host_kernels import amx, native
+from host_kernels.errors import HostKernelError
+from host_kernels.expert_matmuls import uses_amx
+from host_kernels.store import ExpertStore
+
+DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
+TOTAL_NAMES = ("calls", "seconds", "tokens", "pairs", "weight_bytes", "bytes_in", "bytes_out")
+
+
+class MoeCall(ctypes.Structure):
+    _fields_ = [("forward", ctypes.c_void_p), ("runner", ctypes.c_void_p), ("layer", ctypes.c_void_p)]
+
+
+@dataclass
+class FusedTotals:
+    """What the native forward did since the previous `take_totals()`."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    pairs: int = 0
+    weight_bytes: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    routed: dict[int, np.ndarray] | None = None  # layer -> pairs routed to each expert
+
+
+def supported(store: ExpertStore) -> tuple[bool, str]:
+    """(usable, why not) for this store on this machine: bfloat16 weights and AMX."""
+    if store.dtype != amx.BF16:
+        return False, f"the store holds {store.dtype}, the fused forward reads bfloat16"
+    if not uses_amx(store.dtype):
+        return False, amx.status()[1]
+    return True, ""
+
+
+class FusedForward:
+    """Native runner (threads and buffers) plus one native layer per MoE layer, over packed weights that
+    `packed(layer)` returns as [(w13, w2) per expert] (the engine's AMX forward weights, made on first use)."""
+
+    def __init__(self, store: ExpertStore, packed, threads: int):
+        usable, reason = supported(store)
+        if not usable:
+            raise HostKernelError(f"fused forward unavailable: {reason}")
+        self.store, self._packed = store, packed
+        self._lib = native.lib()
+        self._runner = self._lib.moe_runner_new(threads)
+        if not self._runner:
+            raise HostKernelError(f"cannot start the fused forward's {threads} threads")
+        self.threads = self._lib.moe_runner_threads(self._runner)
+        self._layers: dict[int, tuple[int, np.ndarray, MoeCall]] = {}
+        self._lock = threading.Lock()
+        self._reported = np.zeros(len(TOTAL_NAMES), np.uint64)
+        self._routed_reported: dict[int, np.ndarray] = {}
+        layers = self._layers
+        self._finalizer = weakref.finalize(self, _free, self._lib, self._runner, layers)
+
+    def _layer(self, layer: int) -> tuple[int, np.ndarray, MoeCall]:
+        with self._lock:
+            entry = self._layers.get(layer)
+            if entry is None:
+                w = self.store[layer]
+                weights = self._packed(layer)
+                w13 = np.array([p[0].data.ctypes.data for p in weights], np.uint64)
+                w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
+                routed = np.zeros(w.num_experts, np.int64)
+                pointer = self._lib.moe_layer_new(w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
+                                                  routed.ctypes.data)
+                if not pointer:
+                    raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")
+                call = MoeCall()
+                self._lib.moe_call_init(ctypes.addressof(call), self._runner, pointer)
+                entry = self._layers[layer] = (pointer, routed, call)
+                self._routed_reported[layer] = np.zeros_like(routed)
+            return entry
+
+    def call_address(self, layer: int) -> int:
+        """Address of this layer's `moe_call` (valid while this object lives)."""
+        return ctypes.addressof(self._layer(layer)[2])
+
+    def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray) -> np.ndarray:
+        """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x."""
+        pointer = self._layer(layer)[0]
+        w = self.store[layer]
+        x_td = np.ascontiguousarray(x_td)
+        ids_tk = np.ascontiguousarray(ids_tk, dtype=np.int32)
+        weights_tk = np.ascontiguousarray(weights_tk)
+        if x_td.ndim != 2 or x_td.shape[1] != w.hidden or x_td.dtype not in DTYPE_CODES:
+            raise HostKernelError(f"layer {layer}: x is {x_td.dtype} {x_td.shape}, expected [tokens, {w.hidden}]")
+        if ids_tk.ndim != 2 or ids_tk.shape[0] != x_td.shape[0] or weights_tk.shape != ids_tk.shape:
+            raise HostKernelError(
+                f"layer {layer}: expert ids {ids_tk.shape} and weights {weights_tk.shape} do not fit x {x_td.shape}"
+            )
+        if weights_tk.dtype not in DTYPE_CODES:
+            weights_tk = weights_tk.astype(np.float32)
+        y = np.empty_like(x_td)
+        message = ctypes.create_string_buffer(256)
+        status = self._lib.moe_forward(
+            self._runner, pointer, x_td.ctypes.data, DTYPE_CODES[x_td.dtype], ids_tk.ctypes.data,
+            weights_tk.ctypes.data, DTYPE_CODES[weights_tk.dtype], ids_tk.shape[0], ids_tk.shape[1], y.ctypes.data,
+            message, len(message),
+        )  # fmt: skip
+        if status:
+            raise HostKernelError(f"layer {layer}: {message.value.decode()}")
+        return y
+
+    def take_totals(self) -> FusedTotals:
+        """Calls, time, tokens, bytes and routing since the previous take."""
+        now = np.zeros(len(TOTAL_NAMES), np.uint64)
+        self._lib.moe_runner_totals(self._runner, now.ctypes.data)
+        delta, self._reported = now - self._reported, now
+        totals = FusedTotals(**{name: int(v) for name, v in zip(TOTAL_NAMES, delta, strict=True)}, routed={})
+        totals.seconds = int(delta[1]) / 1e9
+        with self._lock:
+            for layer, (_, routed, _) in self._layers.items():
+                counts = routed.copy()
+                totals.routed[layer] = counts - self._routed_reported[layer]
+                self._routed_reported[layer] = counts
+        return totals
+
+
+def _free(lib, runner, layers):
+    lib.moe_runner_free(runner)
+    for pointer, _, _ in layers.values():
+        lib.moe_layer_free(pointer)
