@@ -1,26 +1,54 @@
-"""Builds the host kernels' native library; everything else is declared in pyproject.toml.
+"""Builds the native libraries; everything else is declared in pyproject.toml.
 
-The library is plain C loaded with ctypes (no Python C API), built in place by `pip install -e .`. It is optional:
-where it cannot be built, the engine runs its numpy path and host_kernels.native.status() says why. The build
-records the hash of its sources, so a library left from older sources is refused rather than called.
+- host_kernels._native: the host kernels (host_kernels/csrc/), plain C loaded with ctypes (no Python C API).
+- moe_jax._xla_ffi: XLA's FFI handler that calls the fused expert forward from inside jitted steps
+  (moe_jax/csrc/), compiled against the C API header jaxlib ships (a build requirement, pyproject.toml).
+Both are built in place by `pip install -e .` and both are optional: where one cannot be built, the code runs the
+path without it (numpy kernels; a Python callback) and its status() says why. Each build records the hash of its
+sources, so a library left from older sources is refused rather than called.
 """
 
+import importlib.util
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 
 sys.path.insert(0, str(Path(__file__).parent / "host_kernels"))
-from native_sources import SOURCES, source_hash  # noqa: E402
+from native_sources import SOURCES, XLA_FFI_SOURCES, source_hash, xla_ffi_source_hash  # noqa: E402
 
-setup(
-    ext_modules=[
+
+def xla_ffi_include() -> str | None:
+    """jaxlib's include directory (xla/ffi/api/c_api.h), where jaxlib is installed in the build environment."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or spec.origin is None:
+        return None
+    include = Path(spec.origin).parent / "include"
+    return str(include) if (include / "xla" / "ffi" / "api" / "c_api.h").exists() else None
+
+
+extensions = [
+    Extension(
+        "host_kernels._native",
+        sources=[f"host_kernels/csrc/{name}" for name in SOURCES],
+        extra_compile_args=["-O3"],
+        define_macros=[("NATIVE_SOURCE_HASH", f'"{source_hash()}"')],
+        optional=True,
+    )
+]
+include = xla_ffi_include()
+if include is not None:
+    extensions.append(
         Extension(
-            "host_kernels._native",
-            sources=[f"host_kernels/csrc/{name}" for name in SOURCES],
-            extra_compile_args=["-O3"],
-            define_macros=[("NATIVE_SOURCE_HASH", f'"{source_hash()}"')],
+            "moe_jax._xla_ffi",
+            sources=[str(XLA_FFI_SOURCES[0].relative_to(Path(__file__).parent))],
+            include_dirs=[include, "host_kernels/csrc"],
+            extra_compile_args=["-O2"],
+            define_macros=[("XLA_FFI_SOURCE_HASH", f'"{xla_ffi_source_hash()}"')],
             optional=True,
         )
-    ]
-)
+    )
+else:
+    print("moe_jax: jaxlib's headers not found; building without the XLA FFI handler", file=sys.stderr)
+
+setup(ext_modules=extensions)

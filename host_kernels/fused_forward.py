@@ -24,7 +24,7 @@ from host_kernels.expert_matmuls import uses_amx
 from host_kernels.store import ExpertStore
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
-TOTAL_NAMES = ("calls", "seconds", "tokens", "pairs", "weight_bytes", "bytes_in", "bytes_out")
+TOTAL_NAMES = ("calls", "seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in", "bytes_out")
 
 
 class MoeCall(ctypes.Structure):
@@ -36,9 +36,11 @@ class FusedTotals:
     """What the native forward did since the previous `take_totals()`."""
 
     calls: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the calls
+    busy_seconds: float = 0.0  # summed over the runner's threads
     tokens: int = 0
     pairs: int = 0
+    flops: int = 0
     weight_bytes: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -84,8 +86,9 @@ class FusedForward:
                 w13 = np.array([p[0].data.ctypes.data for p in weights], np.uint64)
                 w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
-                pointer = self._lib.moe_layer_new(w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
-                                                  routed.ctypes.data)
+                pointer = self._lib.moe_layer_new(
+                    w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data, routed.ctypes.data
+                )
                 if not pointer:
                     raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")
                 call = MoeCall()
@@ -117,7 +120,8 @@ class FusedForward:
         message = ctypes.create_string_buffer(256)
         status = self._lib.moe_forward(
             self._runner, pointer, x_td.ctypes.data, DTYPE_CODES[x_td.dtype], ids_tk.ctypes.data,
-            weights_tk.ctypes.data, DTYPE_CODES[weights_tk.dtype], ids_tk.shape[0], ids_tk.shape[1], y.ctypes.data,
+            weights_tk.ctypes.data, DTYPE_CODES[weights_tk.dtype], x_td.shape[0], x_td.shape[1], ids_tk.shape[1],
+            y.ctypes.data,
             message, len(message),
         )  # fmt: skip
         if status:
@@ -130,7 +134,7 @@ class FusedForward:
         self._lib.moe_runner_totals(self._runner, now.ctypes.data)
         delta, self._reported = now - self._reported, now
         totals = FusedTotals(**{name: int(v) for name, v in zip(TOTAL_NAMES, delta, strict=True)}, routed={})
-        totals.seconds = int(delta[1]) / 1e9
+        totals.seconds, totals.busy_seconds = int(delta[1]) / 1e9, int(delta[2]) / 1e9
         with self._lock:
             for layer, (_, routed, _) in self._layers.items():
                 counts = routed.copy()

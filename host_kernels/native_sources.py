@@ -1,17 +1,27 @@
-"""The native library's sources and their hash: shared by setup.py (which compiles the hash in) and
-host_kernels/native.py (which checks it). No imports beyond the standard library: setup.py loads this file
-before the package is installed."""
+"""The native libraries' sources and their hashes: shared by setup.py (which compiles each hash into its library)
+and the loaders (host_kernels/native.py, moe_jax/backends/native_call.py), which refuse a library built from other
+sources. No imports beyond the standard library: setup.py loads this file before the package is installed."""
 
 import hashlib
 from pathlib import Path
 
-SOURCES = ("amx_gemm.c", "swiglu.c", "moe_forward.c", "source_hash.c")
+SOURCES = ("amx_gemm.c", "swiglu.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
 HEADERS = ("simd.h", "moe_forward.h")
 CSRC = Path(__file__).parent / "csrc"
+# moe_jax._xla_ffi: XLA's FFI handler, which calls the fused forward through moe_forward.h's moe_call
+XLA_FFI_SOURCES = (Path(__file__).parent.parent / "moe_jax" / "csrc" / "xla_host_experts.c", CSRC / "moe_forward.h")
+
+
+def hash_files(paths) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
 
 
 def source_hash() -> str:
-    digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        digest.update((CSRC / name).read_bytes())
-    return digest.hexdigest()
+    return hash_files(CSRC / name for name in SOURCES + HEADERS)
+
+
+def xla_ffi_source_hash() -> str:
+    return hash_files(XLA_FFI_SOURCES)

@@ -17,6 +17,7 @@
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,10 +36,10 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 #define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
-#define SPIN_NS 200000     /* how long an idle helper spins before it sleeps */
+#define SPIN_NS 1000000     /* how long an idle helper spins before it sleeps */
 
 #define ALIGN 64
-enum { CALLS, NANOSECONDS, TOKENS, PAIRS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
+enum { CALLS, NANOSECONDS, BUSY_NANOSECONDS, TOKENS, PAIRS, FLOPS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
 static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
 /* ------------------------------------------------------------------------------------------------ one layer */
@@ -98,7 +99,8 @@ typedef struct {
     call_state *state;
     pthread_mutex_t one_call; /* calls share the buffers */
     buffer rows, act, out, index, scratch[MAX_THREADS];
-    uint64_t totals[TOTALS]; /* over calls, read by moe_runner_totals */
+    uint64_t totals[TOTALS];             /* over calls, read by moe_runner_totals */
+    _Atomic uint64_t busy_nanoseconds; /* summed over threads */
 } moe_runner;
 
 static void *reserve(buffer *b, size_t bytes) {
@@ -110,18 +112,20 @@ static void *reserve(buffer *b, size_t bytes) {
     return b->data;
 }
 
-static void run_tasks(moe_runner *r, int worker) {
-    for (;;) {
-        const int64_t task = atomic_fetch_add_explicit(&r->next_task, 1, memory_order_relaxed);
-        if (task >= r->tasks) return;
-        r->fn(r->state, worker, task);
-    }
-}
-
 static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void run_tasks(moe_runner *r, int worker) {
+    const uint64_t start = now_ns();
+    for (;;) {
+        const int64_t task = atomic_fetch_add_explicit(&r->next_task, 1, memory_order_relaxed);
+        if (task >= r->tasks) break;
+        r->fn(r->state, worker, task);
+    }
+    atomic_fetch_add_explicit(&r->busy_nanoseconds, now_ns() - start, memory_order_relaxed);
 }
 
 typedef struct {
@@ -139,7 +143,11 @@ static void *helper_main(void *p) {
         int spins = 0;
         while (atomic_load_explicit(&r->generation, memory_order_acquire) == seen) {
             _mm_pause();
-            if (++spins % 64 || now_ns() < spin_until) continue;
+            if (++spins % 64) continue;
+            if (now_ns() < spin_until) {
+                sched_yield(); /* a thread of XLA's that wants this core gets it */
+                continue;
+            }
             pthread_mutex_lock(&r->mutex);
             while (atomic_load(&r->generation) == seen && !r->stop) {
                 r->sleepers++;
@@ -160,12 +168,12 @@ static void *helper_main(void *p) {
  * are done. */
 static void run_phase(moe_runner *r, task_fn fn, call_state *state, int64_t tasks) {
     if (tasks <= 0) return;
-    if (r->threads == 1 || tasks == 1) {
-        for (int64_t t = 0; t < tasks; t++) fn(state, 0, t);
-        return;
-    }
     r->fn = fn, r->state = state, r->tasks = tasks;
     atomic_store_explicit(&r->next_task, 0, memory_order_relaxed);
+    if (r->threads == 1 || tasks == 1) {
+        run_tasks(r, 0);
+        return;
+    }
     atomic_store_explicit(&r->busy, r->threads - 1, memory_order_relaxed);
     pthread_mutex_lock(&r->mutex);
     atomic_fetch_add_explicit(&r->generation, 1, memory_order_release);
@@ -211,11 +219,13 @@ void moe_runner_free(moe_runner *r) {
 
 int moe_runner_threads(const moe_runner *r) { return r->threads; }
 
-/* Since the runner was made: calls, their wall time in ns, tokens, routed pairs, expert weight bytes read, bytes
- * of inputs (x, ids, weights) and of outputs (y); in that order (host_kernels/fused_forward.py names them). */
+/* Since the runner was made: calls, their wall time and the threads' busy time in ns, tokens, routed pairs, FLOPs,
+ * expert weight bytes read, bytes of inputs (x, ids, weights) and of outputs (y); in that order
+ * (host_kernels/fused_forward.py names them). */
 void moe_runner_totals(moe_runner *r, uint64_t *totals) {
     pthread_mutex_lock(&r->one_call);
     memcpy(totals, r->totals, sizeof r->totals);
+    totals[BUSY_NANOSECONDS] = atomic_load(&r->busy_nanoseconds);
     pthread_mutex_unlock(&r->one_call);
 }
 
@@ -337,7 +347,7 @@ static int fail(char *err, int64_t err_len, const char *message, long long a, lo
 }
 
 static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
-                          const void *weights, int w_dtype, int64_t tokens, int64_t top_k, void *y, char *err,
+                          const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y, char *err,
                           int64_t err_len) {
     const int64_t experts = l->experts, pairs = tokens * top_k, d = l->hidden;
     if (tokens <= 0) return 0;
@@ -398,6 +408,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     const int64_t x_size = x_dtype == MOE_BFLOAT16 ? 2 : 4, w_size = w_dtype == MOE_BFLOAT16 ? 2 : 4;
     r->totals[TOKENS] += tokens;
     r->totals[PAIRS] += pairs;
+    r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
     r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * 2;
     r->totals[BYTES_IN] += tokens * d * x_size + pairs * (4 + w_size);
     r->totals[BYTES_OUT] += tokens * d * x_size;
@@ -405,12 +416,12 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
 }
 
 int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
-                const void *weights, int w_dtype, int64_t tokens, int64_t top_k, void *y, char *err,
+                const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y, char *err,
                 int64_t err_len) {
     moe_runner *r = runner;
     const uint64_t start = now_ns();
     pthread_mutex_lock(&r->one_call);
-    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, top_k, y, err, err_len);
+    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, err, err_len);
     r->totals[CALLS]++;
     r->totals[NANOSECONDS] += now_ns() - start;
     pthread_mutex_unlock(&r->one_call);

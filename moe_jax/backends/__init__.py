@@ -180,6 +180,8 @@ class Backend:
         return changed
 
     def take_metrics(self) -> BackendMetrics:
+        if self.runtime is not None:
+            self.runtime.fold_fused_metrics()
         return self.metrics.take()
 
     def take_error(self) -> BaseException | None:

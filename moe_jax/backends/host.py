@@ -1,7 +1,8 @@
 """backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
 
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
-second callback. Expert weights stay in the host store: the callback holds a reference to it and only activations,
+second callback. Where the fused native forward runs (bfloat16 store on AMX, no expert LoRA), a forward that is not
+being differentiated calls it instead, through XLA's FFI when that handler is built (backends/native_call.py). Expert weights stay in the host store: the callback holds a reference to it and only activations,
 routing and the (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
 """
@@ -22,6 +23,7 @@ from flax import nnx
 
 from host_kernels.engine import HostMoE
 from host_kernels.lora import ExpertLoRA
+from moe_jax.backends import native_call
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 
 
@@ -49,6 +51,7 @@ class HostRuntime:
         self._tickets = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
+        self.fused = engine.fused_forward()  # None where the store or CPU does not allow it
 
     def __hash__(self):  # static argument of the custom_vjp: identity is what matters
         return id(self)
@@ -124,6 +127,40 @@ class HostRuntime:
     def _forward(self, layer, scale, x, ids, weights, lora):
         return self._run_forward(layer, scale, x, ids, weights, lora, keep=False)[0]
 
+    def fused_experts(self, layer: int, x_td, ids_tk, weights_tk):
+        """Traced: the fused native forward of `layer` (needs `self.fused`): an XLA FFI call where the handler is
+        built, else a Python callback into the same function. Its metrics are folded in by `fold_fused_metrics`."""
+        if native_call.status()[0]:
+            return native_call.host_experts_call(self.fused.call_address(layer), x_td, ids_tk, weights_tk)
+        return jax.pure_callback(
+            functools.partial(self._guarded, self.fused.forward, layer, device_waits=False),
+            jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
+            x_td,
+            ids_tk,
+            weights_tk,
+            vmap_method="sequential",
+        )
+
+    def fold_fused_metrics(self):
+        """Adds what the fused forward did since the last fold to the metrics (it counts in native code)."""
+        if self.fused is None:
+            return
+        t = self.fused.take_totals()
+        if t.calls:
+            self.metrics.add(
+                device_to_host_bytes=t.bytes_in,
+                host_to_device_bytes=t.bytes_out,
+                host_busy_s=t.busy_seconds,
+                host_wall_s=t.seconds,
+                device_wait_s=t.seconds,  # the jitted step waits on each call
+                host_flops=t.flops,
+                host_weight_bytes=t.weight_bytes,
+                host_calls=t.calls,
+            )
+        for layer, counts in t.routed.items():
+            if counts.any():
+                self.metrics.count_tokens(layer, counts)
+
     def _run_forward(self, layer, scale, x, ids, weights, lora, keep: bool):
         """(y in x's dtype, saved pre-activations when `keep`, else None), with the call's metrics recorded."""
         args = (layer, np.asarray(x, np.float32), ids, np.asarray(weights, np.float32), _expert_lora(scale, lora))
@@ -173,7 +210,10 @@ def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, weights_tk, lora: dict):
-    """y = routed experts of `layer` applied to x, computed by the host engine."""
+    """y = routed experts of `layer` applied to x, computed by the host engine (the fused native forward where it
+    runs; under differentiation the rules below apply instead)."""
+    if runtime.fused is not None and not lora:
+        return runtime.fused_experts(layer, x_td, ids_tk, weights_tk)
     return jax.pure_callback(
         functools.partial(runtime.forward, layer, scale),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),

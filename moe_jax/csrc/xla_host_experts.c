@@ -1,0 +1,64 @@
+/* XLA FFI handler "moe_jax_host_experts": a jitted model calls the host's fused expert forward
+ * (host_kernels/csrc/moe_forward.c) directly on its buffers, with no Python callback (~125 us a call on this CPU,
+ * more than the 2 experts of a decode step take to compute) and no GIL.
+ *
+ * Operands: x [tokens, hidden] (f32 or bf16), ids [tokens, top_k] (s32), weights [tokens, top_k] (f32 or bf16);
+ * result y like x; attribute `call` (u64): the address of a moe_call (moe_forward.h) that names the runner and
+ * the layer. moe_jax/backends/native_call.py registers the handler and builds the calls.
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h), so it needs no C++.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "moe_forward.h"
+#include "xla/ffi/api/c_api.h"
+
+static XLA_FFI_Error *error(const XLA_FFI_Api *api, const char *message) {
+    XLA_FFI_Error_Create_Args args = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
+                                      XLA_FFI_Error_Code_INVALID_ARGUMENT};
+    return api->XLA_FFI_Error_Create(&args);
+}
+
+static int dtype_code(XLA_FFI_DataType dtype) {
+    return dtype == XLA_FFI_DataType_F32 ? MOE_FLOAT32 : dtype == XLA_FFI_DataType_BF16 ? MOE_BFLOAT16 : -1;
+}
+
+XLA_FFI_Error *moe_jax_host_experts(XLA_FFI_CallFrame *frame) {
+    const XLA_FFI_Api *api = frame->api;
+    if (frame->extension_start && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
+        /* XLA asks, at registration, which FFI version this handler was built against */
+        XLA_FFI_Metadata *metadata = ((XLA_FFI_Metadata_Extension *)frame->extension_start)->metadata;
+        metadata->api_version = (XLA_FFI_Api_Version){XLA_FFI_Api_Version_STRUCT_SIZE, NULL, XLA_FFI_API_MAJOR,
+                                                      XLA_FFI_API_MINOR};
+        metadata->traits = 0;
+        metadata->state_type_id = (XLA_FFI_TypeId){0};
+        return NULL;
+    }
+    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error(api, "moe_jax_host_experts: not the execute stage");
+    if (frame->args.size != 3 || frame->rets.size != 1 || frame->attrs.size != 1 ||
+        frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
+        return error(api, "moe_jax_host_experts takes (x, ids, weights), returns y, and has one attribute `call`");
+    for (int i = 0; i < 3; i++)
+        if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) return error(api, "moe_jax_host_experts: operands are arrays");
+    const XLA_FFI_Scalar *call_attr = frame->attrs.attrs[0];
+    const XLA_FFI_Buffer *x = frame->args.args[0], *ids = frame->args.args[1], *weights = frame->args.args[2];
+    const XLA_FFI_Buffer *y = frame->rets.rets[0];
+    if (call_attr->dtype != XLA_FFI_DataType_U64) return error(api, "moe_jax_host_experts: `call` must be a u64 address");
+    const int x_code = dtype_code(x->dtype), w_code = dtype_code(weights->dtype);
+    if (x_code < 0 || w_code < 0 || ids->dtype != XLA_FFI_DataType_S32 || y->dtype != x->dtype || x->rank != 2 ||
+        ids->rank != 2 || weights->rank != 2 || y->rank != 2 || ids->dims[0] != x->dims[0] ||
+        weights->dims[0] != ids->dims[0] || weights->dims[1] != ids->dims[1] || y->dims[0] != x->dims[0] ||
+        y->dims[1] != x->dims[1])
+        return error(api, "moe_jax_host_experts: x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16, y like x");
+    const moe_call *call = (const moe_call *)(uintptr_t)(*(const uint64_t *)call_attr->value);
+    char message[256] = "";
+    char full[320];
+    if (call->forward(call->runner, call->layer, x->data, x_code, ids->data, weights->data, w_code, x->dims[0],
+                      x->dims[1], ids->dims[1], y->data, message, sizeof message)) {
+        snprintf(full, sizeof full, "host experts: %s", message);
+        return error(api, full);
+    }
+    return NULL;
+}
+
+const char *xla_ffi_source_hash(void) { return XLA_FFI_SOURCE_HASH; }
