@@ -121,8 +121,7 @@ class FusedForward:
         status = self._lib.moe_forward(
             self._runner, pointer, x_td.ctypes.data, DTYPE_CODES[x_td.dtype], ids_tk.ctypes.data,
             weights_tk.ctypes.data, DTYPE_CODES[weights_tk.dtype], x_td.shape[0], x_td.shape[1], ids_tk.shape[1],
-            y.ctypes.data,
-            message, len(message),
+            y.ctypes.data, None, message, len(message),
         )  # fmt: skip
         if status:
             raise HostKernelError(f"layer {layer}: {message.value.decode()}")

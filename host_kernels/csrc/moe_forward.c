@@ -85,21 +85,35 @@ typedef struct {
     size_t bytes;
 } buffer;
 
+/* Threads meet in a call through three atomics. `call` is odd while a call is open. `work` describes the current
+ * phase in one word: [call tag : 16][tasks : 24][next task : 24]; a worker takes task i by compare-and-swap of
+ * that word, so it never takes a task of another call than the one it joined (its worker index, which names its
+ * scratch buffers, is only valid there). `done` counts the phase's finished tasks: the caller, having run out of
+ * tasks to take, waits for it. So a helper that joins late, or never, delays nothing but its own share, and
+ * helpers can come from anywhere: the runner's own threads (ctypes calls) or XLA's thread pool (the FFI handler
+ * schedules them; see moe_forward.h). */
+#define TASK_BITS 24
+#define TASK_MASK ((1ull << TASK_BITS) - 1)
+#define CALL_TAG(call) ((call) & 0xFFFF)
+
 typedef struct {
     int threads;
     pthread_t helpers[MAX_THREADS];
+    int own_helpers; /* started (on the first call that uses them) */
     pthread_mutex_t mutex;
     pthread_cond_t wake;
     int sleepers, stop;
-    _Atomic uint64_t generation; /* bumped once per phase */
-    _Atomic int busy;            /* helpers still in the current phase */
-    _Atomic int64_t next_task;
-    int64_t tasks;
+    _Atomic uint64_t call;      /* odd while a call is open */
+    _Atomic uint64_t own_call;  /* the open call's value when the runner's own threads are to join it */
+    pthread_t caller;
+    _Atomic int joined;         /* workers in the open call (the caller is worker 0) */
+    _Atomic uint64_t work;
+    _Atomic int64_t done;
     task_fn fn;
     call_state *state;
     pthread_mutex_t one_call; /* calls share the buffers */
     buffer rows, act, out, index, scratch[MAX_THREADS];
-    uint64_t totals[TOTALS];             /* over calls, read by moe_runner_totals */
+    uint64_t totals[TOTALS];           /* over calls, read by moe_runner_totals */
     _Atomic uint64_t busy_nanoseconds; /* summed over threads */
 } moe_runner;
 
@@ -118,69 +132,107 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static void run_tasks(moe_runner *r, int worker) {
-    const uint64_t start = now_ns();
+/* Takes and runs tasks of the current phase of `call` until none is left; returns whether it ran any. */
+static int take_tasks(moe_runner *r, int worker, uint64_t call) {
+    int ran = 0;
+    uint64_t start = 0;
     for (;;) {
-        const int64_t task = atomic_fetch_add_explicit(&r->next_task, 1, memory_order_relaxed);
-        if (task >= r->tasks) break;
-        r->fn(r->state, worker, task);
+        uint64_t w = atomic_load_explicit(&r->work, memory_order_acquire);
+        do {
+            if (w >> (2 * TASK_BITS) != CALL_TAG(call) || (w & TASK_MASK) >= ((w >> TASK_BITS) & TASK_MASK)) {
+                if (ran) atomic_fetch_add_explicit(&r->busy_nanoseconds, now_ns() - start, memory_order_relaxed);
+                return ran;
+            }
+        } while (!atomic_compare_exchange_weak_explicit(&r->work, &w, w + 1, memory_order_acq_rel,
+                                                        memory_order_acquire));
+        if (!ran) start = now_ns(), ran = 1;
+        r->fn(r->state, worker, (int64_t)(w & TASK_MASK));
+        atomic_fetch_add_explicit(&r->done, 1, memory_order_release);
     }
-    atomic_fetch_add_explicit(&r->busy_nanoseconds, now_ns() - start, memory_order_relaxed);
 }
 
-typedef struct {
-    moe_runner *runner;
-    int worker;
-} helper_arg;
+/* A helper's part in the open call `call`: tasks of each phase as they come, until the call closes. */
+static void help(moe_runner *r, uint64_t call) {
+    if (pthread_equal(pthread_self(), r->caller)) return; /* a pool that runs scheduled tasks inline */
+    const int worker = atomic_fetch_add(&r->joined, 1);
+    if (worker >= r->threads) return; /* enough workers (scratch exists for `threads`) */
+    while (atomic_load_explicit(&r->call, memory_order_acquire) == call)
+        if (!take_tasks(r, worker, call)) _mm_pause();
+}
 
-static void *helper_main(void *p) {
-    helper_arg arg = *(helper_arg *)p;
-    free(p);
-    moe_runner *r = arg.runner;
-    uint64_t seen = atomic_load(&r->generation);
+/* XLA's pool (or any scheduler) runs this; `data` is the runner */
+static void scheduled_helper(void *data) {
+    moe_runner *r = data;
+    const uint64_t call = atomic_load_explicit(&r->call, memory_order_acquire);
+    if (call & 1) help(r, call);
+}
+
+/* The runner's own helper threads: wait for a call they are asked to join (spinning a while, then asleep). */
+static void *own_helper_main(void *data) {
+    moe_runner *r = data;
+    uint64_t last = 0;
     for (;;) {
         const uint64_t spin_until = now_ns() + SPIN_NS;
+        uint64_t call;
         int spins = 0;
-        while (atomic_load_explicit(&r->generation, memory_order_acquire) == seen) {
+        while ((call = atomic_load_explicit(&r->own_call, memory_order_acquire)) == last && !r->stop) {
             _mm_pause();
             if (++spins % 64) continue;
-            if (now_ns() < spin_until) {
-                sched_yield(); /* a thread of XLA's that wants this core gets it */
-                continue;
-            }
+            if (now_ns() < spin_until) continue;
             pthread_mutex_lock(&r->mutex);
-            while (atomic_load(&r->generation) == seen && !r->stop) {
+            while (atomic_load(&r->own_call) == last && !r->stop) {
                 r->sleepers++;
                 pthread_cond_wait(&r->wake, &r->mutex);
                 r->sleepers--;
             }
             pthread_mutex_unlock(&r->mutex);
-            break;
         }
         if (r->stop) return NULL;
-        seen = atomic_load_explicit(&r->generation, memory_order_acquire);
-        run_tasks(r, arg.worker);
-        atomic_fetch_sub_explicit(&r->busy, 1, memory_order_release);
+        last = call;
+        help(r, call);
     }
 }
 
-/* Runs fn(state, worker, task) for task in [0, tasks) on every thread (the caller is worker 0); returns when all
- * are done. */
-static void run_phase(moe_runner *r, task_fn fn, call_state *state, int64_t tasks) {
-    if (tasks <= 0) return;
-    r->fn = fn, r->state = state, r->tasks = tasks;
-    atomic_store_explicit(&r->next_task, 0, memory_order_relaxed);
-    if (r->threads == 1 || tasks == 1) {
-        run_tasks(r, 0);
+static void start_own_helpers(moe_runner *r) {
+    for (int i = 1; i < r->threads; i++)
+        if (pthread_create(&r->helpers[i], NULL, own_helper_main, r)) {
+            r->threads = i; /* run with the helpers that started */
+            break;
+        }
+    r->own_helpers = 1;
+}
+
+/* Opens a call: helpers from `helpers` (moe_forward.h), or the runner's own threads when it is NULL. */
+static void open_call(moe_runner *r, const moe_helpers *helpers) {
+    r->caller = pthread_self();
+    atomic_store(&r->joined, 1);
+    const uint64_t call = atomic_fetch_add_explicit(&r->call, 1, memory_order_acq_rel) + 1;
+    if (r->threads == 1) return;
+    if (helpers) {
+        const int count = helpers->count < r->threads - 1 ? helpers->count : r->threads - 1;
+        for (int i = 0; i < count; i++) helpers->schedule(helpers->context, scheduled_helper, r);
         return;
     }
-    atomic_store_explicit(&r->busy, r->threads - 1, memory_order_relaxed);
+    if (!r->own_helpers) start_own_helpers(r);
     pthread_mutex_lock(&r->mutex);
-    atomic_fetch_add_explicit(&r->generation, 1, memory_order_release);
+    atomic_store_explicit(&r->own_call, call, memory_order_release);
     if (r->sleepers) pthread_cond_broadcast(&r->wake);
     pthread_mutex_unlock(&r->mutex);
-    run_tasks(r, 0);
-    while (atomic_load_explicit(&r->busy, memory_order_acquire)) _mm_pause();
+}
+
+static void close_call(moe_runner *r) { atomic_fetch_add_explicit(&r->call, 1, memory_order_release); }
+
+/* Runs fn(state, worker, task) for task in [0, tasks) on the call's workers (the caller is worker 0); returns when
+ * all are done. */
+static void run_phase(moe_runner *r, task_fn fn, call_state *state, int64_t tasks) {
+    if (tasks <= 0) return;
+    const uint64_t call = atomic_load_explicit(&r->call, memory_order_relaxed);
+    r->fn = fn, r->state = state;
+    atomic_store_explicit(&r->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->work, (CALL_TAG(call) << (2 * TASK_BITS)) | ((uint64_t)tasks << TASK_BITS),
+                          memory_order_release);
+    take_tasks(r, 0, call);
+    while (atomic_load_explicit(&r->done, memory_order_acquire) < tasks) _mm_pause();
 }
 
 moe_runner *moe_runner_new(int threads) {
@@ -191,15 +243,6 @@ moe_runner *moe_runner_new(int threads) {
     pthread_mutex_init(&r->mutex, NULL);
     pthread_mutex_init(&r->one_call, NULL);
     pthread_cond_init(&r->wake, NULL);
-    for (int i = 1; i < threads; i++) {
-        helper_arg *arg = malloc(sizeof *arg);
-        if (arg) arg->runner = r, arg->worker = i;
-        if (!arg || pthread_create(&r->helpers[i], NULL, helper_main, arg)) {
-            free(arg);
-            r->threads = i; /* run with the helpers that started */
-            break;
-        }
-    }
     return r;
 }
 
@@ -207,10 +250,10 @@ void moe_runner_free(moe_runner *r) {
     if (!r) return;
     pthread_mutex_lock(&r->mutex);
     r->stop = 1;
-    atomic_fetch_add(&r->generation, 1);
     pthread_cond_broadcast(&r->wake);
     pthread_mutex_unlock(&r->mutex);
-    for (int i = 1; i < r->threads; i++) pthread_join(r->helpers[i], NULL);
+    if (r->own_helpers)
+        for (int i = 1; i < r->threads; i++) pthread_join(r->helpers[i], NULL);
     free(r->rows.data), free(r->act.data), free(r->out.data), free(r->index.data);
     for (int i = 0; i < MAX_THREADS; i++) free(r->scratch[i].data);
     pthread_mutex_destroy(&r->mutex), pthread_mutex_destroy(&r->one_call), pthread_cond_destroy(&r->wake);
@@ -347,9 +390,10 @@ static int fail(char *err, int64_t err_len, const char *message, long long a, lo
 }
 
 static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
-                          const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y, char *err,
-                          int64_t err_len) {
+                          const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                          const moe_helpers *helpers, char *err, int64_t err_len) {
     const int64_t experts = l->experts, pairs = tokens * top_k, d = l->hidden;
+    if (hidden != d) return fail(err, err_len, "inputs have %lld columns, the layer's experts take %lld", hidden, d);
     if (tokens <= 0) return 0;
     for (int64_t p = 0; p < pairs; p++)
         if (ids[p] < 0 || ids[p] >= experts)
@@ -393,12 +437,14 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
 
     call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
                     weight_sorted, rows, act, out, y, tiles, 0};
+    open_call(r, helpers);
     run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
     s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
     run_phase(r, gate_up_task, &s, s.tile_count);
     s.tile_count = plan_tiles(l, sizes, by_size, d, tiles);
     run_phase(r, down_task, &s, s.tile_count);
     run_phase(r, combine_task, &s, (tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
+    close_call(r);
 
     int64_t active = 0;
     for (int64_t e = 0; e < experts; e++) {
@@ -416,12 +462,13 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
 }
 
 int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
-                const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y, char *err,
-                int64_t err_len) {
+                const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                const moe_helpers *helpers, char *err, int64_t err_len) {
     moe_runner *r = runner;
     const uint64_t start = now_ns();
     pthread_mutex_lock(&r->one_call);
-    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, err, err_len);
+    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, helpers,
+                                      err, err_len);
     r->totals[CALLS]++;
     r->totals[NANOSECONDS] += now_ns() - start;
     pthread_mutex_unlock(&r->one_call);

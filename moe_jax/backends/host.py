@@ -2,8 +2,9 @@
 
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
 second callback. Where the fused native forward runs (bfloat16 store on AMX, no expert LoRA), a forward that is not
-being differentiated calls it instead, through XLA's FFI when that handler is built (backends/native_call.py). Expert weights stay in the host store: the callback holds a reference to it and only activations,
-routing and the (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
+being differentiated calls it instead, through XLA's FFI when that handler is built (backends/native_call.py).
+Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
+(small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
 """
 

@@ -19,6 +19,36 @@ static XLA_FFI_Error *error(const XLA_FFI_Api *api, const char *message) {
     return api->XLA_FFI_Error_Create(&args);
 }
 
+/* Helpers for the fused forward come from XLA's own thread pool (the threads that run the rest of the step), so
+ * no second set of threads competes with XLA's for the cores. */
+typedef struct {
+    const XLA_FFI_Api *api;
+    XLA_FFI_ExecutionContext *ctx;
+} xla_pool;
+
+static void schedule_on_xla_pool(void *context, void (*task)(void *), void *data) {
+    const xla_pool *pool = context;
+    XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, pool->ctx, task, data};
+    XLA_FFI_Error *err = pool->api->XLA_FFI_ThreadPool_Schedule(&args);
+    if (err) { /* no pool here: the calling thread does the work alone */
+        XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+        pool->api->XLA_FFI_Error_Destroy(&destroy);
+    }
+}
+
+static int xla_pool_threads(const xla_pool *pool) {
+    int64_t threads = 0;
+    XLA_FFI_ThreadPool_NumThreads_Args args = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, pool->ctx,
+                                               &threads};
+    XLA_FFI_Error *err = pool->api->XLA_FFI_ThreadPool_NumThreads(&args);
+    if (err) {
+        XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+        pool->api->XLA_FFI_Error_Destroy(&destroy);
+        return 0;
+    }
+    return (int)threads;
+}
+
 static int dtype_code(XLA_FFI_DataType dtype) {
     return dtype == XLA_FFI_DataType_F32 ? MOE_FLOAT32 : dtype == XLA_FFI_DataType_BF16 ? MOE_BFLOAT16 : -1;
 }
@@ -51,10 +81,12 @@ XLA_FFI_Error *moe_jax_host_experts(XLA_FFI_CallFrame *frame) {
         y->dims[1] != x->dims[1])
         return error(api, "moe_jax_host_experts: x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16, y like x");
     const moe_call *call = (const moe_call *)(uintptr_t)(*(const uint64_t *)call_attr->value);
+    xla_pool pool = {api, frame->ctx};
+    const moe_helpers helpers = {schedule_on_xla_pool, &pool, xla_pool_threads(&pool)};
     char message[256] = "";
     char full[320];
     if (call->forward(call->runner, call->layer, x->data, x_code, ids->data, weights->data, w_code, x->dims[0],
-                      x->dims[1], ids->dims[1], y->data, message, sizeof message)) {
+                      x->dims[1], ids->dims[1], y->data, &helpers, message, sizeof message)) {
         snprintf(full, sizeof full, "host experts: %s", message);
         return error(api, full);
     }
