@@ -201,12 +201,16 @@ class Attention(nnx.Module):
             out = chunked_causal_attention(q, k, v, positions_bt, self.window)
         else:
             k_cache, v_cache = cache
-            rows = jnp.arange(b)[:, None]
-            k_all = k_cache.at[rows, positions_bt].set(k.astype(k_cache.dtype))
-            v_all = v_cache.at[rows, positions_bt].set(v.astype(v_cache.dtype))
-            cache = (k_all, v_all)
-            key_pos_bs = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
+            key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), (b, k_cache.shape[1]))
+            if t == 1:  # decode
+                k_all = write_one_position(k_cache, k, positions_bt, key_pos_bs)
+                v_all = write_one_position(v_cache, v, positions_bt, key_pos_bs)
+            else:
+                rows = jnp.arange(b)[:, None]
+                k_all = k_cache.at[rows, positions_bt].set(k.astype(k_cache.dtype))
+                v_all = v_cache.at[rows, positions_bt].set(v.astype(v_cache.dtype))
             out = grouped_attention(q, k_all, v_all, positions_bt, key_pos_bs, self.window)
+            cache = (k_all, v_all)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
@@ -278,6 +282,14 @@ take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 def grouped_attention(q_bthd, k_bskd, v_bskd, q_pos_bt, k_pos_bs, window):
     out = _attend(*_kv_head_major(q_bthd, k_bskd, v_bskd), q_pos_bt, k_pos_bs, window)
     return _token_major(out)
+
+
+def write_one_position(cache_bskd, new_b1kd, positions_b1, key_pos_bs):
+    """The cache with each row's one new entry written at its position. A select over the cache rather than a
+    scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to float32 and back around one, twice per
+    layer and step (bench model, batch 16: 8.9 -> 8.0 ms a decode step)."""
+    at = (key_pos_bs == positions_b1)[:, :, None, None]
+    return jnp.where(at, new_b1kd.astype(cache_bskd.dtype), cache_bskd)
 
 
 def _kv_head_major(q_bthd, k_bskd, v_bskd):
