@@ -1,0 +1,148 @@
+"""The fused native forward (host_kernels/csrc/moe_forward.c): the engine's AMX forward, bit for bit, in one call."""
+
+import gc
+import os
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from host_kernels import amx
+from host_kernels.engine import HostMoE
+from host_kernels.errors import HostKernelError
+from host_kernels.fused_forward import FusedForward
+from host_kernels.store import ExpertStore, LayerExperts
+
+BF16 = ml_dtypes.bfloat16
+pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"no AMX here: {amx.status()[1]}")
+
+
+def make_store(experts=8, hidden=96, ffn=200, layers=(0, 1), seed=0):
+    """Sizes that are not multiples of the tiles (ffn 200 pads to 208 and 224, hidden 96 is three k blocks)."""
+    rng = np.random.default_rng(seed)
+
+    def layer():
+        w13 = (rng.standard_normal((experts, hidden, 2 * ffn)) * 0.1).astype(BF16)
+        return LayerExperts(w13, (rng.standard_normal((experts, ffn, hidden)) * 0.1).astype(BF16))
+
+    return ExpertStore({i: layer() for i in layers})
+
+
+def routing(rng, tokens, experts, top_k=2, skew=False):
+    if skew:  # every token's first choice is expert 3: one expert gets all the rows
+        ids = np.stack([[3, *rng.choice([e for e in range(experts) if e != 3], top_k - 1, replace=False)]
+                        for _ in range(tokens)])  # fmt: skip
+    else:
+        ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    return ids.astype(np.int32), rng.random((tokens, top_k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens,skew", [(1, False), (5, False), (16, False), (300, False), (300, True)])
+def test_bit_identical_to_the_engine_forward(threads, tokens, skew):
+    store = make_store()
+    engine = HostMoE(store, threads=threads)
+    fused = engine.fused_forward()
+    rng = np.random.default_rng(tokens)
+    x = (rng.standard_normal((tokens, 96)) * 2).astype(BF16)
+    ids, weights = routing(rng, tokens, 8, skew=skew)
+    for layer in (0, 1):
+        expected = engine.forward(layer, x.astype(np.float32), ids, weights)
+        got32 = fused.forward(layer, x.astype(np.float32), ids, weights)
+        np.testing.assert_array_equal(got32, expected)
+        got16 = fused.forward(layer, x, ids, weights.astype(BF16))  # bfloat16 routing weights, as a bf16 model
+        expected16 = engine.forward(layer, x.astype(np.float32), ids, weights.astype(BF16).astype(np.float32))
+        np.testing.assert_array_equal(got16.view(np.uint16), expected16.astype(BF16).view(np.uint16))
+
+
+def test_top_k_above_two_and_all_experts():
+    store = make_store(experts=4)
+    engine = HostMoE(store, threads=2)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 96)).astype(np.float32)
+    ids = np.stack([rng.permutation(4) for _ in range(7)]).astype(np.int32)  # top-4 of 4
+    weights = rng.random((7, 4)).astype(np.float32)
+    np.testing.assert_array_equal(
+        engine.fused_forward().forward(0, x, ids, weights), engine.forward(0, x, ids, weights)
+    )
+
+
+def test_totals_count_calls_tokens_and_routing():
+    store = make_store()
+    fused = HostMoE(store, threads=2).fused_forward()
+    rng = np.random.default_rng(0)
+    ids, weights = routing(rng, 10, 8)
+    x = rng.standard_normal((10, 96)).astype(np.float32)
+    fused.forward(1, x, ids, weights)
+    fused.forward(1, x[:4], ids[:4], weights[:4])
+    totals = fused.take_totals()
+    assert (totals.calls, totals.tokens, totals.pairs) == (2, 14, 28)
+    assert totals.flops == 2 * 28 * 3 * 96 * 200
+    np.testing.assert_array_equal(
+        totals.routed[1], np.bincount(ids.ravel(), minlength=8) + np.bincount(ids[:4].ravel(), minlength=8)
+    )
+    assert 0 < totals.seconds and 0 < totals.busy_seconds
+    assert fused.take_totals().calls == 0  # a take starts afresh
+
+
+def test_bad_inputs_are_refused_with_what_is_wrong():
+    fused = HostMoE(make_store(), threads=2).fused_forward()
+    x = np.zeros((3, 96), np.float32)
+    ids = np.array([[0, 1], [2, 8], [1, 0]], np.int32)
+    with pytest.raises(HostKernelError, match="layer 0: expert id 8 out of range .* 8 experts"):
+        fused.forward(0, x, ids, np.ones((3, 2), np.float32))
+    with pytest.raises(HostKernelError, match=r"x is float32 \(3, 64\), expected \[tokens, 96\]"):
+        fused.forward(0, np.zeros((3, 64), np.float32), ids % 8, np.ones((3, 2), np.float32))
+    with pytest.raises(HostKernelError, match="do not fit"):
+        fused.forward(0, x, ids[:2] % 8, np.ones((2, 2), np.float32))
+    # the runner is unharmed
+    np.testing.assert_array_equal(fused.forward(0, x, ids % 8, np.zeros((3, 2), np.float32)), np.zeros((3, 96)))
+
+
+def test_refused_for_a_float32_store():
+    store = ExpertStore({0: LayerExperts(np.zeros((2, 32, 64), np.float32), np.zeros((2, 32, 32), np.float32))})
+    assert HostMoE(store, threads=1).fused_forward() is None
+    with pytest.raises(HostKernelError, match="reads bfloat16"):
+        FusedForward(store, packed=None, threads=1)
+
+
+def test_calls_from_several_threads_are_serialised_and_correct():
+    store = make_store()
+    engine = HostMoE(store, threads=2)
+    fused = engine.fused_forward()
+    rng = np.random.default_rng(9)
+    cases = []
+    for tokens in (1, 7, 40, 3):
+        x = rng.standard_normal((tokens, 96)).astype(np.float32)
+        ids, weights = routing(rng, tokens, 8)
+        cases.append((x, ids, weights, engine.forward(0, x, ids, weights)))
+    failures = []
+
+    def run(case):
+        x, ids, weights, expected = case
+        for _ in range(20):
+            if not np.array_equal(fused.forward(0, x, ids, weights), expected):
+                failures.append(len(x))
+
+    threads = [threading.Thread(target=run, args=(case,)) for case in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_runner_threads_start_on_first_use_and_end_with_the_object():
+    def os_threads():
+        return len(os.listdir("/proc/self/task"))
+
+    engine = HostMoE(make_store(), threads=3)
+    gc.collect()  # runners of earlier tests end here, not inside the measurement
+    before = os_threads()
+    fused = engine.fused_forward()
+    fused.forward(0, np.ones((2, 96), np.float32), np.array([[0, 1], [2, 3]], np.int32), np.ones((2, 2), np.float32))
+    assert fused.threads == 3 and os_threads() == before + 2  # the caller is the third
+    engine._fused = fused = None
+    gc.collect()
+    assert os_threads() == before

@@ -1,0 +1,88 @@
+"""The host backend's fused forward inside jitted steps: through XLA's FFI, through a Python callback, and against
+the engine's callback (all three the same bits), with its metrics and its errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from host_kernels import amx
+from moe_jax.backends import native_call
+from tests.hf_models import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"no AMX here: {amx.status()[1]}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf_model(make_hf_model("mixtral", seed=7), tmp_path_factory.mktemp("mixtral"))
+
+
+def bf16_host_model(path, path_taken: str, monkeypatch):
+    """path_taken: "ffi" (the default where built), "callback" (the fused forward through pure_callback) or
+    "engine" (no fused forward: the engine's own callback)."""
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0" if path_taken == "callback" else "1")
+    model = moe_jax.load_model(path, backend="host", dtype="bfloat16")
+    if path_taken == "engine":
+        model.placement.runtime.fused = None
+    return model
+
+
+def test_ffi_handler_is_built_here():
+    # the install builds it (setup.py, jaxlib's headers); CI must exercise this path, not only the fallbacks
+    assert native_call.status() == (True, "")
+
+
+def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
+    ids = np.random.default_rng(0).integers(0, 96, size=(3, 11))
+    logits = {}
+    for path_taken in ("ffi", "callback", "engine"):
+        model = bf16_host_model(checkpoint, path_taken, monkeypatch)
+        hlo = model._forward_jit.lower(model.state, ids.astype(np.int32), np.zeros(ids.shape, np.int32)).as_text()
+        assert ("moe_jax_host_experts" in hlo) == (path_taken == "ffi")
+        logits[path_taken] = model.logits(ids)
+        outputs = model.generate([[5, 9, 2], [7, 1, 1, 3, 8]], max_new_tokens=6)
+        logits[path_taken + " tokens"] = np.array([t for out in outputs for t in out])
+    for name in ("callback", "engine"):
+        np.testing.assert_array_equal(logits[name], logits["ffi"])
+        np.testing.assert_array_equal(logits[name + " tokens"], logits["ffi tokens"])
+
+
+def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
+    model = bf16_host_model(checkpoint, "ffi", monkeypatch)
+    model.metrics()
+    ids = np.random.default_rng(1).integers(0, 96, size=(2, 9))
+    model.logits(ids)
+    m = model.metrics()
+    config = model.config
+    assert m.host_calls == len(config.moe_layers)
+    for layer in config.moe_layers:
+        assert m.tokens_per_expert[layer].sum() == ids.size * config.num_experts_per_tok
+    assert m.host_wall_s > 0 and m.host_busy_s > 0 and m.device_wait_s == m.host_wall_s
+    assert m.host_flops == len(config.moe_layers) * 2 * ids.size * config.num_experts_per_tok * 3 * (
+        config.hidden_size * config.expert_intermediate_size
+    )
+    assert m.host_to_device_bytes == len(config.moe_layers) * ids.size * config.hidden_size * 2
+    assert model.metrics().host_calls == 0
+
+
+def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
+    model = bf16_host_model(checkpoint, "ffi", monkeypatch)
+    fused = model.placement.runtime.fused
+    address = fused.call_address(0)
+
+    @jax.jit
+    def step(x, ids, weights):
+        return native_call.host_experts_call(address, x, ids, weights)
+
+    x = jnp.ones((2, model.config.hidden_size), jnp.bfloat16)
+    weights = jnp.ones((2, 2), jnp.bfloat16)
+    with pytest.raises(Exception, match="host experts: expert id 99 out of range"):
+        step(x, jnp.array([[0, 1], [99, 2]], jnp.int32), weights).block_until_ready()
+    np.asarray(step(x, jnp.array([[0, 1], [3, 2]], jnp.int32), weights))  # the next call is fine
+
+
+def test_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+    assert native_call.status() == (False, "MOE_JAX_XLA_FFI=0")
