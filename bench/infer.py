@@ -3,8 +3,9 @@
     python bench/infer.py [--quick]
 
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) on the Mixtral-shaped
-   bench model: moe_jax with the host backend (float32 and bfloat16) and the device backend (float32), and
-   Hugging Face `generate` on torch CPU in float32 and bfloat16; ratios are against transformers' faster dtype.
+   bench model: moe_jax with the host backend (float32; bfloat16, whose experts XLA calls through the FFI handler;
+   bfloat16 through a Python callback instead) and the device backend (float32), and Hugging Face `generate` on
+   torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against transformers' faster dtype.
 2. Agent traces (bench/data/agent_trace.json, bench/agent_traces.py): prompt tokens prefilled with the anchor
    cache and without, for (a) previous thinking dropped each turn and (b) also an old tool result trimmed every
    fourth turn; greedy outputs must be identical with and without the cache.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,19 +40,34 @@ def prompts(batch):
     return [rng.integers(16, 4096, size=PROMPT).tolist() for _ in range(batch)]
 
 
-def ours(model, batch, new_tokens):
+ROUNDS = 3  # each side runs this many times, interleaved with the others; the table has each side's median
+
+
+def ours(backend: str, dtype: str, batch: int, new_tokens: int, xla_ffi: bool = True):
+    """A function that runs one timed generation with moe_jax (compiled, and warmed up, before it is returned)."""
+    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype)
     engine = GenerationEngine(model, batch, PROMPT + new_tokens)
     reqs = [Request(p, new_tokens) for p in prompts(batch)]
-    engine.run(reqs)  # compiles
-    engine.stats = type(engine.stats)()
-    start = time.perf_counter()
-    engine.run(reqs)
-    total = time.perf_counter() - start
-    st = engine.stats
-    return {"decode_tok_s": st.decode_tokens / st.decode_s, "end_to_end_tok_s": batch * new_tokens / total}
+    previous = os.environ.get("MOE_JAX_XLA_FFI")
+    os.environ["MOE_JAX_XLA_FFI"] = "1" if xla_ffi else "0"  # read when the steps are traced, in this first run
+    try:
+        engine.run(reqs)
+    finally:
+        os.environ.pop("MOE_JAX_XLA_FFI") if previous is None else os.environ.update(MOE_JAX_XLA_FFI=previous)
+
+    def run():
+        engine.stats = type(engine.stats)()
+        start = time.perf_counter()
+        engine.run(reqs)
+        total = time.perf_counter() - start
+        st = engine.stats
+        return {"decode_tok_s": st.decode_tokens / st.decode_s, "end_to_end_tok_s": batch * new_tokens / total}
+
+    return run
 
 
-def transformers_generate(batch, new_tokens, dtype="float32"):
+def transformers_generate(batch: int, new_tokens: int, dtype: str):
+    """The same for Hugging Face `generate` on torch CPU (greedy, no early stop)."""
     import torch
     import transformers
 
@@ -59,25 +76,46 @@ def transformers_generate(batch, new_tokens, dtype="float32"):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-        start = time.perf_counter()
-        model.generate(ids, **kwargs)
-        total = time.perf_counter() - start
-    return {"end_to_end_tok_s": batch * new_tokens / total}
+
+    def run():
+        with torch.no_grad():
+            start = time.perf_counter()
+            model.generate(ids, **kwargs)
+            return {"end_to_end_tok_s": batch * new_tokens / (time.perf_counter() - start)}
+
+    return run
+
+
+# side -> (how to make its runner, rounds): the device backend's ragged_dot is slow on XLA:CPU, one round is plenty
+SIDES = {
+    "transformers_float32": (lambda b, n: transformers_generate(b, n, "float32"), ROUNDS),
+    "transformers_bfloat16": (lambda b, n: transformers_generate(b, n, "bfloat16"), ROUNDS),
+    "host_float32": (lambda b, n: ours("host", "float32", b, n), ROUNDS),
+    "host_bfloat16": (lambda b, n: ours("host", "bfloat16", b, n), ROUNDS),
+    "host_bfloat16_callback": (lambda b, n: ours("host", "bfloat16", b, n, xla_ffi=False), ROUNDS),
+    "device_float32": (lambda b, n: ours("device", "float32", b, n), 1),
+}
 
 
 def decode_table(batches, new_tokens):
+    """Per batch size, every side's median tokens/s over interleaved rounds (A B C A B C ...: a noisy stretch of
+    the machine hits every side alike), and ours against transformers' faster dtype."""
     rows = []
     for batch in batches:
+        runners = {name: make(batch, new_tokens) for name, (make, _) in SIDES.items()}
+        results: dict[str, list[dict]] = {name: [] for name in SIDES}
+        for round_ in range(ROUNDS):
+            for name, run in runners.items():
+                if round_ < SIDES[name][1]:
+                    results[name].append(run())
         row = {"batch": batch}
-        for dtype in ("float32", "bfloat16"):
-            row[f"transformers_{dtype}_tok_s"] = transformers_generate(batch, new_tokens, dtype)["end_to_end_tok_s"]
-        reference = max(row["transformers_float32_tok_s"], row["transformers_bfloat16_tok_s"])
-        for backend, dtype in (("host", "float32"), ("host", "bfloat16"), ("device", "float32")):
-            result = ours(moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype), batch, new_tokens)
-            name = f"{backend}_{dtype}"
-            row[f"{name}_decode_tok_s"] = result["decode_tok_s"]
-            row[f"{name}_end_to_end_tok_s"] = result["end_to_end_tok_s"]
-            row[f"{name}_vs_transformers"] = result["end_to_end_tok_s"] / reference
+        for name, runs in results.items():
+            for key in runs[0]:
+                row[f"{name}_{key}"] = float(np.median([r[key] for r in runs]))
+        reference = max(row["transformers_float32_end_to_end_tok_s"], row["transformers_bfloat16_end_to_end_tok_s"])
+        for name in SIDES:
+            if not name.startswith("transformers"):
+                row[f"{name}_vs_transformers"] = row[f"{name}_end_to_end_tok_s"] / reference
         rows.append(row)
     return rows
 
