@@ -3,8 +3,9 @@
 `moe_jax/_xla_ffi` (built from moe_jax/csrc/xla_host_experts.c by `pip install`) holds the handler; registered
 once per process as "moe_jax_host_experts" for the CPU platform. Each call site passes the address of its layer's
 `moe_call` (host_kernels/fused_forward.py) as an attribute, so XLA calls the native forward on its own buffers:
-no Python, no GIL, no copies. Where the handler is not built (or MOE_JAX_XLA_FFI=0), the host backend calls the
-same fused forward through `jax.pure_callback` instead (~125 us more per call on this CPU).
+no Python, no GIL, no copies. Where the handler is not built, is turned off (MOE_JAX_XLA_FFI=0), or the jitted step
+runs on an accelerator (the handler serves XLA:CPU only), the host backend calls the same fused forward through
+`jax.pure_callback` instead (~125 us more per call on this CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def status() -> tuple[bool, str]:
     """(usable, why not): the handler is built from the current sources, registered, and not turned off."""
     if os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
         return False, "MOE_JAX_XLA_FFI=0"
+    if jax.default_backend() != "cpu":  # the handler is registered for XLA:CPU; an accelerator's step calls back
+        return False, f"the model runs on {jax.default_backend()}; the handler serves XLA:CPU steps"
     return _registered()
 
 
