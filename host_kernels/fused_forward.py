@@ -102,7 +102,8 @@ class FusedForward:
         return ctypes.addressof(self._layer(layer)[2])
 
     def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray) -> np.ndarray:
-        """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x."""
+        """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x. An id of
+        schedule.NOT_ROUTED marks a pair computed elsewhere: it adds nothing here."""
         pointer = self._layer(layer)[0]
         w = self.store[layer]
         x_td = np.ascontiguousarray(x_td)

@@ -12,6 +12,7 @@ from host_kernels import amx
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import FusedForward
+from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, LayerExperts
 
 BF16 = ml_dtypes.bfloat16
@@ -89,9 +90,11 @@ def test_totals_count_calls_tokens_and_routing():
 def test_bad_inputs_are_refused_with_what_is_wrong():
     fused = HostMoE(make_store(), threads=2).fused_forward()
     x = np.zeros((3, 96), np.float32)
-    ids = np.array([[0, 1], [2, 8], [1, 0]], np.int32)
+    ids = np.array([[0, 1], [2, 8], [1, 0]], np.int32)  # 8: one past the last expert
     with pytest.raises(HostKernelError, match="layer 0: expert id 8 out of range .* 8 experts"):
         fused.forward(0, x, ids, np.ones((3, 2), np.float32))
+    with pytest.raises(HostKernelError, match="layer 0: expert id -2 out of range"):
+        fused.forward(0, x, np.where(ids == 8, -2, ids).astype(np.int32), np.ones((3, 2), np.float32))
     with pytest.raises(HostKernelError, match=r"x is float32 \(3, 64\), expected \[tokens, 96\]"):
         fused.forward(0, np.zeros((3, 64), np.float32), ids % 8, np.ones((3, 2), np.float32))
     with pytest.raises(HostKernelError, match="do not fit"):
@@ -146,3 +149,19 @@ def test_runner_threads_start_on_first_use_and_end_with_the_object():
     engine._fused = fused = None
     gc.collect()
     assert os_threads() == before
+
+
+def test_pairs_routed_elsewhere_add_nothing():
+    store = make_store()
+    engine = HostMoE(store, threads=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 96)).astype(np.float32)
+    ids, weights = routing(rng, 9, 8)
+    ids[::2, 1] = NOT_ROUTED  # the hybrid placements' device share
+    ids[4] = NOT_ROUTED  # a token with nothing here
+    expected = engine.forward(0, x, ids, weights)
+    got = engine.fused_forward().forward(0, x, ids, weights)
+    np.testing.assert_array_equal(got, expected)
+    assert not got[4].any()
+    everything_elsewhere = np.full_like(ids, NOT_ROUTED)
+    assert not engine.fused_forward().forward(0, x, everything_elsewhere, weights).any()

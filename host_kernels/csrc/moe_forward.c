@@ -39,6 +39,7 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 #define SPIN_NS 1000000     /* how long an idle helper spins before it sleeps */
 
 #define ALIGN 64
+#define NOT_ROUTED (-1) /* an expert id: this pair is computed elsewhere (host_kernels/schedule.py) */
 enum { CALLS, NANOSECONDS, BUSY_NANOSECONDS, TOKENS, PAIRS, FLOPS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
 static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
@@ -392,40 +393,50 @@ static int fail(char *err, int64_t err_len, const char *message, long long a, lo
 static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
                           const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
                           const moe_helpers *helpers, char *err, int64_t err_len) {
-    const int64_t experts = l->experts, pairs = tokens * top_k, d = l->hidden;
+    const int64_t experts = l->experts, d = l->hidden;
     if (hidden != d) return fail(err, err_len, "inputs have %lld columns, the layer's experts take %lld", hidden, d);
     if (tokens <= 0) return 0;
-    for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] < 0 || ids[p] >= experts)
+    int64_t pairs = 0; /* routed here: NOT_ROUTED pairs are computed elsewhere (hybrid placements) and add nothing */
+    for (int64_t p = 0; p < tokens * top_k; p++) {
+        if (ids[p] < NOT_ROUTED || ids[p] >= experts)
             return fail(err, err_len, "expert id %lld out of range (the layer has %lld experts)", ids[p], experts);
+        pairs += ids[p] != NOT_ROUTED;
+    }
     /* index arrays: offsets, sizes, fill, order by size, token_of, position, weight_sorted, tiles */
     const int64_t tile_cap = experts * (padded(l->ffn > d ? l->ffn : d, COLUMN_BLOCK) / COLUMN_BLOCK);
-    const size_t index_bytes = (3 * (experts + 1) + 2 * pairs) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
+    const size_t index_bytes =
+        (3 * (experts + 1) + pairs + tokens * top_k) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
     char *index = reserve(&r->index, index_bytes);
     uint16_t *rows = reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * 2);
     uint16_t *act = reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * 2);
-    float *out = reserve(&r->out, (size_t)pairs * d * 4);
+    float *out = reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
     if (!index || !rows || !act || !out) return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
     int64_t *token_of = fill + experts + 1, *position = token_of + pairs;
-    int32_t *by_size = (int32_t *)(position + pairs);
+    int32_t *by_size = (int32_t *)(position + tokens * top_k);
     float *weight_sorted = (float *)(by_size + experts);
     tile *tiles = (tile *)(weight_sorted + pairs);
     int64_t largest = 0;
 
     /* stable counting sort of the pairs by expert (np.argsort(kind="stable") order) */
     memset(sizes, 0, experts * 8);
-    for (int64_t p = 0; p < pairs; p++) sizes[ids[p]]++;
+    for (int64_t p = 0; p < tokens * top_k; p++)
+        if (ids[p] != NOT_ROUTED) sizes[ids[p]]++;
     offsets[0] = 0;
     for (int64_t e = 0; e < experts; e++) {
         offsets[e + 1] = offsets[e] + sizes[e], fill[e] = offsets[e];
         largest = sizes[e] > largest ? sizes[e] : largest;
         by_size[e] = (int32_t)e;
     }
-    for (int64_t p = 0; p < pairs; p++) {
+    for (int64_t p = 0; p < tokens * top_k; p++) {
+        if (ids[p] == NOT_ROUTED) {
+            position[p] = pairs;
+            continue;
+        }
         const int64_t at = fill[ids[p]]++;
         position[p] = at, token_of[at] = p / top_k, weight_sorted[at] = load_weight(weights, w_dtype, p);
     }
+    memset(out + pairs * d, 0, d * 4);
     for (int64_t i = 1; i < experts; i++) /* insertion sort by size, descending (few experts) */
         for (int64_t j = i; j > 0 && sizes[by_size[j]] > sizes[by_size[j - 1]]; j--) {
             const int32_t swap = by_size[j];
@@ -456,7 +467,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     r->totals[PAIRS] += pairs;
     r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
     r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * 2;
-    r->totals[BYTES_IN] += tokens * d * x_size + pairs * (4 + w_size);
+    r->totals[BYTES_IN] += tokens * d * x_size + tokens * top_k * (4 + w_size);
     r->totals[BYTES_OUT] += tokens * d * x_size;
     return 0;
 }

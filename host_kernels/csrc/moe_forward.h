@@ -19,7 +19,7 @@ typedef struct {
 
 /* y[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for one layer. x and y: [tokens, hidden] in `x_dtype`
  * (hidden must be the layer's);
- * ids: int32 [tokens, top_k]; weights: [tokens, top_k] in `w_dtype`. Returns 0, or non-zero with a message of at
+ * ids: int32 [tokens, top_k], -1 for a pair computed elsewhere (it adds nothing here); weights: [tokens, top_k] in `w_dtype`. Returns 0, or non-zero with a message of at
  * most err_len bytes (NUL included) in err. */
 typedef int (*moe_forward_fn)(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
                               const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
