@@ -108,6 +108,7 @@ typedef struct {
     _Atomic uint64_t own_call;  /* the open call's value when the runner's own threads are to join it */
     pthread_t caller;
     _Atomic int joined;         /* workers in the open call (the caller is worker 0) */
+    _Atomic int scheduled;      /* helpers handed to a scheduler that have not finished: the runner outlives them */
     _Atomic uint64_t work;
     _Atomic int64_t done;
     task_fn fn;
@@ -166,6 +167,7 @@ static void scheduled_helper(void *data) {
     moe_runner *r = data;
     const uint64_t call = atomic_load_explicit(&r->call, memory_order_acquire);
     if (call & 1) help(r, call);
+    atomic_fetch_sub_explicit(&r->scheduled, 1, memory_order_release);
 }
 
 /* The runner's own helper threads: wait for a call they are asked to join (spinning a while, then asleep). */
@@ -211,7 +213,10 @@ static void open_call(moe_runner *r, const moe_helpers *helpers) {
     if (r->threads == 1) return;
     if (helpers) {
         const int count = helpers->count < r->threads - 1 ? helpers->count : r->threads - 1;
-        for (int i = 0; i < count; i++) helpers->schedule(helpers->context, scheduled_helper, r);
+        for (int i = 0; i < count; i++) {
+            atomic_fetch_add(&r->scheduled, 1);
+            if (helpers->schedule(helpers->context, scheduled_helper, r)) atomic_fetch_sub(&r->scheduled, 1);
+        }
         return;
     }
     if (!r->own_helpers) start_own_helpers(r);
@@ -255,6 +260,12 @@ void moe_runner_free(moe_runner *r) {
     pthread_mutex_unlock(&r->mutex);
     if (r->own_helpers)
         for (int i = 1; i < r->threads; i++) pthread_join(r->helpers[i], NULL);
+    /* a helper XLA has queued but not yet run still reads the runner: wait for it (it returns at once), but not
+     * forever (at interpreter exit the pool may be gone with its queue): then the runner is left, not freed */
+    for (int waited_ms = 0; atomic_load_explicit(&r->scheduled, memory_order_acquire); waited_ms++) {
+        if (waited_ms == 2000) return;
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    }
     free(r->rows.data), free(r->act.data), free(r->out.data), free(r->index.data);
     for (int i = 0; i < MAX_THREADS; i++) free(r->scratch[i].data);
     pthread_mutex_destroy(&r->mutex), pthread_mutex_destroy(&r->one_call), pthread_cond_destroy(&r->wake);

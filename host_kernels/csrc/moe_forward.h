@@ -9,10 +9,11 @@
 enum { MOE_FLOAT32 = 0, MOE_BFLOAT16 = 1 };
 
 /* Where a call's helper threads come from: `schedule(context, task, data)` has task(data) run on another thread
- * (XLA's thread pool, for the FFI handler), at most `count` times. A forward given NULL uses the runner's own
- * threads. A scheduled helper that starts late or never only costs its share of the work. */
+ * (XLA's thread pool, for the FFI handler), at most `count` times; it returns non-zero if it cannot. A forward
+ * given NULL uses the runner's own threads. A scheduled helper that starts late or never only costs its share of
+ * the work. */
 typedef struct {
-    void (*schedule)(void *context, void (*task)(void *), void *data);
+    int (*schedule)(void *context, void (*task)(void *), void *data);
     void *context;
     int count;
 } moe_helpers;

@@ -26,14 +26,15 @@ typedef struct {
     XLA_FFI_ExecutionContext *ctx;
 } xla_pool;
 
-static void schedule_on_xla_pool(void *context, void (*task)(void *), void *data) {
+static int schedule_on_xla_pool(void *context, void (*task)(void *), void *data) {
     const xla_pool *pool = context;
     XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, pool->ctx, task, data};
     XLA_FFI_Error *err = pool->api->XLA_FFI_ThreadPool_Schedule(&args);
-    if (err) { /* no pool here: the calling thread does the work alone */
-        XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-        pool->api->XLA_FFI_Error_Destroy(&destroy);
-    }
+    if (!err) return 0;
+    /* no pool here: the calling thread does the work alone */
+    XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+    pool->api->XLA_FFI_Error_Destroy(&destroy);
+    return 1;
 }
 
 static int xla_pool_threads(const xla_pool *pool) {
