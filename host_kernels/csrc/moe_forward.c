@@ -14,6 +14,7 @@
  * within microseconds to a millisecond) and then sleep on a condition variable, so an idle model costs no CPU.
  * Compiled for AMX and AVX-512 (host_kernels/amx.py checks the CPU before anything here is called).
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #include <pthread.h>
@@ -36,6 +37,7 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 #define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
+#define HELPER_NAME "moe-fused-fwd" /* what `top -H` shows */
 #define SPIN_NS 1000000     /* how long an idle helper spins before it sleeps */
 
 #define ALIGN 64
@@ -201,6 +203,8 @@ static void start_own_helpers(moe_runner *r) {
         if (pthread_create(&r->helpers[i], NULL, own_helper_main, r)) {
             r->threads = i; /* run with the helpers that started */
             break;
+        } else {
+            pthread_setname_np(r->helpers[i], HELPER_NAME);
         }
     r->own_helpers = 1;
 }
