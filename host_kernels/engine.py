@@ -26,7 +26,7 @@ import numpy as np
 from host_kernels.activations import swiglu_backward, swiglu_forward
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, expert_matmuls, uses_amx
-from host_kernels.fused_forward import FusedForward, supported
+from host_kernels.fused_forward import FusedForward, pack_layer, supported
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
@@ -63,11 +63,14 @@ class HostMoE:
         return mm
 
     def fused_forward(self) -> FusedForward | None:
-        """The native fused forward (host_kernels/fused_forward.py) over this engine's packed AMX weights, or None
-        where the store or the CPU does not allow it. Made once; shares the packed weights with `forward`."""
+        """The native fused forward (host_kernels/fused_forward.py), or None where the store or the CPU does not
+        allow it. Made once; on AMX it shares the packed weights with `forward`."""
         if self._fused is None and supported(self.store)[0]:
-            self._fused = FusedForward(self.store, lambda layer: self._layer_matmuls(layer).forward_weights(),
-                                       self.threads)  # fmt: skip
+            if self.kernel == AMXExpertMatmuls.name:
+                packed = lambda layer: self._layer_matmuls(layer).forward_weights()  # noqa: E731
+            else:
+                packed = lambda layer: pack_layer(self.store[layer])  # noqa: E731
+            self._fused = FusedForward(self.store, packed, self.threads)
         return self._fused
 
     @property

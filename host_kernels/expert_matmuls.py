@@ -76,14 +76,10 @@ class AMXExpertMatmuls:
         """Packs the weights a forward (and, when asked, a backward) reads; call before running tiles."""
         with self._lock:
             if self._forward is None:
-                f, fp = self.w.ffn, amx.padded(self.w.ffn, amx.N_BLOCK)
-                packed = []
-                for e in range(self.w.num_experts):
-                    # gate columns at [0, f), up columns at [fp, fp + f): both halves start on a tile boundary
-                    w13 = np.zeros((self.w.hidden, 2 * fp), amx.BF16)
-                    w13[:, :f], w13[:, fp : fp + f] = self.w.w13[e][:, :f], self.w.w13[e][:, f:]
-                    packed.append((amx.pack(w13), amx.pack(self.w.w2[e])))
-                self._forward = packed
+                self._forward = [
+                    (amx.pack(gate_up_blocks(self.w, e, amx.N_BLOCK, amx.BF16)), amx.pack(self.w.w2[e]))
+                    for e in range(self.w.num_experts)
+                ]
             if backward and self._backward is None:
                 self._backward = [
                     (amx.pack(np.asarray(self.w.w2[e]).T), amx.pack(np.asarray(self.w.w13[e]).T))
@@ -132,6 +128,15 @@ class AMXExpertMatmuls:
 
     def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         self._gemm(self._backward[e][1], dh, rows, cols, out)
+
+
+def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
+    """Expert e's w13 [d, 2 fp] with the gate columns at [0, f) and the up columns at [fp, fp + f), fp = f rounded
+    up to `block`: both halves start on a block boundary of the packed layout (zeros between)."""
+    f, fp = w.ffn, amx.padded(w.ffn, block)
+    w13 = np.zeros((w.hidden, 2 * fp), dtype)
+    w13[:, :f], w13[:, fp : fp + f] = w.w13[e][:, :f], w.w13[e][:, f:]
+    return w13
 
 
 def uses_amx(dtype) -> bool:

@@ -1,12 +1,14 @@
 """The fused forward of a layer's routed experts in one native call (host_kernels/csrc/moe_forward.c).
 
-For inference on AMX (bfloat16 store): routing, gathers, both GEMMs, SwiGLU, routing weights and the combine run
-in C on the runner's own threads, with no Python between them, over the engine's packed weights. The result is
-bit-identical to the engine's AMX forward. Two ways in:
+Routing, gathers, both GEMMs, SwiGLU, routing weights and the combine run in C on the runner's threads, with no
+Python between them: for a bfloat16 store on AMX, over the engine's packed AMX weights (bit-identical to the
+engine's AMX forward); for a float32 store on AVX-512, over float32 weights packed in column blocks
+(host_kernels/f32_gemm.py: a copy of the experts the size of the store, made as each layer is first used; the same
+function as the engine's numpy path up to float32 summation order). Two ways in:
 - `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
 - `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
   device buffers directly (moe_jax/backends/native_call.py), so a jitted decode step never enters Python.
-Expert LoRA, backward passes and float32 stores stay on the engine (host_kernels/engine.py).
+Expert LoRA and backward passes stay on the engine (host_kernels/engine.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import amx, native
+from host_kernels import amx, f32_gemm, native
 from host_kernels.errors import HostKernelError
-from host_kernels.expert_matmuls import uses_amx
-from host_kernels.store import ExpertStore
+from host_kernels.expert_matmuls import gate_up_blocks, uses_amx
+from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 TOTAL_NAMES = ("calls", "seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in", "bytes_out")
@@ -47,13 +49,27 @@ class FusedTotals:
     routed: dict[int, np.ndarray] | None = None  # layer -> pairs routed to each expert
 
 
+@dataclass
+class _NativeLayer:
+    pointer: int  # the moe_layer
+    routed: np.ndarray  # pairs routed to each expert, counted by the native code
+    call: MoeCall
+    weights: list  # the packed weights the moe_layer points into: kept alive with it
+
+
 def supported(store: ExpertStore) -> tuple[bool, str]:
-    """(usable, why not) for this store on this machine: bfloat16 weights and AMX."""
-    if store.dtype != amx.BF16:
-        return False, f"the store holds {store.dtype}, the fused forward reads bfloat16"
-    if not uses_amx(store.dtype):
-        return False, amx.status()[1]
-    return True, ""
+    """(usable, why not) for this store on this machine: bfloat16 weights with AMX, or float32 ones with AVX-512."""
+    if store.dtype == amx.BF16:
+        return (True, "") if uses_amx(store.dtype) else (False, amx.status()[1])
+    return f32_gemm.status()
+
+
+def pack_layer(w: LayerExperts) -> list[tuple[f32_gemm.PackedF32, f32_gemm.PackedF32]]:
+    """A float32 layer's (w13, w2) per expert in f32_gemm's layout (w13's up columns from a 32-column boundary)."""
+    return [
+        (f32_gemm.pack(gate_up_blocks(w, e, f32_gemm.N_BLOCK, np.float32)), f32_gemm.pack(w.w2[e]))
+        for e in range(w.num_experts)
+    ]
 
 
 class FusedForward:
@@ -70,14 +86,14 @@ class FusedForward:
         if not self._runner:
             raise HostKernelError(f"cannot start the fused forward's {threads} threads")
         self.threads = self._lib.moe_runner_threads(self._runner)
-        self._layers: dict[int, tuple[int, np.ndarray, MoeCall]] = {}
+        self._layers: dict[int, _NativeLayer] = {}
         self._lock = threading.Lock()
         self._reported = np.zeros(len(TOTAL_NAMES), np.uint64)
         self._routed_reported: dict[int, np.ndarray] = {}
         layers = self._layers
         self._finalizer = weakref.finalize(self, _free, self._lib, self._runner, layers)
 
-    def _layer(self, layer: int) -> tuple[int, np.ndarray, MoeCall]:
+    def _layer(self, layer: int) -> _NativeLayer:
         with self._lock:
             entry = self._layers.get(layer)
             if entry is None:
@@ -87,24 +103,25 @@ class FusedForward:
                 w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
                 pointer = self._lib.moe_layer_new(
-                    w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data, routed.ctypes.data
-                )
+                    DTYPE_CODES[self.store.dtype], w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
+                    routed.ctypes.data,
+                )  # fmt: skip
                 if not pointer:
                     raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")
                 call = MoeCall()
                 self._lib.moe_call_init(ctypes.addressof(call), self._runner, pointer)
-                entry = self._layers[layer] = (pointer, routed, call)
+                entry = self._layers[layer] = _NativeLayer(pointer, routed, call, weights)
                 self._routed_reported[layer] = np.zeros_like(routed)
             return entry
 
     def call_address(self, layer: int) -> int:
         """Address of this layer's `moe_call` (valid while this object lives)."""
-        return ctypes.addressof(self._layer(layer)[2])
+        return ctypes.addressof(self._layer(layer).call)
 
     def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray) -> np.ndarray:
         """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x. An id of
         schedule.NOT_ROUTED marks a pair computed elsewhere: it adds nothing here."""
-        pointer = self._layer(layer)[0]
+        pointer = self._layer(layer).pointer
         w = self.store[layer]
         x_td = np.ascontiguousarray(x_td)
         ids_tk = np.ascontiguousarray(ids_tk, dtype=np.int32)
@@ -136,8 +153,8 @@ class FusedForward:
         totals = FusedTotals(**{name: int(v) for name, v in zip(TOTAL_NAMES, delta, strict=True)}, routed={})
         totals.seconds, totals.busy_seconds = int(delta[1]) / 1e9, int(delta[2]) / 1e9
         with self._lock:
-            for layer, (_, routed, _) in self._layers.items():
-                counts = routed.copy()
+            for layer, entry in self._layers.items():
+                counts = entry.routed.copy()
                 totals.routed[layer] = counts - self._routed_reported[layer]
                 self._routed_reported[layer] = counts
         return totals
@@ -145,5 +162,5 @@ class FusedForward:
 
 def _free(lib, runner, layers):
     lib.moe_runner_free(runner)
-    for pointer, _, _ in layers.values():
-        lib.moe_layer_free(pointer)
+    for entry in layers.values():
+        lib.moe_layer_free(entry.pointer)

@@ -1,7 +1,7 @@
 """The host kernels' native library (host_kernels/csrc/, built by `pip install`; see setup.py), loaded with ctypes.
 
 Each part needs CPU features: the AMX GEMM needs amx_tile/amx_bf16/avx512_bf16 (amx.REQUIRED_CPU_FLAGS), the
-SwiGLU passes avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS).
+SwiGLU passes, the float32 GEMM and the fused forward avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS).
 `status(flags)` says whether a part can run here and, if not, why; callers fall back to numpy. ctypes calls
 release the GIL, so the worker pool runs them in parallel. MOE_JAX_HOST_KERNEL=numpy turns every part off (to
 compare the two paths).
@@ -25,7 +25,8 @@ SIGNATURES = {
     "bf16_pack_rows": ([_P, _I, _P, _I, _I, _P, _I, _I], None),
     "swiglu_forward": ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None),
     "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
-    "moe_layer_new": ([_I, _I, _I, _P, _P, _P], _P),
+    "f32_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
+    "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P], _P),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),
     "moe_runner_free": ([_P], None),

@@ -97,6 +97,9 @@ def test_host_metrics_after_a_step(checkpoint):
 
 def test_host_callback_error_surfaces_with_layer(checkpoint, monkeypatch):
     model = moe_jax.load_model(checkpoint, backend="host")
+    model.placement.runtime.fused = (
+        None  # the engine's Python callback (the fused FFI call's errors: test_host_fused_call)
+    )
     layer = model.config.moe_layers[-1]
     original = model.placement.runtime.engine.forward
 

@@ -1,4 +1,5 @@
-"""The fused native forward (host_kernels/csrc/moe_forward.c): the engine's AMX forward, bit for bit, in one call."""
+"""The fused native forward (host_kernels/csrc/moe_forward.c): the engine's forward in one call — its AMX forward bit
+for bit (bfloat16 store), its numpy forward up to float32 summation order (float32 store)."""
 
 import gc
 import os
@@ -8,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx
+from host_kernels import amx, f32_gemm
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import FusedForward
@@ -19,13 +20,13 @@ BF16 = ml_dtypes.bfloat16
 pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"no AMX here: {amx.status()[1]}")
 
 
-def make_store(experts=8, hidden=96, ffn=200, layers=(0, 1), seed=0):
+def make_store(experts=8, hidden=96, ffn=200, layers=(0, 1), seed=0, dtype=BF16):
     """Sizes that are not multiples of the tiles (ffn 200 pads to 208 and 224, hidden 96 is three k blocks)."""
     rng = np.random.default_rng(seed)
 
     def layer():
-        w13 = (rng.standard_normal((experts, hidden, 2 * ffn)) * 0.1).astype(BF16)
-        return LayerExperts(w13, (rng.standard_normal((experts, ffn, hidden)) * 0.1).astype(BF16))
+        w13 = (rng.standard_normal((experts, hidden, 2 * ffn)) * 0.1).astype(dtype)
+        return LayerExperts(w13, (rng.standard_normal((experts, ffn, hidden)) * 0.1).astype(dtype))
 
     return ExpertStore({i: layer() for i in layers})
 
@@ -103,11 +104,44 @@ def test_bad_inputs_are_refused_with_what_is_wrong():
     np.testing.assert_array_equal(fused.forward(0, x, ids % 8, np.zeros((3, 2), np.float32)), np.zeros((3, 96)))
 
 
-def test_refused_for_a_float32_store():
-    store = ExpertStore({0: LayerExperts(np.zeros((2, 32, 64), np.float32), np.zeros((2, 32, 32), np.float32))})
-    assert HostMoE(store, threads=1).fused_forward() is None
-    with pytest.raises(HostKernelError, match="reads bfloat16"):
-        FusedForward(store, packed=None, threads=1)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens,skew", [(1, False), (16, False), (300, True)])
+def test_float32_store_matches_the_engine(threads, tokens, skew):
+    store = make_store(dtype=np.float32)
+    engine = HostMoE(store, threads=threads)
+    fused = engine.fused_forward()
+    assert engine.kernel == "numpy" and fused is not None
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, 96)).astype(np.float32)
+    ids, weights = routing(rng, tokens, 8, skew=skew)
+    ids[::3, 1] = NOT_ROUTED
+    for layer in (0, 1):
+        expected = engine.forward(layer, x, ids, weights)
+        np.testing.assert_allclose(fused.forward(layer, x, ids, weights), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 96, 200), (8, 512, 64), (9, 33, 31), (300, 200, 96)])
+def test_f32_gemm_matches_float64_products(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    a, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    packed = f32_gemm.pack(w)
+    out = f32_gemm.gemm(a, packed, np.empty((m, n), np.float32))
+    np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    if n > 32:  # a column range, into a strided output
+        wide = np.zeros((m, n + 7), np.float32)
+        f32_gemm.gemm(a, packed, wide[:, 3 : 3 + n - 32], 32, n)
+        np.testing.assert_array_equal(wide[:, 3 : 3 + n - 32], out[:, 32:])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        f32_gemm.gemm(a, packed, np.empty((m, n - 16), np.float32), 16, n)
+
+
+def test_refused_where_the_native_kernels_are_off(monkeypatch):
+    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
+    for dtype in (BF16, np.float32):
+        store = make_store(dtype=dtype, layers=(0,))
+        assert HostMoE(store, threads=1).fused_forward() is None
+        with pytest.raises(HostKernelError, match="MOE_JAX_HOST_KERNEL=numpy"):
+            FusedForward(store, packed=None, threads=1)
 
 
 def test_calls_from_several_threads_are_serialised_and_correct():
@@ -173,3 +207,5 @@ def test_pairs_routed_elsewhere_add_nothing():
     assert not got[4].any()
     everything_elsewhere = np.full_like(ids, NOT_ROUTED)
     assert not engine.fused_forward().forward(0, x, everything_elsewhere, weights).any()
+    fresh = HostMoE(store, threads=2).fused_forward()  # nothing routed in its very first call: no buffers yet
+    assert not fresh.forward(1, x, everything_elsewhere, weights).any()

@@ -19,11 +19,11 @@ def checkpoint(tmp_path_factory):
     return save_hf_model(make_hf_model("mixtral", seed=7), tmp_path_factory.mktemp("mixtral"))
 
 
-def bf16_host_model(path, path_taken: str, monkeypatch):
+def host_model(path, path_taken: str, monkeypatch, dtype="bfloat16"):
     """path_taken: "ffi" (the default where built), "callback" (the fused forward through pure_callback) or
     "engine" (no fused forward: the engine's own callback)."""
     monkeypatch.setenv("MOE_JAX_XLA_FFI", "0" if path_taken == "callback" else "1")
-    model = moe_jax.load_model(path, backend="host", dtype="bfloat16")
+    model = moe_jax.load_model(path, backend="host", dtype=dtype)
     if path_taken == "engine":
         model.placement.runtime.fused = None
     return model
@@ -38,7 +38,7 @@ def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
     ids = np.random.default_rng(0).integers(0, 96, size=(3, 11))
     logits = {}
     for path_taken in ("ffi", "callback", "engine"):
-        model = bf16_host_model(checkpoint, path_taken, monkeypatch)
+        model = host_model(checkpoint, path_taken, monkeypatch)
         hlo = model._forward_jit.lower(model.state, ids.astype(np.int32), np.zeros(ids.shape, np.int32)).as_text()
         assert ("moe_jax_host_experts" in hlo) == (path_taken == "ffi")
         logits[path_taken] = model.logits(ids)
@@ -49,8 +49,19 @@ def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
         np.testing.assert_array_equal(logits[name + " tokens"], logits["ffi tokens"])
 
 
+def test_float32_paths_agree(checkpoint, monkeypatch):
+    # float32 experts: the fused forward's AVX-512 GEMM against the engine's numpy one (summation order differs)
+    ids = np.random.default_rng(2).integers(0, 96, size=(2, 12))
+    ffi = host_model(checkpoint, "ffi", monkeypatch, dtype="float32")
+    engine = host_model(checkpoint, "engine", monkeypatch, dtype="float32")
+    assert ffi.placement.runtime.fused is not None
+    np.testing.assert_allclose(ffi.logits(ids), engine.logits(ids), rtol=1e-4, atol=1e-4)
+    prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
+    assert ffi.generate(prompts, max_new_tokens=6) == engine.generate(prompts, max_new_tokens=6)
+
+
 def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
-    model = bf16_host_model(checkpoint, "ffi", monkeypatch)
+    model = host_model(checkpoint, "ffi", monkeypatch)
     model.metrics()
     ids = np.random.default_rng(1).integers(0, 96, size=(2, 9))
     model.logits(ids)
@@ -68,7 +79,7 @@ def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
 
 
 def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
-    model = bf16_host_model(checkpoint, "ffi", monkeypatch)
+    model = host_model(checkpoint, "ffi", monkeypatch)
     fused = model.placement.runtime.fused
     address = fused.call_address(0)
 

@@ -1,9 +1,9 @@
 /* The fused forward of one MoE layer's routed experts on the host, for inference: routing, the gather of each
- * expert's rows, the AMX gate/up GEMM, SwiGLU, the AMX down GEMM, the routing weights and the combine, in one call
- * without Python. The numpy engine (host_kernels/engine.py) makes ~10 Python and ctypes calls per expert and wakes
- * its pool twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1:
- * 1.1 ms a layer call, of which ~0.2 ms of weight reading). The arithmetic is the engine's AMX path step for step,
- * so both give the same bits.
+ * expert's rows, the gate/up GEMM, SwiGLU, the down GEMM, the routing weights and the combine, in one call without
+ * Python. The numpy engine (host_kernels/engine.py) makes ~10 Python and ctypes calls per expert and wakes its pool
+ * twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1: 1.1 ms a layer
+ * call, of which ~0.2 ms of weight reading). GEMMs: AMX for bfloat16 weights (amx_gemm.c; the arithmetic is the
+ * engine's AMX path step for step, so both give the same bits), AVX-512 FMA for float32 ones (f32_gemm.c).
  *
  * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
  * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts
@@ -12,10 +12,11 @@
  *
  * The runner's helper threads spin for a while after each phase (the next phase, or the next layer's call, comes
  * within microseconds to a millisecond) and then sleep on a condition variable, so an idle model costs no CPU.
- * Compiled for AMX and AVX-512 (host_kernels/amx.py checks the CPU before anything here is called).
+ * Compiled for AVX-512 F/BW/VL (host_kernels/fused_forward.py checks the CPU before anything here is called; the
+ * AMX GEMM lives in its own file).
  */
 #define _GNU_SOURCE /* pthread_setname_np */
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -30,6 +31,8 @@
 
 void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
               int64_t m, int64_t n0, int64_t n1);
+void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
+              int64_t n0, int64_t n1);
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
 
@@ -49,26 +52,33 @@ static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block
 
 typedef struct {
     int64_t experts, hidden, ffn;
-    int64_t kp_hidden, kp_ffn; /* k padded to the AMX tile (32): the row strides of packed inputs */
-    int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column tile boundary) */
-    const uint16_t **w13;      /* [experts] packed [hidden, 2 * ffn_padded]: gate at [0, ffn), up at [ffn_padded, ...) */
-    const uint16_t **w2;       /* [experts] packed [ffn, hidden] */
+    int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16 (amx_gemm.c), and so the rows' type */
+    int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
+    int64_t kp_hidden, kp_ffn; /* row strides of the gathered inputs and activations: k padded to the AMX tile (32) */
+    int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column AMX tile or 32-column f32 block) */
+    const void **w13;          /* [experts] packed [hidden, 2 * ffn_padded]: gate at [0, ffn), up at [ffn_padded, ...) */
+    const void **w2;           /* [experts] packed [ffn, hidden] */
     int64_t *routed;           /* [experts] pairs routed to each expert, accumulated over calls (owner reads them) */
 } moe_layer;
 
-moe_layer *moe_layer_new(int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13, const uint64_t *w2,
-                         int64_t *routed) {
+/* w13, w2: addresses of each expert's packed weights, in `dtype` (MOE_BFLOAT16: amx.pack's layout; MOE_FLOAT32:
+ * f32_gemm.c's). */
+moe_layer *moe_layer_new(int dtype, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
+                         const uint64_t *w2, int64_t *routed) {
     moe_layer *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
-    l->kp_hidden = padded(hidden, 32), l->kp_ffn = padded(ffn, 32), l->ffn_padded = padded(ffn, 16);
+    l->f32 = dtype == MOE_FLOAT32;
+    l->row_bytes = l->f32 ? 4 : 2;
+    l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
+    l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
     l->w13 = malloc(experts * sizeof *l->w13);
     l->w2 = malloc(experts * sizeof *l->w2);
     if (!l->w13 || !l->w2) {
         free(l->w13), free(l->w2), free(l);
         return NULL;
     }
-    for (int64_t e = 0; e < experts; e++) l->w13[e] = (const uint16_t *)w13[e], l->w2[e] = (const uint16_t *)w2[e];
+    for (int64_t e = 0; e < experts; e++) l->w13[e] = (const void *)w13[e], l->w2[e] = (const void *)w2[e];
     l->routed = routed;
     return l;
 }
@@ -122,6 +132,7 @@ typedef struct {
 } moe_runner;
 
 static void *reserve(buffer *b, size_t bytes) {
+    if (!bytes) bytes = 1; /* a call with nothing routed here still gets a (valid) buffer */
     if (b->bytes >= bytes) return b->data;
     free(b->data);
     b->bytes = 0;
@@ -305,8 +316,8 @@ struct call_state {
     int64_t *token_of;      /* [pairs] token of each sorted row */
     int64_t *position;      /* [tokens * top_k] sorted row of each pair */
     float *weight_sorted;   /* [pairs] */
-    uint16_t *rows;         /* [pairs + 16, kp_hidden] bfloat16 inputs in sorted order */
-    uint16_t *act;          /* [pairs + 16, kp_ffn] bfloat16 SwiGLU outputs */
+    char *rows;             /* [pairs + 16, kp_hidden] inputs in sorted order, bfloat16 or float32 (row_bytes) */
+    char *act;              /* [pairs + 16, kp_ffn] SwiGLU outputs, the same */
     float *out;             /* [pairs, hidden] weighted expert outputs */
     void *y;
     tile *tiles;
@@ -316,21 +327,37 @@ struct call_state {
 static void gather_task(call_state *s, int worker, int64_t task) {
     (void)worker;
     const moe_layer *l = s->layer;
-    const int64_t d = l->hidden, kp = l->kp_hidden;
+    const int64_t d = l->hidden, kp = l->kp_hidden, size = l->row_bytes;
     const int64_t first = task * GATHER_BLOCK, last = first + GATHER_BLOCK < s->pairs ? first + GATHER_BLOCK : s->pairs;
     for (int64_t i = first; i < last; i++) {
-        uint16_t *dst = s->rows + i * kp;
+        char *dst = s->rows + i * kp * size;
         const int64_t t = s->token_of[i];
-        if (s->x_bf16) {
-            memcpy(dst, (const uint16_t *)s->x + t * d, d * 2);
-        } else {
-            const float *src = (const float *)s->x + t * d;
-            for (int64_t j = 0; j < d; j += 16) store16(dst, j, tail_mask(d - j), _mm512_maskz_loadu_ps(tail_mask(d - j), src + j), 1);
+        const char *src = (const char *)s->x + t * d * (s->x_bf16 ? 2 : 4);
+        if (s->x_bf16 == !l->f32) {
+            memcpy(dst, src, d * size);
+        } else { /* float32 inputs rounded for bfloat16 weights, or bfloat16 inputs widened for float32 ones */
+            for (int64_t j = 0; j < d; j += 16) {
+                const __mmask16 k = tail_mask(d - j);
+                const __m512 v = s->x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, src + 2 * j)), 16))
+                                           : _mm512_maskz_loadu_ps(k, (const float *)src + j);
+                store16(dst, j, k, v, !l->f32);
+            }
         }
-        memset(dst + d, 0, (kp - d) * 2); /* k padding meets the weights' zero padding: must not be NaN */
-        uint16_t *act_row = s->act + i * l->kp_ffn;
-        memset(act_row + l->ffn, 0, (l->kp_ffn - l->ffn) * 2);
+        /* k padding (bfloat16 rows) meets the weights' zero padding: it must not be NaN */
+        memset(dst + d * size, 0, (kp - d) * size);
+        char *act_row = s->act + i * l->kp_ffn * size;
+        memset(act_row + l->ffn * size, 0, (l->kp_ffn - l->ffn) * size);
     }
+}
+
+/* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride) times packed weight w. */
+static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
+                        int64_t n0, int64_t n1) {
+    if (l->f32)
+        f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1);
+    else
+        amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1);
 }
 
 static void gate_up_task(call_state *s, int worker, int64_t task) {
@@ -338,11 +365,12 @@ static void gate_up_task(call_state *s, int worker, int64_t task) {
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, width = t.c1 - t.c0;
     float *hg = s->runner->scratch[worker].data, *hu = hg + m * COLUMN_BLOCK;
-    const uint16_t *a = s->rows + r0 * l->kp_hidden;
-    amx_gemm(a, l->kp_hidden, l->w13[t.expert], l->kp_hidden, hg, COLUMN_BLOCK, m, t.c0, t.c1);
-    amx_gemm(a, l->kp_hidden, l->w13[t.expert], l->kp_hidden, hu, COLUMN_BLOCK, m, l->ffn_padded + t.c0,
-             l->ffn_padded + t.c1);
-    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, s->act + r0 * l->kp_ffn + t.c0, l->kp_ffn, 1, m, width);
+    const char *a = s->rows + r0 * l->kp_hidden * l->row_bytes;
+    const void *w13 = l->w13[t.expert];
+    expert_gemm(l, a, l->kp_hidden, w13, hg, COLUMN_BLOCK, m, t.c0, t.c1);
+    expert_gemm(l, a, l->kp_hidden, w13, hu, COLUMN_BLOCK, m, l->ffn_padded + t.c0, l->ffn_padded + t.c1);
+    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, s->act + (r0 * l->kp_ffn + t.c0) * l->row_bytes, l->kp_ffn,
+                   !l->f32, m, width);
 }
 
 static void down_task(call_state *s, int worker, int64_t task) {
@@ -351,7 +379,7 @@ static void down_task(call_state *s, int worker, int64_t task) {
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, d = l->hidden;
     float *out = s->out + r0 * d + t.c0;
-    amx_gemm(s->act + r0 * l->kp_ffn, l->kp_ffn, l->w2[t.expert], l->kp_ffn, out, d, m, t.c0, t.c1);
+    expert_gemm(l, s->act + r0 * l->kp_ffn * l->row_bytes, l->kp_ffn, l->w2[t.expert], out, d, m, t.c0, t.c1);
     for (int64_t i = 0; i < m; i++) {
         const __m512 w = _mm512_set1_ps(s->weight_sorted[r0 + i]);
         float *row = out + i * d;
@@ -422,8 +450,8 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     const size_t index_bytes =
         (3 * (experts + 1) + pairs + tokens * top_k) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
     char *index = reserve(&r->index, index_bytes);
-    uint16_t *rows = reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * 2);
-    uint16_t *act = reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * 2);
+    char *rows = reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
+    char *act = reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
     float *out = reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
     if (!index || !rows || !act || !out) return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
@@ -481,7 +509,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     r->totals[TOKENS] += tokens;
     r->totals[PAIRS] += pairs;
     r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
-    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * 2;
+    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * (l->f32 ? 4 : 2);
     r->totals[BYTES_IN] += tokens * d * x_size + tokens * top_k * (4 + w_size);
     r->totals[BYTES_OUT] += tokens * d * x_size;
     return 0;

@@ -1,0 +1,55 @@
+"""float32 GEMMs on AVX-512 FMA for the fused forward of float32 stores (host_kernels/csrc/f32_gemm.c), and the
+packed layout they read: column blocks of 32, each one contiguous stream [n blocks][k][32], zero-padded.
+
+`status()` says whether this machine can run them (AVX-512 F/BW/VL and the native library) and, if not, why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from host_kernels import native
+from host_kernels.activations import NATIVE_CPU_FLAGS
+from host_kernels.amx import aligned_empty, padded
+
+N_BLOCK = 32  # columns per packed block (two AVX-512 registers)
+
+
+@dataclass(frozen=True)
+class PackedF32:
+    data: np.ndarray  # [n blocks, k, 32] float32, 64-byte aligned
+    k: int
+    n: int
+
+
+def pack(w: np.ndarray) -> PackedF32:
+    """A [k, n] weight (any float dtype, widened to float32) in column blocks of 32."""
+    k, n = w.shape
+    blocks = padded(n, N_BLOCK) // N_BLOCK
+    data = aligned_empty((blocks, k, N_BLOCK), np.float32)
+    full = np.zeros((k, blocks * N_BLOCK), np.float32)
+    full[:, :n] = w
+    data[...] = full.reshape(k, blocks, N_BLOCK).transpose(1, 0, 2)
+    return PackedF32(data, k, n)
+
+
+def gemm(a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """out[:, :] = (a @ w)[:, n0:n1] for float32 rows `a` [m, k] (unit column stride); n0 a multiple of 32."""
+    n1 = w.n if n1 is None else n1
+    m = a.shape[0]
+    if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4:
+        raise ValueError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
+    if n0 % N_BLOCK or not 0 <= n0 < n1 <= w.n:
+        raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 32")
+    if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:
+        raise ValueError(f"output is {out.dtype} {out.shape}, expected float32 [{m}, {n1 - n0}]")
+    native.lib().f32_gemm(
+        a.ctypes.data, a.strides[0] // 4, w.data.ctypes.data, w.k, out.ctypes.data, out.strides[0] // 4, m, n0, n1
+    )
+    return out
+
+
+def status() -> tuple[bool, str]:
+    return native.status(NATIVE_CPU_FLAGS)
