@@ -108,10 +108,7 @@ def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n
     n1 = w.n if n1 is None else n1
     if a.dtype != np.uint16 or a.strides != (2 * w.kp, 2) or a.shape[1] < w.k:
         raise ValueError(f"packed rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of {w.kp}")
-    if n0 % N_BLOCK or not 0 <= n0 < n1 <= w.n:
-        raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 16")
-    if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:
-        raise ValueError(f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]")
+    native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().amx_gemm(
         a.ctypes.data, w.kp, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1
     )

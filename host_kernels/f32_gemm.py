@@ -41,10 +41,7 @@ def gemm(a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | No
     m = a.shape[0]
     if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4:
         raise ValueError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
-    if n0 % N_BLOCK or not 0 <= n0 < n1 <= w.n:
-        raise ValueError(f"column range [{n0}, {n1}) of a {w.n}-column weight must start at a multiple of 32")
-    if out.dtype != np.float32 or out.shape != (m, n1 - n0) or out.strides[1] != 4:
-        raise ValueError(f"output is {out.dtype} {out.shape}, expected float32 [{m}, {n1 - n0}]")
+    native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().f32_gemm(
         a.ctypes.data, a.strides[0] // 4, w.data.ctypes.data, w.k, out.ctypes.data, out.strides[0] // 4, m, n0, n1
     )

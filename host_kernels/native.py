@@ -53,16 +53,29 @@ def _loadable() -> tuple[bool, str]:
     if path is None:
         return False, "native library not built (reinstall with `pip install -e .`; it needs a C compiler)"
     try:
-        built_from = lib().native_source_hash().decode()
-    except (OSError, AttributeError) as e:
+        library = lib()
+    except OSError as e:
         return False, f"cannot load {path.name}: {e}"
+    reason = built_from_sources(library, "native_source_hash", source_hash, path)
+    return not reason, reason
+
+
+def built_from_sources(library, hash_symbol: str, source_hash_now, path: Path) -> str:
+    """Why `library` must not be called ("" if it may): it carries, as `hash_symbol()`, the hash of the sources it
+    was built from; `source_hash_now()` hashes the sources as they are (native_sources.py)."""
     try:
-        expected = source_hash()
-    except OSError as e:  # an install without host_kernels/csrc/: nothing to check the build against
-        return False, f"cannot read the native library's sources: {e}"
+        function = getattr(library, hash_symbol)
+        function.restype = ctypes.c_char_p
+        built_from = function().decode()
+    except AttributeError as e:
+        return f"cannot load {path.name}: {e}"
+    try:
+        expected = source_hash_now()
+    except OSError as e:  # an install without the sources: nothing to check the build against
+        return f"cannot read the sources of {path.name}: {e}"
     if built_from != expected:
-        return False, f"{path.name} was built from other sources than host_kernels/csrc/ (reinstall: pip install -e .)"
-    return True, ""
+        return f"{path.name} was built from other sources than those installed (reinstall: pip install -e .)"
+    return ""
 
 
 @cache
@@ -77,9 +90,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def library_path() -> Path | None:
-    here = Path(__file__).parent
+    return extension_path(Path(__file__).parent, "_native")
+
+
+def extension_path(directory: Path, name: str) -> Path | None:
+    """The built extension module `name` in `directory` (whatever this Python's suffix), or None."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_native{suffix}"
+        candidate = directory / f"{name}{suffix}"
         if candidate.exists():
             return candidate
     return None
@@ -92,6 +109,15 @@ def lib():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
     return library
+
+
+def check_gemm_output(out, m: int, n0: int, n1: int, n: int, block: int):
+    """A GEMM's column range [n0, n1) of an n-column weight (n0 on a `block` boundary) and its float32 [m, n1 - n0]
+    output (rows may be strided, columns not); ValueError naming what does not fit."""
+    if n0 % block or not 0 <= n0 < n1 <= n:
+        raise ValueError(f"column range [{n0}, {n1}) of a {n}-column weight must start at a multiple of {block}")
+    if out.dtype != "float32" or out.shape != (m, n1 - n0) or out.strides[1] != 4:
+        raise ValueError(f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]")
 
 
 def address(array) -> int | None:

@@ -11,7 +11,6 @@ runs on an accelerator (the handler serves XLA:CPU only), the host backend calls
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import os
 from functools import cache
 from pathlib import Path
@@ -19,18 +18,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from host_kernels import native
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
-
-
-def library_path() -> Path | None:
-    here = Path(__file__).resolve().parents[1]
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_xla_ffi{suffix}"
-        if candidate.exists():
-            return candidate
-    return None
 
 
 def status() -> tuple[bool, str]:
@@ -44,7 +35,7 @@ def status() -> tuple[bool, str]:
 
 @cache
 def _registered() -> tuple[bool, str]:
-    path = library_path()
+    path = native.extension_path(Path(__file__).resolve().parents[1], "_xla_ffi")
     if path is None:
         return (
             False,
@@ -52,16 +43,11 @@ def _registered() -> tuple[bool, str]:
         )
     try:
         library = ctypes.CDLL(str(path))
-        library.xla_ffi_source_hash.restype = ctypes.c_char_p
-        built_from = library.xla_ffi_source_hash().decode()
-    except (OSError, AttributeError) as e:
-        return False, f"cannot load {path.name}: {e}"
-    try:
-        expected = xla_ffi_source_hash()
     except OSError as e:
-        return False, f"cannot read the XLA FFI handler's sources: {e}"
-    if built_from != expected:
-        return False, f"{path.name} was built from other sources (reinstall: pip install -e .)"
+        return False, f"cannot load {path.name}: {e}"
+    reason = native.built_from_sources(library, "xla_ffi_source_hash", xla_ffi_source_hash, path)
+    if reason:
+        return False, reason
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_jax_host_experts), platform="cpu")
     _registered.library = library  # keep it loaded while XLA holds its function
     return True, ""
