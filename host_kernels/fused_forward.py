@@ -74,7 +74,9 @@ def pack_layer(w: LayerExperts) -> list[tuple[f32_gemm.PackedF32, f32_gemm.Packe
 
 class FusedForward:
     """Native runner (threads and buffers) plus one native layer per MoE layer, over packed weights that
-    `packed(layer)` returns as [(w13, w2) per expert] (the engine's AMX forward weights, made on first use)."""
+    `packed(layer)` returns as [(w13, w2) per expert] when the layer is first used: the engine's AMX forward
+    weights (bfloat16 store) or `pack_layer`'s (float32 store). The native layer points into them: they are kept
+    with it."""
 
     def __init__(self, store: ExpertStore, packed, threads: int):
         usable, reason = supported(store)

@@ -115,7 +115,8 @@ typedef struct {
     int own_helpers; /* started (on the first call that uses them) */
     pthread_mutex_t mutex;
     pthread_cond_t wake;
-    int sleepers, stop;
+    int sleepers;
+    _Atomic int stop;
     _Atomic uint64_t call;      /* odd while a call is open */
     _Atomic uint64_t own_call;  /* the open call's value when the runner's own threads are to join it */
     pthread_t caller;
