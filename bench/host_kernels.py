@@ -4,7 +4,8 @@
 
 Reports, for one MoE layer of the given shape:
   * forward and forward+backward GFLOP/s as a fraction of numpy's own GEMMs of the same total size;
-  * decode (1-16 tokens): weight bytes read per second as a fraction of a plain numpy memory copy;
+  * decode (1-16 tokens): weight bytes read per second as a fraction of a plain numpy memory copy, for the engine
+    and for the fused native forward (host_kernels/fused_forward.py: float32 on AVX-512, bfloat16 on AMX);
   * skew: Zipf-routed batch time over uniform-routed time at the same number of (token, expert) pairs;
   * the pure-JAX `ragged_dot` layer (moe_jax's device backend) on this CPU, as a time ratio;
   * where the CPU has AMX: the same layer stored in bfloat16 on the AMX kernel, GFLOP/s and speed-up.
@@ -175,6 +176,18 @@ def main():
             read += decode_engine.last_stats.weight_bytes
         return read
 
+    # the fused forward over the same float32 layers, and over as many bytes of bfloat16 layers where there is AMX
+    fused_sides = {"fused_f32": (decode_engine.fused_forward(), n_layers)}
+    if amx_engine is not None:
+        n16 = 2 * n_layers
+        bf16_layers = {i: LayerExperts(layer.w13.astype(amx.BF16), layer.w2.astype(amx.BF16)) for i in range(n16)}
+        fused_sides["fused_bf16"] = (HostMoE(ExpertStore(bf16_layers), threads=args.threads).fused_forward(), n16)
+
+    def fused_step(fused, layers, x, ids, w):
+        for i in range(layers):
+            fused.forward(i, x, ids, w)
+        return fused.take_totals().weight_bytes
+
     rows = []
     for tokens in [1, 16] if args.quick else [1, 2, 4, 8, 16]:
         x = rng.standard_normal((tokens, d)).astype(np.float32)
@@ -182,18 +195,25 @@ def main():
         t = timed(lambda x=x, ids=ids, w=w: decode_step(x, ids, w), args.repeats) / n_layers
         gbps = decode_step(x, ids, w) / n_layers / t / 1e9
         jf = timed(lambda x=x, ids=ids, w=w: jax_forward(x, ids, w).block_until_ready(), args.repeats * 4)
-        rows.append(
-            {
-                "tokens": tokens,
-                "us": t * 1e6,
-                "weight_gbps": gbps,
-                "memcpy_gbps": copy,
-                "vs_memcpy": gbps / copy,
-                "gemv_gbps": gemv,
-                "vs_gemv": gbps / gemv,
-                "jax_over_host": jf / t,
-            }
-        )
+        row = {
+            "tokens": tokens,
+            "us": t * 1e6,
+            "weight_gbps": gbps,
+            "memcpy_gbps": copy,
+            "vs_memcpy": gbps / copy,
+            "gemv_gbps": gemv,
+            "vs_gemv": gbps / gemv,
+            "jax_over_host": jf / t,
+        }
+        for name, (fused, layers) in fused_sides.items():
+            if fused is None:
+                continue
+            tf = timed(lambda f=fused, n=layers, x=x, ids=ids, w=w: fused_step(f, n, x, ids, w), args.repeats)
+            fused.take_totals()
+            row[f"{name}_us"] = tf / layers * 1e6
+            row[f"{name}_weight_gbps"] = fused_step(fused, layers, x, ids, w) / layers / (tf / layers) / 1e9
+            row[f"{name}_vs_gemv"] = row[f"{name}_weight_gbps"] / gemv
+        rows.append(row)
     print_table(
         f"decode (per layer, {n_layers} distinct layers in turn; weight bytes read per second vs numpy "
         "copy of 256 MiB and vs GEMVs streaming 256 MiB on the engine's threads)",
