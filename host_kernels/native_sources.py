@@ -5,8 +5,8 @@ sources. No imports beyond the standard library: setup.py loads this file before
 import hashlib
 from pathlib import Path
 
-SOURCES = ("amx_gemm.c", "f32_gemm.c", "swiglu.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
-HEADERS = ("simd.h", "moe_forward.h")
+SOURCES = ("amx_gemm.c", "f32_gemm.c", "swiglu.c", "runner.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
+HEADERS = ("simd.h", "moe_forward.h", "runner.h")
 CSRC = Path(__file__).parent / "csrc"
 # moe_jax._xla_ffi: XLA's FFI handler, which calls the fused forward through moe_forward.h's moe_call
 XLA_FFI_SOURCES = (Path(__file__).parent.parent / "moe_jax" / "csrc" / "xla_host_experts.c", CSRC / "moe_forward.h")

@@ -10,23 +10,18 @@
  * would keep two threads busy unevenly is split by columns instead. Phases (gather, gate/up + SwiGLU, down,
  * combine) are separated by the runner's barrier.
  *
- * The runner's helper threads spin for a while after each phase (the next phase, or the next layer's call, comes
- * within microseconds to a millisecond) and then sleep on a condition variable, so an idle model costs no CPU.
+ * The threads and their meeting points are runner.c's.
  * Compiled for AVX-512 F/BW/VL (host_kernels/fused_forward.py checks the CPU before anything here is called; the
  * AMX GEMM lives in its own file).
  */
-#define _GNU_SOURCE /* pthread_setname_np */
 #pragma GCC target("avx512f,avx512bw,avx512vl")
 #include <immintrin.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "moe_forward.h"
+#include "runner.h"
 #include "simd.h"
 
 void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
@@ -36,16 +31,10 @@ void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, flo
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
 
-#define MAX_THREADS 256
 #define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
-#define HELPER_NAME "moe-fused-fwd" /* what `top -H` shows */
-#define SPIN_NS 1000000     /* how long an idle helper spins before it sleeps */
-
-#define ALIGN 64
 #define NOT_ROUTED (-1) /* an expert id: this pair is computed elsewhere (host_kernels/schedule.py) */
-enum { CALLS, NANOSECONDS, BUSY_NANOSECONDS, TOKENS, PAIRS, FLOPS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
 static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
 /* ------------------------------------------------------------------------------------------------ one layer */
@@ -88,218 +77,6 @@ void moe_layer_free(moe_layer *l) {
     free(l->w13), free(l->w2), free(l);
 }
 
-/* ------------------------------------------------------------------------------------------------ the runner */
-
-typedef struct call_state call_state;
-typedef void (*task_fn)(call_state *s, int worker, int64_t task);
-
-typedef struct {
-    void *data;
-    size_t bytes;
-} buffer;
-
-/* Threads meet in a call through three atomics. `call` is odd while a call is open. `work` describes the current
- * phase in one word: [call tag : 16][tasks : 24][next task : 24]; a worker takes task i by compare-and-swap of
- * that word, so it never takes a task of another call than the one it joined (its worker index, which names its
- * scratch buffers, is only valid there). `done` counts the phase's finished tasks: the caller, having run out of
- * tasks to take, waits for it. So a helper that joins late, or never, delays nothing but its own share, and
- * helpers can come from anywhere: the runner's own threads (ctypes calls) or XLA's thread pool (the FFI handler
- * schedules them; see moe_forward.h). */
-#define TASK_BITS 24
-#define TASK_MASK ((1ull << TASK_BITS) - 1)
-#define CALL_TAG(call) ((call) & 0xFFFF)
-
-typedef struct {
-    int threads;
-    pthread_t helpers[MAX_THREADS];
-    int own_helpers; /* started (on the first call that uses them) */
-    pthread_mutex_t mutex;
-    pthread_cond_t wake;
-    int sleepers;
-    _Atomic int stop;
-    _Atomic uint64_t call;      /* odd while a call is open */
-    _Atomic uint64_t own_call;  /* the open call's value when the runner's own threads are to join it */
-    pthread_t caller;
-    _Atomic int joined;         /* workers in the open call (the caller is worker 0) */
-    _Atomic int scheduled;      /* helpers handed to a scheduler that have not finished: the runner outlives them */
-    _Atomic uint64_t work;
-    _Atomic int64_t done;
-    task_fn fn;
-    call_state *state;
-    pthread_mutex_t one_call; /* calls share the buffers */
-    buffer rows, act, out, index, scratch[MAX_THREADS];
-    uint64_t totals[TOTALS];           /* over calls, read by moe_runner_totals */
-    _Atomic uint64_t busy_nanoseconds; /* summed over threads */
-} moe_runner;
-
-static void *reserve(buffer *b, size_t bytes) {
-    if (!bytes) bytes = 1; /* a call with nothing routed here still gets a (valid) buffer */
-    if (b->bytes >= bytes) return b->data;
-    free(b->data);
-    b->bytes = 0;
-    b->data = aligned_alloc(ALIGN, padded((int64_t)bytes, ALIGN));
-    if (b->data) b->bytes = bytes;
-    return b->data;
-}
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* Takes and runs tasks of the current phase of `call` until none is left; returns whether it ran any. */
-static int take_tasks(moe_runner *r, int worker, uint64_t call) {
-    int ran = 0;
-    uint64_t start = 0;
-    for (;;) {
-        uint64_t w = atomic_load_explicit(&r->work, memory_order_acquire);
-        do {
-            if (w >> (2 * TASK_BITS) != CALL_TAG(call) || (w & TASK_MASK) >= ((w >> TASK_BITS) & TASK_MASK)) {
-                if (ran) atomic_fetch_add_explicit(&r->busy_nanoseconds, now_ns() - start, memory_order_relaxed);
-                return ran;
-            }
-        } while (!atomic_compare_exchange_weak_explicit(&r->work, &w, w + 1, memory_order_acq_rel,
-                                                        memory_order_acquire));
-        if (!ran) start = now_ns(), ran = 1;
-        r->fn(r->state, worker, (int64_t)(w & TASK_MASK));
-        atomic_fetch_add_explicit(&r->done, 1, memory_order_release);
-    }
-}
-
-/* A helper's part in the open call `call`: tasks of each phase as they come, until the call closes. */
-static void help(moe_runner *r, uint64_t call) {
-    if (pthread_equal(pthread_self(), r->caller)) return; /* a pool that runs scheduled tasks inline */
-    const int worker = atomic_fetch_add(&r->joined, 1);
-    if (worker >= r->threads) return; /* enough workers (scratch exists for `threads`) */
-    while (atomic_load_explicit(&r->call, memory_order_acquire) == call)
-        if (!take_tasks(r, worker, call)) _mm_pause();
-}
-
-/* XLA's pool (or any scheduler) runs this; `data` is the runner */
-static void scheduled_helper(void *data) {
-    moe_runner *r = data;
-    const uint64_t call = atomic_load_explicit(&r->call, memory_order_acquire);
-    if (call & 1) help(r, call);
-    atomic_fetch_sub_explicit(&r->scheduled, 1, memory_order_release);
-}
-
-/* The runner's own helper threads: wait for a call they are asked to join (spinning a while, then asleep). */
-static void *own_helper_main(void *data) {
-    moe_runner *r = data;
-    uint64_t last = 0;
-    for (;;) {
-        const uint64_t spin_until = now_ns() + SPIN_NS;
-        uint64_t call;
-        int spins = 0;
-        while ((call = atomic_load_explicit(&r->own_call, memory_order_acquire)) == last && !r->stop) {
-            _mm_pause();
-            if (++spins % 64) continue;
-            if (now_ns() < spin_until) continue;
-            pthread_mutex_lock(&r->mutex);
-            while (atomic_load(&r->own_call) == last && !r->stop) {
-                r->sleepers++;
-                pthread_cond_wait(&r->wake, &r->mutex);
-                r->sleepers--;
-            }
-            pthread_mutex_unlock(&r->mutex);
-        }
-        if (r->stop) return NULL;
-        last = call;
-        help(r, call);
-    }
-}
-
-static void start_own_helpers(moe_runner *r) {
-    for (int i = 1; i < r->threads; i++)
-        if (pthread_create(&r->helpers[i], NULL, own_helper_main, r)) {
-            r->threads = i; /* run with the helpers that started */
-            break;
-        } else {
-            pthread_setname_np(r->helpers[i], HELPER_NAME);
-        }
-    r->own_helpers = 1;
-}
-
-/* Opens a call: helpers from `helpers` (moe_forward.h), or the runner's own threads when it is NULL. */
-static void open_call(moe_runner *r, const moe_helpers *helpers) {
-    r->caller = pthread_self();
-    atomic_store(&r->joined, 1);
-    const uint64_t call = atomic_fetch_add_explicit(&r->call, 1, memory_order_acq_rel) + 1;
-    if (r->threads == 1) return;
-    if (helpers) {
-        const int count = helpers->count < r->threads - 1 ? helpers->count : r->threads - 1;
-        for (int i = 0; i < count; i++) {
-            atomic_fetch_add(&r->scheduled, 1);
-            if (helpers->schedule(helpers->context, scheduled_helper, r)) atomic_fetch_sub(&r->scheduled, 1);
-        }
-        return;
-    }
-    if (!r->own_helpers) start_own_helpers(r);
-    pthread_mutex_lock(&r->mutex);
-    atomic_store_explicit(&r->own_call, call, memory_order_release);
-    if (r->sleepers) pthread_cond_broadcast(&r->wake);
-    pthread_mutex_unlock(&r->mutex);
-}
-
-static void close_call(moe_runner *r) { atomic_fetch_add_explicit(&r->call, 1, memory_order_release); }
-
-/* Runs fn(state, worker, task) for task in [0, tasks) on the call's workers (the caller is worker 0); returns when
- * all are done. */
-static void run_phase(moe_runner *r, task_fn fn, call_state *state, int64_t tasks) {
-    if (tasks <= 0) return;
-    const uint64_t call = atomic_load_explicit(&r->call, memory_order_relaxed);
-    r->fn = fn, r->state = state;
-    atomic_store_explicit(&r->done, 0, memory_order_relaxed);
-    atomic_store_explicit(&r->work, (CALL_TAG(call) << (2 * TASK_BITS)) | ((uint64_t)tasks << TASK_BITS),
-                          memory_order_release);
-    take_tasks(r, 0, call);
-    while (atomic_load_explicit(&r->done, memory_order_acquire) < tasks) _mm_pause();
-}
-
-moe_runner *moe_runner_new(int threads) {
-    if (threads < 1 || threads > MAX_THREADS) return NULL;
-    moe_runner *r = calloc(1, sizeof *r);
-    if (!r) return NULL;
-    r->threads = threads;
-    pthread_mutex_init(&r->mutex, NULL);
-    pthread_mutex_init(&r->one_call, NULL);
-    pthread_cond_init(&r->wake, NULL);
-    return r;
-}
-
-void moe_runner_free(moe_runner *r) {
-    if (!r) return;
-    pthread_mutex_lock(&r->mutex);
-    r->stop = 1;
-    pthread_cond_broadcast(&r->wake);
-    pthread_mutex_unlock(&r->mutex);
-    if (r->own_helpers)
-        for (int i = 1; i < r->threads; i++) pthread_join(r->helpers[i], NULL);
-    /* a helper XLA has queued but not yet run still reads the runner: wait for it (it returns at once), but not
-     * forever (at interpreter exit the pool may be gone with its queue): then the runner is left, not freed */
-    for (int waited_ms = 0; atomic_load_explicit(&r->scheduled, memory_order_acquire); waited_ms++) {
-        if (waited_ms == 2000) return;
-        nanosleep(&(struct timespec){0, 1000000}, NULL);
-    }
-    free(r->rows.data), free(r->act.data), free(r->out.data), free(r->index.data);
-    for (int i = 0; i < MAX_THREADS; i++) free(r->scratch[i].data);
-    pthread_mutex_destroy(&r->mutex), pthread_mutex_destroy(&r->one_call), pthread_cond_destroy(&r->wake);
-    free(r);
-}
-
-int moe_runner_threads(const moe_runner *r) { return r->threads; }
-
-/* Since the runner was made: calls, their wall time and the threads' busy time in ns, tokens, routed pairs, FLOPs,
- * expert weight bytes read, bytes of inputs (x, ids, weights) and of outputs (y); in that order
- * (host_kernels/fused_forward.py names them). */
-void moe_runner_totals(moe_runner *r, uint64_t *totals) {
-    pthread_mutex_lock(&r->one_call);
-    memcpy(totals, r->totals, sizeof r->totals);
-    totals[BUSY_NANOSECONDS] = atomic_load(&r->busy_nanoseconds);
-    pthread_mutex_unlock(&r->one_call);
-}
-
 /* ------------------------------------------------------------------------------------------------ one call */
 
 typedef struct {
@@ -307,7 +84,7 @@ typedef struct {
     int32_t c0, c1; /* output columns */
 } tile;
 
-struct call_state {
+typedef struct {
     moe_runner *runner;
     const moe_layer *layer;
     const void *x;
@@ -323,9 +100,10 @@ struct call_state {
     void *y;
     tile *tiles;
     int64_t tile_count;
-};
+} call_state;
 
-static void gather_task(call_state *s, int worker, int64_t task) {
+static void gather_task(void *state, int worker, int64_t task) {
+    call_state *s = state;
     (void)worker;
     const moe_layer *l = s->layer;
     const int64_t d = l->hidden, kp = l->kp_hidden, size = l->row_bytes;
@@ -361,7 +139,8 @@ static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const voi
         amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1);
 }
 
-static void gate_up_task(call_state *s, int worker, int64_t task) {
+static void gate_up_task(void *state, int worker, int64_t task) {
+    call_state *s = state;
     const moe_layer *l = s->layer;
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, width = t.c1 - t.c0;
@@ -374,7 +153,8 @@ static void gate_up_task(call_state *s, int worker, int64_t task) {
                    !l->f32, m, width);
 }
 
-static void down_task(call_state *s, int worker, int64_t task) {
+static void down_task(void *state, int worker, int64_t task) {
+    call_state *s = state;
     (void)worker;
     const moe_layer *l = s->layer;
     const tile t = s->tiles[task];
@@ -392,7 +172,8 @@ static void down_task(call_state *s, int worker, int64_t task) {
 }
 
 /* y[t] = sum over t's pairs, in slot order, of the weighted expert rows (the engine's combine, same order) */
-static void combine_task(call_state *s, int worker, int64_t task) {
+static void combine_task(void *state, int worker, int64_t task) {
+    call_state *s = state;
     (void)worker;
     const int64_t d = s->layer->hidden;
     const int64_t first = task * TOKEN_BLOCK, last = first + TOKEN_BLOCK < s->tokens ? first + TOKEN_BLOCK : s->tokens;
@@ -450,10 +231,10 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     const int64_t tile_cap = experts * (padded(l->ffn > d ? l->ffn : d, COLUMN_BLOCK) / COLUMN_BLOCK);
     const size_t index_bytes =
         (3 * (experts + 1) + pairs + tokens * top_k) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
-    char *index = reserve(&r->index, index_bytes);
-    char *rows = reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
-    char *act = reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
-    float *out = reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
+    char *index = runner_reserve(&r->index, index_bytes);
+    char *rows = runner_reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
+    char *act = runner_reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
+    float *out = runner_reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
     if (!index || !rows || !act || !out) return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
     int64_t *token_of = fill + experts + 1, *position = token_of + pairs;
@@ -487,19 +268,19 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
             by_size[j] = by_size[j - 1], by_size[j - 1] = swap;
         }
     for (int i = 0; i < r->threads; i++)
-        if (!reserve(&r->scratch[i], (size_t)2 * largest * COLUMN_BLOCK * 4))
+        if (!runner_reserve(&r->scratch[i], (size_t)2 * largest * COLUMN_BLOCK * 4))
             return fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
 
     call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
                     weight_sorted, rows, act, out, y, tiles, 0};
-    open_call(r, helpers);
-    run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
+    runner_open_call(r, helpers);
+    runner_run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
     s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
-    run_phase(r, gate_up_task, &s, s.tile_count);
+    runner_run_phase(r, gate_up_task, &s, s.tile_count);
     s.tile_count = plan_tiles(l, sizes, by_size, d, tiles);
-    run_phase(r, down_task, &s, s.tile_count);
-    run_phase(r, combine_task, &s, (tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
-    close_call(r);
+    runner_run_phase(r, down_task, &s, s.tile_count);
+    runner_run_phase(r, combine_task, &s, (tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
+    runner_close_call(r);
 
     int64_t active = 0;
     for (int64_t e = 0; e < experts; e++) {
@@ -520,12 +301,12 @@ int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, con
                 const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
                 const moe_helpers *helpers, char *err, int64_t err_len) {
     moe_runner *r = runner;
-    const uint64_t start = now_ns();
+    const uint64_t start = runner_now_ns();
     pthread_mutex_lock(&r->one_call);
     const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, helpers,
                                       err, err_len);
     r->totals[CALLS]++;
-    r->totals[NANOSECONDS] += now_ns() - start;
+    r->totals[NANOSECONDS] += runner_now_ns() - start;
     pthread_mutex_unlock(&r->one_call);
     return status;
 }
