@@ -1,9 +1,9 @@
 """backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
 
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
-second callback. Where the fused native forward runs (bfloat16 store on AMX, no expert LoRA), the forward callbacks
-use it, and a forward that is not being differentiated calls it directly instead, through XLA's FFI when that
-handler is built (backends/native_call.py).
+second callback. Where the fused native forward runs (a bfloat16 store on AMX or a float32 one on AVX-512; no expert
+LoRA), the forward callbacks use it, and a forward that is not being differentiated calls it directly instead,
+through XLA's FFI when that handler is built (backends/native_call.py).
 Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
 (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
@@ -165,9 +165,9 @@ class HostRuntime:
 
     def _run_forward(self, layer, scale, x, ids, weights, lora, keep: bool):
         """(y in x's dtype, saved pre-activations when `keep`, else None), with the call's metrics recorded.
-        Without expert LoRA or kept activations, the fused native forward computes it (the same bits as the
-        engine's AMX forward; its metrics are folded in from its own counts): training's forward under
-        differentiation and the hybrid placements' host share go that way too."""
+        Without expert LoRA or kept activations, the fused native forward computes it (on AMX the same bits as
+        the engine's forward, in float32 the same function up to summation order; its metrics are folded in from
+        its own counts): training's bfloat16 forward and the hybrid placements' host share go that way."""
         if self.fused is not None and not lora and not keep:
             return self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights)), None
         args = (layer, np.asarray(x, np.float32), ids, np.asarray(weights, np.float32), _expert_lora(scale, lora))
