@@ -26,7 +26,10 @@ from host_kernels.expert_matmuls import gate_up_blocks, uses_amx
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
-TOTAL_NAMES = ("calls", "seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in", "bytes_out")
+TOTAL_NAMES = (
+    "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
+    "bytes_out",
+)  # fmt: skip
 
 
 class MoeCall(ctypes.Structure):
@@ -39,6 +42,7 @@ class FusedTotals:
 
     calls: int = 0
     seconds: float = 0.0  # wall time of the calls
+    xla_call_seconds: float = 0.0  # of that, the calls XLA made through its FFI handler (its step waited on them)
     busy_seconds: float = 0.0  # summed over the runner's threads
     tokens: int = 0
     pairs: int = 0
@@ -153,7 +157,7 @@ class FusedForward:
         self._lib.moe_runner_totals(self._runner, now.ctypes.data)
         delta, self._reported = now - self._reported, now
         totals = FusedTotals(**{name: int(v) for name, v in zip(TOTAL_NAMES, delta, strict=True)}, routed={})
-        totals.seconds, totals.busy_seconds = int(delta[1]) / 1e9, int(delta[2]) / 1e9
+        totals.seconds, totals.xla_call_seconds, totals.busy_seconds = (int(v) / 1e9 for v in delta[1:4])
         with self._lock:
             for layer, entry in self._layers.items():
                 counts = entry.routed.copy()

@@ -78,6 +78,18 @@ def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
     assert model.metrics().host_calls == 0
 
 
+def test_only_calls_made_by_xla_count_as_its_wait(checkpoint, monkeypatch):
+    # a callback's wait is recorded around the callback; the native counts add it only for the FFI handler's calls
+    ids = np.random.default_rng(3).integers(0, 96, size=(2, 9))
+    for path_taken in ("ffi", "callback"):
+        model = host_model(checkpoint, path_taken, monkeypatch)
+        model.logits(ids)
+        totals = model.placement.runtime.fused.take_totals()
+        assert totals.calls == len(model.config.moe_layers)
+        assert (totals.xla_call_seconds > 0) == (path_taken == "ffi")
+        assert totals.xla_call_seconds <= totals.seconds
+
+
 def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
     model = host_model(checkpoint, "ffi", monkeypatch)
     fused = model.placement.runtime.fused

@@ -305,8 +305,10 @@ int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, con
     pthread_mutex_lock(&r->one_call);
     const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, helpers,
                                       err, err_len);
+    const uint64_t elapsed = runner_now_ns() - start;
     r->totals[CALLS]++;
-    r->totals[NANOSECONDS] += runner_now_ns() - start;
+    r->totals[NANOSECONDS] += elapsed;
+    if (helpers) r->totals[SCHEDULED_NANOSECONDS] += elapsed;
     pthread_mutex_unlock(&r->one_call);
     return status;
 }

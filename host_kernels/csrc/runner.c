@@ -184,8 +184,9 @@ void moe_runner_free(moe_runner *r) {
 
 int moe_runner_threads(const moe_runner *r) { return r->threads; }
 
-/* Since the runner was made: calls, their wall time and the threads' busy time in ns, tokens, routed pairs, FLOPs,
- * expert weight bytes read, bytes of inputs (x, ids, weights) and of outputs (y); in that order
+/* Since the runner was made, in runner.h's order: calls; their wall time, that of the calls XLA's handler made,
+ * and the threads' busy time, in ns; tokens, routed pairs, FLOPs, expert weight bytes read, bytes of inputs
+ * (x, ids, weights) and of outputs (y)
  * (host_kernels/fused_forward.py names them). */
 void moe_runner_totals(moe_runner *r, uint64_t *totals) {
     pthread_mutex_lock(&r->one_call);

@@ -13,7 +13,19 @@
 #define ALIGN 64 /* every buffer starts on a cache line */
 
 /* what moe_runner_totals reports, in this order (host_kernels/fused_forward.py names them) */
-enum { CALLS, NANOSECONDS, BUSY_NANOSECONDS, TOKENS, PAIRS, FLOPS, WEIGHT_BYTES, BYTES_IN, BYTES_OUT, TOTALS };
+enum {
+    CALLS,
+    NANOSECONDS,
+    SCHEDULED_NANOSECONDS, /* of the calls given a scheduler for helpers: those XLA's FFI handler made */
+    BUSY_NANOSECONDS,
+    TOKENS,
+    PAIRS,
+    FLOPS,
+    WEIGHT_BYTES,
+    BYTES_IN,
+    BYTES_OUT,
+    TOTALS
+};
 
 typedef void (*task_fn)(void *state, int worker, int64_t task);
 

@@ -129,22 +129,9 @@ class HostRuntime:
     def _forward(self, layer, scale, x, ids, weights, lora):
         return self._run_forward(layer, scale, x, ids, weights, lora, keep=False)[0]
 
-    def fused_experts(self, layer: int, x_td, ids_tk, weights_tk):
-        """Traced: the fused native forward of `layer` (needs `self.fused`): an XLA FFI call where the handler is
-        built, else a Python callback into the same function. Its metrics are folded in by `fold_fused_metrics`."""
-        if native_call.status()[0]:
-            return native_call.host_experts_call(self.fused.call_address(layer), x_td, ids_tk, weights_tk)
-        return jax.pure_callback(
-            functools.partial(self._guarded, self.fused.forward, layer, device_waits=False),
-            jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-            x_td,
-            ids_tk,
-            weights_tk,
-            vmap_method="sequential",
-        )
-
     def fold_fused_metrics(self):
-        """Adds what the fused forward did since the last fold to the metrics (it counts in native code)."""
+        """Adds what the fused forward did since the last fold to the metrics (it counts in native code, whoever
+        called it: the FFI handler or `_run_forward`)."""
         if self.fused is None:
             return
         t = self.fused.take_totals()
@@ -154,7 +141,9 @@ class HostRuntime:
                 host_to_device_bytes=t.bytes_out,
                 host_busy_s=t.busy_seconds,
                 host_wall_s=t.seconds,
-                device_wait_s=t.seconds,  # the jitted step waits on each call
+                # the jitted step waited on the calls it made through the FFI handler; callers through Python
+                # (callbacks, hybrid submits) record their own waits in `_guarded` / `collect`
+                device_wait_s=t.xla_call_seconds,
                 host_flops=t.flops,
                 host_weight_bytes=t.weight_bytes,
                 host_calls=t.calls,
@@ -219,9 +208,10 @@ def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:
 def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, weights_tk, lora: dict):
     """y = routed experts of `layer` applied to x, computed by the host engine (the fused native forward where it
     runs; under differentiation the rules below apply instead)."""
-    if runtime.fused is not None and not lora:
-        return runtime.fused_experts(layer, x_td, ids_tk, weights_tk)
-    return jax.pure_callback(
+    if runtime.fused is not None and not lora and native_call.status()[0]:
+        address = runtime.fused.call_address(layer)
+        return native_call.host_experts_call(address, x_td, ids_tk, weights_tk)
+    return jax.pure_callback(  # runtime.forward uses the fused forward where it can (_run_forward)
         functools.partial(runtime.forward, layer, scale),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
         x_td,
