@@ -53,7 +53,10 @@ def ours(backend: str, dtype: str, batch: int, new_tokens: int, xla_ffi: bool = 
     try:
         engine.run(reqs)
     finally:
-        os.environ.pop("MOE_JAX_XLA_FFI") if previous is None else os.environ.update(MOE_JAX_XLA_FFI=previous)
+        if previous is None:
+            del os.environ["MOE_JAX_XLA_FFI"]
+        else:
+            os.environ["MOE_JAX_XLA_FFI"] = previous
 
     def run():
         engine.stats = type(engine.stats)()

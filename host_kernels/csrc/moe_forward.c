@@ -50,6 +50,11 @@ typedef struct {
     int64_t *routed;           /* [experts] pairs routed to each expert, accumulated over calls (owner reads them) */
 } moe_layer;
 
+void moe_layer_free(moe_layer *l) {
+    if (!l) return;
+    free(l->w13), free(l->w2), free(l);
+}
+
 /* w13, w2: addresses of each expert's packed weights, in `dtype` (MOE_BFLOAT16: amx.pack's layout; MOE_FLOAT32:
  * f32_gemm.c's). */
 moe_layer *moe_layer_new(int dtype, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
@@ -64,17 +69,12 @@ moe_layer *moe_layer_new(int dtype, int64_t experts, int64_t hidden, int64_t ffn
     l->w13 = malloc(experts * sizeof *l->w13);
     l->w2 = malloc(experts * sizeof *l->w2);
     if (!l->w13 || !l->w2) {
-        free(l->w13), free(l->w2), free(l);
+        moe_layer_free(l);
         return NULL;
     }
     for (int64_t e = 0; e < experts; e++) l->w13[e] = (const void *)w13[e], l->w2[e] = (const void *)w2[e];
     l->routed = routed;
     return l;
-}
-
-void moe_layer_free(moe_layer *l) {
-    if (!l) return;
-    free(l->w13), free(l->w2), free(l);
 }
 
 /* ------------------------------------------------------------------------------------------------ one call */
