@@ -194,7 +194,7 @@ class Model:
 
     def new_caches(self, batch: int, length: int):
         c = self.config
-        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        shape = (batch, c.num_kv_heads, length, c.head_dim)  # kv-head-major: see layers.Attention
         dtype = DTYPES[self.dtype]
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
 

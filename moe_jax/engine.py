@@ -236,7 +236,8 @@ class GenerationEngine:
             nonlocal rows
             if rows is None:  # one device-to-host copy of the slot's rows, only when a segment is new
                 rows = [(np.asarray(k[slot]), np.asarray(v[slot])) for k, v in caches]
-            return [(k[start:end], v[start:end]) for k, v in rows]
+            # the anchor cache holds token-major segments [n, kv, hd]; the engine's cache is [kv, s, hd] a row
+            return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
 
         self.anchor_cache.store(tokens, kv_of_range)
 
@@ -263,13 +264,14 @@ def compile_generation_steps(graphdef):
         return logits[:, 0], caches
 
     def write_prefix(caches, slot, prefix):
-        return [
-            (
-                jax.lax.dynamic_update_slice(k, pk[None], (slot, 0, 0, 0)),
-                jax.lax.dynamic_update_slice(v, pv[None], (slot, 0, 0, 0)),
+        """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
+
+        def write(cache, prefix_skd):
+            return jax.lax.dynamic_update_slice(
+                cache, prefix_skd.swapaxes(0, 1)[None].astype(cache.dtype), (slot, 0, 0, 0)
             )
-            for (k, v), (pk, pv) in zip(caches, prefix, strict=True)
-        ]
+
+        return [(write(k, pk), write(v, pv)) for (k, v), (pk, pv) in zip(caches, prefix, strict=True)]
 
     return (
         jax.jit(prefill, donate_argnums=1),
