@@ -69,13 +69,14 @@ def ours(backend: str, dtype: str, batch: int, new_tokens: int, xla_ffi: bool = 
     return run
 
 
-def transformers_generate(batch: int, new_tokens: int, dtype: str):
-    """The same for Hugging Face `generate` on torch CPU (greedy, no early stop)."""
+def transformers_generate(batch: int, new_tokens: int, dtype: str, device: str = "cpu"):
+    """The same for Hugging Face `generate` with torch (greedy, no early stop), on the CPU unless told."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor(prompts(batch))
+    model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    ids = torch.tensor(prompts(batch), device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
@@ -83,7 +84,7 @@ def transformers_generate(batch: int, new_tokens: int, dtype: str):
     def run():
         with torch.no_grad():
             start = time.perf_counter()
-            model.generate(ids, **kwargs)
+            model.generate(ids, **kwargs).cpu()
             return {"end_to_end_tok_s": batch * new_tokens / (time.perf_counter() - start)}
 
     return run
@@ -97,16 +98,23 @@ SIDES = {
     "host_bfloat16": (lambda b, n: ours("host", "bfloat16", b, n), ROUNDS),
     "host_bfloat16_callback": (lambda b, n: ours("host", "bfloat16", b, n, xla_ffi=False), ROUNDS),
     "device_float32": (lambda b, n: ours("device", "float32", b, n), 1),
+    # for a machine with an accelerator (--sides): everything on it, and experts copied to it per layer
+    "device_bfloat16": (lambda b, n: ours("device", "bfloat16", b, n), ROUNDS),
+    "offload_bfloat16": (lambda b, n: ours("offload", "bfloat16", b, n), ROUNDS),
+    "transformers_bfloat16_cuda": (lambda b, n: transformers_generate(b, n, "bfloat16", "cuda"), ROUNDS),
 }
+CPU_SIDES = list(SIDES)[:6]
+# the baseline the targets are set against: transformers on the CPU
+REFERENCES = ("transformers_float32", "transformers_bfloat16")
 
 
-def decode_table(batches, new_tokens):
+def decode_table(batches, new_tokens, sides=CPU_SIDES):
     """Per batch size, every side's median tokens/s over interleaved rounds (A B C A B C ...: a noisy stretch of
-    the machine hits every side alike), and ours against transformers' faster dtype."""
+    the machine hits every side alike), and the others against transformers' faster CPU dtype."""
     rows = []
     for batch in batches:
-        runners = {name: make(batch, new_tokens) for name, (make, _) in SIDES.items()}
-        results: dict[str, list[dict]] = {name: [] for name in SIDES}
+        runners = {name: SIDES[name][0](batch, new_tokens) for name in sides}
+        results: dict[str, list[dict]] = {name: [] for name in sides}
         for round_ in range(ROUNDS):
             for name, run in runners.items():
                 if round_ < SIDES[name][1]:
@@ -115,10 +123,10 @@ def decode_table(batches, new_tokens):
         for name, runs in results.items():
             for key in runs[0]:
                 row[f"{name}_{key}"] = float(np.median([r[key] for r in runs]))
-        reference = max(row["transformers_float32_end_to_end_tok_s"], row["transformers_bfloat16_end_to_end_tok_s"])
-        for name in SIDES:
-            if not name.startswith("transformers"):
-                row[f"{name}_vs_transformers"] = row[f"{name}_end_to_end_tok_s"] / reference
+        references = [row[f"{name}_end_to_end_tok_s"] for name in REFERENCES if name in sides]
+        for name in sides:
+            if references and name not in REFERENCES:
+                row[f"{name}_vs_transformers"] = row[f"{name}_end_to_end_tok_s"] / max(references)
         rows.append(row)
     return rows
 
@@ -167,15 +175,29 @@ def trace_table(model, turns=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 4, 16 new tokens, 6 turns")
+    parser.add_argument(
+        "--sides", default=",".join(CPU_SIDES), help=f"comma-separated, from: {', '.join(SIDES)} (default: the first 6)"
+    )
+    parser.add_argument("--no-traces", action="store_true", help="the decode table only")
     args = parser.parse_args()
+    sides = [name.strip() for name in args.sides.split(",") if name.strip()]
+    unknown = [name for name in sides if name not in SIDES]
+    if unknown or not sides:
+        parser.error(f"unknown side(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SIDES)}")
     batches, new = ([1, 4], 16) if args.quick else ([1, 16], NEW)
-    decode = decode_table(batches, new)
+    import jax
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    decode = decode_table(batches, new, sides)
     print_table(f"decode: {PROMPT}-token prompts, {new} new tokens (end to end includes prefill)", decode)
-    traces, detail = trace_table(moe_jax.load_model(bench_model_dir(), backend="host"), 6 if args.quick else None)
-    print_table("agent traces: prompt tokens prefilled with the anchor cache vs without", traces)
-    for name, edits in detail.items():
-        print_table(f"cost per kind of request, {name}", [{"request": k, **v} for k, v in edits.items()])
-    write_json("infer", {"decode": decode, "traces": traces, "trace_detail": detail})
+    results = {"jax_device": jax.devices()[0].device_kind, "decode": decode}
+    if not args.no_traces:
+        traces, detail = trace_table(moe_jax.load_model(bench_model_dir(), backend="host"), 6 if args.quick else None)
+        print_table("agent traces: prompt tokens prefilled with the anchor cache vs without", traces)
+        for name, edits in detail.items():
+            print_table(f"cost per kind of request, {name}", [{"request": k, **v} for k, v in edits.items()])
+        results.update(traces=traces, trace_detail=detail)
+    write_json("infer", results)
 
 
 if __name__ == "__main__":
