@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -253,11 +252,11 @@ def compile_generation_steps(graphdef):
 
     def prefill(state, caches, slot_ids, tokens, positions, last):
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
-        logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows)
+        logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows, last)
         caches = [
             (k.at[slot_ids].set(rk), v.at[slot_ids].set(rv)) for (k, v), (rk, rv) in zip(caches, rows, strict=True)
         ]
-        return logits[jnp.arange(tokens.shape[0]), last], caches
+        return logits[:, 0], caches
 
     def decode(state, caches, tokens, positions):
         logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)

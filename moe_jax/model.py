@@ -50,14 +50,20 @@ class Transformer(nnx.Module):
             head = self.lm_head if self.lm_head is not None else self.embed
             self.head_copy = Frozen(jnp.array(head[...].T))
 
-    def __call__(self, tokens_bt, positions_bt, caches=None):
-        """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches)."""
+    def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
+        """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).
+
+        With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
+        just the next-token logits, and the head over every prompt position was a third of its XLA time.
+        """
         x = self.embed[...][tokens_bt]
         new_caches = [] if caches is not None else None
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions_bt, None if caches is None else caches[i])
             if new_caches is not None:
                 new_caches.append(cache)
+        if last_b is not None:
+            x = x[jnp.arange(x.shape[0]), last_b][:, None]
         x = self.norm(x)
         copy = None if self.head_copy is None else self.head_copy[...]
         if self.lm_head is not None:
