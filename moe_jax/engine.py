@@ -145,8 +145,12 @@ class GenerationEngine:
                     logits[slot] = row
             # sample one token for every active slot, then retire finished ones
             finished = []
+            greedy = logits.argmax(axis=-1) if temperature == 0 else None  # one pass for every slot
             for slot, s in active.items():
-                token = int(sample(logits[slot][None], s.rng, temperature, top_p, top_k)[0])
+                if greedy is not None:
+                    token = int(greedy[slot])
+                else:
+                    token = int(sample(logits[slot][None], s.rng, temperature, top_p, top_k)[0])
                 s.out.append(token)
                 reason = None
                 if token in eos:
