@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -251,6 +252,13 @@ def _pad(array: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
+def put_rows(cache, slot_ids, rows):
+    """cache with rows[i] in slot slot_ids[i] (a repeated slot gets identical rows: the bucket padding). A gather
+    and a select rather than a scatter, which XLA:CPU widens to float32 for a bfloat16 cache."""
+    match = jnp.arange(cache.shape[0])[:, None] == slot_ids[None, :]
+    return jnp.where(match.any(axis=1)[:, None, None, None], rows[jnp.argmax(match, axis=1)], cache)
+
+
 def compile_generation_steps(graphdef):
     """(prefill, decode, write_prefix): the jitted steps of a model with this structure."""
 
@@ -258,7 +266,8 @@ def compile_generation_steps(graphdef):
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
         logits, rows = nnx.merge(graphdef, state)(tokens, positions, rows, last)
         caches = [
-            (k.at[slot_ids].set(rk), v.at[slot_ids].set(rv)) for (k, v), (rk, rv) in zip(caches, rows, strict=True)
+            (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))
+            for (k, v), (rk, rv) in zip(caches, rows, strict=True)
         ]
         return logits[:, 0], caches
 

@@ -48,11 +48,11 @@ def rope_cos_sin(positions_bt, head_dim: int, theta: float):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x_bthd, cos_btd, sin_btd):
-    half = x_bthd.shape[-1] // 2
-    rotated = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
-    cos, sin = cos_btd[:, :, None, :].astype(x_bthd.dtype), sin_btd[:, :, None, :].astype(x_bthd.dtype)
-    return x_bthd * cos + rotated * sin
+def apply_rope(x, cos, sin):
+    """RoPE on the last axis of x; cos/sin (from `rope_cos_sin`) reshaped to broadcast against x."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
 # The random key for LoRA dropout while a training step is traced (None: no dropout, as at evaluation).
@@ -191,52 +191,47 @@ class Attention(nnx.Module):
         widened) all of it before each product (bench model, batch-16 decode: ~0.17 ms a layer).
         """
         b, t, _ = x_btd.shape
-        q = self.q_proj(x_btd).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_btd).reshape(b, t, self.num_kv_heads, self.head_dim)
+        kv, hd = self.num_kv_heads, self.head_dim
+        # RoPE token-major, then kv-head-major (queries [b, kv, t, group, hd], keys/values [b, kv, t, hd]). RoPE
+        # after the transpose ran ~3x faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers
+        # makes: bf16 logits moved 2.4% from transformers' (0.7% in this order)
+        q = self.q_proj(x_btd).reshape(b, t, kv, self.num_heads // kv, hd)
+        k = self.k_proj(x_btd).reshape(b, t, kv, hd)
+        v = self.v_proj(x_btd).reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions_bt, self.head_dim, self.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = rope_cos_sin(positions_bt, hd, self.rope_theta)
+        q = apply_rope(q, cos[:, :, None, None], sin[:, :, None, None]).transpose(0, 2, 1, 3, 4)
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None]).transpose(0, 2, 1, 3)
 
         if cache is None:
-            return self.o_proj(_merge_heads(chunked_causal_attention(q, k, v, positions_bt, self.window))), None
-        k_cache, v_cache = cache
-        key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
-        if t == 1:  # decode
-            k_all = write_one_position(k_cache, k, positions_bt, key_pos_bs)
-            v_all = write_one_position(v_cache, v, positions_bt, key_pos_bs)
+            out = chunked_causal_attention(q, k, v, positions_bt, self.window)
         else:
-            # advanced indices around a slice: the indexed block is [b, t, kv, hd], the new entries' own layout
-            rows = jnp.arange(b)[:, None]
-            k_all = k_cache.at[rows, :, positions_bt].set(k.astype(k_cache.dtype))
-            v_all = v_cache.at[rows, :, positions_bt].set(v.astype(v_cache.dtype))
-        q_bktgd = q.reshape(b, t, self.num_kv_heads, -1, self.head_dim).transpose(0, 2, 1, 3, 4)
-        out = _attend(q_bktgd, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
-        return self.o_proj(_merge_heads(_token_major(out))), (k_all, v_all)
-
-
-def _merge_heads(out_bthd):
-    b, t, h, hd = out_bthd.shape
-    return out_bthd.reshape(b, t, h * hd)
+            k_cache, v_cache = cache
+            key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
+            k_all = write_positions(k_cache, k, positions_bt, key_pos_bs)
+            v_all = write_positions(v_cache, v, positions_bt, key_pos_bs)
+            out = _attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
+            cache = (k_all, v_all)
+        # [b, kv, t, group, hd] -> [b, t, heads * hd]
+        return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
 
 
 QUERY_CHUNK = 64
 
 
-def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk: int = QUERY_CHUNK):
+def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, chunk: int = QUERY_CHUNK):
     """Self-attention of a sequence on itself, `chunk` queries at a time, each against the keys it can see.
+    Inputs and output in kv-head-major layout (`_attend`).
 
     Keys after a chunk's last query are skipped, as are keys a sliding window has left behind: this relies on
     positions increasing strictly along the sequence (true for whole sequences; the KV-cache path does not use
     this). Besides halving the work of a causal mask, the small score blocks stay in cache: about 3x faster
-    than one [t, t] block on a CPU at t = 512, forward and backward. q, k and v are put in head-major layout
-    once, not once per chunk (and again in backward).
+    than one [t, t] block on a CPU at t = 512, forward and backward.
     """
-    t = q_bthd.shape[1]
+    t = q_bktgd.shape[2]
     if t <= chunk:
-        return grouped_attention(q_bthd, k_bskd, v_bskd, positions_bt, positions_bt, window)
-    q_bktgd, k_bksd, v_bksd = _kv_head_major(q_bthd, k_bskd, v_bskd)
+        return _attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window)
     query_ranges, key_ranges = [], []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
@@ -254,7 +249,7 @@ def chunked_causal_attention(q_bthd, k_bskd, v_bskd, positions_bt, window, chunk
             strict=True,
         )
     ]
-    return _token_major(jnp.concatenate(outs, axis=2))
+    return jnp.concatenate(outs, axis=2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -286,30 +281,18 @@ def _take_ranges_bwd(ranges, axis, _, cotangents):
 take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 
 
-def grouped_attention(q_bthd, k_bskd, v_bskd, q_pos_bt, k_pos_bs, window):
-    out = _attend(*_kv_head_major(q_bthd, k_bskd, v_bskd), q_pos_bt, k_pos_bs, window)
-    return _token_major(out)
-
-
-def write_one_position(cache_bksd, new_b1kd, positions_b1, key_pos_bs):
-    """The cache with each row's one new entry written at its position. A select over the cache rather than a
-    scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to float32 and back around one, twice per
-    layer and step (bench model, batch 16: 8.9 -> 8.0 ms a decode step)."""
-    at = (key_pos_bs == positions_b1)[:, None, :, None]
-    return jnp.where(at, new_b1kd.transpose(0, 2, 1, 3).astype(cache_bksd.dtype), cache_bksd)
-
-
-def _kv_head_major(q_bthd, k_bskd, v_bskd):
-    """Queries [b, kv, t, group, d] and keys/values [b, kv, s, d] (in the queries' dtype) from token-major."""
-    b, t, h, hd = q_bthd.shape
-    kv = k_bskd.shape[2]
-    q_bktgd = q_bthd.reshape(b, t, kv, h // kv, hd).transpose(0, 2, 1, 3, 4)
-    return q_bktgd, k_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3), v_bskd.astype(q_bthd.dtype).transpose(0, 2, 1, 3)
-
-
-def _token_major(out_bktgd):
-    b, kv, t, g, hd = out_bktgd.shape
-    return out_bktgd.transpose(0, 2, 1, 3, 4).reshape(b, t, kv * g, hd)
+def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
+    """The cache with each row's new entries written at their positions (distinct within a row). A gather and a
+    select over the cache rather than a scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to
+    float32 and back around one, twice per layer and step (bench model, batch-16 decode: 8.9 -> 8.0 ms a step)."""
+    new_bktd = new_bktd.astype(cache_bksd.dtype)
+    if new_bktd.shape[2] == 1:  # decode: one entry, broadcast along the cache
+        return jnp.where((key_pos_bs == positions_bt)[:, None, :, None], new_bktd, cache_bksd)
+    # the new entries moved to their cache positions by a one-hot product (exact: one term per position), which
+    # XLA:CPU runs as a small GEMM; as a gather, fused with the RoPE before it, it took ~4x longer
+    match_bst = key_pos_bs[:, :, None] == positions_bt[:, None, :]
+    moved = jnp.einsum("bst,bktd->bksd", match_bst.astype(new_bktd.dtype), new_bktd, preferred_element_type=jnp.float32)
+    return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
 
 
 def _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window):
