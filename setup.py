@@ -1,8 +1,8 @@
 """Builds the native libraries; everything else is declared in pyproject.toml.
 
 - host_kernels._native: the host kernels (host_kernels/csrc/), plain C loaded with ctypes (no Python C API).
-- moe_jax._xla_ffi: XLA's FFI handler that calls the fused expert forward from inside jitted steps
-  (moe_jax/csrc/), compiled against the C API header jaxlib ships (a build requirement, pyproject.toml).
+- moe_jax._xla_ffi: XLA's FFI handlers (moe_jax/csrc/): the fused expert forward and the bfloat16 decode attention,
+  called from inside jitted steps, compiled against the C API header jaxlib ships (a build requirement, pyproject.toml).
 Both are built in place by `pip install -e .` and both are optional: where one cannot be built, the code runs the
 path without it (numpy kernels; a Python callback) and its status() says why. Each build records the hash of its
 sources, so a library left from older sources is refused rather than called.
@@ -41,9 +41,9 @@ if include is not None:
     extensions.append(
         Extension(
             "moe_jax._xla_ffi",
-            sources=[str(XLA_FFI_SOURCES[0].relative_to(Path(__file__).parent))],
+            sources=[str(path.relative_to(Path(__file__).parent)) for path in XLA_FFI_SOURCES if path.suffix == ".c"],
             include_dirs=[include, "host_kernels/csrc"],
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O3"],
             define_macros=[("XLA_FFI_SOURCE_HASH", f'"{xla_ffi_source_hash()}"')],
             optional=True,
         )

@@ -8,8 +8,14 @@ from pathlib import Path
 SOURCES = ("amx_gemm.c", "f32_gemm.c", "swiglu.c", "runner.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
 HEADERS = ("simd.h", "moe_forward.h", "runner.h")
 CSRC = Path(__file__).parent / "csrc"
-# moe_jax._xla_ffi: XLA's FFI handler, which calls the fused forward through moe_forward.h's moe_call
-XLA_FFI_SOURCES = (Path(__file__).parent.parent / "moe_jax" / "csrc" / "xla_host_experts.c", CSRC / "moe_forward.h")
+XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"
+# moe_jax._xla_ffi: XLA's FFI handlers (the experts' call goes through moe_forward.h's moe_call); .c files compile
+XLA_FFI_SOURCES = (
+    XLA_CSRC / "xla_host_experts.c",
+    XLA_CSRC / "xla_decode_attention.c",
+    XLA_CSRC / "ffi_common.h",
+    CSRC / "moe_forward.h",
+)
 
 
 def hash_files(paths) -> str:

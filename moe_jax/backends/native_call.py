@@ -1,7 +1,10 @@
-"""The jitted model's direct call into the host's fused expert forward: an XLA FFI custom call.
+"""The jitted model's direct calls into native code on XLA:CPU: XLA FFI custom calls.
 
-`moe_jax/_xla_ffi` (built from moe_jax/csrc/xla_host_experts.c by `pip install`) holds the handler; registered
-once per process as "moe_jax_host_experts" for the CPU platform. Each call site passes the address of its layer's
+`moe_jax/_xla_ffi` (built from moe_jax/csrc/ by `pip install`) holds the handlers, registered once per process for
+the CPU platform: "moe_jax_host_experts" (the host's fused expert forward) and "moe_jax_decode_attention" (a
+decode step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`).
+
+For the experts: Each call site passes the address of its layer's
 `moe_call` (host_kernels/fused_forward.py) as an attribute, so XLA calls the native forward on its own buffers:
 no Python, no GIL, no copies. Where the handler is not built, is turned off (MOE_JAX_XLA_FFI=0), or the jitted step
 runs on an accelerator (the handler serves XLA:CPU only), the host backend calls the same fused forward through
@@ -22,6 +25,8 @@ from host_kernels import native
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
+ATTENTION_TARGET = "moe_jax_decode_attention"
+ATTENTION_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")  # the kernel's target (xla_decode_attention.c)
 
 
 def status() -> tuple[bool, str]:
@@ -49,6 +54,7 @@ def _registered() -> tuple[bool, str]:
     if reason:
         return False, reason
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_jax_host_experts), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.moe_jax_decode_attention), platform="cpu")
     _registered.library = library  # keep it loaded while XLA holds its function
     return True, ""
 
@@ -58,3 +64,28 @@ def host_experts_call(call_address: int, x_td, ids_tk, weights_tk):
     result = jax.ShapeDtypeStruct(x_td.shape, x_td.dtype)
     call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
     return call(x_td, ids_tk, weights_tk, call=np.uint64(call_address))
+
+
+def decode_attention_status() -> tuple[bool, str]:
+    """(usable, why not) for the native decode attention: the handlers' status, and the CPU features it needs."""
+    usable, reason = status()
+    if not usable:
+        return usable, reason
+    missing = [flag for flag in ATTENTION_CPU_FLAGS if flag not in native.cpu_flags()]
+    return (False, f"CPU lacks {', '.join(missing)}") if missing else (True, "")
+
+
+def decode_attention_call(q_bkgd, k_new_bk1d, v_new_bk1d, positions_b1, k_cache, v_cache, window: int | None):
+    """One decode step's attention (bfloat16): (out [b, kv, g, d], k_cache, v_cache) with the new entries written
+    at `positions_b1`; the caches are aliased to the results, so a donated cache is updated in place."""
+    usable, reason = decode_attention_status()  # registers the handler on first use
+    if not usable:
+        raise RuntimeError(f"native decode attention unavailable: {reason}")
+    results = (
+        jax.ShapeDtypeStruct(q_bkgd.shape, q_bkgd.dtype),
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    )
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, results, input_output_aliases={4: 1, 5: 2}, vmap_method="sequential")
+    positions = positions_b1.astype(np.int32)
+    return call(q_bkgd, k_new_bk1d, v_new_bk1d, positions, k_cache, v_cache, window=np.int64(window or 0))

@@ -11,13 +11,7 @@
 #include <string.h>
 
 #include "moe_forward.h"
-#include "xla/ffi/api/c_api.h"
-
-static XLA_FFI_Error *error(const XLA_FFI_Api *api, const char *message) {
-    XLA_FFI_Error_Create_Args args = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
-                                      XLA_FFI_Error_Code_INVALID_ARGUMENT};
-    return api->XLA_FFI_Error_Create(&args);
-}
+#include "ffi_common.h"
 
 /* Helpers for the fused forward come from XLA's own thread pool (the threads that run the rest of the step), so
  * no second set of threads competes with XLA's for the cores. */
@@ -56,31 +50,23 @@ static int dtype_code(XLA_FFI_DataType dtype) {
 
 XLA_FFI_Error *moe_jax_host_experts(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
-    if (frame->extension_start && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
-        /* XLA asks, at registration, which FFI version this handler was built against */
-        XLA_FFI_Metadata *metadata = ((XLA_FFI_Metadata_Extension *)frame->extension_start)->metadata;
-        metadata->api_version = (XLA_FFI_Api_Version){XLA_FFI_Api_Version_STRUCT_SIZE, NULL, XLA_FFI_API_MAJOR,
-                                                      XLA_FFI_API_MINOR};
-        metadata->traits = 0;
-        metadata->state_type_id = (XLA_FFI_TypeId){0};
-        return NULL;
-    }
-    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error(api, "moe_jax_host_experts: not the execute stage");
+    if (ffi_answer_metadata(frame)) return NULL;
+    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return ffi_error(api, "moe_jax_host_experts: not the execute stage");
     if (frame->args.size != 3 || frame->rets.size != 1 || frame->attrs.size != 1 ||
         frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
-        return error(api, "moe_jax_host_experts takes (x, ids, weights), returns y, and has one attribute `call`");
+        return ffi_error(api, "moe_jax_host_experts takes (x, ids, weights), returns y, and has one attribute `call`");
     for (int i = 0; i < 3; i++)
-        if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) return error(api, "moe_jax_host_experts: operands are arrays");
+        if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) return ffi_error(api, "moe_jax_host_experts: operands are arrays");
     const XLA_FFI_Scalar *call_attr = frame->attrs.attrs[0];
     const XLA_FFI_Buffer *x = frame->args.args[0], *ids = frame->args.args[1], *weights = frame->args.args[2];
     const XLA_FFI_Buffer *y = frame->rets.rets[0];
-    if (call_attr->dtype != XLA_FFI_DataType_U64) return error(api, "moe_jax_host_experts: `call` must be a u64 address");
+    if (call_attr->dtype != XLA_FFI_DataType_U64) return ffi_error(api, "moe_jax_host_experts: `call` must be a u64 address");
     const int x_code = dtype_code(x->dtype), w_code = dtype_code(weights->dtype);
     if (x_code < 0 || w_code < 0 || ids->dtype != XLA_FFI_DataType_S32 || y->dtype != x->dtype || x->rank != 2 ||
         ids->rank != 2 || weights->rank != 2 || y->rank != 2 || ids->dims[0] != x->dims[0] ||
         weights->dims[0] != ids->dims[0] || weights->dims[1] != ids->dims[1] || y->dims[0] != x->dims[0] ||
         y->dims[1] != x->dims[1])
-        return error(api, "moe_jax_host_experts: x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16, y like x");
+        return ffi_error(api, "moe_jax_host_experts: x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16, y like x");
     const moe_call *call = (const moe_call *)(uintptr_t)(*(const uint64_t *)call_attr->value);
     xla_pool pool = {api, frame->ctx};
     const moe_helpers helpers = {schedule_on_xla_pool, &pool, xla_pool_threads(&pool)};
@@ -89,7 +75,7 @@ XLA_FFI_Error *moe_jax_host_experts(XLA_FFI_CallFrame *frame) {
     if (call->forward(call->runner, call->layer, x->data, x_code, ids->data, weights->data, w_code, x->dims[0],
                       x->dims[1], ids->dims[1], y->data, &helpers, message, sizeof message)) {
         snprintf(full, sizeof full, "host experts: %s", message);
-        return error(api, full);
+        return ffi_error(api, full);
     }
     return NULL;
 }

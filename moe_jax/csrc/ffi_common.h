@@ -1,0 +1,25 @@
+/* What every XLA FFI handler here shares: its errors and its answer to XLA's registration-time question. */
+#ifndef MOE_JAX_FFI_COMMON_H
+#define MOE_JAX_FFI_COMMON_H
+
+#include "xla/ffi/api/c_api.h"
+
+static inline XLA_FFI_Error *ffi_error(const XLA_FFI_Api *api, const char *message) {
+    XLA_FFI_Error_Create_Args args = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
+                                      XLA_FFI_Error_Code_INVALID_ARGUMENT};
+    return api->XLA_FFI_Error_Create(&args);
+}
+
+/* At registration XLA calls the handler with a metadata extension, asking which FFI version it was built
+ * against: answers and returns 1 for that call, 0 for a real one. */
+static inline int ffi_answer_metadata(XLA_FFI_CallFrame *frame) {
+    if (!frame->extension_start || frame->extension_start->type != XLA_FFI_Extension_Metadata) return 0;
+    XLA_FFI_Metadata *metadata = ((XLA_FFI_Metadata_Extension *)frame->extension_start)->metadata;
+    metadata->api_version = (XLA_FFI_Api_Version){XLA_FFI_Api_Version_STRUCT_SIZE, NULL, XLA_FFI_API_MAJOR,
+                                                  XLA_FFI_API_MINOR};
+    metadata->traits = 0;
+    metadata->state_type_id = (XLA_FFI_TypeId){0};
+    return 1;
+}
+
+#endif

@@ -1,0 +1,175 @@
+/* XLA FFI handler "moe_jax_decode_attention": one decode step's attention on XLA:CPU, bfloat16 KV cache.
+ *
+ * For each row and KV head it writes the step's new key and value into the cache at the row's position (the
+ * cache buffers are aliased to the results, so this is in place) and attends the group's queries to the cache
+ * entries the position can see. XLA ran this as a select over the whole cache plus two batched products and a
+ * softmax: ~125 us a layer on the bench model at batch 16, against ~10 us here (the keys past the position are
+ * not read at all).
+ *
+ * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
+ * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attribute `window` (s64):
+ * a sliding window's length, 0 for none. Arithmetic as the XLA path (layers._attend): q.k products summed in
+ * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
+ * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit).
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ffi_common.h"
+
+#define MAX_GROUP 16 /* query heads per KV head */
+#define KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's convert */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* 16 bf16 values (the first `count` of them; the rest read as 0) as float32: bf16 is float32's upper half. */
+static KERNEL inline __m512 load_bf16(const uint16_t *p, int count) {
+    __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)p)
+                            : _mm256_maskz_loadu_epi16((__mmask16)((1u << count) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores), 16 at a time: 2^(x log2 e) as 2^n times a degree-6 polynomial of
+ * the fraction; relative error ~2e-7. */
+static KERNEL inline __m512 exp_nonpositive(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+/* One (row, kv head): the group's `g` queries (at most MAX_GROUP) against keys [first, last]. scores: g rows of
+ * `stride` floats; acc: g * d floats. */
+static KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t g,
+                               int64_t d, int64_t first, int64_t last, float *scores, int64_t stride, float *acc) {
+    const float scale = 1.0f / sqrtf((float)d);
+    const int64_t n = last - first + 1;
+    float *qf = acc; /* the queries in float32 (acc is free until the p.v products) */
+    for (int64_t i = 0; i < g * d; i++) qf[i] = bf16_to_f32(q[i]);
+    for (int64_t j = 0; j < n; j++) { /* each key row is loaded once for the whole group */
+        const uint16_t *kj = k + (first + j) * d;
+        __m512 dots[MAX_GROUP];
+        for (int64_t m = 0; m < g; m++) dots[m] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const int count = d - i < 16 ? (int)(d - i) : 16;
+            const __m512 kv = load_bf16(kj + i, count);
+            const __mmask16 mask = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
+            for (int64_t m = 0; m < g; m++)
+                dots[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, qf + m * d + i), kv, dots[m]);
+        }
+        for (int64_t m = 0; m < g; m++) scores[m * stride + j] = _mm512_reduce_add_ps(dots[m]) * scale;
+    }
+    for (int64_t m = 0; m < g; m++) {
+        float *row = scores + m * stride, top = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(row + j, e);
+            total += _mm512_reduce_add_ps(e);
+        }
+        if (j < n) {
+            const __mmask16 mask = (__mmask16)((1u << (n - j)) - 1);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), _mm512_set1_ps(top)));
+            _mm512_mask_storeu_ps(row + j, mask, e);
+            total += _mm512_mask_reduce_add_ps(mask, e);
+        }
+        const float inverse = 1.0f / total;
+        for (j = 0; j < n; j++) row[j] = bf16_to_f32(f32_to_bf16(row[j] * inverse)); /* probabilities in bf16 */
+        for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++) { /* each value row is loaded once for the whole group */
+        const uint16_t *vj = v + (first + j) * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            const int count = d - i < 16 ? (int)(d - i) : 16;
+            const __mmask16 mask = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
+            const __m512 vv = load_bf16(vj + i, count);
+            for (int64_t m = 0; m < g; m++) {
+                float *a = acc + m * d + i;
+                _mm512_mask_storeu_ps(a, mask, _mm512_fmadd_ps(_mm512_set1_ps(scores[m * stride + j]), vv,
+                                                               _mm512_maskz_loadu_ps(mask, a)));
+            }
+        }
+    }
+    for (int64_t i = 0; i < g * d; i++) out[i] = f32_to_bf16(acc[i]);
+}
+
+static int is_bf16(const XLA_FFI_Buffer *b, int64_t rank) { return b->dtype == XLA_FFI_DataType_BF16 && b->rank == rank; }
+
+XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
+    const XLA_FFI_Api *api = frame->api;
+    if (ffi_answer_metadata(frame)) return NULL;
+    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE)
+        return ffi_error(api, "moe_jax_decode_attention: not the execute stage");
+    if (frame->args.size != 6 || frame->rets.size != 3 || frame->attrs.size != 1 ||
+        frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
+        return ffi_error(api, "moe_jax_decode_attention takes (q, k_new, v_new, positions, k_cache, v_cache), "
+                                    "returns (out, k_cache, v_cache), and has one attribute `window`");
+    for (int i = 0; i < 6; i++)
+        if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER)
+            return ffi_error(api, "moe_jax_decode_attention: operands are arrays");
+    const XLA_FFI_Buffer *q = frame->args.args[0], *k_new = frame->args.args[1], *v_new = frame->args.args[2];
+    const XLA_FFI_Buffer *positions = frame->args.args[3], *k_in = frame->args.args[4], *v_in = frame->args.args[5];
+    const XLA_FFI_Buffer *out = frame->rets.rets[0], *k_out = frame->rets.rets[1], *v_out = frame->rets.rets[2];
+    const XLA_FFI_Scalar *window_attr = frame->attrs.attrs[0];
+    if (window_attr->dtype != XLA_FFI_DataType_S64)
+        return ffi_error(api, "moe_jax_decode_attention: `window` must be an s64");
+    const int64_t window = *(const int64_t *)window_attr->value;
+    if (!is_bf16(q, 4) || !is_bf16(k_new, 4) || !is_bf16(v_new, 4) || !is_bf16(k_in, 4) || !is_bf16(v_in, 4) ||
+        !is_bf16(out, 4) || !is_bf16(k_out, 4) || !is_bf16(v_out, 4) || positions->dtype != XLA_FFI_DataType_S32)
+        return ffi_error(api, "moe_jax_decode_attention: bf16 arrays of rank 4 and s32 positions expected");
+    const int64_t b = k_in->dims[0], kv = k_in->dims[1], s = k_in->dims[2], d = k_in->dims[3], g = q->dims[2];
+    for (int i = 0; i < 4; i++)
+        if (v_in->dims[i] != k_in->dims[i] || k_out->dims[i] != k_in->dims[i] || v_out->dims[i] != k_in->dims[i] ||
+            out->dims[i] != q->dims[i])
+            return ffi_error(api, "moe_jax_decode_attention: cache, result and query shapes disagree");
+    if (q->dims[0] != b || q->dims[1] != kv || q->dims[3] != d || k_new->dims[0] != b || k_new->dims[1] != kv ||
+        k_new->dims[2] != 1 || k_new->dims[3] != d || v_new->dims[2] != 1 || positions->rank != 2 ||
+        positions->dims[0] != b || positions->dims[1] != 1 || g > MAX_GROUP)
+        return ffi_error(api, "moe_jax_decode_attention: q [b, kv, g, d], new entries [b, kv, 1, d], "
+                                    "positions [b, 1], cache [b, kv, s, d], g <= 16 expected");
+    const int32_t *pos = positions->data;
+    for (int64_t r = 0; r < b; r++)
+        if (pos[r] < 0 || pos[r] >= s) return ffi_error(api, "moe_jax_decode_attention: a position is outside the cache");
+    const size_t cache_bytes = (size_t)(b * kv * s * d) * 2;
+    if (k_out->data != k_in->data) memcpy(k_out->data, k_in->data, cache_bytes); /* not aliased: copy, then write */
+    if (v_out->data != v_in->data) memcpy(v_out->data, v_in->data, cache_bytes);
+    float *scores = malloc((size_t)(g * s + g * d) * sizeof(float)), *acc = scores + g * s;
+    if (!scores) return ffi_error(api, "moe_jax_decode_attention: out of memory for the scores");
+    for (int64_t r = 0; r < b; r++) {
+        const int64_t last = pos[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        for (int64_t h = 0; h < kv; h++) {
+            const int64_t head = r * kv + h;
+            uint16_t *k = (uint16_t *)k_out->data + head * s * d, *v = (uint16_t *)v_out->data + head * s * d;
+            memcpy(k + last * d, (const uint16_t *)k_new->data + head * d, (size_t)d * 2);
+            memcpy(v + last * d, (const uint16_t *)v_new->data + head * d, (size_t)d * 2);
+            attend_head((const uint16_t *)q->data + head * g * d, k, v, (uint16_t *)out->data + head * g * d, g, d,
+                        first, last, scores, s, acc);
+        }
+    }
+    free(scores);
+    return NULL;
+}

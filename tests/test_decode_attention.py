@@ -1,0 +1,100 @@
+"""The native decode attention (moe_jax/csrc/xla_decode_attention.c) against XLA's own path (layers._attend over
+the select-written cache): the same cache bits, outputs equal to bfloat16 rounding, in place when donated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.backends import native_call
+from moe_jax.layers import _attend, write_positions
+from tests.hf_models import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.skipif(
+    not native_call.decode_attention_status()[0], reason=f"not here: {native_call.decode_attention_status()[1]}"
+)
+
+
+def inputs(b, kv, g, s, d, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def bf16(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    positions = rng.integers(0, s, (b, 1)).astype(np.int32)
+    positions[0, 0], positions[-1, 0] = 0, s - 1  # the cache's first and last entries
+    return (
+        bf16(b, kv, g, d),
+        bf16(b, kv, 1, d),
+        bf16(b, kv, 1, d),
+        jnp.asarray(positions),
+        bf16(b, kv, s, d),
+        bf16(b, kv, s, d),
+    )
+
+
+def xla_path(window):
+    def run(q, k_new, v_new, positions, k_cache, v_cache):
+        key_pos = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (k_cache.shape[0], k_cache.shape[2]))
+        k_all = write_positions(k_cache, k_new, positions, key_pos)
+        v_all = write_positions(v_cache, v_new, positions, key_pos)
+        return _attend(q[:, :, None], k_all, v_all, positions, key_pos, window)[:, :, 0], k_all, v_all
+
+    return jax.jit(run)
+
+
+def native_path(window, donate=False):
+    def run(q, k_new, v_new, positions, k_cache, v_cache):
+        return native_call.decode_attention_call(q, k_new, v_new, positions, k_cache, v_cache, window)
+
+    return jax.jit(run, donate_argnums=(4, 5) if donate else ())
+
+
+@pytest.mark.parametrize(
+    "b, kv, g, s, d, window",
+    [(16, 2, 4, 96, 64, None), (3, 1, 1, 40, 24, None), (5, 4, 2, 200, 128, 17), (2, 2, 8, 33, 80, 1)],
+)
+def test_matches_the_xla_path(b, kv, g, s, d, window):
+    args = inputs(b, kv, g, s, d)
+    want_out, want_k, want_v = xla_path(window)(*args)
+    out, k_all, v_all = native_path(window)(*args)
+    np.testing.assert_array_equal(np.asarray(k_all), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(v_all), np.asarray(want_v))
+    got, want = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
+    # the same arithmetic up to summation order and exp: mostly the same bits, the rest one bf16 step apart
+    assert (got == want).mean() > 0.95
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-9)
+
+
+def test_updates_a_donated_cache_in_place_and_leaves_an_undonated_one():
+    q, k_new, v_new, positions, k_cache, v_cache = inputs(4, 2, 4, 48, 64, seed=1)
+    before = np.asarray(k_cache).copy()
+    _, k_all, _ = native_path(None)(q, k_new, v_new, positions, k_cache, v_cache)
+    np.testing.assert_array_equal(np.asarray(k_cache), before)  # not donated: a copy was written
+    pointer = k_cache.unsafe_buffer_pointer()
+    _, k_donated, _ = native_path(None, donate=True)(q, k_new, v_new, positions, k_cache, v_cache)
+    assert k_donated.unsafe_buffer_pointer() == pointer  # aliased: written where it was
+    np.testing.assert_array_equal(np.asarray(k_donated), np.asarray(k_all))
+
+
+def test_a_position_outside_the_cache_is_an_error():
+    q, k_new, v_new, positions, k_cache, v_cache = inputs(2, 1, 2, 16, 32)
+    with pytest.raises(Exception, match="a position is outside the cache"):
+        jax.block_until_ready(native_path(None)(q, k_new, v_new, jnp.full((2, 1), 16, jnp.int32), k_cache, v_cache))
+
+
+def decode_hlo(model):
+    _, decode, _ = model.generation_steps()
+    caches = model.new_caches(2, 16)
+    tokens = np.zeros((2, 1), np.int32)
+    return decode.lower(model.state, caches, tokens, tokens).as_text()
+
+
+def test_bfloat16_decode_steps_call_it_where_the_handlers_are_on(tmp_path, monkeypatch):
+    save_hf_model(make_hf_model("mixtral", seed=3), tmp_path)
+    assert "moe_jax_decode_attention" in decode_hlo(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
+    assert "moe_jax_decode_attention" not in decode_hlo(moe_jax.load_model(tmp_path, backend="host"))  # float32
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+    assert native_call.decode_attention_status() == (False, "MOE_JAX_XLA_FFI=0")
+    assert "moe_jax_decode_attention" not in decode_hlo(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
