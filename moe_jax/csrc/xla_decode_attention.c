@@ -21,7 +21,6 @@
 
 #include "ffi_common.h"
 
-#define MAX_GROUP 16 /* query heads per KV head */
 #define KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -61,60 +60,98 @@ static KERNEL inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
-/* One (row, kv head): the group's `g` queries (at most MAX_GROUP) against keys [first, last]. scores: g rows of
- * `stride` floats; acc: g * d floats. */
+/* x rounded to bfloat16 precision (nearest even), kept as float32; for finite x. */
+static KERNEL inline __m512 round_to_bf16(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* r[k] = the sum of v[k]'s 16 lanes, for 16 vectors at once (a transpose folded into the additions). */
+static KERNEL inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int k = 0; k < 8; k++) /* quarters 0-1: v[2k], 2-3: v[2k+1] */
+        a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++) /* quarter r: v[4k + r] */
+        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+    __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
+    /* s holds sum(v[4l + r]) at 4r + l */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+/* One (row, kv head): the group's `g` queries against keys [first, last]. Work space (float32): qf g * dp,
+ * block 16 * dp, scores g * stride, out_f g * dp, with dp = d rounded up to 16 (zero padding). */
 static KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t g,
-                               int64_t d, int64_t first, int64_t last, float *scores, int64_t stride, float *acc) {
-    const float scale = 1.0f / sqrtf((float)d);
-    const int64_t n = last - first + 1;
-    float *qf = acc; /* the queries in float32 (acc is free until the p.v products) */
-    for (int64_t i = 0; i < g * d; i++) qf[i] = bf16_to_f32(q[i]);
-    for (int64_t j = 0; j < n; j++) { /* each key row is loaded once for the whole group */
-        const uint16_t *kj = k + (first + j) * d;
-        __m512 dots[MAX_GROUP];
-        for (int64_t m = 0; m < g; m++) dots[m] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16) {
-            const int count = d - i < 16 ? (int)(d - i) : 16;
-            const __m512 kv = load_bf16(kj + i, count);
-            const __mmask16 mask = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
-            for (int64_t m = 0; m < g; m++)
-                dots[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, qf + m * d + i), kv, dots[m]);
-        }
-        for (int64_t m = 0; m < g; m++) scores[m * stride + j] = _mm512_reduce_add_ps(dots[m]) * scale;
-    }
-    for (int64_t m = 0; m < g; m++) {
-        float *row = scores + m * stride, top = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(row + j, e);
-            total += _mm512_reduce_add_ps(e);
-        }
-        if (j < n) {
-            const __mmask16 mask = (__mmask16)((1u << (n - j)) - 1);
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), _mm512_set1_ps(top)));
-            _mm512_mask_storeu_ps(row + j, mask, e);
-            total += _mm512_mask_reduce_add_ps(mask, e);
-        }
-        const float inverse = 1.0f / total;
-        for (j = 0; j < n; j++) row[j] = bf16_to_f32(f32_to_bf16(row[j] * inverse)); /* probabilities in bf16 */
-        for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;
-    }
-    for (int64_t j = 0; j < n; j++) { /* each value row is loaded once for the whole group */
-        const uint16_t *vj = v + (first + j) * d;
-        for (int64_t i = 0; i < d; i += 16) {
-            const int count = d - i < 16 ? (int)(d - i) : 16;
-            const __mmask16 mask = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
-            const __m512 vv = load_bf16(vj + i, count);
-            for (int64_t m = 0; m < g; m++) {
-                float *a = acc + m * d + i;
-                _mm512_mask_storeu_ps(a, mask, _mm512_fmadd_ps(_mm512_set1_ps(scores[m * stride + j]), vv,
-                                                               _mm512_maskz_loadu_ps(mask, a)));
+                               int64_t d, int64_t first, int64_t last, float *work, int64_t stride) {
+    const int64_t dp = (d + 15) / 16 * 16, n = last - first + 1;
+    float *qf = work, *block = qf + g * dp, *scores = block + 16 * dp, *out_f = scores + g * stride;
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)d));
+    for (int64_t m = 0; m < g; m++)
+        for (int64_t i = 0; i < dp; i += 16)
+            _mm512_storeu_ps(qf + m * dp + i, load_bf16(q + m * d + i, d - i < 16 ? (int)(d - i) : 16));
+    /* scores, 16 keys at a time: the keys in float32 once, then each query's 16 dot products summed together */
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t keys = n - j0 < 16 ? n - j0 : 16;
+        for (int64_t jj = 0; jj < 16; jj++)
+            for (int64_t i = 0; i < dp; i += 16)
+                _mm512_storeu_ps(block + jj * dp + i, jj < keys ? load_bf16(k + (first + j0 + jj) * d + i,
+                                                                            d - i < 16 ? (int)(d - i) : 16)
+                                                                : _mm512_setzero_ps());
+        const __mmask16 kept = (__mmask16)((1u << keys) - 1);
+        for (int64_t m = 0; m < g; m++) {
+            __m512 dots[16];
+            for (int jj = 0; jj < 16; jj++) dots[jj] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < dp; i += 16) {
+                const __m512 qv = _mm512_loadu_ps(qf + m * dp + i);
+                for (int jj = 0; jj < 16; jj++) dots[jj] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(block + jj * dp + i), dots[jj]);
             }
+            _mm512_mask_storeu_ps(scores + m * stride + j0, kept, _mm512_mul_ps(sum16(dots), scale));
         }
     }
-    for (int64_t i = 0; i < g * d; i++) out[i] = f32_to_bf16(acc[i]);
+    /* softmax per query; probabilities rounded to bf16 (as XLA's path feeds them to its p.v product) */
+    for (int64_t m = 0; m < g; m++) {
+        float *row = scores + m * stride;
+        __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, row + j));
+        }
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
+            _mm512_mask_storeu_ps(row + j, mask, e);
+            total = _mm512_mask_add_ps(total, mask, total, e);
+        }
+        const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
+            _mm512_mask_storeu_ps(row + j, mask, round_to_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), inverse)));
+        }
+    }
+    /* p.v: 16 columns at a time, 4 queries' sums in registers across the keys */
+    for (int64_t i = 0; i < dp; i += 16) {
+        const int count = d - i < 16 ? (int)(d - i) : 16;
+        for (int64_t m0 = 0; m0 < g; m0 += 4) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            const int64_t block_g = g - m0 < 4 ? g - m0 : 4;
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 vv = load_bf16(v + (first + j) * d + i, count);
+                for (int mm = 0; mm < 4; mm++)
+                    if (mm < block_g)
+                        acc[mm] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(m0 + mm) * stride + j]), vv, acc[mm]);
+            }
+            for (int mm = 0; mm < block_g; mm++) _mm512_storeu_ps(out_f + (m0 + mm) * dp + i, acc[mm]);
+        }
+    }
+    for (int64_t m = 0; m < g; m++)
+        for (int64_t i = 0; i < d; i++) out[m * d + i] = f32_to_bf16(out_f[m * dp + i]);
 }
 
 static int is_bf16(const XLA_FFI_Buffer *b, int64_t rank) { return b->dtype == XLA_FFI_DataType_BF16 && b->rank == rank; }
@@ -148,17 +185,18 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
             return ffi_error(api, "moe_jax_decode_attention: cache, result and query shapes disagree");
     if (q->dims[0] != b || q->dims[1] != kv || q->dims[3] != d || k_new->dims[0] != b || k_new->dims[1] != kv ||
         k_new->dims[2] != 1 || k_new->dims[3] != d || v_new->dims[2] != 1 || positions->rank != 2 ||
-        positions->dims[0] != b || positions->dims[1] != 1 || g > MAX_GROUP)
+        positions->dims[0] != b || positions->dims[1] != 1)
         return ffi_error(api, "moe_jax_decode_attention: q [b, kv, g, d], new entries [b, kv, 1, d], "
-                                    "positions [b, 1], cache [b, kv, s, d], g <= 16 expected");
+                                    "positions [b, 1], cache [b, kv, s, d] expected");
     const int32_t *pos = positions->data;
     for (int64_t r = 0; r < b; r++)
         if (pos[r] < 0 || pos[r] >= s) return ffi_error(api, "moe_jax_decode_attention: a position is outside the cache");
     const size_t cache_bytes = (size_t)(b * kv * s * d) * 2;
     if (k_out->data != k_in->data) memcpy(k_out->data, k_in->data, cache_bytes); /* not aliased: copy, then write */
     if (v_out->data != v_in->data) memcpy(v_out->data, v_in->data, cache_bytes);
-    float *scores = malloc((size_t)(g * s + g * d) * sizeof(float)), *acc = scores + g * s;
-    if (!scores) return ffi_error(api, "moe_jax_decode_attention: out of memory for the scores");
+    const int64_t dp = (d + 15) / 16 * 16, stride = (s + 15) / 16 * 16;
+    float *work = malloc((size_t)(2 * g * dp + 16 * dp + g * stride) * sizeof(float));
+    if (!work) return ffi_error(api, "moe_jax_decode_attention: out of memory for its work space");
     for (int64_t r = 0; r < b; r++) {
         const int64_t last = pos[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
         for (int64_t h = 0; h < kv; h++) {
@@ -167,9 +205,9 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
             memcpy(k + last * d, (const uint16_t *)k_new->data + head * d, (size_t)d * 2);
             memcpy(v + last * d, (const uint16_t *)v_new->data + head * d, (size_t)d * 2);
             attend_head((const uint16_t *)q->data + head * g * d, k, v, (uint16_t *)out->data + head * g * d, g, d,
-                        first, last, scores, s, acc);
+                        first, last, work, stride);
         }
     }
-    free(scores);
+    free(work);
     return NULL;
 }
