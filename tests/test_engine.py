@@ -105,3 +105,21 @@ def test_request_that_does_not_fit_the_cache_is_refused(model):
     engine = GenerationEngine(model, 2, 32)
     with pytest.raises(moe_jax.InputError, match="request 1: 30 prompt tokens \\+ 8 new tokens do not fit"):
         engine.run([Request([5, 6], 4), Request([9] * 30, 8)])
+
+
+def test_generation_pauses_the_cycle_collector_and_restores_it(model):
+    import gc
+
+    from moe_jax.engine import gc_paused
+
+    seen = []
+    engine = GenerationEngine(model, 1, 32)
+    engine.run([Request([5, 9, 2], 3)], on_finish=lambda i, c: seen.append(gc.isenabled()))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own choice stays
+    finally:
+        gc.enable()
