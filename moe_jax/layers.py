@@ -299,16 +299,23 @@ take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 
 
 def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
-    """The cache with each row's new entries written at their positions (distinct within a row). A gather and a
-    select over the cache rather than a scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to
-    float32 and back around one, twice per layer and step (bench model, batch-16 decode: 8.9 -> 8.0 ms a step)."""
+    """The cache with each row's new entries written at their positions (distinct within a row), by selects over
+    the cache rather than a scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to float32 and
+    back around one, twice per layer and step (bench model, batch-16 decode: 8.9 -> 8.0 ms a step)."""
     new_bktd = new_bktd.astype(cache_bksd.dtype)
     if new_bktd.shape[2] == 1:  # decode: one entry, broadcast along the cache
         return jnp.where((key_pos_bs == positions_bt)[:, None, :, None], new_bktd, cache_bksd)
     # the new entries moved to their cache positions by a one-hot product (exact: one term per position), which
     # XLA:CPU runs as a small GEMM; as a gather, fused with the RoPE before it, it took ~4x longer
     match_bst = key_pos_bs[:, :, None] == positions_bt[:, None, :]
-    moved = jnp.einsum("bst,bktd->bksd", match_bst.astype(new_bktd.dtype), new_bktd, preferred_element_type=jnp.float32)
+    # (HIGHEST: an accelerator's default float32 product, TF32, would round the entries)
+    moved = jnp.einsum(
+        "bst,bktd->bksd",
+        match_bst.astype(new_bktd.dtype),
+        new_bktd,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    )
     return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
 
 

@@ -54,7 +54,7 @@ class Transformer(nnx.Module):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).
 
         With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
-        just the next-token logits, and the head over every prompt position was a third of its XLA time.
+        just the next-token logits (the head over every prompt position: ~2 ms of a batch-16 prefill's 15 ms of XLA).
         """
         x = self.embed[...][tokens_bt]
         new_caches = [] if caches is not None else None

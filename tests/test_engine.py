@@ -123,3 +123,21 @@ def test_generation_pauses_the_cycle_collector_and_restores_it(model):
         assert not gc.isenabled()  # a caller's own choice stays
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_cache_writes_are_exact(dtype):
+    # write_positions moves a prefill's entries into the cache with a one-hot product: bit-exact, every dtype
+    import jax.numpy as jnp
+
+    from moe_jax.layers import write_positions
+
+    rng = np.random.default_rng(4)
+    cache = jnp.asarray(rng.standard_normal((2, 3, 20, 8)), dtype)
+    new = jnp.asarray(rng.standard_normal((2, 3, 5, 8)) * 1e3, dtype)
+    positions = np.array([[3, 4, 5, 6, 7], [15, 16, 17, 18, 19]], np.int32)
+    got = np.asarray(write_positions(cache, new, positions, np.broadcast_to(np.arange(20), (2, 20))))
+    want = np.asarray(cache).copy()
+    for row in range(2):
+        want[row][:, positions[row]] = np.asarray(new[row])
+    np.testing.assert_array_equal(got, want)
