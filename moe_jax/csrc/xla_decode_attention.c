@@ -3,8 +3,8 @@
  * For each row and KV head it writes the step's new key and value into the cache at the row's position (the
  * cache buffers are aliased to the results, so this is in place) and attends the group's queries to the cache
  * entries the position can see. XLA ran this as a select over the whole cache plus two batched products and a
- * softmax: ~125 us a layer on the bench model at batch 16, against ~10 us here (the keys past the position are
- * not read at all).
+ * softmax: ~125 us a layer on the bench model at batch 16, against ~50 us here at position 48 (the keys past the
+ * position are not read at all).
  *
  * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
  * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attribute `window` (s64):
@@ -44,11 +44,12 @@ static KERNEL inline __m512 load_bf16(const uint16_t *p, int count) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* e^x for x <= 0 (a softmax's shifted scores), 16 at a time: 2^(x log2 e) as 2^n times a degree-6 polynomial of
- * the fraction; relative error ~2e-7. */
+/* e^x for x <= 0 (a softmax's shifted scores), 16 at a time: 2^(x log2 e) as 2^n times the degree-6 Taylor
+ * polynomial of 2^f, n the nearest integer (|f| <= 1/2); relative error under 4e-6 (checked against float64 over
+ * [-80, 0]), far below the bf16 rounding the probabilities get next. */
 static KERNEL inline __m512 exp_nonpositive(__m512 x) {
     __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.5403530e-4f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
