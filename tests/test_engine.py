@@ -11,11 +11,13 @@ from tests.hf_models import make_hf_model, save_hf_model
 ANCHOR = 7  # token id that ends a "message" in these synthetic conversations
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+# bfloat16 too: its decode steps take the native attention (moe_jax/csrc/xla_decode_attention.c) where built, and
+# its prefills XLA's, so cached, batched and alone runs mix the two paths differently
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("mixtral")
     save_hf_model(make_hf_model("mixtral", seed=21), path)
-    return moe_jax.load_model(path, backend="host")
+    return moe_jax.load_model(path, backend="host", dtype=request.param)
 
 
 def run(model, requests, slots=4, cache=None, max_len=96):
