@@ -3,8 +3,9 @@
     python bench/infer.py [--quick]
 
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) on the Mixtral-shaped
-   bench model: moe_jax with the host backend (float32; bfloat16, whose experts XLA calls through the FFI handler;
-   bfloat16 through a Python callback instead) and the device backend (float32), and Hugging Face `generate` on
+   bench model: moe_jax with the host backend (float32; bfloat16, whose experts and decode attention XLA calls
+   through the FFI handlers; bfloat16 with MOE_JAX_XLA_FFI=0: experts through a Python callback, attention in XLA)
+   and the device backend (float32), and Hugging Face `generate` on
    torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against transformers' faster dtype.
 2. Agent traces (bench/data/agent_trace.json, bench/agent_traces.py): prompt tokens prefilled with the anchor
    cache and without, for (a) previous thinking dropped each turn and (b) also an old tool result trimmed every

@@ -41,10 +41,14 @@ def status(flags: tuple[str, ...]) -> tuple[bool, str]:
     """(usable, why not) for a part of the library that needs these CPU flags."""
     if os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() == "numpy":
         return False, "MOE_JAX_HOST_KERNEL=numpy"
+    lacking = cpu_lacks(flags)
+    return (False, lacking) if lacking else _loadable()
+
+
+def cpu_lacks(flags: tuple[str, ...]) -> str:
+    """ "CPU lacks ..." naming the flags this CPU does not have, or "" when it has them all."""
     missing = [flag for flag in flags if flag not in cpu_flags()]
-    if missing:
-        return False, f"CPU lacks {', '.join(missing)}"
-    return _loadable()
+    return f"CPU lacks {', '.join(missing)}" if missing else ""
 
 
 @cache

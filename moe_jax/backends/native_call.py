@@ -4,11 +4,11 @@
 the CPU platform: "moe_jax_host_experts" (the host's fused expert forward) and "moe_jax_decode_attention" (a
 decode step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`).
 
-For the experts: Each call site passes the address of its layer's
-`moe_call` (host_kernels/fused_forward.py) as an attribute, so XLA calls the native forward on its own buffers:
-no Python, no GIL, no copies. Where the handler is not built, is turned off (MOE_JAX_XLA_FFI=0), or the jitted step
-runs on an accelerator (the handler serves XLA:CPU only), the host backend calls the same fused forward through
-`jax.pure_callback` instead (~125 us more per call on this CPU).
+For the experts, each call site passes the address of its layer's `moe_call` (host_kernels/fused_forward.py) as an
+attribute, so XLA calls the native forward on its own buffers: no Python, no GIL, no copies. Where the handlers are
+not built, are turned off (MOE_JAX_XLA_FFI=0, both of them), or the jitted step runs on an accelerator (they serve
+XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback` instead (~125 us more per
+call on this CPU) and attention stays in XLA.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def decode_attention_status() -> tuple[bool, str]:
     usable, reason = status()
     if not usable:
         return usable, reason
-    missing = [flag for flag in ATTENTION_CPU_FLAGS if flag not in native.cpu_flags()]
-    return (False, f"CPU lacks {', '.join(missing)}") if missing else (True, "")
+    lacking = native.cpu_lacks(ATTENTION_CPU_FLAGS)
+    return not lacking, lacking
 
 
 def decode_attention_call(q_bkgd, k_new_bk1d, v_new_bk1d, positions_b1, k_cache, v_cache, window: int | None):
