@@ -5,6 +5,7 @@ Everything outside the package (the CLIs, tests, user scripts) goes through this
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -152,10 +153,17 @@ class Model:
                 cache.max_swaps = max_swaps
 
     def run_jitted(self, fn, *args):
-        """Runs a jitted function of this model; an error raised inside a host callback is re-raised here as
-        itself (XLA would wrap it in a runtime error with the traceback flattened into the message)."""
-        try:
+        """Runs a jitted function of this model and waits for its results (see host_errors)."""
+        with self.host_errors():
             return jax.block_until_ready(fn(*args))
+
+    @contextlib.contextmanager
+    def host_errors(self):
+        """An error raised inside a host callback of this model's steps, surfacing in the block (when a result
+        is waited for), is re-raised as itself: XLA would wrap it in a runtime error with the traceback
+        flattened into the message."""
+        try:
+            yield
         except Exception:
             error = self.placement.take_error()
             if error is not None:

@@ -77,6 +77,16 @@ class _Slot:
     started: float
     reused: int
     out: list[int] = field(default_factory=list)
+    fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
+
+
+@dataclass
+class _Step:
+    """A dispatched decode step: its logits and argmax tokens (device arrays), and the slots it decoded for."""
+
+    logits: jax.Array
+    tokens: jax.Array
+    decoded: dict[int, _Slot]
 
 
 class GenerationEngine:
@@ -125,68 +135,98 @@ class GenerationEngine:
         caches = model.new_caches(slots, self.max_len)
         model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         try:
-            with gc_paused():
+            with gc_paused(), model.host_errors():
                 return self._run(requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish)
         finally:
             model.kv_live_bytes = 0
 
     def _run(self, requests, caches, slots, temperature, top_p, top_k, eos_ids, should_stop, on_finish):
+        """The loop: admit waiting requests into free slots, decode a step for every active slot, take each slot's
+        next token, retire the finished. Greedy decoding keeps one step in flight: a step's argmax tokens feed the
+        next step on the device, and the host reads them (and checks EOS, stop strings, lengths) while that next
+        step runs, so Python and the device-to-host copy stay off the critical path. A slot that finished on the
+        token read last has had one more step computed for it; its output is dropped."""
         model = self.model
+        greedy = temperature == 0
         waiting = deque(range(len(requests)))
         active: dict[int, _Slot] = {}
         results: list[Completion | None] = [None] * len(requests)
-        logits = np.zeros((slots, model.config.vocab_size), np.float32)
         eos = set(eos_ids)
-        while waiting or active:
-            free = [s for s in range(slots) if s not in active]
-            admitted = []
-            while free and waiting:
-                index = waiting.popleft()
-                admitted.append((free.pop(0), index))
-            if admitted:
-                caches, first_logits = self._admit(caches, admitted, requests, active)
-                for (slot, _), row in zip(admitted, first_logits, strict=True):
-                    logits[slot] = row
-            # sample one token for every active slot, then retire finished ones
-            finished = []
-            greedy = logits.argmax(axis=-1) if temperature == 0 else None  # one pass for every slot
-            for slot, s in active.items():
-                if greedy is not None:
-                    token = int(greedy[slot])
-                else:
-                    token = int(sample(logits[slot][None], s.rng, temperature, top_p, top_k)[0])
-                s.out.append(token)
-                reason = None
-                if token in eos:
-                    reason = "eos"
-                elif should_stop is not None and should_stop(s.index, s.out):
-                    reason = "stop"
-                elif len(s.out) >= s.request.max_new_tokens:
-                    reason = "length"
-                if reason:
-                    finished.append((slot, reason))
-            for slot, reason in finished:
-                s = active.pop(slot)
+
+        def take(slot: int, s: _Slot, token: int, fresh: bool):
+            """Appends a slot's next token; retires the slot if the token ends its sequence."""
+            s.out.append(token)
+            s.fresh = fresh
+            reason = None
+            if token in eos:
+                reason = "eos"
+            elif should_stop is not None and should_stop(s.index, s.out):
+                reason = "stop"
+            elif len(s.out) >= s.request.max_new_tokens:
+                reason = "length"
+            if reason:
+                del active[slot]
                 done = Completion(s.out, reason, len(s.request.tokens), s.reused, time.perf_counter() - s.started)
                 results[s.index] = done
                 if on_finish is not None:
                     on_finish(s.index, done)
-            if not active:
-                continue
-            # one decode step for all slots (free slots compute on padding and are ignored)
-            tokens = np.zeros((slots, 1), np.int32)
-            positions = np.zeros((slots, 1), np.int32)
-            for slot, s in active.items():
-                tokens[slot, 0], positions[slot, 0] = s.out[-1], s.position
-                s.position += 1
-            if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
-                model.refresh_expert_cache()  # values only: the compiled step is reused
+
+        def choose(s: _Slot, row: np.ndarray) -> int:
+            return int(row.argmax()) if greedy else int(sample(row[None], s.rng, temperature, top_p, top_k)[0])
+
+        def read(step: _Step):
+            """Takes the tokens of a decode step for the slots it decoded that are still theirs."""
+            if greedy:  # the step's argmax: already fed to the step after it
+                chosen = np.asarray(step.tokens)[:, 0]
+            else:
+                logits = np.asarray(step.logits)
+            for slot, s in step.decoded.items():
+                if active.get(slot) is s:
+                    take(slot, s, int(chosen[slot]) if greedy else choose(s, logits[slot]), fresh=not greedy)
+                    self.stats.decode_tokens += 1
+
+        last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
+        in_flight: _Step | None = None  # greedy: dispatched, not yet read
+        while waiting or active:
+            free = [s for s in range(slots) if s not in active]
+            admitted = []
+            while free and waiting:
+                admitted.append((free.pop(0), waiting.popleft()))
+            if admitted:
+                caches, first_logits = self._admit(caches, admitted, requests, active)
+                for (slot, _), row in zip(admitted, first_logits, strict=True):
+                    take(slot, active[slot], choose(active[slot], row), fresh=True)
             start = time.perf_counter()
-            step_logits, caches = model.run_jitted(self._decode, model.state, caches, tokens, positions)
-            logits = np.array(step_logits)
+            # a step is worth dispatching while some slot can still keep its output (the in-flight step may
+            # already hold the last token a slot is allowed)
+            pending = in_flight.decoded if in_flight is not None else {}
+            wanted = any(len(s.out) + (pending.get(slot) is s) < s.request.max_new_tokens for slot, s in active.items())
+            step = None
+            if wanted:
+                if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
+                    model.refresh_expert_cache()  # values only: the compiled step is reused
+                host_tokens = np.zeros((slots, 1), np.int32)
+                from_host = np.ones((slots, 1), bool)  # free slots compute on padding and are ignored
+                positions = np.zeros((slots, 1), np.int32)
+                for slot, s in active.items():
+                    if s.fresh:
+                        host_tokens[slot, 0] = s.out[-1]
+                    else:  # its next input is the in-flight step's argmax
+                        from_host[slot, 0] = False
+                    s.fresh = False
+                    positions[slot, 0] = s.position
+                    s.position += 1
+                logits, last_tokens, caches = self._decode(
+                    model.state, caches, host_tokens, from_host, last_tokens, positions
+                )
+                step = _Step(logits, last_tokens, dict(active))
+                self.stats.decode_steps += 1
+            if in_flight is not None:
+                read(in_flight)
+            in_flight = step if greedy else None
+            if step is not None and not greedy:
+                read(step)
             self.stats.decode_s += time.perf_counter() - start
-            self.stats.decode_tokens += len(active)
-            self.stats.decode_steps += 1
         return results
 
     def _admit(self, caches, admitted, requests, active):
@@ -289,9 +329,13 @@ def compile_generation_steps(graphdef):
         ]
         return logits[:, 0], caches
 
-    def decode(state, caches, tokens, positions):
+    def decode(state, caches, host_tokens, from_host, last_tokens, positions):
+        """One token for every slot: the host's where from_host, else the previous step's argmax (last_tokens),
+        so greedy steps can follow each other without the host. Returns (logits, argmax tokens, caches)."""
+        tokens = jnp.where(from_host, host_tokens, last_tokens)
         logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)
-        return logits[:, 0], caches
+        logits = logits[:, 0]
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], caches
 
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""

@@ -42,6 +42,38 @@ def test_more_prompts_than_slots_refill_at_once(model):
     assert engine.stats.decode_steps < static_steps
 
 
+def test_sequences_ending_early_free_their_slots_exactly(model):
+    # greedy steps run one ahead of the host: a slot whose EOS (or stop string) the host reads has already been
+    # decoded once more; that token must be dropped and the slot handed to the next prompt intact
+    rng = np.random.default_rng(5)
+    requests = [Request(rng.integers(8, 96, size=n).tolist(), max_new_tokens=8) for n in (4, 9, 3, 6, 5)]
+    full = [c.tokens for c in run(model, requests, slots=1)[1]]
+    eos = full[0][2]  # the first request ends on its third token
+    expected = [t[: t.index(eos) + 1] if eos in t else t for t in full]
+    for slots in (1, 2):
+        completions = GenerationEngine(model, slots, 96).run(requests, eos_ids=[eos])
+        assert [c.tokens for c in completions] == expected
+        assert [c.finish_reason for c in completions] == ["eos" if eos in t else "length" for t in full]
+    stop_after = {1: 3, 3: 1}  # request index -> tokens after which a stop string "matched"
+    completions = GenerationEngine(model, 2, 96).run(requests, should_stop=lambda i, out: len(out) == stop_after.get(i))
+    assert [c.tokens for c in completions] == [t[: stop_after.get(i, 8)] for i, t in enumerate(full)]
+    assert [c.finish_reason for c in completions] == ["length", "stop", "length", "stop", "length"]
+
+
+def test_greedy_steps_stop_with_the_last_token(model):
+    # the host knows when a sequence's length runs out: no step is dispatched whose output would all be dropped
+    engine, (completion,) = run(model, [Request([9, 4, 30], max_new_tokens=5)], slots=1)
+    assert len(completion.tokens) == 5 and engine.stats.decode_steps == 4 and engine.stats.decode_tokens == 4
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch(model):
+    rng = np.random.default_rng(6)
+    requests = [Request(rng.integers(8, 96, size=n).tolist(), 6, seed=i) for i, n in enumerate((5, 2, 8))]
+    kwargs = dict(temperature=0.9, top_p=0.95, top_k=20)
+    alone = [GenerationEngine(model, 1, 96).run([r], **kwargs)[0].tokens for r in requests]
+    assert [c.tokens for c in GenerationEngine(model, 2, 96).run(requests, **kwargs)] == alone
+
+
 def conversation(rng, turns):
     """Token ids of a chat-like prompt: turns of random tokens, each ended by the anchor token."""
     tokens = []
