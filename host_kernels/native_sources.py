@@ -13,6 +13,7 @@ XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"
 XLA_FFI_SOURCES = (
     XLA_CSRC / "xla_host_experts.c",
     XLA_CSRC / "xla_decode_attention.c",
+    XLA_CSRC / "xla_argmax.c",
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
 )

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.anchor_cache import AnchorCache
+from moe_jax.backends.native_call import argmax_tokens
 from moe_jax.errors import InputError
 from moe_jax.sampling import sample
 
@@ -352,7 +353,7 @@ def compile_generation_steps(graphdef):
         tokens = jnp.where(from_host, host_tokens, last_tokens)
         logits, caches = nnx.merge(graphdef, state)(tokens, positions, caches)
         logits = logits[:, 0]
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], caches
+        return logits, argmax_tokens(logits), caches
 
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""

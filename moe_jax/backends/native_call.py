@@ -1,14 +1,15 @@
 """The jitted model's direct calls into native code on XLA:CPU: XLA FFI custom calls.
 
 `moe_jax/_xla_ffi` (built from moe_jax/csrc/ by `pip install`) holds the handlers, registered once per process for
-the CPU platform: "moe_jax_host_experts" (the host's fused expert forward) and "moe_jax_decode_attention" (a
-decode step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`).
+the CPU platform: "moe_jax_host_experts" (the host's fused expert forward), "moe_jax_decode_attention" (a decode
+step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`) and "moe_jax_argmax"
+(a greedy decode step's tokens; `argmax_tokens`).
 
 For the experts, each call site passes the address of its layer's `moe_call` (host_kernels/fused_forward.py) as an
 attribute, so XLA calls the native forward on its own buffers: no Python, no GIL, no copies. Where the handlers are
-not built, are turned off (MOE_JAX_XLA_FFI=0, both of them), or the jitted step runs on an accelerator (they serve
+not built, are turned off (MOE_JAX_XLA_FFI=0, all of them), or the jitted step runs on an accelerator (they serve
 XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback` instead (~125 us more per
-call on this CPU) and attention stays in XLA.
+call on this CPU), and attention and argmax stay in XLA.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from host_kernels import native
@@ -27,6 +29,8 @@ from host_kernels.native_sources import xla_ffi_source_hash
 TARGET = "moe_jax_host_experts"
 ATTENTION_TARGET = "moe_jax_decode_attention"
 ATTENTION_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")  # the kernel's target (xla_decode_attention.c)
+ARGMAX_TARGET = "moe_jax_argmax"
+ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 
 
 def status() -> tuple[bool, str]:
@@ -55,6 +59,7 @@ def _registered() -> tuple[bool, str]:
         return False, reason
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_jax_host_experts), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.moe_jax_decode_attention), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(library.moe_jax_argmax), platform="cpu")
     _registered.library = library  # keep it loaded while XLA holds its function
     return True, ""
 
@@ -66,13 +71,32 @@ def host_experts_call(call_address: int, x_td, ids_tk, weights_tk):
     return call(x_td, ids_tk, weights_tk, call=np.uint64(call_address))
 
 
-def decode_attention_status() -> tuple[bool, str]:
-    """(usable, why not) for the native decode attention: the handlers' status, and the CPU features it needs."""
+def _kernel_status(cpu_flags) -> tuple[bool, str]:
+    """(usable, why not) for a handler whose kernel needs `cpu_flags`: the handlers' status, then the CPU's."""
     usable, reason = status()
     if not usable:
         return usable, reason
-    lacking = native.cpu_lacks(ATTENTION_CPU_FLAGS)
+    lacking = native.cpu_lacks(cpu_flags)
     return not lacking, lacking
+
+
+def decode_attention_status() -> tuple[bool, str]:
+    """(usable, why not) for the native decode attention."""
+    return _kernel_status(ATTENTION_CPU_FLAGS)
+
+
+def argmax_status() -> tuple[bool, str]:
+    """(usable, why not) for the native argmax."""
+    return _kernel_status(ARGMAX_CPU_FLAGS)
+
+
+def argmax_tokens(logits_bv):
+    """Each row's first maximum, int32 [b, 1]: the native handler for float32 logits where it is usable (on
+    XLA:CPU; NaN counts as the maximum, as in jnp.argmax), else jnp.argmax."""
+    if logits_bv.dtype != jnp.float32 or not argmax_status()[0]:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)[:, None]
+    result = jax.ShapeDtypeStruct((logits_bv.shape[0], 1), jnp.int32)
+    return jax.ffi.ffi_call(ARGMAX_TARGET, result, vmap_method="sequential")(logits_bv)
 
 
 def decode_attention_call(q_bkgd, k_new_bk1d, v_new_bk1d, positions_b1, k_cache, v_cache, window: int | None):

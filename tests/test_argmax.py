@@ -1,0 +1,39 @@
+"""The native argmax a greedy decode step ends with (moe_jax/csrc/xla_argmax.c): numpy's answer on every row."""
+
+import jax
+import numpy as np
+import pytest
+
+from moe_jax.backends import native_call
+
+pytestmark = pytest.mark.skipif(not native_call.argmax_status()[0], reason=native_call.argmax_status()[1])
+
+
+def native(logits):
+    f = jax.jit(native_call.argmax_tokens)
+    assert native_call.ARGMAX_TARGET in f.lower(logits).as_text()
+    return np.asarray(f(logits))[:, 0]
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 4096])
+def test_first_maximum_of_each_row(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((9, vocab)).astype(np.float32)
+    logits[1] = 0.0  # all tied: the first
+    logits[2, -1] = np.inf
+    logits[3] = -np.inf
+    logits[4] = np.round(logits[4])  # ties across lanes and blocks
+    logits[5, vocab // 2] = np.nan
+    logits[6, : vocab // 3] = np.nan
+    logits[7] = -0.0
+    logits[7, -1] = 0.0  # equal to -0.0: the first still wins
+    np.testing.assert_array_equal(native(logits), np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(native(logits), np.asarray(jax.numpy.argmax(logits, axis=-1)))
+
+
+def test_turned_off_it_is_jax_argmax(monkeypatch):
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+    logits = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)
+    f = jax.jit(native_call.argmax_tokens)
+    assert native_call.ARGMAX_TARGET not in f.lower(logits).as_text()
+    np.testing.assert_array_equal(np.asarray(f(logits))[:, 0], np.argmax(logits, axis=-1))
