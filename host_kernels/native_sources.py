@@ -14,6 +14,8 @@ XLA_FFI_SOURCES = (
     XLA_CSRC / "xla_host_experts.c",
     XLA_CSRC / "xla_decode_attention.c",
     XLA_CSRC / "xla_argmax.c",
+    XLA_CSRC / "xla_dense.c",
+    CSRC / "amx_gemm.c",  # compiled into both libraries: the dense handler calls its kernels
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
 )

@@ -208,9 +208,13 @@ class Model:
 
     def generation_steps(self):
         """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
-        a memory split moved back and forth does not recompile each time."""
+        a memory split moved back and forth does not recompile each time. A bfloat16 model on XLA:CPU with AMX
+        first packs its dense weights for the decode steps' native products (Transformer.pack_for_decode)."""
+        from moe_jax.backends.native_call import dense_status
         from moe_jax.engine import compile_generation_steps
 
+        if self.dtype == "bfloat16" and "head_packed" not in self.state and dense_status()[0]:
+            self._edit(lambda transformer: transformer.pack_for_decode())
         for graphdef, steps in self._steps:
             if graphdef == self.graphdef:
                 return steps

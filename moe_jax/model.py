@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.config import ModelConfig
-from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, frozen_matmul
+from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
 from moe_jax.moe import MoEBlock
 
 
@@ -40,6 +40,7 @@ class Transformer(nnx.Module):
         # while training in bfloat16 on a CPU (layers.frozen_matmul): the head's transpose — lm_head.T, or for a
         # tied head the embedding's transpose, which is then the head itself
         self.head_copy = nnx.data(None)
+        self.head_packed = nnx.data(None)  # the head packed for decode steps' native product (layers.base_matmul)
 
     def keep_transposed_weights(self):
         """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul)."""
@@ -49,6 +50,17 @@ class Transformer(nnx.Module):
         if self.head_copy is None:
             head = self.lm_head if self.lm_head is not None else self.embed
             self.head_copy = Frozen(jnp.array(head[...].T))
+
+    def pack_for_decode(self):
+        """Packed copies of the dense weights (bfloat16 on XLA:CPU with AMX: `native_call.dense_status`) that
+        decode steps multiply natively (layers.base_matmul); made once, when the model first generates."""
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Projection) and module.packed is None:
+                module.pack_for_decode()
+        if self.head_packed is None:
+            from moe_jax.backends.native_call import pack_dense
+
+            self.head_packed = Frozen(pack_dense(self.lm_head[...] if self.lm_head is not None else self.embed[...].T))
 
     def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).
@@ -70,7 +82,8 @@ class Transformer(nnx.Module):
             head, head_t = self.lm_head[...], copy
         else:
             head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
-        return frozen_matmul(x, head, head_t, out_dtype=jnp.float32), new_caches
+        packed = None if self.head_packed is None else self.head_packed[...]
+        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32), new_caches
 
 
 def build_transformer(

@@ -2,8 +2,9 @@
 
 `moe_jax/_xla_ffi` (built from moe_jax/csrc/ by `pip install`) holds the handlers, registered once per process for
 the CPU platform: "moe_jax_host_experts" (the host's fused expert forward), "moe_jax_decode_attention" (a decode
-step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`) and "moe_jax_argmax"
-(a greedy decode step's tokens; `argmax_tokens`).
+step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`), "moe_jax_argmax"
+(a greedy decode step's tokens; `argmax_tokens`) and "moe_jax_dense" (a decode step's dense bfloat16 products on
+AMX, over weights packed for it; `dense_status`).
 
 For the experts, each call site passes the address of its layer's `moe_call` (host_kernels/fused_forward.py) as an
 attribute, so XLA calls the native forward on its own buffers: no Python, no GIL, no copies. Where the handlers are
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import native
+from host_kernels import amx, native
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
@@ -31,6 +32,8 @@ ATTENTION_TARGET = "moe_jax_decode_attention"
 ATTENTION_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")  # the kernel's target (xla_decode_attention.c)
 ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
+DENSE_TARGET = "moe_jax_dense"
+DENSE_MAX_ROWS = 16  # one AMX tile of rows: a decode step's batch
 
 
 def status() -> tuple[bool, str]:
@@ -60,6 +63,7 @@ def _registered() -> tuple[bool, str]:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.moe_jax_host_experts), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.moe_jax_decode_attention), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(library.moe_jax_argmax), platform="cpu")
+    jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(library.moe_jax_dense), platform="cpu")
     _registered.library = library  # keep it loaded while XLA holds its function
     return True, ""
 
@@ -88,6 +92,28 @@ def decode_attention_status() -> tuple[bool, str]:
 def argmax_status() -> tuple[bool, str]:
     """(usable, why not) for the native argmax."""
     return _kernel_status(ARGMAX_CPU_FLAGS)
+
+
+def dense_status() -> tuple[bool, str]:
+    """(usable, why not) for the native dense products: the handlers' status, and AMX (host_kernels.amx)."""
+    usable, reason = status()
+    if not usable:
+        return usable, reason
+    return amx.status()
+
+
+def pack_dense(w_kn) -> jax.Array:
+    """A bfloat16 [k, n] weight in the AMX tile layout `dense_call` reads (host_kernels/amx.py's `pack`)."""
+    return jnp.asarray(amx.pack(np.asarray(w_kn)).data)
+
+
+def dense_call(x_mk, packed_w, n: int):
+    """x @ W in float32 for x bfloat16 [m <= 16, k], W given as `pack_dense(W)` with n columns."""
+    usable, reason = dense_status()  # registers the handler on first use
+    if not usable:
+        raise RuntimeError(f"native dense products unavailable: {reason}")
+    result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")(x_mk, packed_w)
 
 
 def argmax_tokens(logits_bv):

@@ -1,0 +1,122 @@
+/* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 16), W a bfloat16 weight
+ * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]).
+ *
+ * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
+ * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model.
+ * This reads them as the fused experts do (amx_gemm_4_streams: four column blocks side by side, prefetched), with
+ * the work in 64-column groups shared by the calling thread and helpers from XLA's pool.
+ *
+ * Operands: x [m, k] bf16 (m <= 16), w [ceil(n / 16), ceil(k / 32), 512] u16. Result: y [m, n] f32, float32 sums
+ * of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation order).
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
+ */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ffi_common.h"
+
+void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
+              int64_t m, int64_t n0, int64_t n1);
+void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
+                        int64_t ldc, int64_t m, const int cols[4]);
+
+#define ROWS 16       /* an AMX tile's rows: x is copied into a zero-padded 16-row buffer the tiles can read */
+#define GROUP_BLOCKS 4 /* 16-column blocks per task */
+
+/* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
+ * finds nothing left), so the last of the caller and its helpers to let go frees it. */
+typedef struct {
+    _Atomic int64_t next, done;
+    _Atomic int refs;
+    int64_t m, n, kp, groups;
+    const uint16_t *w;
+    float *y;
+    uint16_t *x; /* [ROWS, kp], after this struct */
+} dense_call;
+
+static void run_group(const dense_call *c, int64_t g) {
+    const int64_t nb0 = g * GROUP_BLOCKS, block = (c->kp / 32) * 512;
+    const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
+    if (n1 - n0 == GROUP_BLOCKS * 16) {
+        const uint16_t *b[4] = {c->w + nb0 * block, c->w + (nb0 + 1) * block, c->w + (nb0 + 2) * block,
+                                c->w + (nb0 + 3) * block};
+        float *out[4] = {c->y + n0, c->y + n0 + 16, c->y + n0 + 32, c->y + n0 + 48};
+        const int cols[4] = {16, 16, 16, 16};
+        amx_gemm_4_streams(c->x, c->kp, c->kp, b, out, c->n, c->m, cols);
+    } else { /* the last, narrower group */
+        amx_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    }
+}
+
+static void take_groups(dense_call *c) {
+    for (int64_t g; (g = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->groups;) {
+        run_group(c, g);
+        atomic_fetch_add_explicit(&c->done, 1, memory_order_release);
+    }
+}
+
+static void let_go(dense_call *c) {
+    if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) free(c);
+}
+
+static void helper(void *data) {
+    take_groups(data);
+    let_go(data);
+}
+
+static int pool_threads(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx) {
+    int64_t threads = 0;
+    XLA_FFI_ThreadPool_NumThreads_Args args = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, ctx, &threads};
+    XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_NumThreads(&args);
+    if (!err) return (int)threads;
+    XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+    api->XLA_FFI_Error_Destroy(&destroy);
+    return 0;
+}
+
+static void schedule_helpers(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, dense_call *c, int count) {
+    for (int i = 0; i < count; i++) {
+        atomic_fetch_add(&c->refs, 1);
+        XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, helper, c};
+        XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_Schedule(&args);
+        if (err) { /* no pool: the caller does the work alone */
+            XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+            api->XLA_FFI_Error_Destroy(&destroy);
+            atomic_fetch_sub(&c->refs, 1);
+            return;
+        }
+    }
+}
+
+XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
+    const XLA_FFI_Api *api = frame->api;
+    if (ffi_answer_metadata(frame)) return NULL;
+    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return ffi_error(api, "moe_jax_dense: not the execute stage");
+    if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+        frame->args.types[1] != XLA_FFI_ArgType_BUFFER)
+        return ffi_error(api, "moe_jax_dense takes (x, packed w) and returns y");
+    const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
+    if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 ||
+        y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
+        return ffi_error(api, "moe_jax_dense: x [m, k] bf16, packed w [n blocks, k blocks, 512] u16, y [m, n] f32");
+    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = w->dims[1] * 32;
+    if (m < 1 || m > ROWS || y->dims[0] != m || w->dims[2] != 512 || w->dims[0] != (n + 15) / 16 || kp < k ||
+        kp - k >= 32)
+        return ffi_error(api, "moe_jax_dense: 1-16 rows, and a packed weight of x's k and y's n expected");
+    dense_call *c = aligned_alloc(64, (sizeof(dense_call) + 63) / 64 * 64 + (size_t)ROWS * kp * 2);
+    if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
+    const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
+    c->x = (uint16_t *)((char *)c + (sizeof(dense_call) + 63) / 64 * 64);
+    memset(c->x, 0, (size_t)ROWS * kp * 2); /* padding rows and columns: zeros (they meet zero weights or unstored rows) */
+    for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
+    c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
+    atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
+    const int threads = pool_threads(api, frame->ctx);
+    schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));
+    take_groups(c);
+    while (atomic_load_explicit(&c->done, memory_order_acquire) < groups) __builtin_ia32_pause();
+    let_go(c);
+    return NULL;
+}

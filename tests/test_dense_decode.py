@@ -1,0 +1,68 @@
+"""Decode steps' dense products on AMX (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's float32 sums of
+the bfloat16 products, for the shapes a decode step has, and only there."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.backends import native_call
+from moe_jax.layers import base_matmul
+from tests.hf_models import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.skipif(not native_call.dense_status()[0], reason=native_call.dense_status()[1])
+
+
+def operands(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    return x, w, native_call.pack_dense(w)
+
+
+@pytest.mark.parametrize("m, k, n", [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 80)])
+def test_same_sums_as_xla(m, k, n):
+    x, w, packed = operands(m, k, n)
+    native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32))
+    assert native_call.DENSE_TARGET in native.lower(x, w, packed).as_text()
+    got = np.asarray(native(x, w, packed))
+    xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(got, xla, rtol=1e-6, atol=1e-5)  # float32 sums, perhaps in another order
+    assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.5 + 1e-6
+    bf16 = np.asarray(jax.jit(lambda x, w, p: base_matmul(x, w, packed=p))(x, w, packed).astype(jnp.float32))
+    np.testing.assert_array_equal(bf16, got.astype(jnp.bfloat16).astype(np.float32))  # rounded once, like XLA's
+
+
+@pytest.mark.parametrize("shape", [(17, 1, 64), (2, 3, 64), (4, 64)])
+def test_other_shapes_stay_in_xla(shape):
+    # more rows than a tile, several positions (prefill, training) or no position axis: XLA's product
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p))
+    assert native_call.DENSE_TARGET not in f.lower(x, w, native_call.pack_dense(w)).as_text()
+
+
+def test_bad_operands_are_named():
+    x, w, packed = operands(17, 64, 32)
+    with pytest.raises(Exception, match="1-16 rows"):
+        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 32))
+    x, w, packed = operands(4, 64, 32)
+    with pytest.raises(Exception, match="packed weight of x's k and y's n"):
+        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 48))
+
+
+def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, monkeypatch):
+    save_hf_model(make_hf_model("mixtral", seed=8), tmp_path)
+    prompts = [[5, 9, 14, 3], [7] * 9, [40, 41]]
+    model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
+    packed = model.generate(prompts, max_new_tokens=6)
+    assert "head_packed" in model.state
+    _, decode, _ = model.generation_steps()
+    caches, tokens = model.new_caches(2, 16), np.zeros((2, 1), np.int32)
+    assert native_call.DENSE_TARGET in decode.lower(model.state, caches, tokens, tokens > 0, tokens, tokens).as_text()
+    monkeypatch.setattr(native_call, "dense_status", lambda: (False, "turned off by the test"))
+    plain = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
+    assert plain.generate(prompts, max_new_tokens=6) == packed and "head_packed" not in plain.state
