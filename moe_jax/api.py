@@ -46,6 +46,7 @@ class Model:
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
         self.kv_budget_bytes: int | None = None  # None: the KV cache is not limited
         self.kv_live_bytes = 0  # held by a running generation engine
+        self._leaves, self._leaves_of = [], None  # state_leaves() and the state they are of
         self._set_transformer(transformer)
 
     def _set_transformer(self, transformer: Transformer):
@@ -152,6 +153,12 @@ class Model:
             finally:
                 cache.max_swaps = max_swaps
 
+    def state_leaves(self) -> list:
+        """The state's arrays in flattening order (what the generation steps take), kept until it changes."""
+        if self._leaves_of is not self.state:
+            self._leaves, self._leaves_of = jax.tree.leaves(self.state), self.state
+        return self._leaves
+
     def run_jitted(self, fn, *args):
         """Runs a jitted function of this model and waits for its results (see host_errors)."""
         with self.host_errors():
@@ -218,7 +225,7 @@ class Model:
         for graphdef, steps in self._steps:
             if graphdef == self.graphdef:
                 return steps
-        steps = compile_generation_steps(self.graphdef)
+        steps = compile_generation_steps(self.graphdef, jax.tree.structure(self.state))
         self._steps = [(self.graphdef, steps), *self._steps[:3]]
         return steps
 

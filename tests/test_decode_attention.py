@@ -88,7 +88,7 @@ def decode_hlo(model):
     _, decode, _ = model.generation_steps()
     caches = model.new_caches(2, 16)
     tokens = np.zeros((2, 1), np.int32)
-    return decode.lower(model.state, caches, tokens, np.ones((2, 1), bool), tokens, tokens).as_text()
+    return decode.lower(model.state_leaves(), caches, tokens, np.ones((2, 1), bool), tokens, tokens).as_text()
 
 
 def test_bfloat16_decode_steps_call_it_where_the_handlers_are_on(tmp_path, monkeypatch):
