@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import moe_jax
 from moe_jax.backends import native_call
 from moe_jax.layers import base_matmul
+from moe_jax.lora import LoRAConfig, LoRAParam
 from tests.hf_models import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.skipif(not native_call.dense_status()[0], reason=native_call.dense_status()[1])
@@ -54,16 +56,27 @@ def test_bad_operands_are_named():
         jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 48))
 
 
+def with_lora(model):
+    """The model with LoRA on every attention projection, its B matrices random (peft starts them at zero)."""
+    model.attach_lora(LoRAConfig(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj")))
+    rng = np.random.default_rng(9)
+    lora = nnx.state(model.transformer, LoRAParam)
+    lora = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) * 0.05, a.dtype), lora)
+    model.set_lora_state(lora)
+    return model
+
+
 def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, monkeypatch):
+    # every attention projection and the head natively; LoRA updates added to the native products
     save_hf_model(make_hf_model("mixtral", seed=8), tmp_path)
     prompts = [[5, 9, 14, 3], [7] * 9, [40, 41]]
-    model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
+    model = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
     packed = model.generate(prompts, max_new_tokens=6)
     assert "head_packed" in model.state
     _, decode, _ = model.generation_steps()
     caches, tokens = model.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
-    assert native_call.DENSE_TARGET in hlo
+    assert hlo.count(f"@{native_call.DENSE_TARGET}(") == 4 * model.config.num_layers + 1  # q, k, v, o; head
     monkeypatch.setattr(native_call, "dense_status", lambda: (False, "turned off by the test"))
-    plain = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
+    plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
     assert plain.generate(prompts, max_new_tokens=6) == packed and "head_packed" not in plain.state
