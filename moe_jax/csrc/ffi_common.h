@@ -1,6 +1,9 @@
-/* What every XLA FFI handler here shares: its errors and its answer to XLA's registration-time question. */
+/* What every XLA FFI handler here shares: its errors, XLA's thread pool, and its answer to XLA's registration-time
+ * question. */
 #ifndef MOE_JAX_FFI_COMMON_H
 #define MOE_JAX_FFI_COMMON_H
+
+#include <stdint.h>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -8,6 +11,32 @@ static inline XLA_FFI_Error *ffi_error(const XLA_FFI_Api *api, const char *messa
     XLA_FFI_Error_Create_Args args = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
                                       XLA_FFI_Error_Code_INVALID_ARGUMENT};
     return api->XLA_FFI_Error_Create(&args);
+}
+
+/* Frees an error XLA returned that the caller has dealt with. */
+static inline void ffi_drop_error(const XLA_FFI_Api *api, XLA_FFI_Error *err) {
+    XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+    api->XLA_FFI_Error_Destroy(&destroy);
+}
+
+/* The threads of XLA's intra-op pool that runs this call (0 where there is none). */
+static inline int ffi_pool_threads(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx) {
+    int64_t threads = 0;
+    XLA_FFI_ThreadPool_NumThreads_Args args = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, ctx, &threads};
+    XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_NumThreads(&args);
+    if (!err) return (int)threads;
+    ffi_drop_error(api, err);
+    return 0;
+}
+
+/* Has task(data) run on that pool; non-zero if it cannot (the caller then does the work itself). */
+static inline int ffi_pool_schedule(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, void (*task)(void *),
+                                    void *data) {
+    XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, task, data};
+    XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_Schedule(&args);
+    if (!err) return 0;
+    ffi_drop_error(api, err);
+    return 1;
 }
 
 /* At registration XLA calls the handler with a metadata extension, asking which FFI version it was built

@@ -66,24 +66,10 @@ static void helper(void *data) {
     let_go(data);
 }
 
-static int pool_threads(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx) {
-    int64_t threads = 0;
-    XLA_FFI_ThreadPool_NumThreads_Args args = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, ctx, &threads};
-    XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_NumThreads(&args);
-    if (!err) return (int)threads;
-    XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-    api->XLA_FFI_Error_Destroy(&destroy);
-    return 0;
-}
-
 static void schedule_helpers(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, dense_call *c, int count) {
     for (int i = 0; i < count; i++) {
         atomic_fetch_add(&c->refs, 1);
-        XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, helper, c};
-        XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_Schedule(&args);
-        if (err) { /* no pool: the caller does the work alone */
-            XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-            api->XLA_FFI_Error_Destroy(&destroy);
+        if (ffi_pool_schedule(api, ctx, helper, c)) { /* no pool: the caller does the work alone */
             atomic_fetch_sub(&c->refs, 1);
             return;
         }
@@ -113,7 +99,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
-    const int threads = pool_threads(api, frame->ctx);
+    const int threads = ffi_pool_threads(api, frame->ctx);
     schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));
     take_groups(c);
     while (atomic_load_explicit(&c->done, memory_order_acquire) < groups) __builtin_ia32_pause();

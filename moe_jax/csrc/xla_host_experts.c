@@ -22,26 +22,7 @@ typedef struct {
 
 static int schedule_on_xla_pool(void *context, void (*task)(void *), void *data) {
     const xla_pool *pool = context;
-    XLA_FFI_ThreadPool_Schedule_Args args = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, pool->ctx, task, data};
-    XLA_FFI_Error *err = pool->api->XLA_FFI_ThreadPool_Schedule(&args);
-    if (!err) return 0;
-    /* no pool here: the calling thread does the work alone */
-    XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-    pool->api->XLA_FFI_Error_Destroy(&destroy);
-    return 1;
-}
-
-static int xla_pool_threads(const xla_pool *pool) {
-    int64_t threads = 0;
-    XLA_FFI_ThreadPool_NumThreads_Args args = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, pool->ctx,
-                                               &threads};
-    XLA_FFI_Error *err = pool->api->XLA_FFI_ThreadPool_NumThreads(&args);
-    if (err) {
-        XLA_FFI_Error_Destroy_Args destroy = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-        pool->api->XLA_FFI_Error_Destroy(&destroy);
-        return 0;
-    }
-    return (int)threads;
+    return ffi_pool_schedule(pool->api, pool->ctx, task, data);
 }
 
 static int dtype_code(XLA_FFI_DataType dtype) {
@@ -69,7 +50,7 @@ XLA_FFI_Error *moe_jax_host_experts(XLA_FFI_CallFrame *frame) {
         return ffi_error(api, "moe_jax_host_experts: x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16, y like x");
     const moe_call *call = (const moe_call *)(uintptr_t)(*(const uint64_t *)call_attr->value);
     xla_pool pool = {api, frame->ctx};
-    const moe_helpers helpers = {schedule_on_xla_pool, &pool, xla_pool_threads(&pool)};
+    const moe_helpers helpers = {schedule_on_xla_pool, &pool, ffi_pool_threads(api, frame->ctx)};
     char message[256] = "";
     char full[320];
     if (call->forward(call->runner, call->layer, x->data, x_code, ids->data, weights->data, w_code, x->dims[0],
