@@ -91,7 +91,7 @@ def frozen_matmul(x, w, w_t=None, out_dtype=None):
 
 
 def base_matmul(x, w, w_t=None, packed=None, out_dtype=None):
-    """`frozen_matmul`, or for a decode step's rows (x bfloat16 [b <= 16, 1, k]) of a weight packed for them
+    """`frozen_matmul`, or for a decode step's rows (x bfloat16 [b <= 64, 1, k]) of a weight packed for them
     (`native_call.pack_dense`) the native AMX product (moe_jax/csrc/xla_dense.c) on XLA:CPU. XLA reads such small
     products' weights at 5-10 GB/s, evicted from cache by the experts between two steps; the native call at ~20
     (bench model, cold weights: head 197 vs 477 us, a 512 x 512 projection 28 vs 61 us). The float32 sums are

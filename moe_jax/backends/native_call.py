@@ -33,7 +33,7 @@ ATTENTION_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")  # the kernel's
 ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 DENSE_TARGET = "moe_jax_dense"
-DENSE_MAX_ROWS = 16  # one AMX tile of rows: a decode step's batch
+DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 
 
 def status() -> tuple[bool, str]:
@@ -108,7 +108,7 @@ def pack_dense(w_kn) -> jax.Array:
 
 
 def dense_call(x_mk, packed_w, n: int):
-    """x @ W in float32 for x bfloat16 [m <= 16, k], W given as `pack_dense(W)` with n columns."""
+    """x @ W in float32 for x bfloat16 [m <= DENSE_MAX_ROWS, k], W given as `pack_dense(W)` with n columns."""
     usable, reason = dense_status()  # registers the handler on first use
     if not usable:
         raise RuntimeError(f"native dense products unavailable: {reason}")

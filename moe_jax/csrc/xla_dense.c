@@ -6,8 +6,9 @@
  * This reads them as the fused experts do (amx_gemm_4_streams: four column blocks side by side, prefetched), with
  * the work in 64-column groups shared by the calling thread and helpers from XLA's pool.
  *
- * Operands: x [m, k] bf16 (m <= 16), w [ceil(n / 16), ceil(k / 32), 512] u16. Result: y [m, n] f32, float32 sums
- * of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation order).
+ * Operands: x [m, k] bf16 (m <= 64: a decode step's batch), w [ceil(n / 16), ceil(k / 32), 512] u16. Result:
+ * y [m, n] f32, float32 sums of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation
+ * order). Rows go 16 at a time (an AMX tile's) through each group's weights, which stay in cache between them.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
  */
 #include <stdatomic.h>
@@ -22,7 +23,8 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
 void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
                         int64_t ldc, int64_t m, const int cols[4]);
 
-#define ROWS 16       /* an AMX tile's rows: x is copied into a zero-padded 16-row buffer the tiles can read */
+#define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
+#define MAX_ROWS 64
 #define GROUP_BLOCKS 4 /* 16-column blocks per task */
 
 /* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
@@ -33,7 +35,7 @@ typedef struct {
     int64_t m, n, kp, groups;
     const uint16_t *w;
     float *y;
-    uint16_t *x; /* [ROWS, kp], after this struct */
+    uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
 } dense_call;
 
 static void run_group(const dense_call *c, int64_t g) {
@@ -42,9 +44,13 @@ static void run_group(const dense_call *c, int64_t g) {
     if (n1 - n0 == GROUP_BLOCKS * 16) {
         const uint16_t *b[4] = {c->w + nb0 * block, c->w + (nb0 + 1) * block, c->w + (nb0 + 2) * block,
                                 c->w + (nb0 + 3) * block};
-        float *out[4] = {c->y + n0, c->y + n0 + 16, c->y + n0 + 32, c->y + n0 + 48};
         const int cols[4] = {16, 16, 16, 16};
-        amx_gemm_4_streams(c->x, c->kp, c->kp, b, out, c->n, c->m, cols);
+        for (int64_t r = 0; r < c->m; r += TILE_ROWS) {
+            float *y = c->y + r * c->n + n0;
+            float *out[4] = {y, y + 16, y + 32, y + 48};
+            const int64_t rows = c->m - r < TILE_ROWS ? c->m - r : TILE_ROWS;
+            amx_gemm_4_streams(c->x + r * c->kp, c->kp, c->kp, b, out, c->n, rows, cols);
+        }
     } else { /* the last, narrower group */
         amx_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     }
@@ -88,14 +94,15 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
         y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
         return ffi_error(api, "moe_jax_dense: x [m, k] bf16, packed w [n blocks, k blocks, 512] u16, y [m, n] f32");
     const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = w->dims[1] * 32;
-    if (m < 1 || m > ROWS || y->dims[0] != m || w->dims[2] != 512 || w->dims[0] != (n + 15) / 16 || kp < k ||
+    if (m < 1 || m > MAX_ROWS || y->dims[0] != m || w->dims[2] != 512 || w->dims[0] != (n + 15) / 16 || kp < k ||
         kp - k >= 32)
-        return ffi_error(api, "moe_jax_dense: 1-16 rows, and a packed weight of x's k and y's n expected");
-    dense_call *c = aligned_alloc(64, (sizeof(dense_call) + 63) / 64 * 64 + (size_t)ROWS * kp * 2);
+        return ffi_error(api, "moe_jax_dense: 1-64 rows, and a packed weight of x's k and y's n expected");
+    const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    dense_call *c = aligned_alloc(64, (sizeof(dense_call) + 63) / 64 * 64 + (size_t)padded_rows * kp * 2);
     if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
     const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
     c->x = (uint16_t *)((char *)c + (sizeof(dense_call) + 63) / 64 * 64);
-    memset(c->x, 0, (size_t)ROWS * kp * 2); /* padding rows and columns: zeros (they meet zero weights or unstored rows) */
+    memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
