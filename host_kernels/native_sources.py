@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 SOURCES = ("amx_gemm.c", "f32_gemm.c", "swiglu.c", "runner.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
-HEADERS = ("simd.h", "moe_forward.h", "runner.h")
+HEADERS = ("simd.h", "moe_forward.h", "runner.h", "amx_gemm.h")
 CSRC = Path(__file__).parent / "csrc"
 XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"
 # moe_jax._xla_ffi: XLA's FFI handlers (the experts' call goes through moe_forward.h's moe_call); .c files compile
@@ -18,6 +18,7 @@ XLA_FFI_SOURCES = (
     CSRC / "amx_gemm.c",  # compiled into both libraries: the dense handler calls its kernels
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
+    CSRC / "amx_gemm.h",
 )
 
 

@@ -23,6 +23,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx_gemm.h"
+
 #define A_CHUNK_BYTES (512 * 1024)
 /* amx_gemm_4_streams asks for each stream's weights this many 1 KiB tiles ahead of the one it loads: its tile
  * loads alone read no faster than amx_gemm's two streams (bench model, 16-token experts of 4 layers: 5.07 vs
@@ -120,15 +122,15 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
     _tile_release();
 }
 
-/* Four 16-column blocks of C = A @ B for an A of at most 16 rows (a decode step's rows of one expert), each block
- * from its own packed weight: b[i] is block i's k-contiguous stream (packed + nb * kp * 16), c[i] where its
- * columns go (row stride ldc), cols[i] of them (1-16) kept. At decode sizes the product is bound by reading the
+/* Four whole 16-column blocks of C = A @ B for an A of at most 16 rows (a decode step's rows of one expert), each
+ * block from its own packed weight: b[i] is block i's k-contiguous stream (amx_block), c[i] where its 16 columns
+ * go (row stride ldc). At decode sizes the product is bound by reading the
  * weights, and one core reads four streams faster than two (two threads over 138 MB here: ~28 vs ~24 GB/s in a
  * plain load loop), so this reads four blocks side by side where amx_gemm reads two, and prefetches each stream
- * ahead of its tile loads. Each block's tile sees the
- * same products in the same order as in amx_gemm: the results are the same bits. */
+ * ahead of its tile loads. Each block's tile sees the same products in the same order as in amx_gemm: the results
+ * are the same bits. */
 void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
-                        int64_t ldc, int64_t m, const int cols[4]) {
+                        int64_t ldc, int64_t m) {
     float scratch[16 * 16];
     const int64_t kb_count = kp / 32;
     load_config();
@@ -151,10 +153,10 @@ void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16
         _tile_loadd(5, b[3] + kb * 512, 64); /* eight tiles in all: the fourth block reuses the first's */
         _tile_dpbf16ps(3, 4, 5);
     }
-    STORE_TILE(0, c[0], ldc, m, cols[0]);
-    STORE_TILE(1, c[1], ldc, m, cols[1]);
-    STORE_TILE(2, c[2], ldc, m, cols[2]);
-    STORE_TILE(3, c[3], ldc, m, cols[3]);
+    STORE_TILE(0, c[0], ldc, m, 16);
+    STORE_TILE(1, c[1], ldc, m, 16);
+    STORE_TILE(2, c[2], ldc, m, 16);
+    STORE_TILE(3, c[3], ldc, m, 16);
     _tile_release();
 }
 

@@ -20,14 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_gemm.h"
 #include "moe_forward.h"
 #include "runner.h"
 #include "simd.h"
 
-void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
-              int64_t m, int64_t n0, int64_t n1);
-void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
-                        int64_t ldc, int64_t m, const int cols[4]);
 void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
               int64_t n0, int64_t n1);
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
@@ -152,12 +149,11 @@ static void gate_up_task(void *state, int worker, int64_t task) {
     int64_t c = t.c0;
     if (!l->f32 && m <= 16) /* decode: gate and up columns side by side, four weight streams */
         for (; c + 32 <= t.c1; c += 32) {
-            const uint16_t *g = (const uint16_t *)w13 + c / 16 * l->kp_hidden * 16;
-            const uint16_t *u = (const uint16_t *)w13 + (l->ffn_padded + c) / 16 * l->kp_hidden * 16;
-            const uint16_t *b[4] = {g, g + l->kp_hidden * 16, u, u + l->kp_hidden * 16};
+            const int64_t kp = l->kp_hidden, gate = c / 16, up = (l->ffn_padded + c) / 16;
+            const uint16_t *b[4] = {amx_block(w13, kp, gate), amx_block(w13, kp, gate + 1), amx_block(w13, kp, up),
+                                    amx_block(w13, kp, up + 1)};
             float *out[4] = {hg + (c - t.c0), hg + (c - t.c0) + 16, hu + (c - t.c0), hu + (c - t.c0) + 16};
-            const int cols[4] = {16, 16, 16, 16}; /* c + 32 <= c1 <= ffn */
-            amx_gemm_4_streams((const uint16_t *)a, l->kp_hidden, l->kp_hidden, b, out, COLUMN_BLOCK, m, cols);
+            amx_gemm_4_streams((const uint16_t *)a, kp, kp, b, out, COLUMN_BLOCK, m);
         }
     if (c < t.c1) {
         expert_gemm(l, a, l->kp_hidden, w13, hg + (c - t.c0), COLUMN_BLOCK, m, c, t.c1);
@@ -177,16 +173,17 @@ static void down_task(void *state, int worker, int64_t task) {
     float *out = s->out + r0 * d + t.c0;
     const char *a = s->act + r0 * l->kp_ffn * l->row_bytes;
     int64_t c = t.c0;
+    const void *w2 = l->w2[t.expert];
+    const int64_t kp = l->kp_ffn;
     if (!l->f32 && m <= 16) /* decode: four 16-column blocks side by side, four weight streams */
-        for (const uint16_t *w2 = l->w2[t.expert]; c + 64 <= t.c1; c += 64) {
-            const uint16_t *b0 = w2 + c / 16 * l->kp_ffn * 16;
-            const uint16_t *b[4] = {b0, b0 + l->kp_ffn * 16, b0 + 2 * l->kp_ffn * 16, b0 + 3 * l->kp_ffn * 16};
+        for (; c + 64 <= t.c1; c += 64) {
+            const uint16_t *b[4] = {amx_block(w2, kp, c / 16), amx_block(w2, kp, c / 16 + 1),
+                                    amx_block(w2, kp, c / 16 + 2), amx_block(w2, kp, c / 16 + 3)};
             float *o = out + (c - t.c0);
             float *outs[4] = {o, o + 16, o + 32, o + 48};
-            const int cols[4] = {16, 16, 16, 16};
-            amx_gemm_4_streams((const uint16_t *)a, l->kp_ffn, l->kp_ffn, b, outs, d, m, cols);
+            amx_gemm_4_streams((const uint16_t *)a, kp, kp, b, outs, d, m);
         }
-    if (c < t.c1) expert_gemm(l, a, l->kp_ffn, l->w2[t.expert], out + (c - t.c0), d, m, c, t.c1);
+    if (c < t.c1) expert_gemm(l, a, kp, w2, out + (c - t.c0), d, m, c, t.c1);
     for (int64_t i = 0; i < m; i++) {
         const __m512 w = _mm512_set1_ps(s->weight_sorted[r0 + i]);
         float *row = out + i * d;

@@ -18,12 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_gemm.h"
 #include "ffi_common.h"
-
-void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
-              int64_t m, int64_t n0, int64_t n1);
-void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
-                        int64_t ldc, int64_t m, const int cols[4]);
 
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
 #define MAX_ROWS 64
@@ -41,17 +37,16 @@ typedef struct {
 } dense_call;
 
 static void run_group(const dense_call *c, int64_t g) {
-    const int64_t nb0 = g * GROUP_BLOCKS, block = (c->kp / 32) * 512;
+    const int64_t nb0 = g * GROUP_BLOCKS;
     const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
     if (n1 - n0 == GROUP_BLOCKS * 16) {
-        const uint16_t *b[4] = {c->w + nb0 * block, c->w + (nb0 + 1) * block, c->w + (nb0 + 2) * block,
-                                c->w + (nb0 + 3) * block};
-        const int cols[4] = {16, 16, 16, 16};
+        const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
+                                amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
         for (int64_t r = 0; r < c->m; r += TILE_ROWS) {
             float *y = c->y + r * c->n + n0;
             float *out[4] = {y, y + 16, y + 32, y + 48};
             const int64_t rows = c->m - r < TILE_ROWS ? c->m - r : TILE_ROWS;
-            amx_gemm_4_streams(c->x + r * c->kp, c->kp, c->kp, b, out, c->n, rows, cols);
+            amx_gemm_4_streams(c->x + r * c->kp, c->kp, c->kp, b, out, c->n, rows);
         }
     } else { /* the last, narrower group */
         amx_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
