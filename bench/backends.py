@@ -1,11 +1,14 @@
 """Every backend side by side on the same model and batch: forward and forward+backward (LoRA) time, and metrics.
 
-    python bench/backends.py [--batch 4 --seq 512] [--repeats 3] [--quick]
+    python bench/backends.py [--batch 4 --seq 512] [--repeats 3] [--quick] [--backends host,auto,host,auto]
+        [--profile probe.json]
 
 Runs unchanged on CPU and on an accelerator (the device lane is whatever `jax.devices()[0]` is). Uses the
 Mixtral-shaped bench model (bench/models.py), LoRA r=8 on q/k/v/o; the hybrid plan keeps half of each layer's
 experts on the device; auto gets room for half the experts (its cache, calibrated on the batch, and its stream
-buffers) and plans with this machine's probe profile. Writes bench/results/backends.json.
+buffers) and plans with this machine's probe profile (or --profile's). A backend named twice runs twice, in
+the order given: interleave them (host,auto,host,auto) to compare two on a noisy machine.
+Writes bench/results/backends.json.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", default="device,host,offload,hybrid,auto")
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, one repeat")
+    parser.add_argument("--profile", type=Path, help="auto's probe profile (default: this machine's, cached)")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 128, 1
@@ -46,10 +50,12 @@ def main():
         kwargs = {}
         if backend == "hybrid":
             kwargs["placement_plan"] = {layer: [0, 1, 2, 3] for layer in range(4)}
-        if backend == "auto":  # this machine's probe profile; room for half the experts (cache + streams)
+        if backend == "auto":  # a probe profile; room for half the experts (cache + streams)
             kwargs["device_budget_bytes"] = 16 * 3 * 512 * 1408 * 4
+            kwargs["profile"] = args.profile
         model = moe_jax.load_model(path, backend=backend, **kwargs)
         if backend == "auto":
+            print(model.placement.describe())
             model.calibrate_expert_cache(tokens[:1])
         model.attach_lora(LoRAConfig(rank=8, alpha=16))
         fwd = timed(lambda m=model: m.logits(tokens), args.repeats)

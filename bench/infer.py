@@ -5,8 +5,9 @@
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) on the Mixtral-shaped
    bench model: moe_jax with the host backend (float32; bfloat16, whose experts and decode attention XLA calls
    through the FFI handlers; bfloat16 with MOE_JAX_XLA_FFI=0: experts through a Python callback, attention in XLA)
-   and the device backend (float32), and Hugging Face `generate` on
-   torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against transformers' faster dtype.
+   and the device backend (float32), auto (--sides auto_float32,auto_bfloat16; --profile), and Hugging Face
+   `generate` on torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against
+   transformers' faster dtype.
 2. Agent traces (bench/data/agent_trace.json, bench/agent_traces.py): prompt tokens prefilled with the anchor
    cache and without, for (a) previous thinking dropped each turn and (b) also an old tool result trimmed every
    fourth turn; greedy outputs must be identical with and without the cache.
@@ -34,6 +35,7 @@ from moe_jax.anchor_cache import AnchorCache  # noqa: E402
 from moe_jax.engine import GenerationEngine, Request  # noqa: E402
 
 PROMPT, NEW = 32, 64
+AUTO_PROFILE = None  # the auto sides' probe profile (--profile); None: this machine's, measured once and cached
 
 
 def prompts(batch):
@@ -46,7 +48,10 @@ ROUNDS = 3  # each side runs this many times, interleaved with the others; the t
 
 def ours(backend: str, dtype: str, batch: int, new_tokens: int, xla_ffi: bool = True):
     """A function that runs one timed generation with moe_jax (compiled, and warmed up, before it is returned)."""
-    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype)
+    profile = AUTO_PROFILE if backend == "auto" else None
+    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, profile=profile)
+    if backend == "auto":
+        print(f"auto {dtype}, batch {batch}: {model.placement.describe()}")
     engine = GenerationEngine(model, batch, PROMPT + new_tokens)
     reqs = [Request(p, new_tokens) for p in prompts(batch)]
     previous = os.environ.get("MOE_JAX_XLA_FFI")
@@ -99,6 +104,9 @@ SIDES = {
     "host_bfloat16": (lambda b, n: ours("host", "bfloat16", b, n), ROUNDS),
     "host_bfloat16_callback": (lambda b, n: ours("host", "bfloat16", b, n, xla_ffi=False), ROUNDS),
     "device_float32": (lambda b, n: ours("device", "float32", b, n), 1),
+    # the planner's placement (a device cache only where the probe profile predicts it pays), --profile to pick one
+    "auto_float32": (lambda b, n: ours("auto", "float32", b, n), ROUNDS),
+    "auto_bfloat16": (lambda b, n: ours("auto", "bfloat16", b, n), ROUNDS),
     # for a machine with an accelerator (--sides): everything on it, and experts copied to it per layer
     "device_bfloat16": (lambda b, n: ours("device", "bfloat16", b, n), ROUNDS),
     "offload_bfloat16": (lambda b, n: ours("offload", "bfloat16", b, n), ROUNDS),
@@ -180,7 +188,10 @@ def main():
         "--sides", default=",".join(CPU_SIDES), help=f"comma-separated, from: {', '.join(SIDES)} (default: the first 6)"
     )
     parser.add_argument("--no-traces", action="store_true", help="the decode table only")
+    parser.add_argument("--profile", type=Path, help="probe profile for the auto sides (default: this machine's)")
     args = parser.parse_args()
+    global AUTO_PROFILE
+    AUTO_PROFILE = args.profile
     sides = [name.strip() for name in args.sides.split(",") if name.strip()]
     unknown = [name for name in sides if name not in SIDES]
     if unknown or not sides:

@@ -18,63 +18,51 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moe_jax.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
 from moe_jax.cli import run_cli
-from moe_jax.cost_model import Profile, layer_time, plan_layer
+from moe_jax.cost_model import Profile, layer_time
 from moe_jax.errors import InputError
 
 OPTIONS = ("device", "offload", "host", "auto")
-AUTO_WORTH_IT = 1.10  # recommend auto over the best single paradigm only when it is this much faster
 
 
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    experts: int
-    top_k: int
-    expert_params: int
-    itemsize: int
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.expert_params * self.itemsize
+def auto_cached(shape: Shape, device_memory: float | None) -> int:
+    """Experts per layer auto's cache holds beside its stream buffers in `device_memory` (None: unlimited)."""
+    stream_buffers = 2 * shape.top_k * shape.expert_bytes
+    room = shape.layers * shape.experts * shape.expert_bytes
+    if device_memory is not None:
+        room = max(0.0, device_memory - stream_buffers)
+    return int(min(shape.experts, room // (shape.expert_bytes * shape.layers)))
 
 
-def expected_routing(tokens: int, shape: Shape, zipf: float) -> np.ndarray:
-    """Expected tokens per expert for `tokens` tokens routed top-k over experts of Zipf popularity."""
-    popularity = 1.0 / np.arange(1, shape.experts + 1) ** zipf
-    return tokens * shape.top_k * popularity / popularity.sum()
-
-
-def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_memory: float | None) -> dict:
-    """Seconds per step (MoE layers only), tokens/s and device expert bytes of each option at one batch size."""
+def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_memory: float | None, choice=None) -> dict:
+    """Seconds per step (MoE layers only), tokens/s and device expert bytes of each option at one batch size.
+    `choice`: auto's decision (choose_auto) for the phases that will run; default: this batch size alone."""
     counts = expected_routing(tokens, shape, zipf)
     e = shape.experts
-    all_experts = shape.layers * e * shape.expert_bytes
     stream_buffers = 2 * shape.top_k * shape.expert_bytes
-    memory = {"device": all_experts, "offload": stream_buffers, "host": 0}
+    memory = {"device": shape.layers * e * shape.expert_bytes, "offload": stream_buffers, "host": 0}
     layer = {
-        "device": layer_time(profile, counts, ["resident"] * e),
-        "offload": layer_time(profile, counts, ["stream"] * e),
-        "host": layer_time(profile, counts, ["host"] * e),
+        "device": layer_time(profile, counts, ["resident"] * e).seconds,
+        "offload": layer_time(profile, counts, ["stream"] * e).seconds,
+        "host": layer_time(profile, counts, ["host"] * e).seconds,
     }
-    # auto: what fits of the hottest experts stays cached, the planner places the rest per step; where the
-    # device neither runs beside the host nor beats it (jax on this CPU), auto keeps everything on the host
-    if profile.device_helps:
-        room = all_experts if device_memory is None else max(0.0, device_memory - stream_buffers)
-        cached = int(min(e, room // (shape.expert_bytes * shape.layers)))
-        resident = set(np.argsort(-counts, stable=True)[:cached].tolist())
-        layer["auto"] = layer_time(profile, counts, plan_layer(profile, counts, resident))
+    # auto: what fits of the hottest experts stays cached, the planner places every expert per step; where the
+    # shared rule finds no gain worth the device, auto is the host alone
+    cached = auto_cached(shape, device_memory)
+    choice = choice or choose_auto(profile, shape, cached, True, (tokens,), zipf)
+    if choice.use_device:
+        layer["auto"] = auto_layer_seconds(profile, counts, cached, True)
         memory["auto"] = stream_buffers + cached * shape.layers * shape.expert_bytes
     else:
         layer["auto"], memory["auto"] = layer["host"], 0
     out = {}
     for name in OPTIONS:
-        step = shape.layers * layer[name].seconds
+        step = shape.layers * layer[name]
         fits = device_memory is None or memory[name] <= device_memory
         out[name] = {"step_s": step, "tokens_per_s": tokens / step, "device_bytes": memory[name], "fits": fits}
     return out
@@ -96,7 +84,7 @@ def recommend(prediction: dict) -> str:
     """The fastest option that fits in device memory; auto only when clearly ahead of the single paradigms."""
     fitting = {name: p["step_s"] for name, p in prediction.items() if p["fits"]}
     single = min((n for n in fitting if n != "auto"), key=fitting.get)
-    if "auto" in fitting and fitting["auto"] * AUTO_WORTH_IT < fitting[single]:
+    if "auto" in fitting and fitting["auto"] * WORTH_IT < fitting[single]:
         return "auto"
     return single
 
@@ -133,15 +121,13 @@ def cpu_question(profile: Profile, shape: Shape) -> dict:
     }
 
 
-def model_shape(c, dtype: str) -> Shape:
-    params = 3 * c.hidden_size * c.expert_intermediate_size
-    return Shape(len(c.moe_layers), c.num_experts, c.num_experts_per_tok, params, {"float32": 4, "bfloat16": 2}[dtype])
-
-
 def advise(profile: Profile, shape: Shape, batches, zipf: float = 0.0, device_memory: float | None = None) -> dict:
+    """The three answers at each batch size; auto decides once for all of them (the phases that will run), as
+    backend="auto" does at load."""
+    choice = choose_auto(profile, shape, auto_cached(shape, device_memory), True, tuple(batches), zipf)
     rows = []
     for tokens in batches:
-        prediction = predict(profile, shape, tokens, zipf, device_memory)
+        prediction = predict(profile, shape, tokens, zipf, device_memory, choice)
         rows.append(
             {
                 "tokens": tokens,
@@ -151,7 +137,7 @@ def advise(profile: Profile, shape: Shape, batches, zipf: float = 0.0, device_me
                 "recommend": recommend(prediction),
             }
         )
-    return {"rows": rows}
+    return {"rows": rows, "auto": {"use_device": choice.use_device, "reason": choice.reason}}
 
 
 def main(argv=None):
@@ -173,7 +159,7 @@ def main(argv=None):
     from moe_jax.checkpoint import open_checkpoint
 
     config = open_checkpoint(args.model).config
-    shape = model_shape(config, args.dtype)
+    shape = model_shape(config, {"float32": 4, "bfloat16": 2}[args.dtype])
     profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)
@@ -230,6 +216,8 @@ def _print(answer: dict, profile: Profile, shape: Shape, memory):
             cells.append(f"{p['tokens_per_s']:>9,.0f} {p['device_bytes'] / 2**20:>6.0f}MiB{mark:1}")
         choice = {"host": "co-compute", "offload": "offload"}[row["co_compute_or_offload"]]
         print(f"   {row['tokens']:>6} " + " ".join(cells) + f"   {choice:>18}   {row['recommend']}")
+    auto = answer["auto"]
+    print(f"   auto: {'device cache and host' if auto['use_device'] else 'host only'} ({auto['reason']})")
     if any(not p["fits"] for row in answer["rows"] for p in row["options"].values()):
         print("   (! does not fit the device memory given)")
 

@@ -9,7 +9,7 @@ share the cores and add up). Per-expert times come from the probe's tables (`pyt
 interpolated in rows routed to the expert, plus each side's fixed cost per call. The host lane accounts for
 experts spreading over its workers in whole tiles; copies move at the bandwidth measured while the host computes
 for as long as the host lane runs (both read RAM) and at the full bandwidth after; the device lane is a two-stage
-flow shop (bus, then compute) with two buffers. The planner (`best_stream_count`) uses the same formulas,
+flow shop (bus, then compute) with two buffers. The planner (`best_placement`) uses the same formulas,
 vectorised over candidate placements, in numpy or inside jit.
 """
 
@@ -25,6 +25,9 @@ import numpy as np
 from moe_jax.errors import InputError
 
 PLACES = ("host", "resident", "stream")
+# a device that shares the host's cores must be measured this much faster than the host at some size before it
+# is used: at decode sizes two probes of the same machine differ by up to ~20%
+SHARED_DEVICE_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,10 @@ class Profile:
     @property
     def device_helps(self) -> bool:
         """Whether placing experts on the device can pay: it runs beside the host (a separate chip), or it
-        computes an expert faster than the host at some measured size. Not so for jax on the host's own CPU."""
-        return self.parallel_lanes or bool(np.any(self.device_time(self.host_rows) < self.host_seconds))
+        computes an expert clearly faster than the host (by SHARED_DEVICE_MARGIN) at some measured size. Not so
+        for jax on the host's own CPU, whose decode-size timings differ from the host's by probe noise."""
+        faster = self.device_time(self.host_rows) * SHARED_DEVICE_MARGIN < self.host_seconds
+        return self.parallel_lanes or bool(np.any(faster))
 
 
 def _plain(values):
@@ -184,49 +189,61 @@ def layer_time(profile: Profile, tokens_per_expert, placement) -> LayerTime:
     return LayerTime(host, float(device), profile.parallel_lanes)
 
 
-def best_stream_count(profile: Profile, tokens_e, resident_e, xp=np):
+def best_placement(profile: Profile, tokens_e, resident_e, can_stream=True, *, xp=np):
     """The planner's core, shared by the cost model (numpy) and the running backend (jax.numpy, inside jit).
 
-    Streaming an expert moves its host time to the device lane at the price of one copy. When the device lane
-    binds, the experts to stream first are those that save the most host time per device-lane second added;
-    when the host lane binds, those that save the most host time (the busiest). The best set is nearly always a
-    prefix of one of these two rankings: all 2 (E + 1) prefixes are scored at once and the fastest is returned
-    as (k, ranking): stream the first k experts of the ranking."""
+    Every routed expert computes on the host or on the device: from the device cache when it is resident there
+    (an option, not an obligation: at sizes where the host is faster its rows go to the host), else streamed
+    over the bus (when `can_stream`). Moving an expert to the device lane saves its host time at the price of its
+    device time (plus one copy when streamed). When the device lane binds, the experts to move first are those
+    that save the most host time per device-lane second added; when the host lane binds, those that save the most
+    host time (the busiest); the third ranking keeps the cache's experts first (the placement of a static cache).
+    The best set is nearly always a prefix of one of these: all 3 (E + 1) prefixes are scored at once and the
+    fastest is returned as (k, ranking): the first k experts of the ranking compute on the device, the other
+    routed experts on the host. k = 0 is every routed expert on the host, so the plan never loses to it."""
     tokens_e = xp.asarray(tokens_e, dtype=xp.float32)
     host_s = _interpolate(profile.host_rows, profile.host_seconds, tokens_e, xp)
     device_s = _interpolate(profile.device_rows, profile.device_seconds, tokens_e, xp)
-    candidate = (~resident_e) & (tokens_e > 0)
-    per_device_second = host_s / (device_s + _bus_seconds(profile, 1, 0.0, xp))
-    rankings = [xp.argsort(xp.where(candidate, -key, 1.0), stable=True) for key in (per_device_second, host_s)]
+    candidate = (tokens_e > 0) & (resident_e | can_stream)
+    copy_s = xp.where(resident_e, 0.0, _bus_seconds(profile, 1, 0.0, xp))
+    per_device_second = host_s / xp.maximum(device_s + copy_s, 1e-12)
+    by_rate, by_host = (xp.argsort(xp.where(candidate, -key, 1.0), stable=True) for key in (per_device_second, host_s))
+    cache_first = by_rate[xp.argsort(xp.where(candidate & resident_e, 0, 1)[by_rate], stable=True)]
+    rankings = xp.stack([by_rate, by_host, cache_first])
     seconds = xp.stack(
         [_prefix_seconds(profile, host_s, device_s, tokens_e, candidate, resident_e, r, xp) for r in rankings]
     )
     best = xp.argmin(seconds)
     experts = tokens_e.shape[0] + 1
-    return best % experts, xp.where(best < experts, rankings[0], rankings[1])
+    return best % experts, rankings[best // experts]
 
 
 def _prefix_seconds(profile, host_s, device_s, tokens_e, candidate, resident_e, order, xp):
-    """Layer seconds when streaming the first k experts of `order`, for k = 0..E (inf past the candidates)."""
-    valid = xp.cumsum(candidate[order]) == xp.arange(1, tokens_e.shape[0] + 1)
-    k = xp.arange(tokens_e.shape[0] + 1)
-    streamed = (xp.arange(tokens_e.shape[0])[None, :] < k[:, None]) & valid[None, :]
-    on_host = candidate[order][None, :] & ~streamed
+    """Layer seconds when the first k experts of `order` compute on the device, for k = 0..E (inf past the
+    candidates)."""
+    e = tokens_e.shape[0]
+    valid = xp.cumsum(candidate[order]) == xp.arange(1, e + 1)
+    k = xp.arange(e + 1)
+    on_device = (xp.arange(e)[None, :] < k[:, None]) & valid[None, :]
+    streamed = on_device & ~resident_e[order][None, :]
+    on_host = (tokens_e[order] > 0)[None, :] & ~on_device
     host_lane = _host_lane(profile, host_s[order][None, :], tokens_e[order][None, :], on_host, xp)
-    resident_s = xp.sum(xp.where(resident_e, device_s, 0.0))
+    resident_s = xp.sum(xp.where(on_device & ~streamed, device_s[order][None, :], 0.0), axis=-1)
     device_lane = _device_lane(profile, resident_s, device_s[order][None, :], streamed, host_lane, xp)
     feasible = xp.concatenate([xp.ones(1, dtype=bool), valid])
     layer = xp.maximum(host_lane, device_lane) if profile.parallel_lanes else host_lane + device_lane
     return xp.where(feasible, layer, xp.inf)
 
 
-def plan_layer(profile: Profile, tokens_per_expert, resident: set[int] | frozenset = frozenset()) -> list[str]:
-    """A placement for one layer: experts in `resident` (cached on the device) compute there; the others are
-    streamed or left on the host as `best_stream_count` finds fastest."""
+def plan_layer(
+    profile: Profile, tokens_per_expert, resident: set[int] | frozenset = frozenset(), can_stream: bool = True
+) -> list[str]:
+    """A placement for one layer: each routed expert "resident" (computed from the device cache; only experts in
+    `resident` can be), "stream" or "host", as `best_placement` finds fastest."""
     tokens = np.asarray(tokens_per_expert, float)
     resident_e = np.isin(np.arange(len(tokens)), list(resident))
-    k, order = best_stream_count(profile, tokens, resident_e)
-    placement = ["resident" if r else "host" for r in resident_e]
+    k, order = best_placement(profile, tokens, resident_e, can_stream)
+    placement = ["host"] * len(tokens)
     for e in order[: int(k)]:
-        placement[int(e)] = "stream"
+        placement[int(e)] = "resident" if resident_e[e] else "stream"
     return placement

@@ -30,14 +30,16 @@ ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
 QUICK_ROWS = (1, 4, 16, 64, 256)
 
 
-def _best(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` timed runs after a warm-up: one lucky or unlucky run (another
+    process on the shared cores) moves a minimum or a mean, not the median."""
     fn()
-    best = float("inf")
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
 
 
 def expert_shape(model_dir) -> tuple[int, int]:
@@ -59,7 +61,7 @@ def probe_bus(d: int, f: int, repeats: int, copies: int = 4) -> dict:
     rng = np.random.default_rng(0)
     buffers = [jax.device_put(rng.standard_normal((3 * d * f,), np.float32), host) for _ in range(copies)]
     move = jax.jit(lambda bufs: [jax.device_put(b, device) for b in bufs])
-    seconds = _best(lambda: jax.block_until_ready(move(buffers)), repeats)
+    seconds = _median_time(lambda: jax.block_until_ready(move(buffers)), repeats)
     nbytes = sum(b.nbytes for b in buffers)
     return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
 
@@ -79,12 +81,12 @@ def _expert_table(
         x = rng.standard_normal((n * 8, d)).astype(np.float32)
         ids = np.repeat(np.arange(8), n)[:, None]  # n rows for each of the 8 experts
         args = prepare(x, ids, np.ones_like(ids, np.float32))
-        totals.append(_best(lambda args=args: run(*args), repeats))
+        totals.append(_median_time(lambda args=args: run(*args), repeats))
     x = rng.standard_normal((1, d)).astype(np.float32)
     decode = []
     for pair in ([0, 1], [3, 6], [5, 2], [7, 4]):  # the median over expert pairs: some layouts run slower
         args = prepare(x, np.array([pair]), np.full((1, 2), 0.5, np.float32))
-        decode.append(_best(lambda args=args: run(*args), repeats))
+        decode.append(_median_time(lambda args=args: run(*args), repeats))
     decode = float(np.median(decode))
     one_row = totals[rows.index(1)] if 1 in rows else totals[0]
     call = max(0.0, (4 * decode - one_row) / 3)
@@ -181,7 +183,7 @@ def cached_profile(d: int, f: int):
     path = cache / f"probe-{d}x{f}-{default_threads()}threads.json"
     if not path.exists():
         print(f"measuring this machine for backend='auto' (once; kept in {path}) ...", file=sys.stderr)
-        profile = measure(d, f, QUICK_ROWS, 3, None)
+        profile = measure(d, f, QUICK_ROWS, 5, None)
         cache.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(profile, indent=1))

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from moe_jax.chat_template import render_template
 from moe_jax.errors import InputError
 
 
@@ -41,16 +42,15 @@ def read_jsonl(path, on_bad_line: Callable[[str], None] | None = None) -> Iterat
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, where: str = "") -> str:
-    """Messages rendered with the checkpoint's chat template (jinja2, as transformers does)."""
+    """Messages rendered with the checkpoint's chat template (in jinja2's sandbox, as transformers does)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise InputError(f"{where}messages given, but the checkpoint has no chat template")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InputError(f"{where}message {i} needs 'role' and 'content'")
-    import jinja2
-
-    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(tokenizer.chat_template)
-    return template.render(
+    return render_template(
+        tokenizer.chat_template,
+        where,
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         bos_token=tokenizer.bos_token or "",

@@ -8,17 +8,20 @@ with a probe profile's measured expert timings and a chosen bus bandwidth:
                starts when the previous copy is done and a buffer is free; it moves at the shared bandwidth
                while the host lane is still reading RAM and at the full bandwidth after;
   device lane  resident experts first (their weights are there), then each streamed expert once its copy lands.
-The layer ends when both lanes are done. `compare_with_statics` plays the planner's placement against the static
-choices people configure by hand: all on the host, everything streamed, and fixed hybrid splits.
+The layer ends when both lanes are done (on a "device" that is the host's own CPU, the lanes add up).
+`compare_with_statics` plays auto's placement (the planner's, under auto's rule for using the device at all)
+against the static choices people configure by hand: all on the host, everything streamed, fixed hybrid splits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
 import numpy as np
 
+from moe_jax.auto_choice import Shape, choose_auto
 from moe_jax.cost_model import Profile, plan_layer
 
 HYBRID_FRACTIONS = (0.25, 0.5, 0.75)
@@ -90,16 +93,18 @@ def simulate_layer(profile: Profile, tokens_per_expert, placement) -> SimResult:
         bus_free = landed
         device_free = max(device_free, landed) + compute
         compute_end.append(device_free)
-    return SimResult(max(host_end, device_free), host_end, device_free, bus_busy)
+    # a "device" on the host's own cores (jax on CPU) does not run beside the host: the lanes add up
+    seconds = max(host_end, device_free) if profile.parallel_lanes else host_end + device_free
+    return SimResult(seconds, host_end, device_free, bus_busy)
 
 
 def static_placements(tokens_per_expert, resident=frozenset()) -> dict[str, list[str]]:
-    """The hand-set choices: every non-resident expert on the host, all of them streamed, and streaming a fixed
-    fraction of the routed ones (the busiest)."""
+    """The hand-set choices: every expert on the host (the cache unused: backend="host"), every non-resident
+    expert on the host, all of them streamed, and streaming a fixed fraction of the routed ones (the busiest)."""
     tokens = np.asarray(tokens_per_expert)
     base = ["resident" if e in resident else "host" for e in range(len(tokens))]
     routed = [int(e) for e in np.argsort(-tokens, stable=True) if tokens[e] > 0 and e not in resident]
-    out = {"all-host": base}
+    out = {"host-only": ["host"] * len(tokens), "all-host": base}
     for name, fraction in [("all-offload", 1.0)] + [(f"hybrid-{int(f * 100)}%", f) for f in HYBRID_FRACTIONS]:
         placement = base.copy()
         for e in routed[: int(round(fraction * len(routed)))]:
@@ -108,9 +113,12 @@ def static_placements(tokens_per_expert, resident=frozenset()) -> dict[str, list
     return out
 
 
-def compare_with_statics(profile: Profile, tokens_per_expert, resident=frozenset()) -> dict:
-    """Simulated seconds of the planner's placement and of each static one."""
+def compare_with_statics(profile: Profile, tokens_per_expert, resident=frozenset(), use_device=True) -> dict:
+    """Simulated seconds of auto's placement (the planner's, or every expert on the host where auto's rule,
+    `use_device`, keeps the device out) and of each static one."""
     planned = plan_layer(profile, tokens_per_expert, resident)
+    if not use_device:
+        planned = ["host"] * len(planned)
     times = {"planner": simulate_layer(profile, tokens_per_expert, planned).seconds}
     for name, placement in static_placements(tokens_per_expert, resident).items():
         times[name] = simulate_layer(profile, tokens_per_expert, placement).seconds
@@ -128,16 +136,25 @@ def zipf_routing(rng: np.random.Generator, tokens: int, experts: int, top_k: int
     return np.bincount(chosen.ravel(), minlength=experts)
 
 
-def sweep(profile: Profile, experts: int, top_k: int, seed: int = 0) -> list[dict]:
-    """The planner against the static choices at every point of the sweep, one row per point."""
+def sweep(
+    profile: Profile, experts: int, top_k: int, seed: int = 0, cached: int = 0, shared_cores: bool = False
+) -> list[dict]:
+    """The planner against the static choices at every point of the sweep, one row per point. `cached`: experts
+    in the device cache (the most routed of each point); `shared_cores`: the device is the host's own CPU (its
+    lanes add up, as jax on CPU does)."""
     rng = np.random.default_rng(seed)
     rows = []
+    shape = Shape(1, experts, top_k, int(profile.expert_bytes) // 4, 4)
     for gbps in BUS_GBPS:
         bus = profile.with_bus(gbps)
+        if shared_cores:
+            bus = dataclasses.replace(bus, parallel_lanes=False)
+        use_device = choose_auto(bus, shape, cached, True, TOKENS).use_device
         for tokens in TOKENS:
             for skew in SKEWS:
                 counts = zipf_routing(rng, tokens, experts, top_k, skew)
-                times = compare_with_statics(bus, counts)
+                resident = frozenset(np.argsort(-counts, stable=True)[:cached].tolist())
+                times = compare_with_statics(bus, counts, resident, use_device)
                 statics = {k: v for k, v in times.items() if k != "planner"}
                 best = min(statics, key=statics.get)
                 rows.append(

@@ -215,3 +215,96 @@ def test_training_steps_use_the_cache_as_refreshed_between_them(checkpoint, refe
             np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()) + 1e-7)
     assert caches[0] != caches[1] or caches[1] != caches[2]  # the cache really changed between steps
     assert all(len(c) == 3 for c in caches[2])
+
+
+def tiny_device_profile(config, parallel_lanes=False) -> Profile:
+    """A device that wins at 1 row (2x) and loses 4x from 16 rows on, sharing the host's cores (jax on CPU,
+    measured on a lucky run) unless `parallel_lanes`."""
+    host = ROWS * 1e-4
+    device = np.where(ROWS <= 1, 0.5, 4.0) * host
+    nbytes = expert_bytes(config)
+    return Profile(nbytes, 5.0, 3.0, ROWS, host, ROWS, device, host_workers=1, parallel_lanes=parallel_lanes)
+
+
+def _host_pairs(model) -> int:
+    jax.effects_barrier()
+    return sum(int(c.sum()) for c in model.metrics().tokens_per_expert.values())
+
+
+def test_cached_experts_are_an_option_per_call_not_an_obligation(checkpoint, reference):
+    """Every expert cached, a device that wins only at 1 row: a call of ~256 rows an expert sends every pair to
+    the host; a one-token call computes from the cache; both give the host backend's outputs."""
+    config = reference.config
+    model = moe_jax.load_model(
+        checkpoint,
+        backend="auto",
+        profile=tiny_device_profile(config),
+        device_budget_bytes=(config.num_experts * len(config.moe_layers) + 4) * expert_bytes(config),
+    )  # room for every expert and the 2 x 2 stream buffers
+    assert model.placement.uses_device and model.placement.expert_cache.capacity == config.num_experts
+    host = moe_jax.load_model(checkpoint, backend="host")
+    layers = len(config.moe_layers)
+    big = np.random.default_rng(6).integers(0, 96, size=(2, 256))  # 2 x 256 tokens x top-2 / 4 experts
+    model.metrics()
+    np.testing.assert_allclose(model.logits(big), host.logits(big), atol=1e-5)
+    assert _host_pairs(model) == big.size * config.num_experts_per_tok * layers
+    one = np.array([[17]])
+    model.metrics()
+    np.testing.assert_allclose(model.logits(one), host.logits(one), atol=1e-5)
+    assert _host_pairs(model) == 0  # both routed experts computed from the cache
+
+
+def test_auto_stays_host_only_when_the_device_is_not_clearly_faster(checkpoint, reference):
+    """jax on this CPU measured 10% faster than the host at 1 row (the noise between two probes): no cache."""
+    config = reference.config
+    noisy = Profile(
+        expert_bytes(config), 5.0, 3.0, ROWS, ROWS * 1e-4, ROWS, ROWS * 0.9e-4, host_workers=1, parallel_lanes=False
+    )
+    assert not noisy.device_helps
+    model = moe_jax.load_model(checkpoint, backend="auto", profile=noisy, device_budget_bytes=10**8)
+    assert not model.placement.uses_device and not _layers(model)
+    assert "host only" in model.placement.describe()
+
+
+def test_auto_stays_host_only_where_the_device_call_costs_more_than_it_saves(checkpoint, reference):
+    """Faster per expert at 1-4 rows, but with a fixed cost per call (as jax on CPU measures, ~1.7 ms) that
+    every phase pays: the rule predicts no gain, so auto builds host layers and says why."""
+    config = reference.config
+    base = tiny_device_profile(config)
+    costly = Profile(**{**base.__dict__, "device_call_s": 2e-3})
+    model = moe_jax.load_model(checkpoint, backend="auto", profile=costly, device_budget_bytes=10**8)
+    assert not model.placement.uses_device and not _layers(model)
+    assert "below" in model.placement.auto_choice.reason
+
+
+AGREEMENT_PROFILES = ["bus", "host", "mixed", "tiny-device-shared", "tiny-device-parallel", "measured", "costly"]
+
+
+@pytest.mark.parametrize("kind", AGREEMENT_PROFILES)
+def test_advisor_and_auto_agree(checkpoint, reference, kind):
+    """The advisor asked about auto's phases predicts what the auto backend builds: the device cache exactly
+    where the advisor's auto beats its host prediction by WORTH_IT somewhere, and auto never recommended
+    where it is host layers alone."""
+    from moe_jax.advise import advise
+    from moe_jax.auto_choice import PHASES, WORTH_IT, model_shape
+
+    config = reference.config
+    if kind in ("bus", "host", "mixed"):
+        p = profile(config, kind)
+    elif kind == "measured":
+        p = Profile.load("tests/data/probe_2core_cpu.json")
+        p = Profile(**{**p.__dict__, "expert_bytes": float(expert_bytes(config))})
+    else:
+        p = tiny_device_profile(config, parallel_lanes=kind == "tiny-device-parallel")
+        if kind == "costly":
+            p = Profile(**{**p.__dict__, "device_call_s": 2e-3})
+    eb = expert_bytes(config)
+    budget = 2 * config.num_experts_per_tok * eb + 2 * eb * len(config.moe_layers)
+    model = moe_jax.load_model(checkpoint, backend="auto", profile=p, device_budget_bytes=budget)
+    answer = advise(p, model_shape(config, 4), PHASES, device_memory=budget)
+    assert answer["auto"]["use_device"] == model.placement.uses_device
+    gains = [row["options"]["host"]["step_s"] / row["options"]["auto"]["step_s"] for row in answer["rows"]]
+    assert model.placement.uses_device == (max(gains) >= WORTH_IT)
+    assert min(gains) >= 1.0 - 1e-9  # the planner never predicts auto slower than the host alone
+    if not model.placement.uses_device:
+        assert all(row["recommend"] != "auto" for row in answer["rows"])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.cost_model import Profile, best_stream_count
+from moe_jax.cost_model import Profile, best_placement
 from moe_jax.simulate import simulate_layer, static_placements, summarise, sweep
 
 MEASURED = Profile.load(Path(__file__).parent / "data" / "probe_2core_cpu.json")
@@ -86,14 +86,14 @@ def test_planner_with_a_fast_device_stays_close_to_the_best_static_choice(expert
 
 def test_the_jitted_planner_chooses_what_the_numpy_one_does():
     p = MEASURED.with_bus(32)
-    jitted = jax.jit(lambda counts, resident: best_stream_count(p, counts, resident, jnp))
+    jitted = jax.jit(lambda counts, resident: best_placement(p, counts, resident, xp=jnp))
     rng = np.random.default_rng(1)
     streamed_somewhere = 0
     for _ in range(40):
         counts = rng.multinomial(int(rng.choice([2, 30, 500, 5000])), np.ones(8) / 8) * (rng.random(8) < 0.8)
         resident = rng.random(8) < 0.2
         k_jax, order_jax = jitted(counts, resident)
-        k_np, order_np = best_stream_count(p, counts, resident)
+        k_np, order_np = best_placement(p, counts, resident)
         assert set(np.asarray(order_jax)[: int(k_jax)].tolist()) == set(order_np[: int(k_np)].tolist())
         streamed_somewhere += int(k_np) > 0
     assert 0 < streamed_somewhere < 40  # both outcomes were exercised

@@ -4,8 +4,9 @@ device   all experts in accelerator memory (pure JAX, `ragged_dot`): the referen
 host     experts on the host CPU through host_kernels callbacks (co-compute)
 offload  experts in pinned host memory, the routed ones copied to the device per layer
 hybrid   a placement plan: some experts on the device, the rest on the host, both at once
-auto     hybrid layers whose device cache follows the routing (moe_jax.expert_cache) and whose planner streams
-         experts per call when the probe profile says copying them beats computing them on the host
+auto     hybrid layers whose device cache follows the routing (moe_jax.expert_cache) and whose planner places
+         every expert per call (cache, stream or host) from the probe profile; plain host layers where the cost
+         model predicts no gain worth the device (moe_jax.auto_choice)
 
 `device_budget_bytes` is the device memory this placement may hold expert weights in: the offload rounds, the
 hybrid plan, or auto's stream buffers and cache. `Model.set_memory_split` moves it at run time.
@@ -21,6 +22,7 @@ from flax import nnx
 
 from host_kernels.engine import HostMoE
 from host_kernels.store import ExpertStore
+from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends.host import HostExperts, HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
@@ -68,20 +70,38 @@ class Backend:
         self.plan = _check_plan(placement_plan or {}, config) if name == "hybrid" else {}
         self.profile = profile
         self.expert_cache: ExpertCache | None = None
+        self.auto_choice: AutoChoice | None = None
+        self.uses_device = False  # auto: a device cache and streams, planned per call (else host layers alone)
         if name == "auto":
-            # where the device neither runs beside the host nor computes any expert faster (jax on this CPU),
-            # auto keeps every expert on the host: no cache, no streams
-            self.device_helps = profile is not None and profile.device_helps
-            top_k = config.num_experts_per_tok
-            self.stream_slots = _stream_slots(budget, self.expert_bytes, top_k, profile) if self.device_helps else 0
-            self.expert_cache = ExpertCache(
-                config.moe_layers, config.num_experts, self.expert_bytes, self._cache_budget(budget)
-            )
+            self._choose_auto(budget)
         if name in ("host", "hybrid", "auto"):
             self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
 
+    def _choose_auto(self, budget: int):
+        """auto: stream buffers and a cache in `budget` where the shared rule (moe_jax.auto_choice) predicts they
+        pay in some phase; else no cache, no streams: host layers alone, as fast as backend="host"."""
+        config = self.checkpoint.config
+        helps = self.profile is not None and self.profile.device_helps
+        self.stream_slots = _stream_slots(budget, self.expert_bytes, config.num_experts_per_tok) if helps else 0
+        cache_budget = max(0, budget - self.stream_buffer_bytes)
+        cached = cache_budget // (self.expert_bytes * len(config.moe_layers))
+        shape = model_shape(config, self.dtype.itemsize)
+        self.auto_choice = choose_auto(self.profile, shape, min(cached, config.num_experts), self.stream_slots > 0)
+        self.uses_device = self.auto_choice.use_device
+        if not self.uses_device:
+            self.stream_slots = 0
+        self.expert_cache = ExpertCache(
+            config.moe_layers, config.num_experts, self.expert_bytes, self._cache_budget(budget)
+        )
+
     def _cache_budget(self, expert_budget: int) -> int:
-        return expert_budget - self.stream_buffer_bytes if self.device_helps else 0
+        return expert_budget - self.stream_buffer_bytes if self.uses_device else 0
+
+    def describe(self) -> str:
+        """The placement in a line (auto: what it chose and why)."""
+        if self.auto_choice is None:
+            return self.name
+        return f"auto: {self.auto_choice.summary()}"
 
     @property
     def stream_buffer_bytes(self) -> int:
@@ -96,7 +116,7 @@ class Backend:
         return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
 
     def experts_for_layer(self, layer: int):
-        if self.name == "host" or (self.name == "auto" and not self.device_helps):
+        if self.name == "host" or (self.name == "auto" and not self.uses_device):
             return HostExperts(self.runtime, layer)
         if self.name == "hybrid":
             return HybridExperts(self.runtime, layer, self._device_layer(layer), self.plan.get(layer, ()))
@@ -105,10 +125,9 @@ class Backend:
             if self.stream_slots:
                 stream = OffloadSpec(layer, self.stream_slots, 0.0, TransferCounter(self.metrics, self.expert_bytes))
             capacity = self.expert_cache.capacity
-            profile = self.profile if self.stream_slots else None
             # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
             first = range(capacity)
-            return HybridExperts(self.runtime, layer, self._device_layer(layer), first, capacity, profile, stream)
+            return HybridExperts(self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream)
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         if self.name == "offload":
             counter = TransferCounter(self.metrics, self.expert_bytes)
@@ -191,10 +210,8 @@ class Backend:
         return error
 
 
-def _stream_slots(budget: int, expert_bytes: int, top_k: int, profile: Profile | None) -> int:
+def _stream_slots(budget: int, expert_bytes: int, top_k: int) -> int:
     """auto streams rounds of up to top-k experts, double-buffered, when the budget has room for them."""
-    if profile is None:
-        return 0
     return int(min(top_k, budget // (4 * expert_bytes)))  # at most half the budget for stream buffers
 
 

@@ -3,7 +3,8 @@
 Every layer holds a device expert cache: `capacity` slots of expert weights plus the id of the expert in each
 slot (num_experts marks an empty slot). The slot ids are data, not structure, so the cache can change between
 steps (the expert cache of moe_jax.expert_cache decides what it holds) without recompiling. With `backend="auto"`
-the layer also has a planner: per call, from this call's routing, `cost_model.best_stream_count` picks which
+the layer also has a planner: per call, from this call's routing, `cost_model.best_placement` picks which cached
+experts compute from the cache (at sizes where the host is faster, their rows go to the host instead) and which
 of the other experts to copy over the bus and compute on the device (in double-buffered rounds, as the offload
 backend does); the rest go to the host engine, which receives them with device pairs masked out (expert id -1).
 
@@ -33,7 +34,7 @@ from moe_jax.backends.offload import (
     streamed_backward,
     streamed_forward,
 )
-from moe_jax.cost_model import Profile, best_stream_count
+from moe_jax.cost_model import Profile, best_placement
 from moe_jax.moe import subset_experts
 
 
@@ -48,8 +49,8 @@ class HybridSpec:
     store: object  # this layer's host store arrays (LayerExperts): the source of cache fills and streams
     capacity: int
     lora_scale: float
-    profile: Profile | None = None  # with a profile, the planner streams experts over the bus
-    stream: OffloadSpec | None = None
+    profile: Profile | None = None  # with a profile, a planner places every expert per call (cached ones too)
+    stream: OffloadSpec | None = None  # ... and may stream uncached ones over the bus
 
     @property
     def num_experts(self) -> int:
@@ -57,42 +58,64 @@ class HybridSpec:
 
     @property
     def host_needed(self) -> bool:
-        return self.capacity < self.num_experts
+        return self.capacity < self.num_experts or self.profile is not None
 
 
-def _placement(spec: HybridSpec, ids_tk, cache_ids):
-    """(on_device [e] mask, routing counts [e], streamed rounds [r, slots] or None, streamed count)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one call's experts compute: `on_device` [e] (from the cache or streamed; the host takes the rest),
+    the cache slots in use (`cache_ids` with unused slots emptied), the streamed rounds [r, slots] (None: no
+    streams) and how many experts are streamed."""
+
+    on_device: jax.Array
+    counts: jax.Array
+    cache_ids: jax.Array
+    rounds: jax.Array | None
+    streamed: jax.Array | int
+
+
+def _placement(spec: HybridSpec, ids_tk, cache_ids) -> Placement:
     e = spec.num_experts
     resident = jnp.zeros(e + 1, bool).at[cache_ids].set(True)[:e]
     counts = jnp.bincount(ids_tk.reshape(-1), length=e)
-    if spec.profile is None:
-        return resident, counts, None, 0
-    k, order = best_stream_count(spec.profile, counts, resident, jnp)
-    streamed = jnp.where(jnp.arange(e) < k, order, e).astype(jnp.int32)  # the first k of the ranking, then none
+    if spec.profile is None:  # a static plan (backend="hybrid"): the cached experts always compute there
+        return Placement(resident, counts, cache_ids, None, 0)
+    k, order = best_placement(spec.profile, counts, resident, spec.stream is not None, xp=jnp)
+    on_device = jnp.zeros(e, bool).at[order].set(jnp.arange(e) < k)
+    cached_used = jnp.where(on_device[jnp.minimum(cache_ids, e - 1)] & (cache_ids < e), cache_ids, e)
+    if spec.stream is None:
+        return Placement(on_device, counts, cached_used, None, 0)
+    to_stream = (on_device & ~resident)[order]
+    count = jnp.sum(to_stream)
+    packed = order[jnp.argsort(~to_stream, stable=True)]  # the streamed experts first, in the ranking's order
+    streamed = jnp.where(jnp.arange(e) < count, packed, e).astype(jnp.int32)
     slots = spec.stream.slots
     rounds = jnp.concatenate([streamed, jnp.full(-e % slots, e, jnp.int32)]).reshape(-1, slots)
-    on_device = resident.at[streamed].set(True, mode="drop")
-    return on_device, counts, rounds, k
+    return Placement(on_device, counts, cached_used, rounds, count)
 
 
 def _stream_spec(spec: HybridSpec) -> OffloadSpec:
     return dataclasses.replace(spec.stream, lora_scale=spec.lora_scale)
 
 
-def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache):
-    w13_c, w2_c, cache_ids = cache
+def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, cache_ids):
+    w13_c, w2_c, _ = cache
     return subset_experts(x_td, ids_tk, weights_tk, cache_ids, w13_c, w2_c, spec.num_experts, lora, spec.lora_scale)
 
 
-def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, rounds, k):
+def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement: Placement):
     y = jnp.zeros_like(x_td)
-    if spec.capacity:
-        y = y + _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache)
-    if rounds is not None:
+    if spec.capacity:  # skipped when this call sends every cached expert's rows to the host
+        y = y + jax.lax.cond(
+            jnp.any(placement.cache_ids < spec.num_experts),
+            lambda: _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache, placement.cache_ids),
+            lambda: jnp.zeros_like(x_td),
+        )
+    if placement.rounds is not None:
         stream_spec = _stream_spec(spec)
         y = y + jax.lax.cond(
-            k > 0,
-            lambda: streamed_forward(stream_spec, x_td, ids_tk, weights_tk, lora, *streaming, rounds),
+            placement.streamed > 0,
+            lambda: streamed_forward(stream_spec, x_td, ids_tk, weights_tk, lora, *streaming, placement.rounds),
             lambda: jnp.zeros_like(x_td),
         )
     return y
@@ -122,14 +145,14 @@ def _host_ids(on_device, ids_tk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming):
-    on_device, counts, rounds, k = _placement(spec, ids_tk, cache[2])
+    placement = _placement(spec, ids_tk, cache[2])
     host_y, device_y = _overlapped(
         spec,
         "forward",
-        counts,
-        (x_td, _host_ids(on_device, ids_tk), weights_tk, lora),
+        placement.counts,
+        (x_td, _host_ids(placement.on_device, ids_tk), weights_tk, lora),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-        lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, cache, streaming, rounds, k),
+        lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, cache, streaming, placement),
         (x_td,),
     )
     return device_y if host_y is None else host_y + device_y
@@ -141,7 +164,7 @@ def _hybrid_fwd(spec, *args):
 
 def _hybrid_bwd(spec, residuals, dy_td):
     x_td, ids_tk, weights_tk, lora, cache, streaming = residuals
-    on_device, _, rounds, k = _placement(spec, ids_tk, cache[2])
+    placement = _placement(spec, ids_tk, cache[2])
     shapes = (
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
         jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
@@ -149,16 +172,22 @@ def _hybrid_bwd(spec, residuals, dy_td):
     )
 
     def device_grads(x, weights, lora_arrays):
-        grads = jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))
+        zeros = lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))  # noqa: E731
+        grads = zeros()
         if spec.capacity:
-            cached = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache)  # noqa: E731
-            grads = jax.vjp(cached, x, weights, lora_arrays)[1](dy_td)
-        if rounds is not None:
+
+            def cached():
+                part = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache, placement.cache_ids)  # noqa: E731
+                return jax.vjp(part, x, weights, lora_arrays)[1](dy_td)
+
+            grads = jax.lax.cond(jnp.any(placement.cache_ids < spec.num_experts), cached, zeros)
+        if placement.rounds is not None:
             stream_spec = _stream_spec(spec)
+            rounds = placement.rounds
             streamed = jax.lax.cond(
-                k > 0,
+                placement.streamed > 0,
                 lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_arrays, *streaming, rounds, dy_td),
-                lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays)),
+                zeros,
             )
             grads = jax.tree.map(jnp.add, grads, streamed)
         return grads
@@ -167,7 +196,7 @@ def _hybrid_bwd(spec, residuals, dy_td):
         spec,
         "backward",
         None,
-        (x_td, _host_ids(on_device, ids_tk), weights_tk, lora, dy_td),
+        (x_td, _host_ids(placement.on_device, ids_tk), weights_tk, lora, dy_td),
         shapes,
         device_grads,
         (x_td, weights_tk, lora),
@@ -183,7 +212,7 @@ hybrid_experts.defvjp(_hybrid_fwd, _hybrid_bwd)
 
 class HybridExperts(SpecExperts):
     """One layer: a device cache of `capacity` experts (initially `cached`), the rest on the host; with a
-    profile, the planner also streams experts per call (`stream_slots` per double-buffered round)."""
+    profile, a planner places every expert per call, and with `stream` may also stream uncached ones."""
 
     def __init__(
         self,
@@ -199,7 +228,7 @@ class HybridExperts(SpecExperts):
         self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream)
         self._empty_cache()
         self.set_cached(cached)
-        if profile is not None:
+        if stream is not None:
             self.stream_w13, self.stream_w2 = pinned_expert_buffers(layer_experts.w13, layer_experts.w2)
         else:
             self.stream_w13 = self.stream_w2 = nnx.data(())
