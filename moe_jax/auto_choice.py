@@ -41,9 +41,15 @@ def model_shape(config, itemsize: int) -> Shape:
 
 
 def expected_routing(tokens: int, shape: Shape, zipf: float = 0.0) -> np.ndarray:
-    """Expected tokens per expert for `tokens` tokens routed top-k over experts of Zipf popularity."""
+    """Rows per expert for `tokens` tokens routed top-k over experts of Zipf popularity: the expected counts
+    rounded to whole rows that add up to tokens x top-k (largest remainders first), so a decode step of one
+    token is top-k experts of one row each, not every expert with a fraction of a row."""
     popularity = 1.0 / np.arange(1, shape.experts + 1) ** zipf
-    return tokens * shape.top_k * popularity / popularity.sum()
+    expected = tokens * shape.top_k * popularity / popularity.sum()
+    rows = np.floor(expected)
+    short = int(round(tokens * shape.top_k - rows.sum()))
+    rows[np.argsort(-(expected - rows), stable=True)[:short]] += 1
+    return rows
 
 
 def auto_layer_seconds(profile: Profile, counts, cached: int, can_stream: bool) -> float:
