@@ -3,7 +3,8 @@
 With no arguments it fine-tunes the bundled default model (models/tiny-moe) on the bundled task (reverse a word,
 data/reverse_*.jsonl), prints held-out exact-match accuracy before and after, and writes runs/default/:
 adapter/ (PEFT format), checkpoints/ (orbax), metrics.jsonl and loss.png. A config file sets any setting; flags
-override it. `--resume` continues the run in --out from its latest checkpoint.
+override it. `--resume` continues the run in --out from its latest checkpoint; a new run into an --out that holds
+a previous one is refused unless `--overwrite`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python train.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="TOML file with any of the settings below")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out (else refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -50,7 +52,9 @@ def main(argv=None):
     cfg = TrainConfig.from_sources(args.config, overrides)
 
     from moe_jax.train.loop import Trainer, load_run_data
+    from moe_jax.train.run_dir import prepare_run_dir
 
+    prepare_run_dir(cfg.out, args.resume, args.overwrite)  # before anything slow: a used or unwritable --out
     data = load_run_data(cfg)  # bad data stops here, before any model loading or compilation
     s = data.stats
     print(

@@ -27,7 +27,8 @@ def device_wins_small(profile: dict, rows: int, factor: float, call_cost: bool) 
             r["seconds"] = host[r["rows"]] / factor
     if not call_cost:
         out["device_call_s"] = 0.0
-    out["variant"] = f"device {factor}x faster than the host at <= {rows} rows" + ("" if call_cost else ", no call cost")
+    suffix = "" if call_cost else ", no call cost"
+    out["variant"] = f"device {factor}x faster than the host at <= {rows} rows{suffix}"
     return out
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels.activations import swiglu_backward, swiglu_forward
-from host_kernels.errors import HostKernelError
+from host_kernels.errors import HostKernelError, NonFiniteError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, expert_matmuls, uses_amx
 from host_kernels.fused_forward import FusedForward, pack_layer, supported
 from host_kernels.lora import ExpertLoRA
@@ -325,7 +325,7 @@ def _check_activations(layer: int, what: str, array, shape) -> np.ndarray:
         raise HostKernelError(f"layer {layer}: {what} must be float32, got {array.dtype}")
     if not np.isfinite(array).all():
         bad = np.argwhere(~np.isfinite(array))[0]
-        raise HostKernelError(f"layer {layer}: {what} has a non-finite value {array[tuple(bad)]} at {tuple(bad)}")
+        raise NonFiniteError(f"layer {layer}: {what} has a non-finite value {array[tuple(bad)]} at {tuple(bad)}")
     return np.ascontiguousarray(array)
 
 

@@ -7,3 +7,7 @@ class HostKernelError(Exception):
 
 class StoreError(HostKernelError):
     """An expert store directory is missing, truncated, corrupt or of another layout version."""
+
+
+class NonFiniteError(HostKernelError):
+    """An activation or gradient reaching a host kernel holds NaN or infinity (a run that diverged)."""

@@ -64,7 +64,7 @@ def test_real_templates_render_as_transformers_does(name):
     template = REAL_TEMPLATES[name]
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "copy ü \"x\" <b>"},
+        {"role": "user", "content": 'copy ü "x" <b>'},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "again"},
         {"role": "assistant", "content": "done"},
@@ -97,7 +97,8 @@ def hostile_model(tmp_path_factory):
 
 
 def _run(script, *args, cwd):
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    command = [sys.executable, str(ROOT / script), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd)
 
 
 def test_infer_and_train_refuse_a_hostile_template_and_run_nothing(hostile_model, tmp_path):

@@ -8,6 +8,7 @@ Orbax writes each step into a temporary directory and renames it on commit, so a
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import jax
@@ -36,6 +37,16 @@ RESUME_KEYS = (
     "warmup_steps",
     "max_steps",
     "weight_decay",
+    "max_grad_norm",
+    "adam_b1",
+    "adam_b2",
+    "adam_eps",
+    "dtype",
+    "eval_data",
+    "eval_fraction",
+    "long_examples",
+    "skip_bad_lines",
+    "data_sha256",  # the data files' content (run_dir.data_fingerprint), not only their paths
 )
 
 
@@ -56,24 +67,41 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def restore(self, lora_state, opt_state, settings: dict):
-        """(step, LoRA state, optimizer state, meta) of the latest checkpoint, checked against `settings`."""
-        step = self.manager.latest_step()
-        if step is None:
+        """(step, LoRA state, optimizer state, meta) of the newest readable checkpoint, checked against
+        `settings`. A checkpoint that cannot be read is skipped for the one before it, saying so."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
         abstract = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
-        try:
-            restored = self.manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-            )
-        except Exception as e:  # orbax raises many kinds; the user needs the path and the reason
-            raise CheckpointError(f"{self.directory}/{step}: cannot restore ({type(e).__name__}: {e})") from e
-        meta = restored.meta
-        changed = [k for k in RESUME_KEYS if meta.get("config", {}).get(k) != settings.get(k)]
-        if changed:
-            raise CheckpointError(
-                f"{self.directory}: the checkpoint was made with different settings ({', '.join(changed)}); "
-                "resume with the same settings or start a new --out directory"
-            )
-        nnx.replace_by_pure_dict(lora_state, restored.state["lora"])
-        return step, lora_state, restored.state["opt"], meta
+        failures = []
+        for step in steps:
+            try:
+                restored = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+                )
+            except Exception as e:  # orbax raises many kinds; the user needs the path and the reason
+                failures.append(f"{self.directory}/{step}: cannot restore ({type(e).__name__}: {e})")
+                print(f"warning: {failures[-1]}; trying the checkpoint before it", file=sys.stderr)
+                continue
+            meta = restored.meta
+            _check_same_run(self.directory, meta.get("config", {}), settings)
+            nnx.replace_by_pure_dict(lora_state, restored.state["lora"])
+            return step, lora_state, restored.state["opt"], meta
+        raise CheckpointError("no readable checkpoint: " + "; ".join(failures))
+
+
+def _check_same_run(directory, saved: dict, settings: dict):
+    changed = [k for k in RESUME_KEYS if saved.get(k) != settings.get(k)]
+    if changed:
+        lines = "; ".join(f"{k}: {_shown(saved.get(k))} then, {_shown(settings.get(k))} now" for k in changed)
+        raise CheckpointError(
+            f"{directory}: the checkpoint was made with different settings ({lines}); resume with the same "
+            "settings and data, or start a new run (--overwrite or another --out)"
+        )
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -13,14 +13,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from host_kernels.errors import HostKernelError
+from host_kernels.errors import NonFiniteError
 from moe_jax.errors import InputError, MoeJaxError
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
+from moe_jax.output_files import NewFile, create_new
 from moe_jax.tokenizer import load_tokenizer
 from moe_jax.train.checkpoints import Checkpoints
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.data import Batches, DataStats, Example, load_examples, pack, split_held_out
+from moe_jax.train.run_dir import data_fingerprint
 
 
 class TrainingError(MoeJaxError):
@@ -73,6 +75,7 @@ class Trainer:
 
         self.cfg, self.data, self.progress = cfg, data, progress
         self.out = Path(cfg.out)
+        self.data_sha256 = data_fingerprint(cfg.data, cfg.eval_data)
         budget = int(cfg.device_budget_mb * 2**20) or None
         self.model = moe_jax.load_model(
             cfg.model, backend=cfg.backend, dtype=cfg.dtype, host_threads=cfg.host_threads, device_budget_bytes=budget
@@ -93,9 +96,13 @@ class Trainer:
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(lora_state)]))
         return lora_state, opt_state, finite
 
+    def settings(self) -> dict:
+        """What a resumed run must share with this one: the settings and the data files' content."""
+        return {**self.cfg.as_dict(), "data_sha256": self.data_sha256}
+
     def resume(self) -> int:
         step, self.lora_state, self.opt_state, meta = self.checkpoints.restore(
-            self.lora_state, self.opt_state, self.cfg.as_dict()
+            self.lora_state, self.opt_state, self.settings()
         )
         self.history = meta.get("history", [])
         return step
@@ -111,9 +118,7 @@ class Trainer:
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), index) if self.cfg.lora_dropout else None
             try:
                 loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask, key)
-            except HostKernelError as e:
-                if "non-finite" not in str(e):
-                    raise
+            except NonFiniteError as e:
                 raise TrainingError(f"step {step + 1}: the model diverged ({e}); {self._intact()}") from None
             total_loss += float(loss)
             targets += int(mask[:, 1:].sum())
@@ -132,9 +137,12 @@ class Trainer:
         return loss, targets
 
     def _intact(self) -> str:
+        step = self.checkpoints.latest_step()
+        if step is None:
+            return "stopping. No checkpoint was written yet: start again with a lower learning rate"
         return (
-            f"stopping. The last good checkpoint in {self.checkpoints.directory} is intact "
-            "(resume from it with a lower learning rate)"
+            f"stopping. The last good checkpoint (step {step}) in {self.checkpoints.directory} is intact "
+            "(start a new run from scratch with a lower learning rate, or --resume from it)"
         )
 
     def evaluate(self) -> dict:
@@ -175,7 +183,7 @@ class Trainer:
         meta = {
             "step": step,
             "data_position": step * self.cfg.batch_size * self.cfg.grad_accum,
-            "config": self.cfg.as_dict(),
+            "config": self.settings(),
             "history": self.history,
         }
         self.checkpoints.save(step, self.lora_state, self.opt_state, meta)
@@ -189,7 +197,7 @@ class Trainer:
         if start == 0:
             self.history = [{"step": 0, **self.evaluate()}]
         # rewritten from the checkpoint's history: steps after it (before a kill) are run again
-        metrics_file = open(self.out / "metrics.jsonl", "w")
+        metrics_file = create_new(self.out / "metrics.jsonl")  # replaces a link there, never writes through it
         for record in self.history:
             metrics_file.write(json.dumps(record) + "\n")
         bar = tqdm(
@@ -280,5 +288,12 @@ def plot_losses(history: list[dict], path: Path):
     ax.set_yscale("log")
     ax.legend(loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    out = NewFile(path)  # matplotlib would write through a link at `path`
+    try:
+        fig.savefig(out.tmp, dpi=110, format="png")
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+    finally:
+        plt.close(fig)

@@ -1,0 +1,85 @@
+"""Writing outputs without following links out of the output directory and without half-written files.
+
+An entry already at the target path (a file someone left, or a symlink pointing anywhere) is replaced, never
+written through: files are created new (O_EXCL, so not through a link) under a unique temporary name in the same
+directory and renamed over the target, which replaces a link itself, not what it points to.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from moe_jax.errors import InputError
+
+
+def check_writable_dir(directory, what: str) -> Path:
+    """Creates `directory` if needed and proves a file can be made in it; an InputError naming `what` if not.
+    Called before any expensive work, so an unwritable output fails in a second, not after the run."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{what} {directory}: cannot write there ({e.strerror or e})") from None
+    return directory
+
+
+class NewFile:
+    """A text file written under a temporary name beside `path` and renamed onto it by `commit()` (an existing
+    entry at `path`, link or file, is replaced; a link is never followed). `discard()` removes the temporary
+    file; `keep_partial_as` renames what was written so far instead (a failed run keeps its finished records)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self.tmp = Path(name)
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write(self, text: str):
+        self.file.write(text)
+
+    def flush(self):
+        self.file.flush()
+
+    def commit(self):
+        self._close()
+        os.replace(self.tmp, self.path)
+
+    def keep_partial_as(self, path):
+        self._close()
+        os.replace(self.tmp, path)
+
+    def discard(self):
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def _close(self):
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def write_text(path, text: str):
+    """`text` into `path`, atomically and without following a link at `path`."""
+    out = NewFile(path)
+    try:
+        out.write(text)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+
+
+def create_new(path):
+    """`path` opened for writing as a new file: whatever entry was there (a file, or a link, which is removed,
+    not followed) is replaced; O_EXCL makes the open fail rather than write through a link put back meanwhile.
+    For files written as a run goes (metrics.jsonl), which `tail -f` should see at their real name."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    return os.fdopen(fd, "w", encoding="utf-8")
