@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from moe_jax.cli import run_cli
+from moe_jax.output_files import NewFile, check_writable_dir, write_text
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = ROOT / "models" / "tiny-moe"
@@ -140,6 +141,12 @@ def anchor_ids(args, tokenizer) -> list[int]:
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
+    if args.out is not None:  # an unwritable --out fails now, not after generating everything
+        check_writable_dir(args.out.parent, "--out's directory")
+        if args.out.is_dir():
+            from moe_jax.errors import InputError
+
+            raise InputError(f"--out {args.out} is a directory; give a file path")
     if args.model is None:  # the bundled default, with the adapter train.py wrote for it if there is one
         args.model = DEFAULT_MODEL
         if args.adapter is None and DEFAULT_ADAPTER.exists():
@@ -174,32 +181,50 @@ def main(argv=None):
     if args.stop and tok is not None:
         stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
     bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr)
-    stats, completions = EngineStats(), []
-    wave_size = args.wave_size or max(1, len(requests))
-    for start in range(0, len(requests), wave_size):
-        wave = requests[start : start + wave_size]
-        longest = max(len(r.tokens) for r in wave)
-        engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
-        if args.kv_fraction == "auto":
-            fit_split_to_wave(model, engine, len(wave))
-        completions += engine.run(
-            wave,
-            args.temperature,
-            args.top_p,
-            args.top_k,
-            eos_ids=() if args.no_eos else model.config.eos_token_ids,
-            should_stop=stop,
-            on_finish=lambda index, done: bar.update(1),
-        )
-        stats.add(engine.stats)
-    bar.close()
-    results = [
-        result_record(number, ids, text, c, tok, args.stop)
-        for (number, ids, text), c in zip(prompts, completions, strict=True)
-    ]
+    stats, results = EngineStats(), []
+    # each finished record is written at once (in finishing order) to a file of this run's own, so a failure
+    # part-way keeps what was done as OUT.partial; at the end the records are written in input order to OUT
+    progress = NewFile(args.out.with_name(args.out.name + ".partial")) if args.out else None
+
+    def finished(record):
+        results.append(record)
+        bar.update(1)
+        if progress is not None:
+            progress.write(json.dumps(record) + "\n")
+            progress.flush()
+
+    try:
+        wave_size = args.wave_size or max(1, len(requests))
+        for start in range(0, len(requests), wave_size):
+            wave = requests[start : start + wave_size]
+            longest = max(len(r.tokens) for r in wave)
+            engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
+            if args.kv_fraction == "auto":
+                fit_split_to_wave(model, engine, len(wave))
+            engine.run(
+                wave,
+                args.temperature,
+                args.top_p,
+                args.top_k,
+                eos_ids=() if args.no_eos else model.config.eos_token_ids,
+                should_stop=stop,
+                on_finish=lambda index, done, start=start: finished(
+                    result_record(*prompts[start + index], done, tok, args.stop)
+                ),
+            )
+            stats.add(engine.stats)
+    except BaseException:
+        if progress is not None:
+            progress.keep_partial_as(progress.path)
+            print(f"stopped: the {len(results)} finished record(s) are in {progress.path}", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
     results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
     results.sort(key=lambda r: r["line"])
     write_results(args.out, results)
+    if progress is not None:
+        progress.discard()
     print_summary(args, model, stats, cache, truncated, rejected)
 
 
@@ -230,12 +255,7 @@ def result_record(number, ids, text, completion, tok, stops) -> dict:
 
 def write_results(out, results):
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".partial")
-        with open(tmp, "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-        tmp.replace(out)
+        write_text(out, "".join(json.dumps(r) + "\n" for r in results))  # atomic; replaces a link at `out`
         return
     for r in results:
         print(f"{r.get('prompt')!r} -> {r['completion']!r}  [{r['finish_reason']}]")

@@ -54,8 +54,8 @@ def main(argv=None):
     from moe_jax.train.loop import Trainer, load_run_data
     from moe_jax.train.run_dir import prepare_run_dir
 
-    prepare_run_dir(cfg.out, args.resume, args.overwrite)  # before anything slow: a used or unwritable --out
-    data = load_run_data(cfg)  # bad data stops here, before any model loading or compilation
+    data = load_run_data(cfg)  # bad data stops here, before any model loading or compilation (or writing)
+    prepare_run_dir(cfg.out, args.resume, args.overwrite)  # so does a used or unwritable --out
     s = data.stats
     print(
         f"data: {len(data.train)} training rows, {len(data.held_out)} held out; skipped {s.skipped_lines} bad "

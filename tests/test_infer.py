@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "tiny-moe"
 
@@ -128,3 +130,45 @@ def test_bad_memory_settings_refused_before_loading_the_model(tmp_path):
         cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(tmp_path / "no-such-model"), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_an_unwritable_out_fails_before_loading_the_model(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = infer("--prompts", ROOT / "data" / "default_prompts.jsonl", "--out", blocker / "o.jsonl", check=False)
+    assert result.returncode == 2 and "cannot write there" in result.stderr and "generating" not in result.stderr
+
+
+def test_links_at_out_and_its_partial_are_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out.jsonl"
+    out.symlink_to(victim)
+    (tmp_path / "out.jsonl.partial").symlink_to(victim)
+    infer("--prompts", write(tmp_path / "p.jsonl", [{"prompt": "copy ab >"}]), "--out", out)
+    assert victim.read_text() == "precious" and not out.is_symlink()
+    assert json.loads(out.read_text())["line"] == 1
+
+
+def test_a_failure_part_way_keeps_the_finished_records(tmp_path, monkeypatch, capsys):
+    import infer as infer_cli
+    from moe_jax.engine import GenerationEngine
+
+    original = GenerationEngine.run
+
+    def fails_after_the_first(self, requests, *args, on_finish=None, **kwargs):
+        def finish_then_fail(index, done):
+            on_finish(index, done)
+            raise OSError("disk went away")
+
+        return original(self, requests, *args, on_finish=finish_then_fail, **kwargs)
+
+    monkeypatch.setattr(GenerationEngine, "run", fails_after_the_first)
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy ab >"}, {"prompt": "copy cd >"}])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(OSError, match="disk went away"):
+        infer_cli.main(["--model", str(MODEL), "--prompts", str(prompts), "--out", str(out), "--batch-size", "1"])
+    assert not out.exists()
+    kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
+    assert len(kept) == 1 and kept[0]["completion"] is not None
+    assert "finished record(s) are in" in capsys.readouterr().err
