@@ -213,6 +213,10 @@ def main(argv=None):
                 ),
             )
             stats.add(engine.stats)
+        bar.close()
+        results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
+        results.sort(key=lambda r: r["line"])
+        write_results(args.out, results)
     except BaseException:
         if progress is not None:
             progress.keep_partial_as(progress.path)
@@ -220,9 +224,6 @@ def main(argv=None):
         raise
     finally:
         bar.close()
-    results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
-    results.sort(key=lambda r: r["line"])
-    write_results(args.out, results)
     if progress is not None:
         progress.discard()
     print_summary(args, model, stats, cache, truncated, rejected)

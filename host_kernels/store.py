@@ -118,7 +118,7 @@ class ExpertStore:
                         f"{file}: layer {key} {name} is {'missing' if actual is None else f'{actual} bytes'}, "
                         f"expected {expected} bytes (truncated or incomplete store)"
                     )
-                if verify and _sha256(file) != entry["sha256"]:
+                if verify and file_sha256(file) != entry["sha256"]:
                     raise StoreError(f"{file}: layer {key} {name} checksum mismatch (file is corrupt)")
                 arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=shape)
             layers[int(key)] = LayerExperts(arrays["w13"], arrays["w2"])
@@ -173,7 +173,8 @@ class StoreWriter:
         os.replace(self.tmp, self.path)
 
 
-def _sha256(file: Path) -> str:
+def file_sha256(file) -> str:
+    """SHA-256 hex digest of a file's content, read in 16 MiB chunks."""
     digest = hashlib.sha256()
     with open(file, "rb") as f:
         while chunk := f.read(1 << 24):

@@ -31,7 +31,8 @@ def check_writable_dir(directory, what: str) -> Path:
 class NewFile:
     """A text file written under a temporary name beside `path` and renamed onto it by `commit()` (an existing
     entry at `path`, link or file, is replaced; a link is never followed). `discard()` removes the temporary
-    file; `keep_partial_as` renames what was written so far instead (a failed run keeps its finished records)."""
+    file; `keep_partial_as` renames what was written so far instead (a failed run keeps its finished records).
+    As a context manager: committed when the block ends, discarded when it raises."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -57,6 +58,16 @@ class NewFile:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """Commits when the block ends normally, discards when it raises."""
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
     def _close(self):
         self.file.flush()
         os.fsync(self.file.fileno())
@@ -65,13 +76,8 @@ class NewFile:
 
 def write_text(path, text: str):
     """`text` into `path`, atomically and without following a link at `path`."""
-    out = NewFile(path)
-    try:
+    with NewFile(path) as out:
         out.write(text)
-        out.commit()
-    except BaseException:
-        out.discard()
-        raise
 
 
 def create_new(path):

@@ -116,9 +116,10 @@ def static_placements(tokens_per_expert, resident=frozenset()) -> dict[str, list
 def compare_with_statics(profile: Profile, tokens_per_expert, resident=frozenset(), use_device=True) -> dict:
     """Simulated seconds of auto's placement (the planner's, or every expert on the host where auto's rule,
     `use_device`, keeps the device out) and of each static one."""
-    planned = plan_layer(profile, tokens_per_expert, resident)
-    if not use_device:
-        planned = ["host"] * len(planned)
+    if use_device:
+        planned = plan_layer(profile, tokens_per_expert, resident)
+    else:
+        planned = ["host"] * len(tokens_per_expert)
     times = {"planner": simulate_layer(profile, tokens_per_expert, planned).seconds}
     for name, placement in static_placements(tokens_per_expert, resident).items():
         times[name] = simulate_layer(profile, tokens_per_expert, placement).seconds

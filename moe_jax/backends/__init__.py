@@ -83,16 +83,15 @@ class Backend:
         config = self.checkpoint.config
         helps = self.profile is not None and self.profile.device_helps
         self.stream_slots = _stream_slots(budget, self.expert_bytes, config.num_experts_per_tok) if helps else 0
-        cache_budget = max(0, budget - self.stream_buffer_bytes)
-        cached = cache_budget // (self.expert_bytes * len(config.moe_layers))
+        self.expert_cache = ExpertCache(
+            config.moe_layers, config.num_experts, self.expert_bytes, max(0, budget - self.stream_buffer_bytes)
+        )
         shape = model_shape(config, self.dtype.itemsize)
-        self.auto_choice = choose_auto(self.profile, shape, min(cached, config.num_experts), self.stream_slots > 0)
+        self.auto_choice = choose_auto(self.profile, shape, self.expert_cache.capacity, self.stream_slots > 0)
         self.uses_device = self.auto_choice.use_device
         if not self.uses_device:
             self.stream_slots = 0
-        self.expert_cache = ExpertCache(
-            config.moe_layers, config.num_experts, self.expert_bytes, self._cache_budget(budget)
-        )
+            self.expert_cache.set_budget(0)
 
     def _cache_budget(self, expert_budget: int) -> int:
         return expert_budget - self.stream_buffer_bytes if self.uses_device else 0

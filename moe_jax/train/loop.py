@@ -288,12 +288,8 @@ def plot_losses(history: list[dict], path: Path):
     ax.set_yscale("log")
     ax.legend(loc="lower left")
     fig.tight_layout()
-    out = NewFile(path)  # matplotlib would write through a link at `path`
     try:
-        fig.savefig(out.tmp, dpi=110, format="png")
-        out.commit()
-    except BaseException:
-        out.discard()
-        raise
+        with NewFile(path) as out:  # matplotlib would write through a link at `path`
+            fig.savefig(out.tmp, dpi=110, format="png")
     finally:
         plt.close(fig)

@@ -9,10 +9,10 @@ data file is refused like a changed setting.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
+from host_kernels.store import file_sha256
 from moe_jax.errors import InputError
 from moe_jax.output_files import check_writable_dir
 
@@ -42,12 +42,4 @@ def prepare_run_dir(out, resume: bool, overwrite: bool) -> Path:
 
 def data_fingerprint(*files) -> dict[str, str]:
     """SHA-256 of each data file's content, by the path it was given as."""
-    prints = {}
-    for file in files:
-        if file:
-            digest = hashlib.sha256()
-            with open(file, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
-            prints[str(file)] = digest.hexdigest()
-    return prints
+    return {str(file): file_sha256(file) for file in files if file}
