@@ -62,6 +62,7 @@ def parse_args(argv):
         help="prompts per generation batch (default: all at once); the memory split can change between waves",
     )
     p.add_argument("--profile", type=Path, help="probe profile for --backend auto (default: this machine's)")
+    p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     return p.parse_args(argv)
 
 
@@ -70,7 +71,9 @@ def check_settings(args):
     from moe_jax.errors import InputError
     from moe_jax.sampling import check_sampling
 
-    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_sampling(args.temperature, args.top_p, args.top_k, args.seed)
+    if any(not s for s in args.stop):
+        raise InputError("--stop must not be empty (an empty string would stop every prompt before its first token)")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
     if args.anchor_cache_mb < 0:
@@ -170,6 +173,7 @@ def main(argv=None):
         device_budget_bytes=budget,
         kv_fraction=fixed_fraction,
         profile=args.profile,
+        verify=args.verify,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)

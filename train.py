@@ -34,6 +34,7 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out (else refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
@@ -65,7 +66,7 @@ def main(argv=None):
     )
     for where in s.skipped_where[:5]:
         print(f"  skipped {where}", file=sys.stderr)
-    trainer = Trainer(cfg, data, progress=not args.no_progress)
+    trainer = Trainer(cfg, data, progress=not args.no_progress, verify=args.verify)
     summary = trainer.run(resume=args.resume)
     first, last = summary["first"], summary["last"]
     if "exact_match" in first and "exact_match" in last:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -62,19 +63,27 @@ class LayerExperts:
 
 
 class ExpertStore:
-    """All MoE layers' expert weights, keyed by layer index."""
+    """All MoE layers' expert weights, keyed by layer index.
 
-    def __init__(self, layers: dict[int, LayerExperts], path: Path | None = None):
+    A store opened from disk remembers each file's size and modification time: every `store[layer]` checks them
+    again, so a file truncated or rewritten in place under a running job is a StoreError at the layer's next use
+    instead of a SIGBUS (a mapped page past the file's new end) or weights silently mixed from two conversions."""
+
+    def __init__(self, layers: dict[int, LayerExperts], path: Path | None = None, files=None):
         for i, layer in layers.items():
             layer.validate(f"layer {i}")
         self.layers = dict(layers)
         self.path = path
+        self._files: dict[int, list[tuple[Path, os.stat_result]]] = files or {}
 
     def __getitem__(self, layer: int) -> LayerExperts:
         try:
-            return self.layers[layer]
+            experts = self.layers[layer]
         except KeyError:
             raise StoreError(f"expert store has no layer {layer} (has {sorted(self.layers)})") from None
+        for file, opened in self._files.get(layer, ()):
+            _check_unchanged(file, opened)
+        return experts
 
     @property
     def dtype(self) -> np.dtype:
@@ -86,43 +95,86 @@ class ExpertStore:
 
     @classmethod
     def open(cls, path, verify: bool = False) -> ExpertStore:
+        """Maps a store directory. Every manifest field is type-checked and every file's size compared with its
+        shape; `verify=True` also compares each file's SHA-256 with the one the converter recorded."""
         path = Path(path)
         manifest_path = path / MANIFEST
         try:
             manifest = json.loads(manifest_path.read_text())
         except FileNotFoundError:
             raise StoreError(f"{manifest_path}: not found (is {path} an expert store?)") from None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise StoreError(f"{manifest_path}: unreadable ({e})") from e
-        if manifest.get("format") != FORMAT_NAME:
-            raise StoreError(f"{manifest_path}: not an expert store manifest (format={manifest.get('format')!r})")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+            format_name = manifest.get("format") if isinstance(manifest, dict) else None
+            raise StoreError(f"{manifest_path}: not an expert store manifest (format={format_name!r})")
         if manifest.get("layout_version") != LAYOUT_VERSION:
             raise StoreError(
                 f"{manifest_path}: layout version {manifest.get('layout_version')} but this build reads "
                 f"version {LAYOUT_VERSION}; reconvert with `python -m moe_jax.convert`"
             )
-        dtype = STORAGE_DTYPES.get(manifest.get("dtype"))
+        dtype = STORAGE_DTYPES.get(manifest.get("dtype")) if isinstance(manifest.get("dtype"), str) else None
         if dtype is None:
             raise StoreError(f"{manifest_path}: unsupported dtype {manifest.get('dtype')!r}")
-        layers = {}
+        if not isinstance(manifest.get("layers"), dict) or not manifest["layers"]:
+            raise StoreError(f"{manifest_path}: 'layers' must be a non-empty object of layer index -> tensors")
+        layers, files = {}, {}
         for key, tensors in manifest["layers"].items():
-            arrays = {}
+            if not key.isdigit() or not isinstance(tensors, dict):
+                raise StoreError(f"{manifest_path}: layer {key!r} must be a layer index holding w13 and w2")
+            arrays, files[int(key)] = {}, []
             for name in ("w13", "w2"):
-                entry = tensors[name]
-                file = path / entry["file"]
-                shape = tuple(entry["shape"])
-                expected = int(np.prod(shape)) * dtype.itemsize
-                actual = file.stat().st_size if file.exists() else None
-                if actual != expected:
+                file, shape, sha256 = _manifest_entry(manifest_path, key, name, tensors.get(name))
+                expected = math.prod(shape) * dtype.itemsize
+                try:
+                    opened = file.stat()
+                except FileNotFoundError:
+                    opened = None
+                if opened is None or opened.st_size != expected:
                     raise StoreError(
-                        f"{file}: layer {key} {name} is {'missing' if actual is None else f'{actual} bytes'}, "
+                        f"{file}: layer {key} {name} is "
+                        f"{'missing' if opened is None else f'{opened.st_size} bytes'}, "
                         f"expected {expected} bytes (truncated or incomplete store)"
                     )
-                if verify and file_sha256(file) != entry["sha256"]:
+                if verify and file_sha256(file) != sha256:
                     raise StoreError(f"{file}: layer {key} {name} checksum mismatch (file is corrupt)")
                 arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=shape)
+                files[int(key)].append((file, opened))
             layers[int(key)] = LayerExperts(arrays["w13"], arrays["w2"])
-        return cls(layers, path)
+        return cls(layers, path, files)
+
+
+def _manifest_entry(manifest_path: Path, layer: str, name: str, entry) -> tuple[Path, tuple[int, ...], str]:
+    """(file, shape, sha256) of one tensor's manifest entry, each field checked; the file must be in the store."""
+    where = f"{manifest_path}: layer {layer} {name}"
+    if not isinstance(entry, dict):
+        raise StoreError(f"{where}: entry is {type(entry).__name__}, not an object with file, shape and sha256")
+    file, shape, sha256 = entry.get("file"), entry.get("shape"), entry.get("sha256")
+    if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+        raise StoreError(f"{where}: file {file!r} must be a file name inside {manifest_path.parent}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 3
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    ):
+        raise StoreError(f"{where}: shape {shape!r} must be three positive integers")
+    if not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdef" for c in sha256)):
+        raise StoreError(f"{where}: sha256 {sha256!r} is not a SHA-256 hex digest")
+    return manifest_path.parent / file, tuple(shape), sha256
+
+
+def _check_unchanged(file: Path, opened: os.stat_result):
+    """A file written in place since it was mapped (same inode, other size or time) is refused. One removed or
+    replaced by a rename (as convert --overwrite does) is fine: the mapping keeps the old file, whole."""
+    try:
+        now = file.stat()
+    except OSError:
+        return
+    if now.st_ino == opened.st_ino and (now.st_size, now.st_mtime_ns) != (opened.st_size, opened.st_mtime_ns):
+        raise StoreError(
+            f"{file}: written to since the store was opened ({opened.st_size} -> {now.st_size} bytes); "
+            "a store must not be modified while a job uses it: restart the job"
+        )
 
 
 class StoreWriter:

@@ -9,6 +9,7 @@ checkpoints; they are written beside it in `moe_jax_expert_lora.safetensors` and
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.errors import CheckpointError, read_json_file
+from moe_jax.errors import CheckpointError, ConfigError, read_json_file
 from moe_jax.layers import Projection
 from moe_jax.lora import EXPERTS_TARGET, LoRAConfig
 from moe_jax.moe import MoEBlock
@@ -100,14 +101,11 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     adapter_dir = Path(adapter_dir)
     config_file = adapter_dir / PEFT_CONFIG
     config = read_json_file(config_file, "an adapter directory")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{config_file}: peft_type {config.get('peft_type')!r} is not LORA")
-    targets = config.get("target_modules") or []
+    targets = None
     if (adapter_dir / MOE_JAX_CONFIG).exists():
-        targets = read_json_file(adapter_dir / MOE_JAX_CONFIG, "an adapter directory").get("targets", targets)
-    if isinstance(targets, str):
-        raise CheckpointError(f"{config_file}: regex target_modules {targets!r} are not supported; list the modules")
-    lora_config = LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=tuple(targets))
+        extra = read_json_file(adapter_dir / MOE_JAX_CONFIG, "an adapter directory")
+        targets = extra.get("targets") if isinstance(extra, dict) else extra
+    lora_config = adapter_config(config, config_file, targets)
     tensors = {}
     for file in (PEFT_WEIGHTS, EXPERT_WEIGHTS):
         if (adapter_dir / file).exists():
@@ -116,6 +114,51 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     if not tensors:
         raise CheckpointError(f"{adapter_dir}: no {PEFT_WEIGHTS}")
     return lora_config, tensors
+
+
+# PEFT settings that change what an adapter computes; moe_jax would ignore them and give silently wrong outputs.
+_UNSUPPORTED = {
+    "use_dora": "DoRA adapters",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "modules_to_save": "fully trained modules (modules_to_save)",
+    "layers_to_transform": "adapters on some layers only (layers_to_transform)",
+}
+
+
+def adapter_config(config, config_file, targets=None) -> LoRAConfig:
+    """The LoRAConfig of a PEFT `adapter_config.json` (its targets overridden by moe_jax's own file, which can
+    name routed experts); every field type-checked, so a malformed adapter is a CheckpointError naming the file."""
+
+    def bad(message):
+        return CheckpointError(f"{config_file}: {message}")
+
+    if not isinstance(config, dict):
+        raise bad(f"expected a JSON object, got {type(config).__name__}")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise bad(f"peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise bad(f"{what} are not supported ({key} = {config[key]!r})")
+    if config.get("bias", "none") != "none":
+        raise bad(f"bias = {config['bias']!r} is not supported (only 'none')")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise bad(f"r = {rank!r} must be an integer >= 1")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise bad(f"lora_alpha = {alpha!r} must be a finite number > 0")
+    targets = config.get("target_modules") if targets is None else targets
+    if isinstance(targets, str):
+        raise bad(f"regex target_modules {targets!r} are not supported; list the modules")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise bad(f"target_modules = {targets!r} must be a non-empty list of module names")
+    scale_alpha = alpha
+    if config.get("use_rslora"):  # rank-stabilised LoRA scales by alpha / sqrt(r), not alpha / r
+        scale_alpha = alpha * math.sqrt(rank)
+    try:
+        return LoRAConfig(rank=rank, alpha=float(scale_alpha), targets=tuple(targets))
+    except ConfigError as e:
+        raise bad(str(e)) from None
 
 
 def apply_adapter(transformer, tensors: dict[str, np.ndarray], source) -> None:

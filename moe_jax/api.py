@@ -19,6 +19,7 @@ from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.lora import LoRAConfig, attach_lora
+from moe_jax.memory_check import check_fits, load_bytes
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -209,6 +210,8 @@ class Model:
 
     def new_caches(self, batch: int, length: int):
         c = self.config
+        kv_bytes = batch * self.kv_bytes_per_sequence(length)
+        check_fits({"KV cache": kv_bytes}, f"a KV cache of {batch} sequences x {length} tokens")
         shape = (batch, c.num_kv_heads, length, c.head_dim)  # kv-head-major: see layers.Attention
         dtype = DTYPES[self.dtype]
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
@@ -263,6 +266,7 @@ def load_model(
     kv_fraction: float | None = None,
     placement_plan: dict[int, list[int]] | None = None,
     profile=None,
+    verify: bool = False,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -272,6 +276,7 @@ def load_model(
     `placement_plan` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
     `profile` (backend="auto"): a probe profile (path or cost_model.Profile); by default this machine's, measured
     once for the model's expert shape and kept under ~/.cache/moe_jax.
+    `verify`: check a converted directory's expert files against the SHA-256 checksums convert recorded.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -279,8 +284,10 @@ def load_model(
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
-    checkpoint = open_checkpoint(Path(path))
+    checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
+    packs = backend in ("host", "hybrid", "auto")
+    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, packs), f"loading {checkpoint.path}")
 
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)

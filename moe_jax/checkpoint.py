@@ -54,7 +54,9 @@ class Checkpoint:
         return stack_hf_experts(self.tensors, self.config, layer, dtype)
 
 
-def open_checkpoint(path) -> Checkpoint:
+def open_checkpoint(path, verify: bool = False) -> Checkpoint:
+    """Opens a checkpoint directory, checking its config, every weight file's header and its layer count;
+    `verify=True` also checks a converted store's SHA-256 checksums (minutes for a large model)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
@@ -62,16 +64,37 @@ def open_checkpoint(path) -> Checkpoint:
         raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory)")
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
-    config = ModelConfig.from_hf(hf_config, source=str(config_file))
     tensors = TensorSource.open(path)
+    _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
+    config = ModelConfig.from_hf(hf_config, source=str(config_file))
     store = None
     if (path / EXPERT_STORE_DIR).exists():
         try:
-            store = ExpertStore.open(path / EXPERT_STORE_DIR)
+            store = ExpertStore.open(path / EXPERT_STORE_DIR, verify=verify)
         except StoreError as e:
             raise CheckpointError(str(e)) from e
         _check_store_fits(store, config, path)
     return Checkpoint(path, config, tensors, store)
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(hf_config, tensors: TensorSource, config_file: Path):
+    """The config's layer count must be the checkpoint's: extra layers would be silently ignored, missing ones
+    found only after everything before them was loaded. DeepSeek-style multi-token-prediction layers, stored
+    after the last decoder layer, are allowed. (A count that is not an integer is left to ModelConfig.from_hf.)"""
+    layers = hf_config.get("num_hidden_layers") if isinstance(hf_config, dict) else None
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    extra = hf_config.get("num_nextn_predict_layers")
+    allowed_extra = range(layers, layers + extra) if isinstance(extra, int) else range(0)
+    present = {int(m.group(1)) for name in tensors.names() if (m := _LAYER_TENSOR.match(name))}
+    missing = sum(i < layers for i in present) < layers  # counted, not as a set: `layers` may be absurd
+    if missing or any(i >= layers and i not in allowed_extra for i in present):
+        found = f"layers 0..{max(present)}" if present and present == set(range(len(present))) else None
+        found = found or (f"{len(present)} layer indices" if present else "no layers")
+        raise CheckpointError(f"{config_file}: num_hidden_layers is {layers}, but the weights hold {found}")
 
 
 def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):

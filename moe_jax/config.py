@@ -8,6 +8,7 @@ switches (attention kind, grouped routing) rather than a second model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from moe_jax.errors import ConfigError
@@ -77,60 +78,60 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> ModelConfig:
-        """Builds the config from a Hugging Face `config.json` dictionary."""
+        """Builds the config from a Hugging Face `config.json` dictionary, every value type- and range-checked
+        (a ConfigError names the key and value: a model built from nonsense would compute nonsense silently)."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-
-        def need(key):
-            if key not in hf:
-                raise ConfigError(f"{source}: missing key {key!r} for model_type {model_type!r}")
-            return hf[key]
-
-        num_layers = int(need("num_hidden_layers"))
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        rope = hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+        read = _Fields(hf, source, model_type)
+        num_layers = read.int("num_hidden_layers")
+        num_heads = read.int("num_attention_heads")
+        hidden = read.int("hidden_size")
+        if hf.get("head_dim") is None and hidden % num_heads:
+            raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={num_heads}")
+        head_dim = read.int("head_dim", hidden // num_heads)
+        rope = read.object("rope_parameters")
+        rope_scaling = read.object("rope_scaling")
+        rope_type = rope.get("rope_type", rope_scaling.get("rope_type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported yet (only 'default')")
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_theta = _Fields(rope, f"{source} rope_parameters", model_type).positive(
+            "rope_theta", read.positive("rope_theta", 10000.0)
+        )
 
         # transformers 5 writes `num_local_experts` for every family; older Qwen configs say `num_experts`.
-        num_experts = int(hf["num_local_experts"] if "num_local_experts" in hf else need("num_experts"))
+        num_experts = read.int("num_local_experts" if "num_local_experts" in hf else "num_experts")
         if model_type == "mixtral":
-            expert_ffn = int(need("intermediate_size"))
+            expert_ffn = read.int("intermediate_size")
             dense_ffn, dense_layers = 0, ()
             shared_ffn, norm_topk = 0, True
-            window = hf.get("sliding_window")
-            windows = (int(window) if window else None,) * num_layers
+            windows = (read.window(),) * num_layers
         else:
-            expert_ffn = int(need("moe_intermediate_size"))
-            dense_ffn = int(hf.get("intermediate_size") or 0)
-            step = int(hf.get("decoder_sparse_step", 1) or 1)
-            mlp_only = set(hf.get("mlp_only_layers") or [])
-            dense_layers = tuple(
-                i for i in range(num_layers) if i in mlp_only or num_experts == 0 or (i + 1) % step != 0
-            )
-            shared_ffn = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
-            norm_topk = bool(hf.get("norm_topk_prob", False))
-            windows = _qwen_windows(hf, num_layers)
+            expert_ffn = read.int("moe_intermediate_size")
+            dense_ffn = read.int("intermediate_size", 0, minimum=0)
+            step = read.int("decoder_sparse_step", 1)
+            mlp_only = set(read.layer_list("mlp_only_layers", num_layers))
+            dense_layers = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
+            if dense_layers and dense_ffn == 0:
+                raise ConfigError(f"{source}: layers {list(dense_layers)} are dense but intermediate_size is 0")
+            shared_ffn = read.int("shared_expert_intermediate_size", 0, minimum=0) if model_type == "qwen2_moe" else 0
+            norm_topk = read.bool("norm_topk_prob", False)
+            windows = _qwen_windows(read, num_layers)
 
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=read.int("vocab_size"),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=read.int("num_key_value_heads", num_heads),
+            head_dim=head_dim,
             num_experts=num_experts,
-            num_experts_per_tok=int(need("num_experts_per_tok")),
+            num_experts_per_tok=read.int("num_experts_per_tok"),
             expert_intermediate_size=expert_ffn,
             dense_intermediate_size=dense_ffn,
             shared_expert_intermediate_size=shared_ffn,
@@ -138,26 +139,97 @@ class ModelConfig:
             norm_topk_prob=norm_topk,
             qk_norm=model_type == "qwen3_moe",
             # Older Qwen2-MoE configs have no `qkv_bias` key but always carry q/k/v biases.
-            qkv_bias=bool(hf.get("qkv_bias", model_type == "qwen2_moe") or hf.get("attention_bias", False)),
-            o_bias=bool(hf.get("attention_bias", False)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=read.bool("qkv_bias", model_type == "qwen2_moe") or read.bool("attention_bias", False),
+            o_bias=read.bool("attention_bias", False),
+            rms_norm_eps=read.positive("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=read.bool("tie_word_embeddings", False),
+            max_position_embeddings=read.int("max_position_embeddings", 4096),
             sliding_windows=windows,
             dense_layers=dense_layers,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=read.token_ids("bos_token_id")[0] if read.token_ids("bos_token_id") else None,
+            eos_token_ids=read.token_ids("eos_token_id"),
             hf_config=dict(hf),
         )
 
 
-def _qwen_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    if not hf.get("use_sliding_window") or not window:
+_MISSING = object()
+
+
+class _Fields:
+    """Typed, range-checked reads of a config dictionary; every failure is a ConfigError naming key and value.
+    A key that is absent or null takes the default (as transformers does); without a default it is required."""
+
+    def __init__(self, hf: dict, source: str, model_type):
+        self.hf, self.source, self.model_type = hf, source, model_type
+
+    def _get(self, key, default):
+        value = self.hf.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.source}: missing key {key!r} for model_type {self.model_type!r}")
+            return default
+        return value
+
+    def _bad(self, key, value, want: str):
+        return ConfigError(f"{self.source}: {key} = {value!r} must be {want}")
+
+    def int(self, key, default=_MISSING, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        # JSON writers may spell a whole number as 2.0; anything else fractional is a mistake, not a truncation.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self._bad(key, value, f"an integer >= {minimum}")
+        return value
+
+    def positive(self, key, default=_MISSING) -> float:
+        value = self._get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise self._bad(key, value, "a finite number > 0")
+        return float(value)
+
+    def bool(self, key, default) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def object(self, key) -> dict:
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self._bad(key, value, "an object")
+        return value
+
+    def window(self) -> int | None:
+        """The sliding window: absent, null, 0 or false mean full attention."""
+        value = self.hf.get("sliding_window")
+        return None if value in (None, 0, False) else self.int("sliding_window")
+
+    def layer_list(self, key, num_layers: int) -> list[int]:
+        value = self._get(key, [])
+        if not isinstance(value, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in value
+        ):
+            raise self._bad(key, value, f"a list of layer indices in [0, {num_layers})")
+        return value
+
+    def token_ids(self, key) -> tuple[int, ...]:
+        value = self._get(key, [])
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise self._bad(key, value, "a token id or a list of token ids")
+        return tuple(ids)
+
+
+def _qwen_windows(read: _Fields, num_layers: int) -> tuple[int | None, ...]:
+    window = read.window()
+    if not read.bool("use_sliding_window", False) or window is None:
         return (None,) * num_layers
-    layer_types = hf.get("layer_types")
-    if layer_types:
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    max_window_layers = int(hf.get("max_window_layers", num_layers))
-    return tuple(int(window) if i >= max_window_layers else None for i in range(num_layers))
+    layer_types = read.hf.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise read._bad("layer_types", layer_types, f"a list of {num_layers} layer types")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    max_window_layers = read.int("max_window_layers", num_layers, minimum=0)
+    return tuple(window if i >= max_window_layers else None for i in range(num_layers))

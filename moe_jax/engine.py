@@ -130,7 +130,7 @@ class GenerationEngine:
                     f"request {i}: {len(r.tokens)} prompt tokens + {r.max_new_tokens} new tokens do not fit this "
                     f"engine's {self.max_len}-token cache (or the prompt is empty)"
                 )
-        slots = self.slots_that_fit()
+        slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
         model.refresh_expert_cache()
         self._compile()
         caches = model.new_caches(slots, self.max_len)

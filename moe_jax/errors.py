@@ -34,3 +34,7 @@ def read_json_file(path, what: str) -> dict:
         raise CheckpointError(f"{path}: not found (is {path.parent} {what}?)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from e
+
+
+class MemoryLimitError(MoeJaxError):
+    """What a load or a generation would allocate does not fit the memory this machine has free."""

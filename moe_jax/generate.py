@@ -18,7 +18,7 @@ from moe_jax.sampling import check_sampling
 def generate(
     model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
 ) -> list:
-    check_sampling(temperature, top_p)
+    check_sampling(temperature, top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts:

@@ -57,3 +57,14 @@ def test_sampling_top_p_keeps_nucleus():
     rng = np.random.default_rng(0)
     drawn = {int(sample(logits, rng, 1.0, 0.7)[0]) for _ in range(200)}
     assert drawn == {0, 1}
+
+
+def test_sampler_edge_settings():
+    from moe_jax.sampling import sample
+
+    logits = np.array([[0.5, 3.0, -1.0, 2.9]], np.float32)
+    rng = np.random.default_rng(0)
+    assert [int(sample(logits, rng, 1e-300, 1.0)[0]) for _ in range(20)] == [1] * 20  # not NaN probabilities
+    drawn = {int(sample(logits, rng, 5.0, 1.0, top_k=50)[0]) for _ in range(300)}  # top-k above the vocabulary
+    assert drawn == {0, 1, 2, 3}
+    assert {int(sample(logits, rng, 5.0, 1.0, top_k=2)[0]) for _ in range(300)} == {1, 3}

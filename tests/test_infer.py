@@ -69,7 +69,12 @@ def test_malformed_line_is_named(tmp_path):
 
 
 def test_bad_sampling_refused_before_loading_the_model(tmp_path):
-    for flags, message in ((["--top-p", "0"], "top_p must be in (0, 1]"), (["--temperature", "-1"], "temperature")):
+    for flags, message in (
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--temperature", "-1"], "temperature"),
+        (["--seed", "-3"], "seed must be >= 0, got -3"),
+        (["--stop", "x", "--stop", ""], "--stop must not be empty"),
+    ):
         cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(tmp_path / "no-such-model"), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 2 and message in result.stderr and "no-such-model" not in result.stderr
@@ -172,3 +177,13 @@ def test_a_failure_part_way_keeps_the_finished_records(tmp_path, monkeypatch, ca
     kept = [json.loads(line) for line in (tmp_path / "out.jsonl.partial").read_text().splitlines()]
     assert len(kept) == 1 and kept[0]["completion"] is not None
     assert "finished record(s) are in" in capsys.readouterr().err
+
+
+def test_extreme_sampling_settings_still_generate(tmp_path):
+    """A top-k above the vocabulary keeps every token; a temperature of 1e-30 is greedy, not NaN; a batch size far
+    above the number of prompts allocates the KV cache for the prompts only."""
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy abc >"}, {"prompt": "copy xy >"}])
+    greedy = infer("--prompts", prompts, "--max-new-tokens", "4").stdout
+    tiny = infer("--prompts", prompts, "--max-new-tokens", "4", "--temperature", "1e-30", "--top-k", "100000")
+    assert tiny.stdout == greedy
+    assert infer("--prompts", prompts, "--max-new-tokens", "4", "--batch-size", "100000").stdout == greedy

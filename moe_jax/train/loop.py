@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from host_kernels.errors import NonFiniteError
-from moe_jax.errors import InputError, MoeJaxError
+from moe_jax.config import ModelConfig
+from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from moe_jax.output_files import NewFile, create_new
@@ -39,6 +40,7 @@ class RunData:
 
 def load_run_data(cfg: TrainConfig) -> RunData:
     """Everything about the data is read and checked before the model is loaded or anything compiles."""
+    check_sequence_length(cfg)
     tokenizer = load_tokenizer(Path(cfg.model)) if Path(cfg.model).is_dir() else None
     if tokenizer is None:
         raise InputError(f"{cfg.model}: no tokenizer.json (needed to tokenise the training data)")
@@ -52,6 +54,17 @@ def load_run_data(cfg: TrainConfig) -> RunData:
         train = pack(train, cfg.max_seq_len)
     pad = tokenizer.token_to_id("<pad>")
     return RunData(train, held_out, stats, pad if pad is not None else 0)
+
+
+def check_sequence_length(cfg: TrainConfig):
+    """max_seq_len must fit the model's positions: beyond them RoPE extrapolates and the loss means nothing."""
+    config_file = Path(cfg.model) / "config.json"
+    model_config = ModelConfig.from_hf(read_json_file(config_file, "a model directory"), source=str(config_file))
+    if cfg.max_seq_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
+            f"{model_config.max_position_embeddings} ({config_file})"
+        )
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -70,7 +83,7 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, data: RunData, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, data: RunData, progress: bool = True, verify: bool = False):
         import moe_jax
 
         self.cfg, self.data, self.progress = cfg, data, progress
@@ -78,7 +91,12 @@ class Trainer:
         self.data_sha256 = data_fingerprint(cfg.data, cfg.eval_data)
         budget = int(cfg.device_budget_mb * 2**20) or None
         self.model = moe_jax.load_model(
-            cfg.model, backend=cfg.backend, dtype=cfg.dtype, host_threads=cfg.host_threads, device_budget_bytes=budget
+            cfg.model,
+            backend=cfg.backend,
+            dtype=cfg.dtype,
+            host_threads=cfg.host_threads,
+            device_budget_bytes=budget,
+            verify=verify,
         )
         self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
         self.model.attach_lora(self.lora_config, seed=cfg.seed)

@@ -1,0 +1,75 @@
+"""Refusing, before allocating, what would not fit in memory: a model load (dense weights, stacked experts, the
+host kernels' packed copies) and a generation's KV cache.
+
+Without this, a config with an absurd size or a machine too small for the model spends minutes allocating and
+then dies of a MemoryError or the OOM killer, with nothing said about why. The estimate counts what moe_jax itself
+allocates; a converted store already in the model's dtype is memory-mapped (page cache the kernel can drop) and
+is not counted. Available memory is the kernel's MemAvailable plus free swap, capped by a cgroup limit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from moe_jax.errors import MemoryLimitError
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} bytes"
+
+
+def available_bytes() -> int | None:
+    """Memory a new allocation can get on this machine, or None where it cannot be read (no /proc)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        free = (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    return min(free, _cgroup_room() or free)
+
+
+def _cgroup_room() -> int | None:
+    """What the cgroup (v2) memory limit still allows, where one is set."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def load_bytes(checkpoint, itemsize: int, packs: bool) -> dict[str, int]:
+    """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `packs`: the backend runs
+    experts in the host kernels, which pack each expert once into their own tile layout (fused forward, AMX)."""
+    from moe_jax.checkpoint import is_expert_tensor
+
+    tensors = checkpoint.tensors
+    dense = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not is_expert_tensor(n)) * itemsize
+    c = checkpoint.config
+    experts = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers) * itemsize
+    store = checkpoint.expert_store
+    mapped = store is not None and store.dtype.itemsize == itemsize
+    return {
+        "dense weights": dense,
+        "experts": 0 if mapped else experts,
+        "packed expert copies": experts if packs else 0,
+    }
+
+
+def check_fits(parts: dict[str, int], what: str, available: int | None = None):
+    """Raises MemoryLimitError naming each part when their sum exceeds the available memory."""
+    available = available_bytes() if available is None else available
+    need = sum(parts.values())
+    if available is None or need <= available:
+        return
+    listed = ", ".join(f"{name} {_size(size)}" for name, size in parts.items() if size)
+    raise MemoryLimitError(
+        f"{what} needs about {_size(need)} ({listed}) but this machine has {_size(available)} available; "
+        "use a machine with more memory, a smaller dtype, or fewer sequences at a time"
+    )

@@ -1,0 +1,81 @@
+"""A malformed adapter_config.json is a CheckpointError naming the file and the field; PEFT settings moe_jax would
+ignore (and so compute something else) are refused; rank-stabilised LoRA matches peft (issue 15, item 10)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.adapters import adapter_config
+from moe_jax.errors import CheckpointError
+from tests.hf_models import hf_logits, make_hf_model, save_hf_model
+
+GOOD = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_good_config():
+    config = adapter_config(GOOD, "a/adapter_config.json")
+    assert (config.rank, config.scale, config.targets) == (4, 2.0, ("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"r": None}, "r = None must be an integer >= 1"),
+        ({"r": "8"}, "r = '8' must be an integer >= 1"),
+        ({"r": 0}, "r = 0"),
+        ({"r": 2.5}, "r = 2.5"),
+        ({"lora_alpha": None}, "lora_alpha = None must be a finite number > 0"),
+        ({"lora_alpha": "16"}, "lora_alpha = '16'"),
+        ({"lora_alpha": float("nan")}, "lora_alpha = nan"),
+        ({"target_modules": "q_proj|v_proj"}, "regex target_modules"),
+        ({"target_modules": [1, 2]}, "target_modules = [1, 2] must be a non-empty list of module names"),
+        ({"target_modules": {"q_proj": 1}}, "target_modules = {'q_proj': 1}"),
+        ({"target_modules": []}, "target_modules = []"),
+        ({"target_modules": ["nonsense_proj"]}, "unknown LoRA target module(s) ['nonsense_proj']"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3' is not LORA"),
+        ({"use_dora": True}, "DoRA adapters are not supported"),
+        ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"bias": "all"}, "bias = 'all' is not supported"),
+    ],
+)
+def test_malformed_adapter_config(change, message):
+    with pytest.raises(CheckpointError, match="a/adapter_config.json") as info:
+        adapter_config({**GOOD, **change}, "a/adapter_config.json")
+    assert message in str(info.value)
+
+
+def test_adapter_config_that_is_not_an_object():
+    with pytest.raises(CheckpointError, match="expected a JSON object, got list"):
+        adapter_config([GOOD], "a/adapter_config.json")
+
+
+def test_moe_jax_targets_file_is_checked_too(tmp_path):
+    from moe_jax.adapters import read_adapter
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(GOOD))
+    (tmp_path / "moe_jax_adapter.json").write_text(json.dumps({"targets": "experts"}))
+    with pytest.raises(CheckpointError, match="regex target_modules 'experts'"):
+        read_adapter(tmp_path)
+
+
+def test_rank_stabilised_lora_gives_peft_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    import torch
+
+    hf = make_hf_model("qwen3_moe", seed=2)
+    base = save_hf_model(hf, tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], use_rslora=True)
+    peft_model = peft.get_peft_model(hf, config)
+    with torch.no_grad():  # peft starts B at zero; a random B makes the adapter (and its scale) matter
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = np.random.default_rng(0).integers(0, 96, size=(1, 7))
+    theirs = hf_logits(peft_model.eval(), ids)
+    ours = moe_jax.load_model(base, backend="device", adapter=tmp_path / "adapter").logits(ids)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
