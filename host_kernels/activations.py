@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels import native
+from host_kernels.errors import KernelArgumentError
 
 NATIVE_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
@@ -24,9 +25,26 @@ def sigmoid(x, out=None):
     return out
 
 
+def _check_arrays(shape, inputs: dict, outputs: dict):
+    """Every array passed to a native SwiGLU pass: 2-D of `shape` with contiguous rows; inputs float32, outputs
+    float32 or bfloat16 bits (uint16) and writable."""
+    for name, array in {**inputs, **outputs}.items():
+        if array.shape != shape:
+            raise KernelArgumentError(f"{name} has shape {array.shape}, the pass works on {shape}")
+        native.row_stride(array)
+    for name, array in inputs.items():
+        if array.dtype != np.float32:
+            raise KernelArgumentError(f"{name} must be float32, got {array.dtype}")
+    for name, array in outputs.items():
+        if array.dtype not in (np.float32, np.uint16):
+            raise KernelArgumentError(f"{name} must be float32 or uint16 (bfloat16 bits), got {array.dtype}")
+        native.check_writable(name, array)
+
+
 def swiglu_forward(hg, hu, act):
     """act = silu(hg) * hu, into `act`: float32, or uint16 holding bfloat16 (a `amx.row_buffer`); a view with
     contiguous rows."""
+    _check_arrays(hg.shape, inputs={"hg": hg, "hu": hu}, outputs={"act": act})
     if native_usable():
         native.lib().swiglu_forward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), act.ctypes.data,
@@ -44,10 +62,20 @@ def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
     dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg) (float32, or bfloat16 in uint16 views), dw[i] =
     <grad_i, a_i> (a column view), and `act` = a when given. May overwrite hg and grad (the numpy path works in
     place)."""
+    outputs = {"dh_gate": dh_gate, "dh_up": dh_up} | ({} if act is None else {"act": act})
+    _check_arrays(grad.shape, inputs={"hg": hg, "hu": hu, "grad": grad}, outputs=outputs)
+    weight = np.ascontiguousarray(weight, np.float32)  # named: it must outlive the native call
+    if weight.shape != (grad.shape[0],) or dw.shape != (grad.shape[0],) or dw.dtype != np.float32:
+        raise KernelArgumentError(
+            f"weight {weight.shape} and dw {dw.dtype} {dw.shape} must be float32 [{grad.shape[0]}]"
+        )
+    native.check_writable("dw", dw)
+    if dh_up.strides != dh_gate.strides or dh_up.dtype != dh_gate.dtype:
+        raise KernelArgumentError("dh_gate and dh_up must share dtype and strides")
     if native_usable():
         native.lib().swiglu_backward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), grad.ctypes.data,
-            native.row_stride(grad), np.ascontiguousarray(weight, np.float32).ctypes.data, dh_gate.ctypes.data,
+            native.row_stride(grad), weight.ctypes.data, dh_gate.ctypes.data,
             dh_up.ctypes.data, native.row_stride(dh_gate), dh_gate.dtype == np.uint16, dw.ctypes.data,
             dw.strides[0] // 4, native.address(act), 0 if act is None else native.row_stride(act), grad.shape[0],
             grad.shape[1],

@@ -13,12 +13,14 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels import native
+from host_kernels.errors import KernelArgumentError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 K_BLOCK = 32  # k rows per AMX tile (16 pairs of bfloat16)
 N_BLOCK = 16  # columns per AMX tile
 M_BLOCK = 16  # rows per AMX tile
 REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
+PACK_ROWS_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # bf16_pack_rows's conversions
 CACHE_LINE = 64
 
 
@@ -33,6 +35,12 @@ class PackedWeight:
     @property
     def kp(self) -> int:
         return self.data.shape[1] * K_BLOCK
+
+    def validate(self, what: str = "packed weight"):
+        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it)."""
+        native.check_packed(
+            what, self.data, np.uint16, (padded(self.n, N_BLOCK) // N_BLOCK, padded(self.k, K_BLOCK) // K_BLOCK, 512)
+        )
 
 
 def padded(size: int, block: int) -> int:
@@ -68,16 +76,26 @@ def pack(w: np.ndarray) -> PackedWeight:
 def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """bfloat16 copy of `x` (float32 [m, k], rows contiguous) — or of its rows `rows` — padded for `gemm`:
     [m rounded up to 16, kp], zeros in the padding; into `out` (aligned, that shape, uint16) when given."""
+    native.require(native.status(PACK_ROWS_CPU_FLAGS), "bfloat16 row packing")
+    if x.ndim != 2 or x.dtype != np.float32 or x.strides[1] != 4 or x.strides[0] < 0:
+        raise KernelArgumentError(f"pack_rows needs float32 rows with unit column stride, got {x.dtype} {x.strides}")
     m = x.shape[0] if rows is None else rows.shape[0]
     k = x.shape[1]
-    if x.dtype != np.float32 or x.strides[1] != 4:
-        raise ValueError(f"pack_rows needs float32 rows with unit column stride, got {x.dtype} {x.strides}")
+    if kp % K_BLOCK or kp < k:
+        raise KernelArgumentError(f"kp {kp} must be a multiple of {K_BLOCK} and at least the rows' {k} columns")
+    if rows is not None:
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise KernelArgumentError(f"rows must be a 1-D integer array, got {rows.dtype} {rows.shape}")
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if m and (rows.min() < 0 or rows.max() >= x.shape[0]):
+            raise KernelArgumentError(
+                f"row index {rows.min() if rows.min() < 0 else rows.max()} outside [0, {x.shape[0]})"
+            )
     shape = (padded(max(m, 1), M_BLOCK), kp)
     out = aligned_empty(shape, np.uint16) if out is None else out
-    if out.shape != shape or out.dtype != np.uint16 or out.ctypes.data % CACHE_LINE:
-        raise ValueError(f"pack_rows output is {out.dtype} {out.shape}, expected aligned uint16 {shape}")
-    if rows is not None:
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if out.shape != shape or out.dtype != np.uint16 or out.ctypes.data % CACHE_LINE or not out.flags.c_contiguous:
+        raise KernelArgumentError(f"pack_rows output is {out.dtype} {out.shape}, expected aligned uint16 {shape}")
+    native.check_writable("pack_rows output", out)
     native.lib().bf16_pack_rows(
         x.ctypes.data,
         x.strides[0] // 4,
@@ -105,9 +123,16 @@ def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n
     """out[:m, :] = (a @ w)[:m, n0:n1] in float32. `a`: bfloat16 rows (uint16) from `pack_rows` or a
     `row_buffer` (or a view of one from some row on) with w.k columns before the padding; `n0` a multiple of 16;
     `out` a float32 [m, n1 - n0] array or view with unit column stride (rows may be strided)."""
+    native.require(status(), "AMX GEMM")
     n1 = w.n if n1 is None else n1
-    if a.dtype != np.uint16 or a.strides != (2 * w.kp, 2) or a.shape[1] < w.k:
-        raise ValueError(f"packed rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of {w.kp}")
+    if a.dtype != np.uint16 or a.ndim != 2 or a.strides != (2 * w.kp, 2) or a.shape[1] < w.k:
+        raise KernelArgumentError(
+            f"packed rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of {w.kp}"
+        )
+    if not 0 < m <= a.shape[0]:
+        raise KernelArgumentError(f"m = {m} rows asked of {a.shape[0]} packed rows")
+    w.validate()
+    native.check_extent("packed rows", a, padded(m, M_BLOCK))  # a tile reads 16 rows
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().amx_gemm(
         a.ctypes.data, w.kp, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1

@@ -29,7 +29,7 @@ from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, ex
 from host_kernels.fused_forward import FusedForward, pack_layer, supported
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
-from host_kernels.schedule import NOT_ROUTED, Routing, Tile, max_column_blocks, plan_tiles
+from host_kernels.schedule import Routing, Tile, check_expert_ids, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
 from host_kernels.store import ExpertStore, LayerExperts
 from host_kernels.workspace import Workspace
@@ -334,18 +334,7 @@ def _check_inputs(layer: int, w: LayerExperts, x_td, ids_tk, weights_tk, lora):
     if x_td.ndim != 2 or x_td.shape[1] != w.hidden:
         raise HostKernelError(f"layer {layer}: activations have shape {x_td.shape}, expected [tokens, {w.hidden}]")
     x_td = _check_activations(layer, "activations", x_td, x_td.shape)
-    ids_tk = np.asarray(ids_tk)
-    if ids_tk.ndim != 2 or ids_tk.shape[0] != x_td.shape[0] or ids_tk.dtype.kind not in "iu":
-        raise HostKernelError(
-            f"layer {layer}: expert ids have shape {ids_tk.shape} and dtype {ids_tk.dtype}, "
-            f"expected integers [{x_td.shape[0]}, top_k]"
-        )
-    bad = (ids_tk < NOT_ROUTED) | (ids_tk >= w.num_experts)
-    if bad.any():
-        raise HostKernelError(
-            f"layer {layer}: expert id {ids_tk[bad][0]} out of range [0, {w.num_experts}) "
-            f"({NOT_ROUTED} marks a pair computed elsewhere)"
-        )
+    ids_tk = check_expert_ids(layer, ids_tk, x_td.shape[0], w.num_experts)
     weights_tk = _check_activations(layer, "routing weights", weights_tk, ids_tk.shape)
     if lora is not None:
         lora.validate(layer, w.num_experts, w.hidden, w.ffn)

@@ -11,3 +11,8 @@ class StoreError(HostKernelError):
 
 class NonFiniteError(HostKernelError):
     """An activation or gradient reaching a host kernel holds NaN or infinity (a run that diverged)."""
+
+
+class KernelArgumentError(HostKernelError, ValueError):
+    """An argument a Python wrapper would pass to native code is out of range, of the wrong dtype or layout, not
+    writable, or needs a CPU feature this machine lacks: refused before the call, which could crash the process."""

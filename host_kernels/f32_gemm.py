@@ -13,6 +13,7 @@ import numpy as np
 from host_kernels import native
 from host_kernels.activations import NATIVE_CPU_FLAGS
 from host_kernels.amx import aligned_empty, padded
+from host_kernels.errors import KernelArgumentError
 
 N_BLOCK = 32  # columns per packed block (two AVX-512 registers)
 
@@ -22,6 +23,10 @@ class PackedF32:
     data: np.ndarray  # [n blocks, k, 32] float32, 64-byte aligned
     k: int
     n: int
+
+    def validate(self, what: str = "packed weight"):
+        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it)."""
+        native.check_packed(what, self.data, np.float32, (padded(self.n, N_BLOCK) // N_BLOCK, self.k, N_BLOCK))
 
 
 def pack(w: np.ndarray) -> PackedF32:
@@ -37,10 +42,12 @@ def pack(w: np.ndarray) -> PackedF32:
 
 def gemm(a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
     """out[:, :] = (a @ w)[:, n0:n1] for float32 rows `a` [m, k] (unit column stride); n0 a multiple of 32."""
+    native.require(status(), "float32 AVX-512 GEMM")
     n1 = w.n if n1 is None else n1
     m = a.shape[0]
-    if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4:
-        raise ValueError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
+    if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4 or a.strides[0] < 0:
+        raise KernelArgumentError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
+    w.validate()
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().f32_gemm(
         a.ctypes.data, a.strides[0] // 4, w.data.ctypes.data, w.k, out.ctypes.data, out.strides[0] // 4, m, n0, n1

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels import amx, f32_gemm, native
-from host_kernels.errors import HostKernelError
+from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import gate_up_blocks, uses_amx
+from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
+MAX_THREADS = 4096  # beyond any machine's cores: a larger count is a mistake, not a request
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
@@ -86,6 +88,8 @@ class FusedForward:
         usable, reason = supported(store)
         if not usable:
             raise HostKernelError(f"fused forward unavailable: {reason}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise KernelArgumentError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
         self.store, self._packed = store, packed
         self._lib = native.lib()
         self._runner = self._lib.moe_runner_new(threads)
@@ -105,6 +109,7 @@ class FusedForward:
             if entry is None:
                 w = self.store[layer]
                 weights = self._packed(layer)
+                self._check_packed(layer, w, weights)
                 w13 = np.array([p[0].data.ctypes.data for p in weights], np.uint64)
                 w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
@@ -120,9 +125,25 @@ class FusedForward:
                 self._routed_reported[layer] = np.zeros_like(routed)
             return entry
 
+    def _check_packed(self, layer: int, w: LayerExperts, weights):
+        """The packed weights the native layer will read: one (w13, w2) per expert, of this store's kind and
+        the layer's shape, each one's data exactly what its k and n say."""
+        kind, block = (amx.PackedWeight, amx.N_BLOCK) if self.store.dtype == amx.BF16 else (f32_gemm.PackedF32, 32)
+        want = ((w.hidden, 2 * amx.padded(w.ffn, block)), (w.ffn, w.hidden))
+        if len(weights) != w.num_experts:
+            raise KernelArgumentError(f"layer {layer}: {len(weights)} packed experts for {w.num_experts}")
+        for e, pair in enumerate(weights):
+            for name, packed, (k, n) in zip(("w13", "w2"), pair, want, strict=True):
+                where = f"layer {layer} expert {e} {name}"
+                if not isinstance(packed, kind) or (packed.k, packed.n) != (k, n):
+                    raise KernelArgumentError(f"{where}: expected a {kind.__name__} of k={k}, n={n}")
+                packed.validate(where)
+
     def call_address(self, layer: int) -> int:
-        """Address of this layer's `moe_call` (valid while this object lives)."""
-        return ctypes.addressof(self._layer(layer).call)
+        """Address of this layer's `moe_call` (valid while this object lives; `is_live_call` says so)."""
+        address = ctypes.addressof(self._layer(layer).call)
+        _LIVE_CALLS.add(address)
+        return address
 
     def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray) -> np.ndarray:
         """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x. An id of
@@ -130,13 +151,14 @@ class FusedForward:
         pointer = self._layer(layer).pointer
         w = self.store[layer]
         x_td = np.ascontiguousarray(x_td)
-        ids_tk = np.ascontiguousarray(ids_tk, dtype=np.int32)
-        weights_tk = np.ascontiguousarray(weights_tk)
         if x_td.ndim != 2 or x_td.shape[1] != w.hidden or x_td.dtype not in DTYPE_CODES:
-            raise HostKernelError(f"layer {layer}: x is {x_td.dtype} {x_td.shape}, expected [tokens, {w.hidden}]")
-        if ids_tk.ndim != 2 or ids_tk.shape[0] != x_td.shape[0] or weights_tk.shape != ids_tk.shape:
-            raise HostKernelError(
-                f"layer {layer}: expert ids {ids_tk.shape} and weights {weights_tk.shape} do not fit x {x_td.shape}"
+            raise KernelArgumentError(f"layer {layer}: x is {x_td.dtype} {x_td.shape}, expected [tokens, {w.hidden}]")
+        ids_tk = check_expert_ids(layer, ids_tk, x_td.shape[0], w.num_experts)
+        weights_tk = np.ascontiguousarray(weights_tk)
+        if weights_tk.shape != ids_tk.shape or weights_tk.dtype.kind != "f":
+            raise KernelArgumentError(
+                f"layer {layer}: routing weights are {weights_tk.dtype} {weights_tk.shape}, expected floats "
+                f"{ids_tk.shape}"
             )
         if weights_tk.dtype not in DTYPE_CODES:
             weights_tk = weights_tk.astype(np.float32)
@@ -166,7 +188,16 @@ class FusedForward:
         return totals
 
 
+_LIVE_CALLS: set[int] = set()  # moe_call addresses handed out and not yet freed
+
+
+def is_live_call(address: int) -> bool:
+    """Whether `address` is a `moe_call` of a FusedForward still alive (anything else would crash the handler)."""
+    return address in _LIVE_CALLS
+
+
 def _free(lib, runner, layers):
+    _LIVE_CALLS.difference_update(ctypes.addressof(entry.call) for entry in layers.values())
     lib.moe_runner_free(runner)
     for entry in layers.values():
         lib.moe_layer_free(entry.pointer)

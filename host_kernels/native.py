@@ -15,6 +15,9 @@ import os
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
+from host_kernels.errors import KernelArgumentError
 from host_kernels.native_sources import source_hash
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -115,13 +118,50 @@ def lib():
     return library
 
 
+def require(usable: tuple[bool, str], what: str):
+    """Refuses a native call this machine cannot make (a SIGILL otherwise): `usable` is a status() pair."""
+    if not usable[0]:
+        raise KernelArgumentError(f"{what} unavailable: {usable[1]}")
+
+
+def check_writable(what: str, array):
+    if not array.flags.writeable:
+        raise KernelArgumentError(f"{what} is read-only; native code writes into it")
+
+
+def check_extent(what: str, array, rows: int):
+    """`rows` rows of `array` from its first (at its row stride) lie inside the memory of the array it views: a
+    kernel may read past a view's shape (a tile reads 16 rows) but never past the buffer underneath."""
+    base = array
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    low, high = np.lib.array_utils.byte_bounds(base)
+    start = array.ctypes.data
+    end = start + (rows - 1) * array.strides[0] + array.shape[1] * array.itemsize if rows else start
+    if start < low or end > high:
+        raise KernelArgumentError(f"{what}: {rows} rows from its start run past the buffer it is a view of")
+
+
 def check_gemm_output(out, m: int, n0: int, n1: int, n: int, block: int):
     """A GEMM's column range [n0, n1) of an n-column weight (n0 on a `block` boundary) and its float32 [m, n1 - n0]
-    output (rows may be strided, columns not); ValueError naming what does not fit."""
+    output (rows may be strided, columns not, writable); KernelArgumentError naming what does not fit."""
     if n0 % block or not 0 <= n0 < n1 <= n:
-        raise ValueError(f"column range [{n0}, {n1}) of a {n}-column weight must start at a multiple of {block}")
+        raise KernelArgumentError(
+            f"column range [{n0}, {n1}) of a {n}-column weight must start at a multiple of {block}"
+        )
     if out.dtype != "float32" or out.shape != (m, n1 - n0) or out.strides[1] != 4:
-        raise ValueError(f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]")
+        raise KernelArgumentError(
+            f"output is {out.dtype} {out.shape} strides {out.strides}, expected float32 [{m}, {n1 - n0}]"
+        )
+    check_writable("GEMM output", out)
+
+
+def check_packed(what: str, data, dtype, shape: tuple[int, ...]):
+    """A packed weight's data: `dtype`, C-contiguous, of exactly the shape its recorded k and n imply."""
+    if data.dtype != dtype or data.shape != shape or not data.flags.c_contiguous:
+        raise KernelArgumentError(
+            f"{what}: data is {data.dtype} {data.shape}, its k and n need C-contiguous {np.dtype(dtype)} {shape}"
+        )
 
 
 def address(array) -> int | None:
@@ -130,6 +170,6 @@ def address(array) -> int | None:
 
 def row_stride(array) -> int:
     """Row stride in elements of a 2-D array whose columns are contiguous (bfloat16 data travels as uint16)."""
-    if array.strides[1] != array.itemsize:
-        raise ValueError(f"array with strides {array.strides} does not have contiguous rows")
+    if array.ndim != 2 or array.strides[1] != array.itemsize or array.strides[0] < 0:
+        raise KernelArgumentError(f"array with strides {array.strides} does not have contiguous rows")
     return array.strides[0] // array.itemsize

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 from threadpoolctl import ThreadpoolController
 
+from host_kernels.errors import KernelArgumentError
+
 _blas = ThreadpoolController()
 
 
@@ -39,6 +41,8 @@ def current_worker() -> int | None:
 
 class WorkerPool:
     def __init__(self, threads: int | None = None):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise KernelArgumentError(f"threads must be an integer >= 1 (or None: every core), got {threads!r}")
         self.threads = threads or default_threads()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._helpers = [

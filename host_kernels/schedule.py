@@ -13,7 +13,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host_kernels.errors import KernelArgumentError
+
 NOT_ROUTED = -1  # an expert id meaning "this pair is computed elsewhere" (hybrid placement)
+
+
+def check_expert_ids(layer: int, ids_tk, tokens: int, num_experts: int) -> np.ndarray:
+    """Routing of `tokens` tokens as int32 [tokens, top_k >= 1], every id in [NOT_ROUTED, num_experts); an id of
+    another dtype is refused, not cast (a float or an id above 2**31 would become another expert)."""
+    ids_tk = np.asarray(ids_tk)
+    if ids_tk.ndim != 2 or ids_tk.shape[0] != tokens or ids_tk.shape[1] < 1 or ids_tk.dtype.kind not in "iu":
+        raise KernelArgumentError(
+            f"layer {layer}: expert ids are {ids_tk.dtype} {ids_tk.shape}, expected integers [{tokens}, top_k >= 1]"
+        )
+    bad = (ids_tk < NOT_ROUTED) | (ids_tk >= num_experts)
+    if bad.any():
+        raise KernelArgumentError(
+            f"layer {layer}: expert id {ids_tk[bad][0]} out of range [0, {num_experts}) "
+            f"({NOT_ROUTED} marks a pair computed elsewhere)"
+        )
+    return np.ascontiguousarray(ids_tk, dtype=np.int32)
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,13 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     """Messages rendered with the checkpoint's chat template (in jinja2's sandbox, as transformers does)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise InputError(f"{where}messages given, but the checkpoint has no chat template")
+    if not isinstance(messages, list) or not messages:
+        raise InputError(f"{where}'messages' must be a non-empty list")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise InputError(f"{where}message {i} needs 'role' and 'content'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise InputError(f"{where}message {i} needs a string 'role' and a 'content'")
+        if not isinstance(m["content"], str | list):
+            raise InputError(f"{where}message {i}: 'content' must be a string or a list of parts")
     return render_template(
         tokenizer.chat_template,
         where,
@@ -62,7 +66,7 @@ def prompt_token_ids(record: dict, tokenizer, where: str) -> tuple[list[int], st
     """Token ids (and the text, when there is one) of one prompt record: prompt, messages or input_ids."""
     if "input_ids" in record:
         ids = record["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise InputError(f"{where}'input_ids' must be a list of integers")
         return ids, None
     if "messages" in record:

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_kernels import amx, native
+from host_kernels.errors import KernelArgumentError
+from host_kernels.fused_forward import is_live_call
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
@@ -70,6 +72,8 @@ def _registered() -> tuple[bool, str]:
 
 def host_experts_call(call_address: int, x_td, ids_tk, weights_tk):
     """y = the routed experts of the layer whose moe_call is at `call_address`, computed on the host."""
+    if not is_live_call(call_address):
+        raise KernelArgumentError(f"{call_address:#x} is not the moe_call of a live fused forward")
     result = jax.ShapeDtypeStruct(x_td.shape, x_td.dtype)
     call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
     return call(x_td, ids_tk, weights_tk, call=np.uint64(call_address))
