@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,12 +77,17 @@ def check_settings(args):
         raise InputError("--stop must not be empty (an empty string would stop every prompt before its first token)")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
+    if args.host_threads is not None:
+        from host_kernels.pool import MAX_THREADS
+
+        if not 1 <= args.host_threads <= MAX_THREADS:
+            raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
     if args.anchor_cache_mb < 0:
         raise InputError("--anchor-cache-mb must be >= 0")
     if args.wave_size is not None and args.wave_size < 1:
         raise InputError("--wave-size must be >= 1")
-    if args.device_memory_mb is not None and args.device_memory_mb <= 0:
-        raise InputError("--device-memory-mb must be > 0")
+    if args.device_memory_mb is not None and not (math.isfinite(args.device_memory_mb) and args.device_memory_mb > 0):
+        raise InputError(f"--device-memory-mb must be a finite number > 0, got {args.device_memory_mb}")
     if args.kv_fraction is not None:
         if args.device_memory_mb is None:
             raise InputError("--kv-fraction needs --device-memory-mb: the memory it is a share of")
@@ -92,7 +98,7 @@ def check_settings(args):
                 raise InputError(
                     f"--kv-fraction must be a number in [0, 1] or 'auto', got {args.kv_fraction!r}"
                 ) from None
-            if not 0.0 <= fraction <= 1.0:
+            if not 0.0 <= fraction <= 1.0:  # (NaN fails this too)
                 raise InputError(f"--kv-fraction must be in [0, 1], got {fraction}")
 
 

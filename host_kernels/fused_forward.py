@@ -23,10 +23,10 @@ import numpy as np
 from host_kernels import amx, f32_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import gate_up_blocks, uses_amx
+from host_kernels.pool import check_thread_count
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
-MAX_THREADS = 4096  # beyond any machine's cores: a larger count is a mistake, not a request
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
@@ -88,8 +88,7 @@ class FusedForward:
         usable, reason = supported(store)
         if not usable:
             raise HostKernelError(f"fused forward unavailable: {reason}")
-        if not 1 <= threads <= MAX_THREADS:
-            raise KernelArgumentError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+        check_thread_count(threads)
         self.store, self._packed = store, packed
         self._lib = native.lib()
         self._runner = self._lib.moe_runner_new(threads)

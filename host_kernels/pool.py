@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from threadpoolctl import ThreadpoolController
 
-from host_kernels.errors import KernelArgumentError
+from host_kernels.errors import HostKernelError, KernelArgumentError
 
 _blas = ThreadpoolController()
 
@@ -39,18 +39,29 @@ def current_worker() -> int | None:
     return getattr(_running, "worker", None)
 
 
+MAX_THREADS = 4096  # beyond any machine's cores: a larger count is a mistake, not a request
+
+
+def check_thread_count(threads) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise KernelArgumentError(f"threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
+
+
 class WorkerPool:
     def __init__(self, threads: int | None = None):
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise KernelArgumentError(f"threads must be an integer >= 1 (or None: every core), got {threads!r}")
+        if threads is not None:
+            check_thread_count(threads)
         self.threads = threads or default_threads()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._helpers = [
             threading.Thread(target=self._helper_loop, name=f"host-kernels-{i}", daemon=True)
             for i in range(self.threads - 1)
         ]
-        for t in self._helpers:
-            t.start()
+        try:
+            for t in self._helpers:
+                t.start()
+        except RuntimeError as e:  # the OS's thread limit
+            raise HostKernelError(f"cannot start {self.threads} worker threads ({e}); ask for fewer") from None
 
     def run(self, tasks: Sequence[Callable[[], None]]) -> list[float]:
         """Runs every task once; returns each worker's busy seconds (caller first). Raises the first task error."""

@@ -188,6 +188,8 @@ def apply_adapter(transformer, tensors: dict[str, np.ndarray], source) -> None:
             raise CheckpointError(
                 f"{source}: adapter tensor {key} has shape {value.shape}, this model needs {tuple(target.shape)}"
             )
+        if not np.isfinite(value).all():  # would turn every output into NaN, silently
+            raise CheckpointError(f"{source}: adapter tensor {key} holds NaN or infinite values")
         target[...] = jnp.asarray(value, target.dtype)
 
 

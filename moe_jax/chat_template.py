@@ -103,3 +103,5 @@ def render_template(source: str, where: str = "", **variables) -> str:
         raise InputError(f"{where}the checkpoint's chat template tried something unsafe, refused: {e}") from None
     except jinja2.exceptions.TemplateError as e:
         raise InputError(f"{where}the checkpoint's chat template failed: {e}") from None
+    except (OverflowError, MemoryError, RecursionError) as e:  # the sandbox's limits (a range over 100000 items)
+        raise InputError(f"{where}the checkpoint's chat template hit a limit: {type(e).__name__}: {e}") from None

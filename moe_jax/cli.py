@@ -9,15 +9,21 @@ from host_kernels.errors import HostKernelError
 from moe_jax.errors import MoeJaxError
 
 EXIT_BAD_INPUT = 2
+EXIT_SYSTEM = 1  # the machine, not the input: a full disk, a file that vanished
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Runs `main`; a user-caused error prints `error: ...` to stderr and returns exit code 2."""
+    """Runs `main`; a user-caused error prints `error: ...` to stderr and returns exit code 2, a system one (a full
+    disk) exit code 1."""
     try:
         return main(argv) or 0
     except (MoeJaxError, HostKernelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # a full or failing disk while writing outputs: say which file and why, in one line
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_SYSTEM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ directory and renamed over the target, which replaces a link itself, not what it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -28,6 +29,38 @@ def check_writable_dir(directory, what: str) -> Path:
     return directory
 
 
+class _NamedFile:
+    """A text file whose write errors (a full disk) name the file they concern, which raw writes do not."""
+
+    def __init__(self, fd: int, path: Path):
+        self._file, self.path = os.fdopen(fd, "w", encoding="utf-8"), path
+
+    def _named(self, operation, *args):
+        try:
+            return operation(*args)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
+
+    def write(self, text: str):
+        self._named(self._file.write, text)
+
+    def flush(self):
+        self._named(self._file.flush)
+
+    def sync_and_close(self):
+        self._named(self._file.flush)
+        self._named(os.fsync, self._file.fileno())
+        self._file.close()
+
+    def close(self):
+        try:
+            self._named(self._file.close)
+        finally:
+            if not self._file.closed:  # a failed flush leaves it open; the data is lost either way
+                with contextlib.suppress(OSError):
+                    self._file.close()
+
+
 class NewFile:
     """A text file written under a temporary name beside `path` and renamed onto it by `commit()` (an existing
     entry at `path`, link or file, is replaced; a link is never followed). `discard()` removes the temporary
@@ -38,7 +71,7 @@ class NewFile:
         self.path = Path(path)
         fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(name)
-        self.file = os.fdopen(fd, "w", encoding="utf-8")
+        self.file = _NamedFile(fd, self.path)
 
     def write(self, text: str):
         self.file.write(text)
@@ -55,7 +88,8 @@ class NewFile:
         os.replace(self.tmp, path)
 
     def discard(self):
-        self.file.close()
+        with contextlib.suppress(OSError):  # discarding after a full disk: the close may fail again
+            self.file.close()
         self.tmp.unlink(missing_ok=True)
 
     def __enter__(self):
@@ -69,9 +103,7 @@ class NewFile:
             self.discard()
 
     def _close(self):
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        self.file.sync_and_close()
 
 
 def write_text(path, text: str):
@@ -88,4 +120,4 @@ def create_new(path):
     if path.is_symlink() or path.is_file():
         path.unlink()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    return os.fdopen(fd, "w", encoding="utf-8")
+    return _NamedFile(fd, path)

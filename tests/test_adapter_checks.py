@@ -79,3 +79,19 @@ def test_rank_stabilised_lora_gives_peft_logits(tmp_path):
     theirs = hf_logits(peft_model.eval(), ids)
     ours = moe_jax.load_model(base, backend="device", adapter=tmp_path / "adapter").logits(ids)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_adapter_with_non_finite_weights_is_refused(tmp_path):
+    from moe_jax.adapters import apply_adapter
+    from moe_jax.lora import LoRAConfig
+
+    model = moe_jax.load_model(save_hf_model(make_hf_model("mixtral", seed=1), tmp_path / "base"), backend="device")
+    model.attach_lora(LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",)))
+    d, q = model.config.hidden_size, model.config.num_heads * model.config.head_dim
+    tensors = {}
+    for layer in range(model.config.num_layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = np.zeros((2, d), np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.full((q, 2), np.nan if layer == 1 else 0.0, np.float32)
+    with pytest.raises(CheckpointError, match=r"layers.1.self_attn.q_proj.lora_B.weight holds NaN or infinite"):
+        apply_adapter(model.transformer, tensors, "adapter")

@@ -25,6 +25,7 @@ ESCAPES = [
     "{{ messages.append({'role': 'x'}) }}{{ messages }}",  # the immutable sandbox: no changing the caller's data
     "{{ raise_exception.__globals__['os'].system('touch MARKER') }}",
     "{{ dict.__class__.__init__.__globals__ }}",
+    "{% for i in range(10**9) %}x{% endfor %}",  # the sandbox's range limit: an error, not a traceback
 ]
 
 

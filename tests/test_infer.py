@@ -131,6 +131,8 @@ def test_bad_memory_settings_refused_before_loading_the_model(tmp_path):
         (["--device-memory-mb", "4", "--kv-fraction", "2"], "--kv-fraction must be in [0, 1]"),
         (["--device-memory-mb", "4", "--kv-fraction", "half"], "a number in [0, 1] or 'auto'"),
         (["--wave-size", "0"], "--wave-size must be >= 1"),
+        (["--device-memory-mb", "nan"], "--device-memory-mb must be a finite number > 0, got nan"),
+        (["--host-threads", "1000000"], "--host-threads must be in [1, 4096], got 1000000"),
     ):
         cmd = [sys.executable, str(ROOT / "infer.py"), "--model", str(tmp_path / "no-such-model"), *flags]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

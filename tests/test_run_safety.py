@@ -113,3 +113,38 @@ def test_divergence_before_any_checkpoint_says_none_was_written(tmp_path):
     trainer.value_and_grad = nan_loss
     with pytest.raises(MoeJaxError, match="step 1: loss is nan; stopping. No checkpoint was written yet"):
         trainer.run()
+
+
+def test_a_failed_checkpoint_save_is_a_checkpoint_error_and_earlier_ones_stay(finished_run, tmp_path, monkeypatch):
+    out, settings = finished_run
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    trainer = _trainer(copy, **settings)
+    trainer.resume()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer.checkpoints.manager, "save", full_disk)
+    with pytest.raises(CheckpointError, match="saving the step 6 checkpoint failed .*No space left on device"):
+        trainer.save(6)
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+
+
+def test_write_errors_name_the_file_and_the_cli_says_it_in_one_line(capsys):
+    import os
+    from pathlib import Path
+
+    from moe_jax.cli import EXIT_SYSTEM, run_cli
+    from moe_jax.output_files import _NamedFile
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this machine")
+
+    def main(argv):
+        out = _NamedFile(os.open("/dev/full", os.O_WRONLY), Path("/dev/full"))
+        out.write("x" * 10000)
+        out.flush()
+
+    assert run_cli(main) == EXIT_SYSTEM
+    assert capsys.readouterr().err.strip() == "error: /dev/full: No space left on device"

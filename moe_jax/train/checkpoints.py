@@ -61,10 +61,16 @@ class Checkpoints:
 
     def save(self, step: int, lora_state, opt_state, meta: dict):
         state = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        )
-        self.manager.wait_until_finished()
+        try:
+            self.manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+            )
+            self.manager.wait_until_finished()
+        except Exception as e:  # orbax raises many kinds (a full disk among them); orbax renames only finished saves
+            raise CheckpointError(
+                f"{self.directory}: saving the step {step} checkpoint failed ({type(e).__name__}: {e}); "
+                "the checkpoints before it are as they were"
+            ) from e
 
     def restore(self, lora_state, opt_state, settings: dict):
         """(step, LoRA state, optimizer state, meta) of the newest readable checkpoint, checked against
