@@ -138,8 +138,7 @@ class Model:
     def refresh_expert_cache(self) -> bool:
         """auto: updates the device expert cache from the routing seen since the last call (bounded churn).
         The generation engine and the trainer call this between steps."""
-        cache = self.placement.expert_cache
-        if cache is None or cache.capacity == 0:  # nothing to place (or auto keeps every expert on the host)
+        if not self.placement.cache_in_use:  # nothing to place, or every call shape runs on the host path
             return False
         return self._edit(self.placement.refresh_expert_cache)
 
@@ -266,6 +265,7 @@ def load_model(
     kv_fraction: float | None = None,
     placement_plan: dict[int, list[int]] | None = None,
     profile=None,
+    calibrate: bool = True,
     verify: bool = False,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
@@ -275,7 +275,9 @@ def load_model(
     with `kv_fraction`, that share of it goes to the KV cache instead (see `Model.set_memory_split`).
     `placement_plan` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
     `profile` (backend="auto"): a probe profile (path or cost_model.Profile); by default this machine's, measured
-    once for the model's expert shape and kept under ~/.cache/moe_jax.
+    once for the model's expert shape and kept under ~/.cache/moe_jax. `calibrate` (auto): time one real layer
+    both ways at load where the profile predicts a device gain, and use the host path where it measures faster
+    (a few seconds; off only for a profile known to be right, or to test the planner's device path).
     `verify`: check a converted directory's expert files against the SHA-256 checksums convert recorded.
     """
     if backend not in BACKENDS:
@@ -309,6 +311,7 @@ def load_model(
         device_budget_bytes=expert_budget,
         placement_plan=placement_plan,
         profile=profile,
+        calibrate=calibrate,
     )
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
     model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)

@@ -59,6 +59,26 @@ def auto_layer_seconds(profile: Profile, counts, cached: int, can_stream: bool) 
     return layer_time(profile, counts, plan_layer(profile, counts, resident, can_stream)).seconds
 
 
+def nearest_phase(tokens: int) -> int:
+    """The phase a call of `tokens` tokens is closest to, on a log scale."""
+    return min(PHASES, key=lambda phase: abs(np.log(max(tokens, 1)) - np.log(phase)))
+
+
+def predicted_gain(profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int, zipf: float = 0.0):
+    """(host-only seconds, auto seconds) of one layer for a call of `tokens` tokens, as the cost model predicts."""
+    counts = expected_routing(tokens, shape, zipf)
+    host = layer_time(profile, counts, ["host"] * shape.experts).seconds
+    return host, auto_layer_seconds(profile, counts, cached, can_stream)
+
+
+def device_pays(profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int) -> bool:
+    """Whether a call of `tokens` tokens is predicted WORTH_IT faster with the device cache and streams than on
+    the host alone. Where not, auto's layer traces the host backend's own path for that call shape (one native
+    call, no planner), so such calls are exactly as fast as backend="host"."""
+    host, auto = predicted_gain(profile, shape, cached, can_stream, tokens)
+    return host >= WORTH_IT * auto
+
+
 @dataclass(frozen=True)
 class AutoChoice:
     use_device: bool
@@ -87,9 +107,7 @@ def choose_auto(
         return AutoChoice(False, "the device budget holds no expert", {}, {})
     host_s, auto_s = {}, {}
     for tokens in phases:
-        counts = expected_routing(tokens, shape, zipf)
-        host_s[tokens] = layer_time(profile, counts, ["host"] * shape.experts).seconds
-        auto_s[tokens] = auto_layer_seconds(profile, counts, cached, can_stream)
+        host_s[tokens], auto_s[tokens] = predicted_gain(profile, shape, cached, can_stream, tokens, zipf)
     gains = {tokens: host_s[tokens] / max(auto_s[tokens], 1e-12) for tokens in phases}
     best = max(gains, key=gains.get)
     shown = ", ".join(f"{tokens} tokens {gain:.2f}x" for tokens, gain in gains.items())

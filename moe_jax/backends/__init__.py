@@ -23,6 +23,7 @@ from flax import nnx
 from host_kernels.engine import HostMoE
 from host_kernels.store import ExpertStore
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
+from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
@@ -48,6 +49,7 @@ class Backend:
         device_budget_bytes: int | None = None,
         placement_plan: dict[int, list[int]] | None = None,
         profile: Profile | None = None,
+        calibrate: bool = True,
     ):
         self.name = name
         self.checkpoint = checkpoint
@@ -69,9 +71,12 @@ class Backend:
         self.offload_slots = max(1, budget // (2 * self.expert_bytes))
         self.plan = _check_plan(placement_plan or {}, config) if name == "hybrid" else {}
         self.profile = profile
+        self.calibrate = calibrate  # auto: check the profile's verdict on one real layer (backends.calibrate)
         self.expert_cache: ExpertCache | None = None
         self.auto_choice: AutoChoice | None = None
         self.uses_device = False  # auto: a device cache and streams, planned per call (else host layers alone)
+        self.host_phases: frozenset[int] | None = None  # auto: phases measured faster on the host path
+        self.calibration: dict[int, tuple] = {}  # phase -> (host, device) seconds of one layer call
         if name == "auto":
             self._choose_auto(budget)
         if name in ("host", "hybrid", "auto"):
@@ -100,7 +105,23 @@ class Backend:
         """The placement in a line (auto: what it chose and why)."""
         if self.auto_choice is None:
             return self.name
-        return f"auto: {self.auto_choice.summary()}"
+        measured = "; ".join(
+            f"{tokens} tokens measured host {host * 1e3:.2f} ms, device path {device * 1e3:.2f} ms"
+            + (" (host path used)" if tokens in (self.host_phases or ()) else "")
+            for tokens, (host, device) in sorted(self.calibration.items())
+        )
+        return f"auto: {self.auto_choice.summary()}" + (f"; {measured}" if measured else "")
+
+    @property
+    def cache_in_use(self) -> bool:
+        """auto: whether some call shape traces the device path (else the cache is never read: no refreshes)."""
+        if self.expert_cache is None or self.expert_cache.capacity == 0:
+            return False
+        return (
+            self.host_phases is None
+            or any(t not in self.host_phases for t in self.calibration)
+            or not (self.calibration)
+        )
 
     @property
     def stream_buffer_bytes(self) -> int:
@@ -126,7 +147,17 @@ class Backend:
             capacity = self.expert_cache.capacity
             # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
             first = range(capacity)
-            return HybridExperts(self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream)
+            shape = model_shape(self.checkpoint.config, self.dtype.itemsize)
+            module = HybridExperts(
+                self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape
+            )
+            if self.host_phases is None:  # the first layer built: check the predictions on it, once
+                measured = (
+                    layer_calibration.host_faster_phases(module, self.dtype) if self.calibrate else (frozenset(), {})
+                )
+                self.host_phases, self.calibration = measured
+            module.spec = dataclasses.replace(module.spec, host_phases=self.host_phases)
+            return module
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         if self.name == "offload":
             counter = TransferCounter(self.metrics, self.expert_bytes)
@@ -188,6 +219,7 @@ class Backend:
         toward it (bounded churn). Returns whether any layer's cache changed."""
         if self.expert_cache is None:
             return False
+        self.runtime.fold_fused_metrics()  # brings in the pairs the native forward counted
         self.expert_cache.observe(self.runtime.routing.take())
         changed = False
         for module in _hybrid_layers(transformer):

@@ -40,7 +40,8 @@ class HostRuntime:
         self.engine = engine
         self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
-        self.routing = RoutingCounts()  # every pair's expert, recorded by the hybrid placements
+        # every pair's expert: host pairs counted where they compute, device pairs by the hybrid placements
+        self.routing = RoutingCounts()
         # forward activations kept for the backward, by ticket, oldest first; beyond `keep_bytes` the oldest are
         # dropped and their backward recomputes (so does a backward whose ticket is unknown). By default only on
         # the numpy path: on AMX the recompute (one GEMM) is faster than reading the kept 2 x ffn floats per pair
@@ -151,6 +152,7 @@ class HostRuntime:
         for layer, counts in t.routed.items():
             if counts.any():
                 self.metrics.count_tokens(layer, counts)
+                self.routing.add(layer, counts)
 
     def _run_forward(self, layer, scale, x, ids, weights, lora, keep: bool):
         """(y in x's dtype, saved pre-activations when `keep`, else None), with the call's metrics recorded.
@@ -191,6 +193,7 @@ class HostRuntime:
         )
         if s.kind == "forward":
             self.metrics.count_tokens(layer, s.tokens_per_expert)
+            self.routing.add(layer, s.tokens_per_expert)
 
 
 def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:

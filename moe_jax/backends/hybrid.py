@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from moe_jax.backends.host import HostRuntime
+from moe_jax.auto_choice import Shape, device_pays, nearest_phase
+from moe_jax.backends.host import HostRuntime, host_experts
 from moe_jax.backends.offload import (
     OffloadSpec,
     SpecExperts,
@@ -51,6 +52,18 @@ class HybridSpec:
     lora_scale: float
     profile: Profile | None = None  # with a profile, a planner places every expert per call (cached ones too)
     stream: OffloadSpec | None = None  # ... and may stream uncached ones over the bus
+    shape: Shape | None = None  # with a profile: the model's expert shape, for the per-call-shape rule below
+    host_phases: frozenset[int] = frozenset()  # phases where the host path measured faster (backends.calibrate)
+
+    def device_pays(self, tokens: int) -> bool:
+        """Whether calls of `tokens` tokens trace the planner and the device path at all: predicted to pay
+        (auto_choice.device_pays) and not measured slower at the nearest phase; the others trace the host
+        backend's path, and are exactly as fast."""
+        if self.profile is None:
+            return True
+        if nearest_phase(tokens) in self.host_phases:
+            return False
+        return device_pays(self.profile, self.shape, self.capacity, self.stream is not None, tokens)
 
     @property
     def num_experts(self) -> int:
@@ -99,8 +112,10 @@ def _stream_spec(spec: HybridSpec) -> OffloadSpec:
 
 
 def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, cache_ids):
-    w13_c, w2_c, _ = cache
-    return subset_experts(x_td, ids_tk, weights_tk, cache_ids, w13_c, w2_c, spec.num_experts, lora, spec.lora_scale)
+    w13_slots, w2_slots, _ = cache
+    return subset_experts(
+        x_td, ids_tk, weights_tk, cache_ids, w13_slots, w2_slots, spec.num_experts, lora, spec.lora_scale
+    )
 
 
 def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement: Placement):
@@ -131,11 +146,13 @@ def _overlapped(spec: HybridSpec, method: str, counts, host_args: tuple, result_
             spec.runtime.routing.add(spec.layer, counts)
         return spec.runtime.submit(method, spec.layer, spec.lora_scale, *args)
 
-    ticket = io_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), counts, *host_args)
+    # pure_callback, not io_callback: data dependencies (ticket, probe) already order the two, and an io_callback
+    # with results costs ~0.1 ms a step even in a branch not taken (XLA:CPU, bench model decode)
+    ticket = jax.pure_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), counts, *host_args)
     ticket, device_inputs = jax.lax.optimization_barrier((ticket, device_inputs))
     device_out = device_fn(*device_inputs)
     probe = jax.tree.leaves(device_out)[0].reshape(-1)[:1]
-    host_out = io_callback(lambda t, _: spec.runtime.collect(t), result_shapes, ticket, probe)
+    host_out = jax.pure_callback(lambda t, _: spec.runtime.collect(t), result_shapes, ticket, probe)
     return host_out, device_out
 
 
@@ -143,19 +160,41 @@ def _host_ids(on_device, ids_tk):
     return jnp.where(on_device[ids_tk], -1, ids_tk)
 
 
+def _record_routing(spec: HybridSpec, device_counts):
+    """Device pairs' experts into the routing the expert cache learns from (host pairs are counted where the
+    host computes them: see HostRuntime.fold_fused_metrics)."""
+    io_callback(lambda counts: spec.runtime.routing.add(spec.layer, counts), None, device_counts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming):
     placement = _placement(spec, ids_tk, cache[2])
-    host_y, device_y = _overlapped(
-        spec,
-        "forward",
-        placement.counts,
-        (x_td, _host_ids(placement.on_device, ids_tk), weights_tk, lora),
-        jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-        lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, cache, streaming, placement),
-        (x_td,),
-    )
-    return device_y if host_y is None else host_y + device_y
+    if not spec.host_needed:
+        return _device_part(spec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement)
+    device_counts = jnp.where(placement.on_device, placement.counts, 0)
+    host_counts = placement.counts - device_counts
+
+    def host_only():  # the host backend's own call (through XLA's FFI where it can): no thread hop, no callbacks
+        return host_experts(spec.runtime, spec.layer, spec.lora_scale, x_td, ids_tk, weights_tk, lora)
+
+    def device_only():
+        _record_routing(spec, device_counts)
+        return _device_part(spec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement)
+
+    def both():
+        host_y, device_y = _overlapped(
+            spec,
+            "forward",
+            device_counts,
+            (x_td, _host_ids(placement.on_device, ids_tk), weights_tk, lora),
+            jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
+            lambda x: _device_part(spec, x, ids_tk, weights_tk, lora, cache, streaming, placement),
+            (x_td,),
+        )
+        return host_y + device_y
+
+    branch = jnp.where(jnp.any(device_counts > 0), jnp.where(jnp.any(host_counts > 0), 2, 1), 0)
+    return jax.lax.switch(branch, [host_only, device_only, both])
 
 
 def _hybrid_fwd(spec, *args):
@@ -223,9 +262,10 @@ class HybridExperts(SpecExperts):
         capacity: int | None = None,
         profile: Profile | None = None,
         stream: OffloadSpec | None = None,
+        shape: Shape | None = None,
     ):
         capacity = len(cached) if capacity is None else capacity
-        self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream)
+        self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream, shape)
         self._empty_cache()
         self.set_cached(cached)
         if stream is not None:
@@ -244,18 +284,16 @@ class HybridExperts(SpecExperts):
         experts = [int(e) for e in experts]
         if len(experts) > self.spec.capacity:
             raise ValueError(f"layer {self.spec.layer}: {len(experts)} experts for a {self.spec.capacity}-slot cache")
-        current = np.asarray(self.cache_ids[...]).tolist()
-        keep = set(experts) & set(current)
-        free = [s for s, e in enumerate(current) if e not in keep]
-        w13, w2, ids = self.cache_w13[...], self.cache_w2[...], list(current)
+        ids = np.asarray(self.cache_ids[...]).tolist()
+        keep = set(experts) & set(ids)
+        free = [s for s, e in enumerate(ids) if e not in keep]
         for e in [e for e in experts if e not in keep]:
             slot = free.pop(0)
-            w13 = w13.at[slot].set(jnp.asarray(self.spec.store.w13[e], w13.dtype))
-            w2 = w2.at[slot].set(jnp.asarray(self.spec.store.w2[e], w2.dtype))
+            self.cache_w13[slot][...] = jnp.asarray(self.spec.store.w13[e], self.cache_w13[slot].dtype)
+            self.cache_w2[slot][...] = jnp.asarray(self.spec.store.w2[e], self.cache_w2[slot].dtype)
             ids[slot] = e
         for slot in free:
             ids[slot] = self.spec.num_experts
-        self.cache_w13[...], self.cache_w2[...] = w13, w2
         self.cache_ids[...] = jnp.asarray(ids, jnp.int32)
 
     def resize(self, capacity: int, experts):
@@ -265,17 +303,27 @@ class HybridExperts(SpecExperts):
         self.set_cached(list(experts)[:capacity])
 
     def _empty_cache(self):
+        """`capacity` slots, each expert's weights an array of its own (subset_experts reads them in place)."""
         store, capacity = self.spec.store, self.spec.capacity
-        self.cache_w13 = CacheSlot(jnp.zeros((capacity, *store.w13.shape[1:]), store.w13.dtype))
-        self.cache_w2 = CacheSlot(jnp.zeros((capacity, *store.w2.shape[1:]), store.w2.dtype))
+        self.cache_w13 = nnx.data(
+            tuple(CacheSlot(jnp.zeros(store.w13.shape[1:], store.w13.dtype)) for _ in range(capacity))
+        )
+        self.cache_w2 = nnx.data(
+            tuple(CacheSlot(jnp.zeros(store.w2.shape[1:], store.w2.dtype)) for _ in range(capacity))
+        )
         self.cache_ids = CacheSlot(jnp.full(capacity, self.spec.num_experts, jnp.int32))
 
     @property
     def cache_bytes(self) -> int:
-        return self.cache_w13[...].nbytes + self.cache_w2[...].nbytes
+        return sum(slot[...].nbytes for slot in (*self.cache_w13, *self.cache_w2))
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
-        cache = (self.cache_w13[...], self.cache_w2[...], self.cache_ids[...])
+        ids_tk = ids_tk.astype(jnp.int32)
+        if not self.spec.device_pays(x_td.shape[0]):  # decided when tracing: the call's token count is static
+            return host_experts(
+                self.spec.runtime, self.spec.layer, self.spec.lora_scale, x_td, ids_tk, weights_tk, lora
+            )
+        cache = (tuple(w[...] for w in self.cache_w13), tuple(w[...] for w in self.cache_w2), self.cache_ids[...])
         streaming = (tuple(w[...] for w in self.stream_w13), tuple(w[...] for w in self.stream_w2))
-        return hybrid_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, cache, streaming)
+        return hybrid_experts(self.spec, x_td, ids_tk, weights_tk, lora, cache, streaming)

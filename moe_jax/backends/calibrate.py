@@ -1,0 +1,66 @@
+"""auto: checking the cost model's verdict on the real layer before trusting it.
+
+The probe times single experts; a layer's device path adds what the probe does not see (the planner, a switch
+between host, device and overlapped calls, stream buffers, XLA's per-op costs), and a profile can be wrong about
+the machine (copied from another one, or measured under load). So where auto would trace its device path for a
+phase (auto_choice.PHASES: decode at 1 and 16 tokens, prefill and training at 2048), one real layer is timed both
+ways at that phase's size on random routing, once, when the model loads; phases where the host backend's path
+measures at least as fast are traced host-only (HybridSpec.device_pays). It costs a few compiles of one layer,
+and only where the cost model predicted a gain.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.auto_choice import PHASES
+from moe_jax.backends.host import host_experts
+from moe_jax.backends.hybrid import HybridExperts, hybrid_experts
+
+REPEATS = 5  # timed calls of each path per phase, interleaved; medians compared
+
+
+def host_faster_phases(layer: HybridExperts, dtype, seed: int = 0) -> tuple[frozenset[int], dict[int, tuple]]:
+    """Phases whose calls the host path serves at least as fast as the device path, and (host, device) median
+    seconds of one layer call for every phase measured."""
+    spec = layer.spec
+    store = spec.store
+    rng = np.random.default_rng(seed)
+    cache = (tuple(w[...] for w in layer.cache_w13), tuple(w[...] for w in layer.cache_w2), layer.cache_ids[...])
+    streaming = (tuple(w[...] for w in layer.stream_w13), tuple(w[...] for w in layer.stream_w2))
+    top_k = spec.shape.top_k
+
+    def device_path(x, ids, weights):
+        return hybrid_experts(spec, x, ids, weights, {}, cache, streaming)
+
+    def host_path(x, ids, weights):
+        return host_experts(spec.runtime, spec.layer, spec.lora_scale, x, ids, weights, {})
+
+    host_faster, timings = set(), {}
+    for tokens in PHASES:
+        if not spec.device_pays(tokens):
+            continue
+        x = jnp.asarray(rng.standard_normal((tokens, store.hidden)) * 0.1, dtype)
+        ids = np.stack([rng.choice(spec.num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        weights = jnp.asarray(rng.dirichlet(np.ones(top_k), tokens), jnp.float32)
+        paths = [jax.jit(device_path), jax.jit(host_path)]
+        seconds = [[], []]
+        for fn in paths:  # compile and warm up
+            jax.block_until_ready(fn(x, jnp.asarray(ids), weights))
+        for _ in range(REPEATS):
+            for fn, times in zip(paths, seconds, strict=True):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x, jnp.asarray(ids), weights))
+                times.append(time.perf_counter() - start)
+        device_s, host_s = (float(np.median(t)) for t in seconds)
+        timings[tokens] = (host_s, device_s)
+        if host_s <= device_s:
+            host_faster.add(tokens)
+    spec.runtime.fold_fused_metrics()  # calibration traffic: not routing the cache should learn from, nor metrics
+    spec.runtime.routing.take()
+    spec.runtime.metrics.take()
+    return frozenset(host_faster), timings
