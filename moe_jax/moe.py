@@ -33,58 +33,47 @@ def sort_pairs_by_expert(ids_tk, num_experts: int):
     return order, token_of_pair, group_sizes
 
 
+def _swiglu(x, w13, w2, dot, lora: dict, scale: float):
+    """SwiGLU with `dot(lhs, rhs)` as the product (grouped or dense) and optional LoRA on its three projections."""
+
+    def adapter(name, inputs):
+        return scale * dot(dot(inputs, lora[f"{name}_a"]), lora[f"{name}_b"])
+
+    h = dot(x, w13)
+    f = w2.shape[-2]
+    gate, up = h[:, :f], h[:, f:]
+    if "gate_a" in lora:
+        gate = gate + adapter("gate", x)
+    if "up_a" in lora:
+        up = up + adapter("up", x)
+    act = jax.nn.silu(gate) * up
+    out = dot(act, w2)
+    if "down_a" in lora:
+        out = out + adapter("down", act)
+    return out
+
+
 def grouped_swiglu(x_pd, w13_edf2, w2_efd, group_sizes_e, lora=None, scale=0.0):
     """SwiGLU over expert-sorted rows with `ragged_dot`: no capacity, no dropped tokens.
 
     `lora` optionally maps gate_a/gate_b/up_a/up_b/down_a/down_b to per-expert adapters ([e, in, r], [e, r, out]).
     """
-    lora = lora or {}
 
     def ragged_dot(lhs, rhs):  # float32 accumulation, the result in the inputs' dtype (as frozen_matmul)
         out = jax.lax.ragged_dot(lhs, rhs, group_sizes_e, preferred_element_type=jnp.float32)
         return out.astype(jnp.result_type(lhs, rhs))
 
-    def adapter(name, inputs):
-        low = ragged_dot(inputs, lora[f"{name}_a"])
-        return scale * ragged_dot(low, lora[f"{name}_b"])
-
-    h = ragged_dot(x_pd, w13_edf2)
-    f = w2_efd.shape[1]
-    gate, up = h[:, :f], h[:, f:]
-    if "gate_a" in lora:
-        gate = gate + adapter("gate", x_pd)
-    if "up_a" in lora:
-        up = up + adapter("up", x_pd)
-    act = jax.nn.silu(gate) * up
-    out = ragged_dot(act, w2_efd)
-    if "down_a" in lora:
-        out = out + adapter("down", act)
-    return out
+    return _swiglu(x_pd, w13_edf2, w2_efd, ragged_dot, lora or {}, scale)
 
 
 def dense_swiglu(x_td, w13_df2, w2_fd, lora=None, scale=0.0):
     """One expert's SwiGLU over every row of x, float32 accumulation (as grouped_swiglu); `lora` as there, with
     this expert's adapters ([in, r], [r, out])."""
-    lora = lora or {}
 
     def dot(lhs, rhs):
         return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(jnp.result_type(lhs, rhs))
 
-    def adapter(name, inputs):
-        return scale * dot(dot(inputs, lora[f"{name}_a"]), lora[f"{name}_b"])
-
-    h = dot(x_td, w13_df2)
-    f = w2_fd.shape[0]
-    gate, up = h[:, :f], h[:, f:]
-    if "gate_a" in lora:
-        gate = gate + adapter("gate", x_td)
-    if "up_a" in lora:
-        up = up + adapter("up", x_td)
-    act = jax.nn.silu(gate) * up
-    out = dot(act, w2_fd)
-    if "down_a" in lora:
-        out = out + adapter("down", act)
-    return out
+    return _swiglu(x_td, w13_df2, w2_fd, dot, lora or {}, scale)
 
 
 def subset_experts(x_td, ids_tk, weights_tk, slot_experts, w13_slots, w2_slots, num_experts: int, lora=None, scale=0.0):

@@ -273,21 +273,25 @@ def store_cases():
         yield Case("store", f.__name__.replace("_", " "), f)
 
 
+def q_proj_adapter(fill: float = 0.0, a_in: int = 128) -> dict:
+    """PEFT tensors of a rank-4 adapter on both layers' q_proj of the bundled model (hidden 128)."""
+    import numpy as np
+
+    return {
+        f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": np.full(shape, fill, np.float32)
+        for i in range(2)
+        for ab, shape in (("A", (4, a_in)), ("B", (128, 4)))
+    }
+
+
 def adapter_cases():
     def adapter(w, config, tensors=None):
-        import numpy as np
-
         from moe_jax.safetensors_io import save_safetensors
 
         path = w / "adapter"
         path.mkdir(exist_ok=True)
         (path / "adapter_config.json").write_text(json.dumps(config))
-        tensors = tensors or {
-            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": np.zeros(shape, np.float32)
-            for i in range(2)
-            for ab, shape in (("A", (4, 128)), ("B", (128, 4)))
-        }
-        save_safetensors(path / "adapter_model.safetensors", tensors)
+        save_safetensors(path / "adapter_model.safetensors", tensors or q_proj_adapter())
         return infer(MODEL, "--adapter", path), False, None
 
     good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
@@ -302,29 +306,8 @@ def adapter_cases():
     for name, change in bad.items():
         config = [good] if change is None else {**good, **change}
         yield Case("adapter", name, lambda w, c=config: adapter(w, c))
-
-    def nan_weights(w):
-        import numpy as np
-
-        tensors = {
-            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": np.full(shape, np.nan, np.float32)
-            for i in range(2)
-            for ab, shape in (("A", (4, 128)), ("B", (128, 4)))
-        }
-        return adapter(w, good, tensors)
-
-    def wrong_shape(w):
-        import numpy as np
-
-        tensors = {
-            f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": np.zeros(shape, np.float32)
-            for i in range(2)
-            for ab, shape in (("A", (4, 64)), ("B", (128, 4)))
-        }
-        return adapter(w, good, tensors)
-
-    yield Case("adapter", "NaN weights", nan_weights)
-    yield Case("adapter", "wrong tensor shape", wrong_shape)
+    yield Case("adapter", "NaN weights", lambda w: adapter(w, good, q_proj_adapter(fill=float("nan"))))
+    yield Case("adapter", "wrong tensor shape", lambda w: adapter(w, good, q_proj_adapter(a_in=64)))
 
 
 def data_cases():
