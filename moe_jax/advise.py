@@ -22,15 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_jax.auto_choice import (
-    WORTH_IT,
-    Shape,
-    auto_layer_seconds,
-    choose_auto,
-    device_pays,
-    expected_routing,
-    model_shape,
-)
+from moe_jax.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
 from moe_jax.cli import run_cli
 from moe_jax.cost_model import Profile, layer_time
 from moe_jax.errors import InputError
@@ -60,12 +52,11 @@ def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_mem
         "host": layer_time(profile, counts, ["host"] * e).seconds,
     }
     # auto: what fits of the hottest experts stays cached, the planner places every expert per step; where the
-    # shared rule finds no gain worth the device, auto is the host alone (for the model, or for this call shape)
+    # shared rule finds no gain worth the device, auto is the host alone
     cached = auto_cached(shape, device_memory)
     choice = choice or choose_auto(profile, shape, cached, True, (tokens,), zipf)
     if choice.use_device:
-        planned = device_pays(profile, shape, cached, True, tokens)
-        layer["auto"] = auto_layer_seconds(profile, counts, cached, True) if planned else layer["host"]
+        layer["auto"] = auto_layer_seconds(profile, counts, cached, True)
         memory["auto"] = stream_buffers + cached * shape.layers * shape.expert_bytes
     else:
         layer["auto"], memory["auto"] = layer["host"], 0

@@ -71,14 +71,6 @@ def predicted_gain(profile: Profile, shape: Shape, cached: int, can_stream: bool
     return host, auto_layer_seconds(profile, counts, cached, can_stream)
 
 
-def device_pays(profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int) -> bool:
-    """Whether a call of `tokens` tokens is predicted WORTH_IT faster with the device cache and streams than on
-    the host alone. Where not, auto's layer traces the host backend's own path for that call shape (one native
-    call, no planner), so such calls are exactly as fast as backend="host"."""
-    host, auto = predicted_gain(profile, shape, cached, can_stream, tokens)
-    return host >= WORTH_IT * auto
-
-
 @dataclass(frozen=True)
 class AutoChoice:
     use_device: bool

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_jax.auto_choice import Shape, choose_auto, device_pays
+from moe_jax.auto_choice import Shape, choose_auto
 from moe_jax.cost_model import Profile, plan_layer
 
 HYBRID_FRACTIONS = (0.25, 0.5, 0.75)
@@ -155,8 +155,7 @@ def sweep(
             for skew in SKEWS:
                 counts = zipf_routing(rng, tokens, experts, top_k, skew)
                 resident = frozenset(np.argsort(-counts, stable=True)[:cached].tolist())
-                planned = use_device and device_pays(bus, shape, cached, True, tokens)  # auto's per-shape rule
-                times = compare_with_statics(bus, counts, resident, planned)
+                times = compare_with_statics(bus, counts, resident, use_device)
                 statics = {k: v for k, v in times.items() if k != "planner"}
                 best = min(statics, key=statics.get)
                 rows.append(

@@ -2,11 +2,11 @@
 
 The probe times single experts; a layer's device path adds what the probe does not see (the planner, a switch
 between host, device and overlapped calls, stream buffers, XLA's per-op costs), and a profile can be wrong about
-the machine (copied from another one, or measured under load). So where auto would trace its device path for a
-phase (auto_choice.PHASES: decode at 1 and 16 tokens, prefill and training at 2048), one real layer is timed both
-ways at that phase's size on random routing, once, when the model loads; phases where the host backend's path
-measures at least as fast are traced host-only (HybridSpec.device_pays). It costs a few compiles of one layer,
-and only where the cost model predicted a gain.
+the machine (copied from another one, or measured under load). So once auto has built a device cache (where the
+cost model predicts it pays), one real layer is timed both ways at each phase's size (auto_choice.PHASES: decode
+at 1 and 16 tokens, prefill and training at 2048) on random routing, when the model loads; calls nearest a phase
+where the host backend's path measured at least as fast trace that path alone (HybridSpec.device_pays). It costs
+a few compiles of one layer, and only where a cache was built.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ def host_faster_phases(layer: HybridExperts, dtype, seed: int = 0) -> tuple[froz
 
     host_faster, timings = set(), {}
     for tokens in PHASES:
-        if not spec.device_pays(tokens):
-            continue
         x = jnp.asarray(rng.standard_normal((tokens, store.hidden)) * 0.1, dtype)
         ids = np.stack([rng.choice(spec.num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
         weights = jnp.asarray(rng.dirichlet(np.ones(top_k), tokens), jnp.float32)

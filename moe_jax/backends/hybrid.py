@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from moe_jax.auto_choice import Shape, device_pays, nearest_phase
+from moe_jax.auto_choice import Shape, nearest_phase
 from moe_jax.backends.host import HostRuntime, host_experts
 from moe_jax.backends.offload import (
     OffloadSpec,
@@ -56,14 +56,10 @@ class HybridSpec:
     host_phases: frozenset[int] = frozenset()  # phases where the host path measured faster (backends.calibrate)
 
     def device_pays(self, tokens: int) -> bool:
-        """Whether calls of `tokens` tokens trace the planner and the device path at all: predicted to pay
-        (auto_choice.device_pays) and not measured slower at the nearest phase; the others trace the host
-        backend's path, and are exactly as fast."""
-        if self.profile is None:
-            return True
-        if nearest_phase(tokens) in self.host_phases:
-            return False
-        return device_pays(self.profile, self.shape, self.capacity, self.stream is not None, tokens)
+        """Whether calls of `tokens` tokens trace the planner and the device path at all: not where one real
+        layer measured the host backend's path at least as fast at the nearest phase (backends.calibrate); those
+        calls trace the host backend's path, and are exactly as fast."""
+        return self.profile is None or nearest_phase(tokens) not in self.host_phases
 
     @property
     def num_experts(self) -> int:
