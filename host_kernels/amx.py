@@ -36,8 +36,12 @@ class PackedWeight:
     def kp(self) -> int:
         return self.data.shape[1] * K_BLOCK
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self, what: str = "packed weight"):
-        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it)."""
+        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it);
+        checked when made, so `gemm` need not check it again."""
         native.check_packed(
             what, self.data, np.uint16, (padded(self.n, N_BLOCK) // N_BLOCK, padded(self.k, K_BLOCK) // K_BLOCK, 512)
         )
@@ -131,7 +135,6 @@ def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n
         )
     if not 0 < m <= a.shape[0]:
         raise KernelArgumentError(f"m = {m} rows asked of {a.shape[0]} packed rows")
-    w.validate()
     native.check_extent("packed rows", a, padded(m, M_BLOCK))  # a tile reads 16 rows
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().amx_gemm(

@@ -24,8 +24,12 @@ class PackedF32:
     k: int
     n: int
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self, what: str = "packed weight"):
-        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it)."""
+        """The data is exactly what k and n say (a hand-built one that is not would make `gemm` read past it);
+        checked when made, so `gemm` need not check it again."""
         native.check_packed(what, self.data, np.float32, (padded(self.n, N_BLOCK) // N_BLOCK, self.k, N_BLOCK))
 
 
@@ -47,7 +51,6 @@ def gemm(a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | No
     m = a.shape[0]
     if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4 or a.strides[0] < 0:
         raise KernelArgumentError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
-    w.validate()
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().f32_gemm(
         a.ctypes.data, a.strides[0] // 4, w.data.ctypes.data, w.k, out.ctypes.data, out.strides[0] // 4, m, n0, n1

@@ -48,6 +48,7 @@ def status(flags: tuple[str, ...]) -> tuple[bool, str]:
     return (False, lacking) if lacking else _loadable()
 
 
+@cache
 def cpu_lacks(flags: tuple[str, ...]) -> str:
     """ "CPU lacks ..." naming the flags this CPU does not have, or "" when it has them all."""
     missing = [flag for flag in flags if flag not in cpu_flags()]

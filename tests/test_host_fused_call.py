@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import amx
+from host_kernels import amx, f32_gemm
 from moe_jax.backends import native_call
 from tests.hf_models import make_hf_model, save_hf_model
 
-pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"no AMX here: {amx.status()[1]}")
+needs_amx = pytest.mark.skipif(not amx.status()[0], reason=f"needs AMX (bfloat16 experts): {amx.status()[1]}")
+needs_avx512 = pytest.mark.skipif(not f32_gemm.status()[0], reason=f"needs AVX-512: {f32_gemm.status()[1]}")
+# the experts' dtype the fused forward runs here: bfloat16 on AMX, else float32 on AVX-512
+NATIVE_DTYPE = "bfloat16" if amx.status()[0] else "float32"
+pytestmark = pytest.mark.skipif(
+    not (amx.status()[0] or f32_gemm.status()[0]), reason=f"needs AMX or AVX-512: {f32_gemm.status()[1]}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +25,7 @@ def checkpoint(tmp_path_factory):
     return save_hf_model(make_hf_model("mixtral", seed=7), tmp_path_factory.mktemp("mixtral"))
 
 
-def host_model(path, path_taken: str, monkeypatch, dtype="bfloat16"):
+def host_model(path, path_taken: str, monkeypatch, dtype=NATIVE_DTYPE):
     """path_taken: "ffi" (the default where built), "callback" (the fused forward through pure_callback) or
     "engine" (no fused forward: the engine's own callback)."""
     monkeypatch.setenv("MOE_JAX_XLA_FFI", "0" if path_taken == "callback" else "1")
@@ -34,6 +40,7 @@ def test_ffi_handler_is_built_here():
     assert native_call.status() == (True, "")
 
 
+@needs_amx
 def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
     ids = np.random.default_rng(0).integers(0, 96, size=(3, 11))
     logits = {}
@@ -49,12 +56,16 @@ def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
         np.testing.assert_array_equal(logits[name + " tokens"], logits["ffi tokens"])
 
 
+@needs_avx512
 def test_float32_paths_agree(checkpoint, monkeypatch):
-    # float32 experts: the fused forward's AVX-512 GEMM against the engine's numpy one (summation order differs)
+    # float32 experts: the fused forward's AVX-512 GEMM, through XLA's FFI and through a callback (the same
+    # bits), against the engine's numpy one (summation order differs)
     ids = np.random.default_rng(2).integers(0, 96, size=(2, 12))
     ffi = host_model(checkpoint, "ffi", monkeypatch, dtype="float32")
+    callback = host_model(checkpoint, "callback", monkeypatch, dtype="float32")
     engine = host_model(checkpoint, "engine", monkeypatch, dtype="float32")
     assert ffi.placement.runtime.fused is not None
+    np.testing.assert_array_equal(callback.logits(ids), ffi.logits(ids))
     np.testing.assert_allclose(ffi.logits(ids), engine.logits(ids), rtol=1e-4, atol=1e-4)
     prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
     assert ffi.generate(prompts, max_new_tokens=6) == engine.generate(prompts, max_new_tokens=6)
@@ -74,7 +85,8 @@ def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
     assert m.host_flops == len(config.moe_layers) * 2 * ids.size * config.num_experts_per_tok * 3 * (
         config.hidden_size * config.expert_intermediate_size
     )
-    assert m.host_to_device_bytes == len(config.moe_layers) * ids.size * config.hidden_size * 2
+    itemsize = np.dtype(jnp.dtype(NATIVE_DTYPE)).itemsize
+    assert m.host_to_device_bytes == len(config.moe_layers) * ids.size * config.hidden_size * itemsize
     assert model.metrics().host_calls == 0
 
 
@@ -99,8 +111,8 @@ def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
     def step(x, ids, weights):
         return native_call.host_experts_call(address, x, ids, weights)
 
-    x = jnp.ones((2, model.config.hidden_size), jnp.bfloat16)
-    weights = jnp.ones((2, 2), jnp.bfloat16)
+    x = jnp.ones((2, model.config.hidden_size), NATIVE_DTYPE)
+    weights = jnp.ones((2, 2), NATIVE_DTYPE)
     with pytest.raises(Exception, match="host experts: expert id 99 out of range"):
         step(x, jnp.array([[0, 1], [99, 2]], jnp.int32), weights).block_until_ready()
     np.asarray(step(x, jnp.array([[0, 1], [3, 2]], jnp.int32), weights))  # the next call is fine
