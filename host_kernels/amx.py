@@ -133,7 +133,7 @@ def gemm(a: np.ndarray, m: int, w: PackedWeight, out: np.ndarray, n0: int = 0, n
         raise KernelArgumentError(
             f"packed rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of {w.kp}"
         )
-    if not 0 < m <= a.shape[0]:
+    if not 0 <= m <= a.shape[0]:
         raise KernelArgumentError(f"m = {m} rows asked of {a.shape[0]} packed rows")
     native.check_extent("packed rows", a, padded(m, M_BLOCK))  # a tile reads 16 rows
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
