@@ -78,7 +78,7 @@ def check_settings(args):
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
     if args.host_threads is not None:
-        from host_kernels.pool import MAX_THREADS
+        from host_kernels import MAX_THREADS
 
         if not 1 <= args.host_threads <= MAX_THREADS:
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")

@@ -1,0 +1,32 @@
+"""host_kernels: the routed experts of MoE layers computed on the host CPU, next to their weights. No JAX.
+
+What the rest of the project uses, importable from here:
+- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `StoreWriter`, `file_sha256`;
+- the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
+  `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
+- errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
+The native library's own wrappers (amx, f32_gemm, native) serve the engine and moe_jax's XLA handlers.
+"""
+
+from host_kernels.engine import HostMoE
+from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
+from host_kernels.fused_forward import is_live_call
+from host_kernels.lora import ExpertLoRA
+from host_kernels.pool import MAX_THREADS, default_threads
+from host_kernels.store import ExpertStore, LayerExperts, StoreWriter, file_sha256
+
+__all__ = [
+    "MAX_THREADS",
+    "ExpertLoRA",
+    "ExpertStore",
+    "HostKernelError",
+    "HostMoE",
+    "KernelArgumentError",
+    "LayerExperts",
+    "NonFiniteError",
+    "StoreError",
+    "StoreWriter",
+    "default_threads",
+    "file_sha256",
+    "is_live_call",
+]

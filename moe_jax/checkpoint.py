@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host_kernels.errors import StoreError
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels import ExpertStore, LayerExperts, StoreError
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, read_json_file
 from moe_jax.safetensors_io import TensorSource

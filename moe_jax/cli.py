@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from host_kernels.errors import HostKernelError
+from host_kernels import HostKernelError
 from moe_jax.errors import MoeJaxError
 
 EXIT_BAD_INPUT = 2

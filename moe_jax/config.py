@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from moe_jax.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class ModelConfig:
             )
         read = _Fields(hf, source, model_type)
         num_layers = read.int("num_hidden_layers")
+        if num_layers > MAX_LAYERS:
+            raise ConfigError(
+                f"{source}: num_hidden_layers = {num_layers} is beyond any real model (at most {MAX_LAYERS})"
+            )
         num_heads = read.int("num_attention_heads")
         hidden = read.int("hidden_size")
         if hf.get("head_dim") is None and hidden % num_heads:

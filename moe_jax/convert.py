@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from host_kernels.store import ExpertStore, StoreWriter
+from host_kernels import ExpertStore, StoreWriter
 from moe_jax.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host_kernels.pool import default_threads
+from host_kernels import ExpertStore, HostMoE, LayerExperts, default_threads
 from moe_jax.cli import run_cli
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
@@ -106,9 +106,6 @@ def _expert_table(
 
 def probe_host(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> tuple[list[dict], float]:
     """host_kernels over 8 experts (so that decode-size calls read weights from RAM, as in a real step)."""
-    from host_kernels.engine import HostMoE
-    from host_kernels.store import ExpertStore, LayerExperts
-
     rng = np.random.default_rng(1)
     layer = LayerExperts(
         (rng.standard_normal((8, d, 2 * f)) / np.sqrt(d)).astype(np.float32),

@@ -58,6 +58,7 @@ def test_valid_config_reads_every_value():
         ({"head_dim": None, "hidden_size": 30}, "hidden_size=30 is not a multiple of num_attention_heads=4"),
         ({"num_experts": None}, "missing key 'num_experts'"),
         ({"num_experts_per_tok": 17}, "num_experts_per_tok=17 must be between 1 and num_experts=16"),
+        ({"num_hidden_layers": 2**70}, "num_hidden_layers = 1180591620717411303424 is beyond any real model"),
     ],
 )
 def test_nonsense_config_is_a_config_error(change, message):

@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from host_kernels.engine import HostMoE
-from host_kernels.store import ExpertStore
+from host_kernels import ExpertStore, HostMoE
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime

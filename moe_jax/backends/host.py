@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from host_kernels.engine import HostMoE
-from host_kernels.lora import ExpertLoRA
+from host_kernels import ExpertLoRA, HostMoE
 from moe_jax.backends import native_call
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 

@@ -24,9 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import amx, native
-from host_kernels.errors import KernelArgumentError
-from host_kernels.fused_forward import is_live_call
+from host_kernels import KernelArgumentError, amx, is_live_call, native
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from host_kernels.errors import NonFiniteError
+from host_kernels import NonFiniteError
 from moe_jax.config import ModelConfig
 from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
 from moe_jax.lora import LoRAConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from host_kernels.store import file_sha256
+from host_kernels import file_sha256
 from moe_jax.errors import InputError
 from moe_jax.output_files import check_writable_dir
 
