@@ -288,8 +288,8 @@ def load_model(
         raise CheckpointError(f"{adapter}: no such adapter directory")
     checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
-    packs = backend in ("host", "hybrid", "auto")
-    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, packs), f"loading {checkpoint.path}")
+    host_engine = backend in ("host", "hybrid", "auto")
+    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, host_engine), f"loading {checkpoint.path}")
 
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from host_kernels import amx, f32_gemm
+from moe_jax.checkpoint import is_expert_tensor
 from moe_jax.errors import MemoryLimitError
 
 
@@ -29,7 +31,8 @@ def available_bytes() -> int | None:
         free = (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    return min(free, _cgroup_room() or free)
+    room = _cgroup_room()
+    return free if room is None else min(free, room)
 
 
 def _cgroup_room() -> int | None:
@@ -44,21 +47,21 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def load_bytes(checkpoint, itemsize: int, packs: bool) -> dict[str, int]:
-    """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `packs`: the backend runs
-    experts in the host kernels, which pack each expert once into their own tile layout (fused forward, AMX)."""
-    from moe_jax.checkpoint import is_expert_tensor
-
+def load_bytes(checkpoint, itemsize: int, host_engine: bool) -> dict[str, int]:
+    """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `host_engine`: the backend runs
+    experts in the host kernels, whose native forward (where this CPU runs it for the store's dtype: bfloat16 on
+    AMX, float32 on AVX-512) packs each expert once into its own tile layout."""
     tensors = checkpoint.tensors
     dense = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not is_expert_tensor(n)) * itemsize
     c = checkpoint.config
-    experts = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers) * itemsize
+    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
     store = checkpoint.expert_store
-    mapped = store is not None and store.dtype.itemsize == itemsize
+    store_itemsize = store.dtype.itemsize if store is not None else itemsize
+    packs = host_engine and (amx.status() if store_itemsize == 2 else f32_gemm.status())[0]
     return {
         "dense weights": dense,
-        "experts": 0 if mapped else experts,
-        "packed expert copies": experts if packs else 0,
+        "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,
+        "packed expert copies": params * store_itemsize if packs else 0,
     }
 
 
