@@ -55,24 +55,32 @@ def lora_loss_grad(model, tokens):
     return jax.jit(jax.value_and_grad(loss))(lora_state)
 
 
-def test_logits_agree_across_backends(checkpoint):
+@pytest.fixture(scope="module")
+def device_reference(checkpoint):
+    """The device backend's logits and LoRA loss and gradients, once per checkpoint."""
     ids = np.random.default_rng(0).integers(0, 96, size=(2, 11))
-    reference = moe_jax.load_model(checkpoint, backend="device").logits(ids)
-    for backend in BACKENDS[1:]:
-        np.testing.assert_allclose(load(checkpoint, backend).logits(ids), reference, atol=1e-5)
-
-
-def test_lora_gradients_agree_across_backends(checkpoint):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
-    ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(checkpoint, backend="device"), tokens)
+    model = moe_jax.load_model(checkpoint, backend="device")
+    logits = model.logits(ids)
+    return ids, logits, tokens, lora_loss_grad(model, tokens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_logits_agree_with_the_device_backend(checkpoint, device_reference, backend):
+    ids, reference, _, _ = device_reference
+    np.testing.assert_allclose(load(checkpoint, backend).logits(ids), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_lora_gradients_agree_with_the_device_backend(checkpoint, device_reference, backend):
+    _, _, tokens, (ref_loss, ref_grad) = device_reference
     ref_leaves = jax.tree.leaves(ref_grad)
     assert all(float(jnp.abs(g).max()) > 0 for g in ref_leaves)
-    for backend in BACKENDS[1:]:
-        loss, grad = lora_loss_grad(load(checkpoint, backend), tokens)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        for got, want in zip(jax.tree.leaves(grad), ref_leaves, strict=True):
-            scale = float(jnp.abs(want).max())
-            np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+    loss, grad = lora_loss_grad(load(checkpoint, backend), tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grad), ref_leaves, strict=True):
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
 
 
 def test_host_backend_decodes_single_tokens(checkpoint):
