@@ -116,11 +116,9 @@ class Backend:
         """auto: whether some call shape traces the device path (else the cache is never read: no refreshes)."""
         if self.expert_cache is None or self.expert_cache.capacity == 0:
             return False
-        return (
-            self.host_phases is None
-            or any(t not in self.host_phases for t in self.calibration)
-            or not (self.calibration)
-        )
+        if self.host_phases is None or not self.calibration:  # not built yet, or not calibrated: trust the plan
+            return True
+        return any(t not in self.host_phases for t in self.calibration)
 
     @property
     def stream_buffer_bytes(self) -> int:
