@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.errors import CheckpointError, ConfigError, read_json_file
+from moe_jax.errors import CheckpointError, ConfigError, is_finite_number, is_int, read_json_file
 from moe_jax.layers import Projection
 from moe_jax.lora import EXPERTS_TARGET, LoRAConfig
 from moe_jax.moe import MoEBlock
@@ -143,9 +143,9 @@ def adapter_config(config, config_file, targets=None) -> LoRAConfig:
     if config.get("bias", "none") != "none":
         raise bad(f"bias = {config['bias']!r} is not supported (only 'none')")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    if not is_int(rank) or rank < 1:
         raise bad(f"r = {rank!r} must be an integer >= 1")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+    if not is_finite_number(alpha) or alpha <= 0:
         raise bad(f"lora_alpha = {alpha!r} must be a finite number > 0")
     targets = config.get("target_modules") if targets is None else targets
     if isinstance(targets, str):

@@ -16,7 +16,7 @@ import numpy as np
 
 from host_kernels import ExpertStore, LayerExperts, StoreError
 from moe_jax.config import ModelConfig
-from moe_jax.errors import CheckpointError, read_json_file
+from moe_jax.errors import CheckpointError, is_int, read_json_file
 from moe_jax.safetensors_io import TensorSource
 
 EXPERT_STORE_DIR = "experts"
@@ -84,7 +84,7 @@ def _check_layer_count(hf_config, tensors: TensorSource, config_file: Path):
     found only after everything before them was loaded. DeepSeek-style multi-token-prediction layers, stored
     after the last decoder layer, are allowed. (A count that is not an integer is left to ModelConfig.from_hf.)"""
     layers = hf_config.get("num_hidden_layers") if isinstance(hf_config, dict) else None
-    if not isinstance(layers, int) or isinstance(layers, bool):
+    if not is_int(layers):
         return
     extra = hf_config.get("num_nextn_predict_layers")
     allowed_extra = range(layers, layers + extra) if isinstance(extra, int) else range(0)

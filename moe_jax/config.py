@@ -8,10 +8,9 @@ switches (attention kind, grouped routing) rather than a second model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
-from moe_jax.errors import ConfigError
+from moe_jax.errors import ConfigError, is_finite_number, is_int
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
@@ -184,13 +183,13 @@ class _Fields:
         # JSON writers may spell a whole number as 2.0; anything else fractional is a mistake, not a truncation.
         if isinstance(value, float) and value.is_integer():
             value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise self._bad(key, value, f"an integer >= {minimum}")
         return value
 
     def positive(self, key, default=_MISSING) -> float:
         value = self._get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        if not is_finite_number(value) or value <= 0:
             raise self._bad(key, value, "a finite number > 0")
         return float(value)
 
@@ -213,16 +212,14 @@ class _Fields:
 
     def layer_list(self, key, num_layers: int) -> list[int]:
         value = self._get(key, [])
-        if not isinstance(value, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in value
-        ):
+        if not isinstance(value, list) or not all(is_int(i) and 0 <= i < num_layers for i in value):
             raise self._bad(key, value, f"a list of layer indices in [0, {num_layers})")
         return value
 
     def token_ids(self, key) -> tuple[int, ...]:
         value = self._get(key, [])
         ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        if not all(is_int(i) and i >= 0 for i in ids):
             raise self._bad(key, value, "a token id or a list of token ids")
         return tuple(ids)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe_jax.chat_template import render_template
-from moe_jax.errors import InputError
+from moe_jax.errors import InputError, is_int
 
 
 def read_jsonl(path, on_bad_line: Callable[[str], None] | None = None) -> Iterator[tuple[int, dict]]:
@@ -66,7 +66,7 @@ def prompt_token_ids(record: dict, tokenizer, where: str) -> tuple[list[int], st
     """Token ids (and the text, when there is one) of one prompt record: prompt, messages or input_ids."""
     if "input_ids" in record:
         ids = record["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not isinstance(ids, list) or not all(is_int(i) for i in ids):
             raise InputError(f"{where}'input_ids' must be a list of integers")
         return ids, None
     if "messages" in record:

@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from moe_jax.errors import CheckpointError
+from moe_jax.errors import CheckpointError, is_int
 
 _DTYPES = {
     "F64": np.dtype(np.float64),
@@ -44,10 +44,6 @@ _ITEMSIZES = {code: dtype.itemsize for code, dtype in _DTYPES.items()} | {
 MAX_HEADER_BYTES = 100_000_000
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _entry_extent(path: Path, name: str, entry) -> tuple[int, int]:
     """The (start, stop) byte range of one header entry, after checking every field it has."""
     where = f"{path}: tensor {name!r}"
@@ -59,9 +55,9 @@ def _entry_extent(path: Path, name: str, entry) -> tuple[int, int]:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ITEMSIZES:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(_ITEMSIZES)})")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) and o >= 0 for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not two non-negative integers")
     start, stop = offsets
     expected = math.prod(shape) * _ITEMSIZES[dtype]
