@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.auto_choice import PHASES
-from moe_jax.backends.host import host_experts
-from moe_jax.backends.hybrid import HybridExperts, hybrid_experts
+from moe_jax.backends.hybrid import HybridExperts, host_path, hybrid_experts
 
 REPEATS = 5  # timed calls of each path per phase, interleaved; medians compared
 
@@ -30,22 +29,21 @@ def host_faster_phases(layer: HybridExperts, dtype, seed: int = 0) -> tuple[froz
     spec = layer.spec
     store = spec.store
     rng = np.random.default_rng(seed)
-    cache = (tuple(w[...] for w in layer.cache_w13), tuple(w[...] for w in layer.cache_w2), layer.cache_ids[...])
-    streaming = (tuple(w[...] for w in layer.stream_w13), tuple(w[...] for w in layer.stream_w2))
+    cache, streaming = layer.device_arrays()
     top_k = spec.shape.top_k
 
     def device_path(x, ids, weights):
         return hybrid_experts(spec, x, ids, weights, {}, cache, streaming)
 
-    def host_path(x, ids, weights):
-        return host_experts(spec.runtime, spec.layer, spec.lora_scale, x, ids, weights, {})
+    def host_only(x, ids, weights):
+        return host_path(spec, x, ids, weights, {})
 
     host_faster, timings = set(), {}
     for tokens in PHASES:
         x = jnp.asarray(rng.standard_normal((tokens, store.hidden)) * 0.1, dtype)
         ids = np.stack([rng.choice(spec.num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
         weights = jnp.asarray(rng.dirichlet(np.ones(top_k), tokens), jnp.float32)
-        paths = [jax.jit(device_path), jax.jit(host_path)]
+        paths = [jax.jit(device_path), jax.jit(host_only)]
         seconds = [[], []]
         for fn in paths:  # compile and warm up
             jax.block_until_ready(fn(x, jnp.asarray(ids), weights))

@@ -116,12 +116,8 @@ def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, cache_
 
 def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement: Placement):
     y = jnp.zeros_like(x_td)
-    if spec.capacity:  # skipped when this call sends every cached expert's rows to the host
-        y = y + jax.lax.cond(
-            jnp.any(placement.cache_ids < spec.num_experts),
-            lambda: _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache, placement.cache_ids),
-            lambda: jnp.zeros_like(x_td),
-        )
+    if spec.capacity:  # slots emptied for this call (their rows go to the host) cost a skipped cond each
+        y = y + _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache, placement.cache_ids)
     if placement.rounds is not None:
         stream_spec = _stream_spec(spec)
         y = y + jax.lax.cond(
@@ -156,6 +152,11 @@ def _host_ids(on_device, ids_tk):
     return jnp.where(on_device[ids_tk], -1, ids_tk)
 
 
+def host_path(spec: HybridSpec, x_td, ids_tk, weights_tk, lora):
+    """The host backend's own call for this layer (through XLA's FFI where it can): no planner, no callbacks."""
+    return host_experts(spec.runtime, spec.layer, spec.lora_scale, x_td, ids_tk, weights_tk, lora)
+
+
 def _record_routing(spec: HybridSpec, device_counts):
     """Device pairs' experts into the routing the expert cache learns from (host pairs are counted where the
     host computes them: see HostRuntime.fold_fused_metrics)."""
@@ -170,8 +171,8 @@ def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, stre
     device_counts = jnp.where(placement.on_device, placement.counts, 0)
     host_counts = placement.counts - device_counts
 
-    def host_only():  # the host backend's own call (through XLA's FFI where it can): no thread hop, no callbacks
-        return host_experts(spec.runtime, spec.layer, spec.lora_scale, x_td, ids_tk, weights_tk, lora)
+    def host_only():
+        return host_path(spec, x_td, ids_tk, weights_tk, lora)
 
     def device_only():
         _record_routing(spec, device_counts)
@@ -210,12 +211,8 @@ def _hybrid_bwd(spec, residuals, dy_td):
         zeros = lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))  # noqa: E731
         grads = zeros()
         if spec.capacity:
-
-            def cached():
-                part = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache, placement.cache_ids)  # noqa: E731
-                return jax.vjp(part, x, weights, lora_arrays)[1](dy_td)
-
-            grads = jax.lax.cond(jnp.any(placement.cache_ids < spec.num_experts), cached, zeros)
+            cached = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache, placement.cache_ids)  # noqa: E731
+            grads = jax.vjp(cached, x, weights, lora_arrays)[1](dy_td)
         if placement.rounds is not None:
             stream_spec = _stream_spec(spec)
             rounds = placement.rounds
@@ -313,13 +310,15 @@ class HybridExperts(SpecExperts):
     def cache_bytes(self) -> int:
         return sum(slot[...].nbytes for slot in (*self.cache_w13, *self.cache_w2))
 
+    def device_arrays(self) -> tuple[tuple, tuple]:
+        """(cache, streaming) as `hybrid_experts` takes them: the slots' weights and ids, the stream buffers."""
+        cache = (tuple(w[...] for w in self.cache_w13), tuple(w[...] for w in self.cache_w2), self.cache_ids[...])
+        streaming = (tuple(w[...] for w in self.stream_w13), tuple(w[...] for w in self.stream_w2))
+        return cache, streaming
+
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
         ids_tk = ids_tk.astype(jnp.int32)
         if not self.spec.device_pays(x_td.shape[0]):  # decided when tracing: the call's token count is static
-            return host_experts(
-                self.spec.runtime, self.spec.layer, self.spec.lora_scale, x_td, ids_tk, weights_tk, lora
-            )
-        cache = (tuple(w[...] for w in self.cache_w13), tuple(w[...] for w in self.cache_w2), self.cache_ids[...])
-        streaming = (tuple(w[...] for w in self.stream_w13), tuple(w[...] for w in self.stream_w2))
-        return hybrid_experts(self.spec, x_td, ids_tk, weights_tk, lora, cache, streaming)
+            return host_path(self.spec, x_td, ids_tk, weights_tk, lora)
+        return hybrid_experts(self.spec, x_td, ids_tk, weights_tk, lora, *self.device_arrays())
