@@ -64,6 +64,7 @@ def parse_args(argv):
     )
     p.add_argument("--profile", type=Path, help="probe profile for --backend auto (default: this machine's)")
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
+    p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
     return p.parse_args(argv)
 
 
@@ -180,6 +181,7 @@ def main(argv=None):
         kv_fraction=fixed_fraction,
         profile=args.profile,
         verify=args.verify,
+        native=False if args.no_native else None,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)
@@ -279,6 +281,7 @@ def print_summary(args, model, st, cache, truncated, rejected):
         f"decode {st.decode_tokens / max(st.decode_s, 1e-9):,.0f} tok/s (compilation included); host busy "
         f"{metrics['host_busy_s']:.2f}s, device waited {metrics['device_wait_s']:.2f}s, host "
         f"{metrics['host_gflops']:.1f} GFLOP/s",
+        f"plan: {model.plan.summary()}",
     ]
     split = model.memory_split()
     if split["budget"] is not None:

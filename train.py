@@ -35,6 +35,7 @@ def parse_args(argv):
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out (else refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
+    p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
@@ -66,7 +67,9 @@ def main(argv=None):
     )
     for where in s.skipped_where[:5]:
         print(f"  skipped {where}", file=sys.stderr)
-    trainer = Trainer(cfg, data, progress=not args.no_progress, verify=args.verify)
+    native = False if args.no_native else None
+    trainer = Trainer(cfg, data, progress=not args.no_progress, verify=args.verify, native=native)
+    print(f"plan: {trainer.model.plan.summary()}", file=sys.stderr)
     summary = trainer.run(resume=args.resume)
     first, last = summary["first"], summary["last"]
     if "exact_match" in first and "exact_match" in last:

@@ -28,7 +28,6 @@ import numpy as np  # noqa: E402
 
 from host_kernels import amx  # noqa: E402
 from host_kernels.engine import HostMoE  # noqa: E402
-from host_kernels.expert_matmuls import uses_amx  # noqa: E402
 from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
 
 
@@ -111,7 +110,8 @@ def main():
     )
     engine = HostMoE(ExpertStore({0: layer}), threads=args.threads)
     bf16 = LayerExperts(layer.w13.astype(amx.BF16), layer.w2.astype(amx.BF16))
-    amx_engine = HostMoE(ExpertStore({0: bf16}), threads=args.threads) if uses_amx(amx.BF16) else None
+    amx_engine = HostMoE(ExpertStore({0: bf16}), threads=args.threads)
+    amx_engine = amx_engine if amx_engine.kernel == "amx-bf16" else None
     print(f"AMX bfloat16 kernel: {'yes' if amx_engine else 'no (' + amx.status()[1] + ')'}")
     print(f"layer: hidden {d}, ffn {f}, {e} experts, top-{k}; {engine.threads} worker threads")
     print(machine_info())

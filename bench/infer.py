@@ -4,7 +4,7 @@
 
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) on the Mixtral-shaped
    bench model: moe_jax with the host backend (float32; bfloat16, whose experts and decode attention XLA calls
-   through the FFI handlers; bfloat16 with MOE_JAX_XLA_FFI=0: experts through a Python callback, attention in XLA)
+   through the FFI handlers; bfloat16 with xla_ffi=False: experts through a Python callback, attention in XLA)
    and the device backend (float32), auto (--sides auto_float32,auto_bfloat16; --profile), and Hugging Face
    `generate` on torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against
    transformers' faster dtype.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,20 +48,12 @@ ROUNDS = 3  # each side runs this many times, interleaved with the others; the t
 def ours(backend: str, dtype: str, batch: int, new_tokens: int, xla_ffi: bool = True):
     """A function that runs one timed generation with moe_jax (compiled, and warmed up, before it is returned)."""
     profile = AUTO_PROFILE if backend == "auto" else None
-    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, profile=profile)
+    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, profile=profile, xla_ffi=xla_ffi)
     if backend == "auto":
         print(f"auto {dtype}, batch {batch}: {model.placement.describe()}")
     engine = GenerationEngine(model, batch, PROMPT + new_tokens)
     reqs = [Request(p, new_tokens) for p in prompts(batch)]
-    previous = os.environ.get("MOE_JAX_XLA_FFI")
-    os.environ["MOE_JAX_XLA_FFI"] = "1" if xla_ffi else "0"  # read when the steps are traced, in this first run
-    try:
-        engine.run(reqs)
-    finally:
-        if previous is None:
-            del os.environ["MOE_JAX_XLA_FFI"]
-        else:
-            os.environ["MOE_JAX_XLA_FFI"] = previous
+    engine.run(reqs)  # compiles the steps
 
     def run():
         engine.stats = type(engine.stats)()

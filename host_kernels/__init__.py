@@ -4,10 +4,13 @@ What the rest of the project uses, importable from here:
 - the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `StoreWriter`, `file_sha256`;
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
+- the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
+  what it is made from: `cpu_features`, `library_status`;
 - errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
 The native library's own wrappers (amx, f32_gemm, native) serve the engine and moe_jax's XLA handlers.
 """
 
+from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
 from host_kernels.fused_forward import is_live_call
@@ -21,12 +24,16 @@ __all__ = [
     "ExpertStore",
     "HostKernelError",
     "HostMoE",
+    "KernelChoice",
     "KernelArgumentError",
     "LayerExperts",
     "NonFiniteError",
     "StoreError",
     "StoreWriter",
+    "choose_kernels",
+    "cpu_features",
     "default_threads",
     "file_sha256",
     "is_live_call",
+    "library_status",
 ]

@@ -1,5 +1,5 @@
-"""The SwiGLU elementwise passes of the engine: native (one AVX-512 pass, host_kernels/csrc/swiglu.c) where the
-CPU has it, else numpy (in place, at most two tile-sized temporaries). Both compute in float32."""
+"""The SwiGLU elementwise passes of the engine: native (one AVX-512 pass, host_kernels/csrc/swiglu.c) or numpy (in
+place, at most two tile-sized temporaries), as the caller chose (host_kernels/choice.py). Both compute in float32."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from host_kernels.errors import KernelArgumentError
 NATIVE_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
-def native_usable() -> bool:
-    return native.status(NATIVE_CPU_FLAGS)[0]
+def status() -> tuple[bool, str]:
+    """(usable, why not) for the native passes on this machine."""
+    return native.status(NATIVE_CPU_FLAGS)
 
 
 def sigmoid(x, out=None):
@@ -41,11 +42,12 @@ def _check_arrays(shape, inputs: dict, outputs: dict):
         native.check_writable(name, array)
 
 
-def swiglu_forward(hg, hu, act):
+def swiglu_forward(hg, hu, act, *, native_pass: bool):
     """act = silu(hg) * hu, into `act`: float32, or uint16 holding bfloat16 (a `amx.row_buffer`); a view with
-    contiguous rows."""
+    contiguous rows. `native_pass`: the AVX-512 pass (where `status()` allows it), else numpy."""
     _check_arrays(hg.shape, inputs={"hg": hg, "hu": hu}, outputs={"act": act})
-    if native_usable():
+    if native_pass:
+        native.require(status(), "native SwiGLU pass")
         native.lib().swiglu_forward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), act.ctypes.data,
             native.row_stride(act), act.dtype == np.uint16, act.shape[0], act.shape[1],
@@ -57,7 +59,7 @@ def swiglu_forward(hg, hu, act):
     _store(act, out)
 
 
-def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
+def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None, *, native_pass: bool):
     """Given grad = dL/da for a = silu(hg) * hu (before the rows' routing weights `weight`): writes
     dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg) (float32, or bfloat16 in uint16 views), dw[i] =
     <grad_i, a_i> (a column view), and `act` = a when given. May overwrite hg and grad (the numpy path works in
@@ -72,7 +74,8 @@ def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None):
     native.check_writable("dw", dw)
     if dh_up.strides != dh_gate.strides or dh_up.dtype != dh_gate.dtype:
         raise KernelArgumentError("dh_gate and dh_up must share dtype and strides")
-    if native_usable():
+    if native_pass:
+        native.require(status(), "native SwiGLU pass")
         native.lib().swiglu_backward(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), grad.ctypes.data,
             native.row_stride(grad), weight.ctypes.data, dh_gate.ctypes.data,

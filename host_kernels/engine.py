@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels.activations import swiglu_backward, swiglu_forward
+from host_kernels.choice import AMX_BF16, AVX512, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls, expert_matmuls, uses_amx
-from host_kernels.fused_forward import FusedForward, pack_layer, supported
+from host_kernels.expert_matmuls import expert_matmuls
+from host_kernels.fused_forward import FusedForward, pack_layer
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import Routing, Tile, check_expert_ids, max_column_blocks, plan_tiles
@@ -39,10 +40,20 @@ FUSED_MAX_ROWS = 16
 
 
 class HostMoE:
-    """Computes routed experts of any layer of `store` on the host CPU."""
+    """Computes routed experts of any layer of `store` on the host CPU, with the kernels `kernels` names
+    (default: `choose_kernels(store.dtype)`, the fastest this machine runs)."""
 
-    def __init__(self, store: ExpertStore, threads: int | None = None, pool: WorkerPool | None = None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        threads: int | None = None,
+        pool: WorkerPool | None = None,
+        kernels: KernelChoice | None = None,
+    ):
         self.store = store
+        self.kernels = kernels or choose_kernels(store.dtype)
+        check_choice(self.kernels, store.dtype)
+        self._native_swiglu = self.kernels.activations == AVX512
         self.pool = pool or WorkerPool(threads)
         self.last_stats: CallStats | None = None
         self._matmuls = {}
@@ -52,21 +63,21 @@ class HostMoE:
 
     @property
     def kernel(self) -> str:
-        """Which GEMM path runs the experts: "amx-bf16" (bfloat16 store on an AMX CPU) or "numpy"."""
-        return AMXExpertMatmuls.name if uses_amx(self.store.dtype) else NumpyExpertMatmuls.name
+        """Which GEMM path runs the engine's experts: "amx-bf16" (bfloat16 store on an AMX CPU) or "numpy"."""
+        return self.kernels.gemm
 
     def _layer_matmuls(self, layer: int, backward: bool = False):
         mm = self._matmuls.get(layer)
         if mm is None:
-            mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.workspace)
+            mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.kernels.gemm, self.workspace)
         mm.prepare(backward)
         return mm
 
     def fused_forward(self) -> FusedForward | None:
-        """The native fused forward (host_kernels/fused_forward.py), or None where the store or the CPU does not
-        allow it. Made once; on AMX it shares the packed weights with `forward`."""
-        if self._fused is None and supported(self.store)[0]:
-            if self.kernel == AMXExpertMatmuls.name:
+        """The native fused forward (host_kernels/fused_forward.py), or None where the kernel choice has none.
+        Made once; on AMX it shares the packed weights with `forward`."""
+        if self._fused is None and self.kernels.fused:
+            if self.kernels.fused == AMX_BF16:
                 packed = lambda layer: self._layer_matmuls(layer).forward_weights()  # noqa: E731
             else:
                 packed = lambda layer: pack_layer(self.store[layer])  # noqa: E731
@@ -109,7 +120,7 @@ class HostMoE:
             if keep:
                 h_s[tile.rows, tile.cols] = hg
                 h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
-            swiglu_forward(hg, hu, act[tile.rows, tile.cols])
+            swiglu_forward(hg, hu, act[tile.rows, tile.cols], native_pass=self._native_swiglu)
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
@@ -213,7 +224,17 @@ class HostMoE:
                 g += lora.scale * ((dy_r @ b_d[e].T) @ a_d[e][cols, :].T)
             dh_gate, dh_up = dh[rows, cols], dh[rows, f + cols.start : f + cols.stop]
             a = act[rows, cols] if keep_act else None
-            swiglu_backward(hg, hu, g, weight_s[rows], dh_gate, dh_up, dw_blocks[rows, tile.block], a)
+            swiglu_backward(
+                hg,
+                hu,
+                g,
+                weight_s[rows],
+                dh_gate,
+                dh_up,
+                dw_blocks[rows, tile.block],
+                a,
+                native_pass=self._native_swiglu,
+            )
 
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
         self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)

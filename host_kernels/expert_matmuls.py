@@ -139,14 +139,9 @@ def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
     return w13
 
 
-def uses_amx(dtype) -> bool:
-    """Whether weights stored in `dtype` run on AMX here: bfloat16, where this machine has it."""
-    return np.dtype(dtype) == amx.BF16 and amx.status()[0]
-
-
-def expert_matmuls(w: LayerExperts, workspace: Workspace | None = None):
-    """AMX for bfloat16 weights where this machine has it, else numpy. The AMX path keeps its temporaries in
-    `workspace` (share one across layers: only one layer runs at a time)."""
-    if uses_amx(w.w13.dtype):
+def expert_matmuls(w: LayerExperts, gemm: str, workspace: Workspace | None = None):
+    """The GEMMs `gemm` names (host_kernels/choice.py: AMXExpertMatmuls.name or NumpyExpertMatmuls.name). The AMX
+    path keeps its temporaries in `workspace` (share one across layers: only one layer runs at a time)."""
+    if gemm == AMXExpertMatmuls.name:
         return AMXExpertMatmuls(w, workspace)
     return NumpyExpertMatmuls(w)

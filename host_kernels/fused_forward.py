@@ -7,7 +7,7 @@ engine's AMX forward); for a float32 store on AVX-512, over float32 weights pack
 function as the engine's numpy path up to float32 summation order). Two ways in:
 - `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
 - `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
-  device buffers directly (moe_jax/backends/native_call.py), so a jitted decode step never enters Python.
+  device buffers directly (moe_jax/native_call.py), so a jitted decode step never enters Python.
 Expert LoRA and backward passes stay on the engine (host_kernels/engine.py).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from host_kernels import amx, f32_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.expert_matmuls import gate_up_blocks, uses_amx
+from host_kernels.expert_matmuls import gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
@@ -63,11 +63,11 @@ class _NativeLayer:
     weights: list  # the packed weights the moe_layer points into: kept alive with it
 
 
-def supported(store: ExpertStore) -> tuple[bool, str]:
-    """(usable, why not) for this store on this machine: bfloat16 weights with AMX, or float32 ones with AVX-512."""
-    if store.dtype == amx.BF16:
-        return (True, "") if uses_amx(store.dtype) else (False, amx.status()[1])
-    return f32_gemm.status()
+def native_status(store_dtype) -> tuple[bool, str]:
+    """(usable, why not) for the kernel of a store of `store_dtype` on this machine: bfloat16 weights on AMX,
+    float32 on AVX-512. host_kernels/choice.py decides from it; the constructor checks it again (a SIGILL
+    otherwise)."""
+    return amx.status() if np.dtype(store_dtype) == amx.BF16 else f32_gemm.status()
 
 
 def pack_layer(w: LayerExperts) -> list[tuple[f32_gemm.PackedF32, f32_gemm.PackedF32]]:
@@ -85,7 +85,7 @@ class FusedForward:
     with it."""
 
     def __init__(self, store: ExpertStore, packed, threads: int):
-        usable, reason = supported(store)
+        usable, reason = native_status(store.dtype)
         if not usable:
             raise HostKernelError(f"fused forward unavailable: {reason}")
         check_thread_count(threads)

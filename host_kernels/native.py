@@ -2,16 +2,15 @@
 
 Each part needs CPU features: the AMX GEMM needs amx_tile/amx_bf16/avx512_bf16 (amx.REQUIRED_CPU_FLAGS), the
 SwiGLU passes, the float32 GEMM and the fused forward avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS).
-`status(flags)` says whether a part can run here and, if not, why; callers fall back to numpy. ctypes calls
-release the GIL, so the worker pool runs them in parallel. MOE_JAX_HOST_KERNEL=numpy turns every part off (to
-compare the two paths).
+`status(flags)` says whether a part can run here and, if not, why (host_kernels/choice.py decides from it, once,
+which parts run and which fall back to numpy). ctypes calls release the GIL, so the worker pool runs them in
+parallel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.machinery
-import os
 from functools import cache
 from pathlib import Path
 
@@ -42,8 +41,6 @@ SIGNATURES = {
 
 def status(flags: tuple[str, ...]) -> tuple[bool, str]:
     """(usable, why not) for a part of the library that needs these CPU flags."""
-    if os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() == "numpy":
-        return False, "MOE_JAX_HOST_KERNEL=numpy"
     lacking = cpu_lacks(flags)
     return (False, lacking) if lacking else _loadable()
 

@@ -1,5 +1,5 @@
 """The native libraries' sources and their hashes: shared by setup.py (which compiles each hash into its library)
-and the loaders (host_kernels/native.py, moe_jax/backends/native_call.py), which refuse a library built from other
+and the loaders (host_kernels/native.py, moe_jax/native_call.py), which refuse a library built from other
 sources. No imports beyond the standard library: setup.py loads this file before the package is installed."""
 
 import hashlib

@@ -21,6 +21,7 @@ from moe_jax.errors import CheckpointError, InputError
 from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.memory_check import check_fits, load_bytes
 from moe_jax.model import Transformer, build_transformer
+from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -36,8 +37,10 @@ class Model:
         placement: Backend,
         dtype: str,
         checkpoint: Checkpoint,
+        plan: ExecutionPlan,
     ):
         self.config: ModelConfig = transformer.config
+        self.plan = plan  # where each part runs (moe_jax/plan.py), decided at load
         self.tokenizer = tokenizer
         self.placement = placement
         self.backend = placement.name
@@ -78,6 +81,12 @@ class Model:
         apply_adapter(transformer, tensors, adapter_dir)
         self._set_transformer(transformer)
         self.lora_config = config
+
+    def prepare_for_training(self):
+        """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
+        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once."""
+        if self.plan.transposed_weights:
+            self._edit(lambda transformer: transformer.keep_transposed_weights())
 
     def set_lora_state(self, lora_state):
         """Replaces the LoRA parameters' values (same structure); compiled steps are reused."""
@@ -217,17 +226,16 @@ class Model:
 
     def generation_steps(self):
         """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
-        a memory split moved back and forth does not recompile each time. A bfloat16 model on XLA:CPU with AMX
-        first packs its dense weights for the decode steps' native products (Transformer.pack_for_decode)."""
-        from moe_jax.backends.native_call import dense_status
+        a memory split moved back and forth does not recompile each time. Where the plan multiplies a decode
+        step's dense products natively, the dense weights are first packed for it (Transformer.pack_for_decode)."""
         from moe_jax.engine import compile_generation_steps
 
-        if self.dtype == "bfloat16" and "head_packed" not in self.state and dense_status()[0]:
+        if self.plan.dense_decode and "head_packed" not in self.state:
             self._edit(lambda transformer: transformer.pack_for_decode())
         for graphdef, steps in self._steps:
             if graphdef == self.graphdef:
                 return steps
-        steps = compile_generation_steps(self.graphdef, jax.tree.structure(self.state))
+        steps = compile_generation_steps(self.graphdef, jax.tree.structure(self.state), self.plan.argmax)
         self._steps = [(self.graphdef, steps), *self._steps[:3]]
         return steps
 
@@ -267,6 +275,9 @@ def load_model(
     profile=None,
     calibrate: bool = True,
     verify: bool = False,
+    native: bool | None = None,
+    xla_ffi: bool | None = None,
+    host_kernels=None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -279,6 +290,11 @@ def load_model(
     both ways at load where the profile predicts a device gain, and use the host path where it measures faster
     (a few seconds; off only for a profile known to be right, or to test the planner's device path).
     `verify`: check a converted directory's expert files against the SHA-256 checksums convert recorded.
+    `native`: False runs everything in XLA and numpy (no native kernels or FFI handlers), True uses every native
+    part this machine runs; None (default) the same, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy say
+    otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
+    `host_kernels.KernelChoice`) replaces the host kernel choice. The resulting plan is `Model.plan`
+    (moe_jax/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -289,7 +305,9 @@ def load_model(
     checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
     host_engine = backend in ("host", "hybrid", "auto")
-    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, host_engine), f"loading {checkpoint.path}")
+    store_dtype = host_store_dtype(checkpoint, dtype) if host_engine else None
+    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels)
+    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels), f"loading {checkpoint.path}")
 
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
@@ -307,14 +325,15 @@ def load_model(
         backend,
         checkpoint,
         jdtype,
+        plan,
         host_threads=host_threads,
         device_budget_bytes=expert_budget,
         placement_plan=placement_plan,
         profile=profile,
         calibrate=calibrate,
     )
-    transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has)
-    model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint)
+    transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
+    model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
     if device_budget_bytes is not None:
         model.device_budget_bytes = int(device_budget_bytes)
         if kv_fraction is not None:

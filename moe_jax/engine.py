@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.anchor_cache import AnchorCache
-from moe_jax.backends.native_call import argmax_tokens
 from moe_jax.errors import InputError
+from moe_jax.native_call import argmax_tokens
 from moe_jax.sampling import sample
 
 TOKEN_BUCKET = 32
@@ -337,10 +337,11 @@ def put_rows(cache, slot_ids, rows):
     return jnp.where(match.any(axis=1)[:, None, None, None], rows[jnp.argmax(match, axis=1)], cache)
 
 
-def compile_generation_steps(graphdef, state_treedef):
+def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     """(prefill, decode, write_prefix): the jitted steps of a model with this structure. They take the model's
     state as its list of leaves (`Model.state_leaves`): jit flattens a list in microseconds, an nnx State (its
-    keys sorted, its variables unwrapped) in ~150 us of every decode step's dispatch."""
+    keys sorted, its variables unwrapped) in ~150 us of every decode step's dispatch. `native_argmax`: the plan's
+    choice for greedy tokens (`ExecutionPlan.argmax`)."""
 
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
@@ -360,7 +361,7 @@ def compile_generation_steps(graphdef, state_treedef):
         tokens = jnp.where(from_host, host_tokens, last_tokens)
         logits, caches = merged(leaves)(tokens, positions, caches)
         logits = logits[:, 0]
-        return logits, argmax_tokens(logits), caches
+        return logits, argmax_tokens(logits, native_argmax), caches
 
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""

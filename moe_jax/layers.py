@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.native_call import DENSE_MAX_ROWS, decode_attention_call, dense_call, pack_dense
+
 
 class Frozen(nnx.Variable):
     """A base-model weight: read by the forward pass, never trained."""
@@ -97,8 +99,6 @@ def base_matmul(x, w, w_t=None, packed=None, out_dtype=None):
     (bench model, 16 rows, cold weights: head 197 vs 477 us, a 512 x 512 projection 28 vs 61 us). The float32
     sums are XLA's (bit-equal on this CPU). Training never takes it: its rows have more than one position."""
     if packed is not None and x.dtype == jnp.bfloat16 and x.ndim == 3 and x.shape[1] == 1:
-        from moe_jax.backends.native_call import DENSE_MAX_ROWS, dense_call  # (backends import this module)
-
         if x.shape[0] <= DENSE_MAX_ROWS:
             return dense_call(x[:, 0], packed, w.shape[-1])[:, None].astype(out_dtype or x.dtype)
     return frozen_matmul(x, w, w_t, out_dtype)
@@ -123,12 +123,6 @@ def _frozen_matmul_t_bwd(out_dtype, residuals, g):
 
 
 _frozen_matmul_t.defvjp(_frozen_matmul_t_fwd, _frozen_matmul_t_bwd)
-
-
-def keeps_transposed_weights(dtype) -> bool:
-    """Whether training should hold transposed copies of the base weights (see `frozen_matmul`): bfloat16 on
-    XLA:CPU. Elsewhere the transposed product is as fast, and the copies would only take memory."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
 
 
 class Projection(nnx.Module):
@@ -156,8 +150,6 @@ class Projection(nnx.Module):
         self.weight_t = Frozen(jnp.array(self.weight[...].T))
 
     def pack_for_decode(self):
-        from moe_jax.backends.native_call import pack_dense
-
         self.packed = Frozen(pack_dense(self.weight[...]))
 
     def __call__(self, x):
@@ -195,13 +187,18 @@ class Attention(nnx.Module):
         window=None,
         q_norm=None,
         k_norm=None,
+        native_decode_attention: bool = False,
     ):
+        """`native_decode_attention` (the execution plan's choice, moe_jax/plan.py): a decode step's attention
+        over the bfloat16 cache runs as the native FFI call (moe_jax/csrc/xla_decode_attention.c). XLA's own path
+        (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on XLA:CPU."""
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
         self.window = window
+        self.native_decode_attention = native_decode_attention
 
     def __call__(self, x_btd, positions_bt, cache=None):
         """Returns (output [b, t, d], updated cache). `cache` is (k, v), each [b, kv, s, hd], or None.
@@ -229,9 +226,7 @@ class Attention(nnx.Module):
             out = chunked_causal_attention(q, k, v, positions_bt, self.window)
         else:
             k_cache, v_cache = cache
-            if t == 1 and native_decode_attention(q, k_cache):
-                from moe_jax.backends.native_call import decode_attention_call  # (backends import this module)
-
+            if t == 1 and self.native_decode_attention:
                 out, k_all, v_all = decode_attention_call(q[:, :, 0], k, v, positions_bt, k_cache, v_cache, self.window)
                 out = out[:, :, None]
             else:
@@ -242,17 +237,6 @@ class Attention(nnx.Module):
             cache = (k_all, v_all)
         # [b, kv, t, group, hd] -> [b, t, heads * hd]
         return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
-
-
-def native_decode_attention(q, k_cache) -> bool:
-    """Whether a decode step's attention runs as the native FFI call (moe_jax/csrc/xla_decode_attention.c): a
-    bfloat16 cache and queries, on XLA:CPU, with the handler built (MOE_JAX_XLA_FFI=0 turns it off). XLA's own
-    path (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 there."""
-    if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16:
-        return False
-    from moe_jax.backends.native_call import decode_attention_status
-
-    return decode_attention_status()[0]
 
 
 QUERY_CHUNK = 64

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from host_kernels import amx, f32_gemm
+from host_kernels import KernelChoice
 from moe_jax.checkpoint import is_expert_tensor
 from moe_jax.errors import MemoryLimitError
 
@@ -47,17 +47,17 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def load_bytes(checkpoint, itemsize: int, host_engine: bool) -> dict[str, int]:
-    """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `host_engine`: the backend runs
-    experts in the host kernels, whose native forward (where this CPU runs it for the store's dtype: bfloat16 on
-    AMX, float32 on AVX-512) packs each expert once into its own tile layout."""
+def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> dict[str, int]:
+    """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `host_kernels`: the kernels
+    that run the experts on the host (None: the backend runs none), whose fused native forward, where there is
+    one, packs each expert once into its own tile layout."""
     tensors = checkpoint.tensors
     dense = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not is_expert_tensor(n)) * itemsize
     c = checkpoint.config
     params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
     store = checkpoint.expert_store
     store_itemsize = store.dtype.itemsize if store is not None else itemsize
-    packs = host_engine and (amx.status() if store_itemsize == 2 else f32_gemm.status())[0]
+    packs = host_kernels is not None and bool(host_kernels.fused)
     return {
         "dense weights": dense,
         "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,

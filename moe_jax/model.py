@@ -15,6 +15,8 @@ from flax import nnx
 from moe_jax.config import ModelConfig
 from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
 from moe_jax.moe import MoEBlock
+from moe_jax.native_call import pack_dense
+from moe_jax.plan import ExecutionPlan
 
 
 class DecoderLayer(nnx.Module):
@@ -52,14 +54,12 @@ class Transformer(nnx.Module):
             self.head_copy = Frozen(jnp.array(head[...].T))
 
     def pack_for_decode(self):
-        """Packed copies of the dense weights (bfloat16 on XLA:CPU with AMX: `native_call.dense_status`) that
-        decode steps multiply natively (layers.base_matmul); made once, when the model first generates."""
+        """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
+        when the model first generates, where the plan says so (`ExecutionPlan.dense_decode`)."""
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Projection) and module.packed is None:
                 module.pack_for_decode()
         if self.head_packed is None:
-            from moe_jax.backends.native_call import pack_dense
-
             self.head_packed = Frozen(pack_dense(self.lm_head[...] if self.lm_head is not None else self.embed[...].T))
 
     def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
@@ -91,8 +91,10 @@ def build_transformer(
     dense: Callable[[str], object],
     experts_for_layer: Callable[[int], object],
     has: Callable[[str], bool],
+    plan: ExecutionPlan,
 ) -> Transformer:
-    """Assembles the module tree. `dense(name)` returns a weight in `x @ W` layout; `has(name)` says if it exists."""
+    """Assembles the module tree. `dense(name)` returns a weight in `x @ W` layout; `has(name)` says if it exists;
+    `plan` says which parts run natively."""
     eps = config.rms_norm_eps
 
     def proj(name, bias: bool):
@@ -117,6 +119,7 @@ def build_transformer(
             window=config.sliding_windows[i],
             q_norm=dense(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
             k_norm=dense(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
+            native_decode_attention=plan.decode_attention,
         )
         if config.is_moe_layer(i):
             moe_prefix = f"{p}.block_sparse_moe" if config.model_type == "mixtral" else f"{p}.mlp"

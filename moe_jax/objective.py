@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_jax.layers import keeps_transposed_weights, lora_dropout_key
+from moe_jax.layers import lora_dropout_key
 from moe_jax.lora import split_trainable
 
 
@@ -30,8 +30,7 @@ def lora_value_and_grad(model):
     The frozen rest of the model is read from `model` at each call, so a device expert cache refreshed between
     steps is used at once; a change of structure (a resized cache) recompiles.
     """
-    if keeps_transposed_weights(model.dtype):
-        model._edit(lambda transformer: transformer.keep_transposed_weights())
+    model.prepare_for_training()
     graphdef, lora_state, rest = split_trainable(model.transformer)
     compiled = {"graphdef": model.graphdef, "state": model.state, "step": _compile(graphdef), "rest": rest}
 

@@ -1,16 +1,18 @@
 """The native argmax a greedy decode step ends with (moe_jax/csrc/xla_argmax.c): numpy's answer on every row."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 
-from moe_jax.backends import native_call
+from moe_jax import native_call
 
 pytestmark = pytest.mark.skipif(not native_call.argmax_status()[0], reason=native_call.argmax_status()[1])
 
 
 def native(logits):
-    f = jax.jit(native_call.argmax_tokens)
+    f = jax.jit(functools.partial(native_call.argmax_tokens, native=True))
     assert native_call.ARGMAX_TARGET in f.lower(logits).as_text()
     return np.asarray(f(logits))[:, 0]
 
@@ -31,9 +33,8 @@ def test_first_maximum_of_each_row(vocab):
     np.testing.assert_array_equal(native(logits), np.asarray(jax.numpy.argmax(logits, axis=-1)))
 
 
-def test_turned_off_it_is_jax_argmax(monkeypatch):
-    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+def test_turned_off_it_is_jax_argmax():
     logits = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)
-    f = jax.jit(native_call.argmax_tokens)
+    f = jax.jit(functools.partial(native_call.argmax_tokens, native=False))
     assert native_call.ARGMAX_TARGET not in f.lower(logits).as_text()
     np.testing.assert_array_equal(np.asarray(f(logits))[:, 0], np.argmax(logits, axis=-1))

@@ -1,5 +1,7 @@
 """Every backend computes the same function: logits and LoRA gradients agree across placements."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from flax import nnx
 
 import moe_jax
+from host_kernels import choose_kernels
 from host_kernels.errors import HostKernelError
 from moe_jax.lora import ATTENTION_TARGETS, LoRAConfig, split_trainable
 from tests.hf_models import VARIANTS, make_hf_model, save_hf_model
@@ -104,10 +107,9 @@ def test_host_metrics_after_a_step(checkpoint):
 
 
 def test_host_callback_error_surfaces_with_layer(checkpoint, monkeypatch):
-    model = moe_jax.load_model(checkpoint, backend="host")
-    model.placement.runtime.fused = (
-        None  # the engine's Python callback (the fused FFI call's errors: test_host_fused_call)
-    )
+    # the engine's Python callback, no fused forward (the fused FFI call's errors: test_host_fused_call)
+    kernels = dataclasses.replace(choose_kernels(np.float32), fused="")
+    model = moe_jax.load_model(checkpoint, backend="host", host_kernels=kernels)
     layer = model.config.moe_layers[-1]
     original = model.placement.runtime.engine.forward
 

@@ -1,5 +1,7 @@
 """bfloat16 models (dense on XLA, experts on AMX where the CPU has it) against float32 truth and transformers."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -27,12 +29,10 @@ def test_logits_as_close_to_float32_as_transformers_in_bfloat16(variant, backend
     assert error < 2 * hf_bf16_error + 1e-3, (error, hf_bf16_error)
 
 
-def loss_and_grads(path, dtype, monkeypatch=None, keep_transposed=True, host_kernel=None):
+def loss_and_grads(path, dtype, keep_transposed=True, native=None):
+    model = moe_jax.load_model(path, backend="host", dtype=dtype, native=native)
     if not keep_transposed:
-        monkeypatch.setattr("moe_jax.objective.keeps_transposed_weights", lambda dtype: False)
-    if host_kernel:
-        monkeypatch.setenv("MOE_JAX_HOST_KERNEL", host_kernel)
-    model = moe_jax.load_model(path, backend="host", dtype=dtype)
+        model.plan = dataclasses.replace(model.plan, transposed_weights=False)
     model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "experts")), seed=3)
     value_and_grad, lora_state = lora_value_and_grad(model)
     # non-zero B matrices, so every adapter gradient is non-trivial
@@ -46,7 +46,7 @@ def nnx_flat(state):
     return {"/".join(map(str, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def test_training_step_in_bfloat16_follows_float32(tmp_path, monkeypatch):
+def test_training_step_in_bfloat16_follows_float32(tmp_path):
     save_hf_model(make_hf_model("mixtral", seed=4), tmp_path)
     loss32, grads32, _ = loss_and_grads(tmp_path, "float32")
     loss16, grads16, model = loss_and_grads(tmp_path, "bfloat16")
@@ -61,13 +61,13 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path, monkeypatch):
 
     # the experts' own rounding (AMX against float32 GEMMs on the same bfloat16 weights) is smaller: under 1% per
     # layer call (tests/test_host_kernels.py), 1.5-8% here once the wide weights' routing has amplified it
-    _, grads_numpy, numpy_model = loss_and_grads(tmp_path, "bfloat16", monkeypatch, host_kernel="numpy")
+    _, grads_numpy, numpy_model = loss_and_grads(tmp_path, "bfloat16", native=False)
     assert numpy_model.placement.runtime.engine.kernel == "numpy"
     for name in grads16:
         assert relative_error(grads16[name], grads_numpy[name]) < 0.12, name
 
     # without the transposed copies (both numpy): the same up to summation order, which routing amplifies here
-    _, grads_plain, plain = loss_and_grads(tmp_path, "bfloat16", monkeypatch, keep_transposed=False)
+    _, grads_plain, plain = loss_and_grads(tmp_path, "bfloat16", keep_transposed=False, native=False)
     assert plain.transformer.head_copy is None and plain.placement.runtime.engine.kernel == "numpy"
     for name in grads16:
         assert relative_error(grads_plain[name], grads_numpy[name]) < 5e-2, name

@@ -3,10 +3,11 @@ generation would allocate is checked against free memory before allocating (issu
 
 import json
 
+import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import f32_gemm
+from host_kernels import choose_kernels
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, ConfigError, MemoryLimitError
 from moe_jax.memory_check import check_fits, load_bytes
@@ -118,10 +119,12 @@ def test_load_estimate_counts_each_part(checkpoint_dir):
     checkpoint = open_checkpoint(checkpoint_dir)
     c = checkpoint.config
     experts = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * c.num_layers * 4
-    parts = load_bytes(checkpoint, 4, host_engine=True)
+    kernels = choose_kernels(np.float32)
+    parts = load_bytes(checkpoint, 4, kernels)
     assert parts["experts"] == experts
-    assert parts["packed expert copies"] == (experts if f32_gemm.status()[0] else 0)  # the AVX-512 forward packs
-    assert load_bytes(checkpoint, 4, host_engine=False)["packed expert copies"] == 0
+    assert parts["packed expert copies"] == (experts if kernels.fused else 0)  # the AVX-512 forward packs
+    assert load_bytes(checkpoint, 4, None)["packed expert copies"] == 0
+    assert load_bytes(checkpoint, 4, choose_kernels(np.float32, native=False))["packed expert copies"] == 0
     embed = c.vocab_size * c.hidden_size * 4
     assert embed < parts["dense weights"] < 4 * embed + 2 * c.num_layers * 4 * c.hidden_size**2 * 4
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.backends import native_call
+from moe_jax import native_call
 from moe_jax.layers import _attend, write_positions
 from tests.hf_models import make_hf_model, save_hf_model
 
@@ -91,10 +91,12 @@ def decode_hlo(model):
     return decode.lower(model.state_leaves(), caches, tokens, np.ones((2, 1), bool), tokens, tokens).as_text()
 
 
-def test_bfloat16_decode_steps_call_it_where_the_handlers_are_on(tmp_path, monkeypatch):
+def test_bfloat16_decode_steps_call_it_where_the_plan_says(tmp_path):
     save_hf_model(make_hf_model("mixtral", seed=3), tmp_path)
-    assert "moe_jax_decode_attention" in decode_hlo(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
-    assert "moe_jax_decode_attention" not in decode_hlo(moe_jax.load_model(tmp_path, backend="host"))  # float32
-    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
-    assert native_call.decode_attention_status() == (False, "MOE_JAX_XLA_FFI=0")
-    assert "moe_jax_decode_attention" not in decode_hlo(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
+    model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
+    assert model.plan.decode_attention and "moe_jax_decode_attention" in decode_hlo(model)
+    model = moe_jax.load_model(tmp_path, backend="host")  # float32
+    assert not model.plan.decode_attention and "moe_jax_decode_attention" not in decode_hlo(model)
+    model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16", xla_ffi=False)
+    assert model.plan.reason("attention") == "XLA FFI handlers turned off by the caller"
+    assert "moe_jax_decode_attention" not in decode_hlo(model)

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx, f32_gemm
+from host_kernels import amx, choose_kernels, f32_gemm
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import FusedForward
@@ -155,13 +155,18 @@ def test_f32_gemm_matches_float64_products(m, k, n):
         f32_gemm.gemm(a, packed, np.empty((m, n - 16), np.float32), 16, n)
 
 
-def test_refused_where_the_native_kernels_are_off(monkeypatch):
-    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
+def test_none_where_the_native_kernels_are_turned_off():
     for dtype in (BF16, np.float32):
-        store = make_store(dtype=dtype, layers=(0,))
-        assert HostMoE(store, threads=1).fused_forward() is None
-        with pytest.raises(HostKernelError, match="MOE_JAX_HOST_KERNEL=numpy"):
-            FusedForward(store, packed=None, threads=1)
+        choice = choose_kernels(dtype, native=False)
+        assert choice.fused == "" and "turned off" in choice.why["fused"]
+        assert HostMoE(make_store(dtype=dtype, layers=(0,)), threads=1, kernels=choice).fused_forward() is None
+
+
+@pytest.mark.skipif(amx.status()[0], reason="this CPU has AMX: a bfloat16 store has a fused forward here")
+def test_refused_for_a_bfloat16_store_without_amx():
+    assert choose_kernels(BF16).fused == ""
+    with pytest.raises(HostKernelError, match="CPU lacks amx"):
+        FusedForward(make_store(dtype=BF16, layers=(0,)), packed=None, threads=1)
 
 
 @needs_native

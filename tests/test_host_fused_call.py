@@ -1,14 +1,16 @@
 """The host backend's fused forward inside jitted steps: through XLA's FFI, through a Python callback, and against
 the engine's callback (all three the same bits), with its metrics and its errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import amx, f32_gemm
-from moe_jax.backends import native_call
+from host_kernels import amx, choose_kernels, f32_gemm
+from moe_jax import native_call
 from tests.hf_models import make_hf_model, save_hf_model
 
 needs_amx = pytest.mark.skipif(not amx.status()[0], reason=f"needs AMX (bfloat16 experts): {amx.status()[1]}")
@@ -25,13 +27,16 @@ def checkpoint(tmp_path_factory):
     return save_hf_model(make_hf_model("mixtral", seed=7), tmp_path_factory.mktemp("mixtral"))
 
 
-def host_model(path, path_taken: str, monkeypatch, dtype=NATIVE_DTYPE):
+def host_model(path, path_taken: str, dtype=NATIVE_DTYPE):
     """path_taken: "ffi" (the default where built), "callback" (the fused forward through pure_callback) or
     "engine" (no fused forward: the engine's own callback)."""
-    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0" if path_taken == "callback" else "1")
-    model = moe_jax.load_model(path, backend="host", dtype=dtype)
-    if path_taken == "engine":
-        model.placement.runtime.fused = None
+    if path_taken == "engine":  # this machine's kernels, less the fused forward
+        kernels = dataclasses.replace(choose_kernels(jnp.dtype(dtype)), fused="")
+        model = moe_jax.load_model(path, backend="host", dtype=dtype, host_kernels=kernels)
+        assert model.placement.runtime.fused is None
+        return model
+    model = moe_jax.load_model(path, backend="host", dtype=dtype, xla_ffi=path_taken == "ffi")
+    assert model.plan.experts_ffi == (path_taken == "ffi")
     return model
 
 
@@ -41,11 +46,11 @@ def test_ffi_handler_is_built_here():
 
 
 @needs_amx
-def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
+def test_the_three_paths_give_the_same_bits(checkpoint):
     ids = np.random.default_rng(0).integers(0, 96, size=(3, 11))
     logits = {}
     for path_taken in ("ffi", "callback", "engine"):
-        model = host_model(checkpoint, path_taken, monkeypatch)
+        model = host_model(checkpoint, path_taken)
         hlo = model._forward_jit.lower(model.state, ids.astype(np.int32), np.zeros(ids.shape, np.int32)).as_text()
         assert ("moe_jax_host_experts" in hlo) == (path_taken == "ffi")
         logits[path_taken] = model.logits(ids)
@@ -57,13 +62,13 @@ def test_the_three_paths_give_the_same_bits(checkpoint, monkeypatch):
 
 
 @needs_avx512
-def test_float32_paths_agree(checkpoint, monkeypatch):
+def test_float32_paths_agree(checkpoint):
     # float32 experts: the fused forward's AVX-512 GEMM, through XLA's FFI and through a callback (the same
     # bits), against the engine's numpy one (summation order differs)
     ids = np.random.default_rng(2).integers(0, 96, size=(2, 12))
-    ffi = host_model(checkpoint, "ffi", monkeypatch, dtype="float32")
-    callback = host_model(checkpoint, "callback", monkeypatch, dtype="float32")
-    engine = host_model(checkpoint, "engine", monkeypatch, dtype="float32")
+    ffi = host_model(checkpoint, "ffi", dtype="float32")
+    callback = host_model(checkpoint, "callback", dtype="float32")
+    engine = host_model(checkpoint, "engine", dtype="float32")
     assert ffi.placement.runtime.fused is not None
     np.testing.assert_array_equal(callback.logits(ids), ffi.logits(ids))
     np.testing.assert_allclose(ffi.logits(ids), engine.logits(ids), rtol=1e-4, atol=1e-4)
@@ -71,8 +76,8 @@ def test_float32_paths_agree(checkpoint, monkeypatch):
     assert ffi.generate(prompts, max_new_tokens=6) == engine.generate(prompts, max_new_tokens=6)
 
 
-def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
-    model = host_model(checkpoint, "ffi", monkeypatch)
+def test_metrics_of_ffi_calls(checkpoint):
+    model = host_model(checkpoint, "ffi")
     model.metrics()
     ids = np.random.default_rng(1).integers(0, 96, size=(2, 9))
     model.logits(ids)
@@ -90,11 +95,11 @@ def test_metrics_of_ffi_calls(checkpoint, monkeypatch):
     assert model.metrics().host_calls == 0
 
 
-def test_only_calls_made_by_xla_count_as_its_wait(checkpoint, monkeypatch):
+def test_only_calls_made_by_xla_count_as_its_wait(checkpoint):
     # a callback's wait is recorded around the callback; the native counts add it only for the FFI handler's calls
     ids = np.random.default_rng(3).integers(0, 96, size=(2, 9))
     for path_taken in ("ffi", "callback"):
-        model = host_model(checkpoint, path_taken, monkeypatch)
+        model = host_model(checkpoint, path_taken)
         model.logits(ids)
         totals = model.placement.runtime.fused.take_totals()
         assert totals.calls == len(model.config.moe_layers)
@@ -102,8 +107,8 @@ def test_only_calls_made_by_xla_count_as_its_wait(checkpoint, monkeypatch):
         assert totals.xla_call_seconds <= totals.seconds
 
 
-def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
-    model = host_model(checkpoint, "ffi", monkeypatch)
+def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint):
+    model = host_model(checkpoint, "ffi")
     fused = model.placement.runtime.fused
     address = fused.call_address(0)
 
@@ -118,6 +123,7 @@ def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint, monkeypatch):
     np.asarray(step(x, jnp.array([[0, 1], [3, 2]], jnp.int32), weights))  # the next call is fine
 
 
-def test_turned_off_by_environment(monkeypatch):
+def test_environment_sets_the_default_and_an_argument_overrides_it(checkpoint, monkeypatch):
     monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
-    assert native_call.status() == (False, "MOE_JAX_XLA_FFI=0")
+    assert not moe_jax.load_model(checkpoint, backend="host", dtype=NATIVE_DTYPE).plan.experts_ffi
+    assert moe_jax.load_model(checkpoint, backend="host", dtype=NATIVE_DTYPE, xla_ffi=True).plan.experts_ffi

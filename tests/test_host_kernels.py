@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx
+from host_kernels import amx, choose_kernels
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.lora import ExpertLoRA
@@ -124,15 +124,13 @@ def lora_dict(lora):
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "bfloat16-amx"])
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_forward_and_backward_match_references(kind, storage, with_lora, threads, monkeypatch):
+def test_forward_and_backward_match_references(kind, storage, with_lora, threads):
     """float32 and bfloat16 storage on the numpy path compute in float32: tight tolerances. On AMX the inputs of
     every GEMM are rounded to bfloat16 too: the forward against a reference that rounds the same, the gradients
     (whose inputs are rounded along the way) against float32 ones within bfloat16 error."""
     on_amx = storage == "bfloat16-amx"
     if on_amx and not amx.status()[0]:
         pytest.skip(f"AMX unavailable: {amx.status()[1]}")
-    if not on_amx:
-        monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
     rng = np.random.default_rng(0)
     layer = make_layer(rng, np.float32 if storage == "float32" else ml_dtypes.bfloat16)
     lora = make_lora(rng) if with_lora else None
@@ -140,7 +138,8 @@ def test_forward_and_backward_match_references(kind, storage, with_lora, threads
     x = rng.standard_normal((tokens, D)).astype(np.float32)
     ids, weights = routing(kind, tokens, rng)
     dy = rng.standard_normal((tokens, D)).astype(np.float32)
-    engine = HostMoE(ExpertStore({0: layer}), threads=threads)
+    store = ExpertStore({0: layer})
+    engine = HostMoE(store, threads=threads, kernels=choose_kernels(store.dtype, native=on_amx))
     assert engine.kernel == ("amx-bf16" if on_amx else "numpy")
 
     y = engine.forward(0, x, ids, weights, lora)
@@ -277,11 +276,11 @@ def test_decode_size_products_match_numpy(rows):
 
 @pytest.mark.parametrize("with_act", [False, True])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-def test_native_swiglu_passes_match_numpy(with_act, out_dtype, monkeypatch):
+def test_native_swiglu_passes_match_numpy(with_act, out_dtype):
     from host_kernels import activations
 
-    if not activations.native_usable():
-        pytest.skip("native SwiGLU passes unavailable on this machine")
+    if not activations.status()[0]:
+        pytest.skip(f"native SwiGLU passes unavailable: {activations.status()[1]}")
     rng = np.random.default_rng(9)
     rows, cols = 7, 37  # a masked tail in every row
     h = rng.standard_normal((rows, 2 * cols)).astype(np.float32) * 4
@@ -289,24 +288,23 @@ def test_native_swiglu_passes_match_numpy(with_act, out_dtype, monkeypatch):
     grad = rng.standard_normal((rows, cols)).astype(np.float32)
     weight = rng.uniform(0.1, 1, rows).astype(np.float32)
 
-    def run():
+    def run(native_pass):
         hg, hu, g = h[:, :cols].copy(), h[:, cols:].copy(), grad.copy()  # the numpy path works in place
         # bfloat16 outputs travel as uint16 bits (what the AMX GEMM reads), widened here to compare
         out = np.float32 if out_dtype == "float32" else np.uint16
         act_f = np.empty((rows, cols), out)
-        activations.swiglu_forward(hg, hu, act_f)
+        activations.swiglu_forward(hg, hu, act_f, native_pass=native_pass)
         dh = np.empty((rows, 2 * cols), out)
         dw = np.empty((rows, 3), np.float32)[:, 1]  # a strided column, as the engine passes
         act_b = np.empty((rows, cols), np.float32) if with_act else None
-        activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b)
+        activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b, native_pass=native_pass)
         return [widen(a) for a in (act_f, dh, dw.copy(), act_b)]
 
     def widen(a):
         return a if a is None or a.dtype == np.float32 else a.view(ml_dtypes.bfloat16).astype(np.float32)
 
-    native = run()
-    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
-    reference = run()
+    native = run(native_pass=True)
+    reference = run(native_pass=False)
     rtol = 2e-5 if out_dtype == "float32" else 2**-8  # one bfloat16 step where float32 results straddle a rounding
     for got, expected in zip(native, reference, strict=True):
         if expected is not None:

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from host_kernels import activations, amx, f32_gemm
 from host_kernels.errors import KernelArgumentError
-from host_kernels.fused_forward import FusedForward, pack_layer, supported
+from host_kernels.fused_forward import FusedForward, native_status, pack_layer
 from host_kernels.store import ExpertStore, LayerExperts
 
 rng = np.random.default_rng(0)
@@ -27,8 +27,8 @@ store = ExpertStore({0: LayerExperts(rng.standard_normal((4, 32, 64), np.float32
 x, ok_ids, ok_weights = np.ones((2, 32), np.float32), np.array([[1, 2], [1, 2]]), np.ones((2, 2), np.float32)
 
 def fused(packed=lambda layer: pack_layer(store[layer]), threads=1):
-    if not supported(store)[0]:  # the refusal to run on this CPU is the typed error
-        raise KernelArgumentError(supported(store)[1])
+    if not native_status(store.dtype)[0]:  # the refusal to run on this CPU is the typed error
+        raise KernelArgumentError(native_status(store.dtype)[1])
     return FusedForward(store, packed, threads)
 
 try:
@@ -69,13 +69,13 @@ CASES = {
     "fused, no threads": "fused(threads=0)",
     "fused, absurd threads": "fused(threads=10**7)",
     "swiglu, shapes disagree": "activations.swiglu_forward(np.ones((64, 64), np.float32), np.ones((2, 2), np.float32), "
-    "np.zeros((64, 64), np.float32))",
+    "np.zeros((64, 64), np.float32), native_pass=True)",
     "swiglu, read-only output": "act = np.zeros((4, 32), np.float32)\nact.flags.writeable = False\n"
-    "activations.swiglu_forward(np.ones((4, 32), np.float32), np.ones((4, 32), np.float32), act)",
+    "activations.swiglu_forward(np.ones((4, 32), np.float32), np.ones((4, 32), np.float32), act, native_pass=True)",
     "engine, negative threads": "from host_kernels.engine import HostMoE\nHostMoE(store, threads=-1)",
     "engine, id out of range": "from host_kernels.engine import HostMoE\n"
     "HostMoE(store, threads=1).forward(0, x, np.array([[2**40, 2], [1, 2]]), ok_weights)",
-    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.backends.native_call import "
+    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.native_call import "
     "host_experts_call\nhost_experts_call(0xdeadbeef, jnp.ones((2, 32)), jnp.zeros((2, 2), jnp.int32), "
     "jnp.ones((2, 2)))",
 }

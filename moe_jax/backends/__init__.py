@@ -32,6 +32,7 @@ from moe_jax.cost_model import Profile
 from moe_jax.errors import InputError
 from moe_jax.expert_cache import ExpertCache
 from moe_jax.moe import DeviceExperts
+from moe_jax.plan import ExecutionPlan, host_store_dtype
 
 BACKENDS = ("device", "host", "offload", "hybrid", "auto")
 
@@ -44,6 +45,7 @@ class Backend:
         name: str,
         checkpoint: Checkpoint,
         dtype,
+        plan: ExecutionPlan,
         host_threads: int | None = None,
         device_budget_bytes: int | None = None,
         placement_plan: dict[int, list[int]] | None = None,
@@ -79,7 +81,8 @@ class Backend:
         if name == "auto":
             self._choose_auto(budget)
         if name in ("host", "hybrid", "auto"):
-            self.runtime = HostRuntime(HostMoE(self._host_store(), threads=host_threads), self.metrics)
+            engine = HostMoE(self._host_store(), threads=host_threads, kernels=plan.host_kernels)
+            self.runtime = HostRuntime(engine, self.metrics, experts_ffi=plan.experts_ffi)
 
     def _choose_auto(self, budget: int):
         """auto: stream buffers and a cache in `budget` where the shared rule (moe_jax.auto_choice) predicts they
@@ -129,7 +132,7 @@ class Backend:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
         if self.checkpoint.expert_store is not None:
             return self.checkpoint.expert_store
-        storage = self.dtype if self.dtype == np.dtype(jnp.bfloat16) else np.dtype(np.float32)
+        storage = host_store_dtype(self.checkpoint, self.dtype.name)
         return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
 
     def experts_for_layer(self, layer: int):

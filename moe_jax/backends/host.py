@@ -1,9 +1,9 @@
 """backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
 
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
-second callback. Where the fused native forward runs (a bfloat16 store on AMX or a float32 one on AVX-512; no expert
-LoRA), the forward callbacks use it, and a forward that is not being differentiated calls it directly instead,
-through XLA's FFI when that handler is built (backends/native_call.py).
+second callback. Where the kernel choice has a fused native forward (a bfloat16 store on AMX or a float32 one on
+AVX-512; no expert LoRA), the forward callbacks use it, and a forward that is not being differentiated calls it
+directly instead, through XLA's FFI where the execution plan says so (moe_jax/plan.py, moe_jax/native_call.py).
 Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
 (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import ExpertLoRA, HostMoE
-from moe_jax.backends import native_call
+from moe_jax import native_call
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 
 
@@ -35,7 +35,13 @@ class HostRuntime:
     call site (see `Model._run`).
     """
 
-    def __init__(self, engine: HostMoE, metrics: MetricsRecorder | None = None, keep_bytes: int | None = None):
+    def __init__(
+        self,
+        engine: HostMoE,
+        metrics: MetricsRecorder | None = None,
+        keep_bytes: int | None = None,
+        experts_ffi: bool = False,
+    ):
         self.engine = engine
         self.metrics = metrics or MetricsRecorder()
         self.error: BaseException | None = None
@@ -53,7 +59,9 @@ class HostRuntime:
         self._tickets = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
-        self.fused = engine.fused_forward()  # None where the store or CPU does not allow it
+        self.fused = engine.fused_forward()  # None where the kernel choice has none
+        # the plan's choice: an undifferentiated call without expert LoRA goes through XLA's FFI handler
+        self.experts_ffi = experts_ffi and self.fused is not None
 
     def __hash__(self):  # static argument of the custom_vjp: identity is what matters
         return id(self)
@@ -210,7 +218,7 @@ def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:
 def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, weights_tk, lora: dict):
     """y = routed experts of `layer` applied to x, computed by the host engine (the fused native forward where it
     runs; under differentiation the rules below apply instead)."""
-    if runtime.fused is not None and not lora and native_call.status()[0]:
+    if runtime.experts_ffi and not lora:
         address = runtime.fused.call_address(layer)
         return native_call.host_experts_call(address, x_td, ids_tk, weights_tk)
     return jax.pure_callback(  # runtime.forward uses the fused forward where it can (_run_forward)

@@ -2,7 +2,7 @@
  * [rows, vocab] into int32 [rows, 1]. A NaN counts as the maximum (the first NaN wins), as in jnp.argmax and
  * numpy. XLA:CPU's own argmax, a variadic reduce, took 90-180 us for 16 x 4096 logits at the end of every greedy
  * decode step; this is one AVX-512 pass over them.
- * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native_call.py registers it.
  */
 #include <immintrin.h>
 #include <stdint.h>

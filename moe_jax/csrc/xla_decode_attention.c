@@ -11,7 +11,7 @@
  * a sliding window's length, 0 for none. Arithmetic as the XLA path (layers._attend): q.k products summed in
  * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
  * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit).
- * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native_call.py registers it.
  */
 #include <immintrin.h>
 #include <math.h>

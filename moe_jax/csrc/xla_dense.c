@@ -11,7 +11,7 @@
  * Operands: x [m, k] bf16 (m <= 64: a decode step's batch), w [ceil(n / 16), ceil(k / 32), 512] u16. Result:
  * y [m, n] f32, float32 sums of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation
  * order). Rows go 16 at a time (an AMX tile's) through each group's weights, which stay in cache between them.
- * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/backends/native_call.py registers it.
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native_call.py registers it.
  */
 #include <stdatomic.h>
 #include <stdint.h>

@@ -4,7 +4,7 @@
  *
  * Operands: x [tokens, hidden] (f32 or bf16), ids [tokens, top_k] (s32), weights [tokens, top_k] (f32 or bf16);
  * result y like x; attribute `call` (u64): the address of a moe_call (moe_forward.h) that names the runner and
- * the layer. moe_jax/backends/native_call.py registers the handler and builds the calls.
+ * the layer. moe_jax/native_call.py registers the handler and builds the calls.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h), so it needs no C++.
  */
 #include <stdio.h>

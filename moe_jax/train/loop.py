@@ -83,7 +83,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, data: RunData, progress: bool = True, verify: bool = False):
+    def __init__(
+        self, cfg: TrainConfig, data: RunData, progress: bool = True, verify: bool = False, native: bool | None = None
+    ):
         import moe_jax
 
         self.cfg, self.data, self.progress = cfg, data, progress
@@ -97,6 +99,7 @@ class Trainer:
             host_threads=cfg.host_threads,
             device_budget_bytes=budget,
             verify=verify,
+            native=native,
         )
         self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
         self.model.attach_lora(self.lora_config, seed=cfg.seed)

@@ -8,15 +8,14 @@ AMX, over weights packed for it; `dense_status`).
 
 For the experts, each call site passes the address of its layer's `moe_call` (host_kernels/fused_forward.py) as an
 attribute, so XLA calls the native forward on its own buffers: no Python, no GIL, no copies. Where the handlers are
-not built, are turned off (MOE_JAX_XLA_FFI=0, all of them), or the jitted step runs on an accelerator (they serve
-XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback` instead (~125 us more per
-call on this CPU), and attention and argmax stay in XLA.
+not built, are turned off (the execution plan, moe_jax/plan.py), or the jitted step runs on an accelerator (they
+serve XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback` instead (~125 us
+more per call on this CPU), and attention and argmax stay in XLA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -37,9 +36,8 @@ DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 
 
 def status() -> tuple[bool, str]:
-    """(usable, why not): the handler is built from the current sources, registered, and not turned off."""
-    if os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
-        return False, "MOE_JAX_XLA_FFI=0"
+    """(usable, why not): the steps run on XLA:CPU and the handlers are built from the current sources and
+    registered. Whether they are used is the execution plan's decision (moe_jax/plan.py)."""
     if jax.default_backend() != "cpu":  # the handler is registered for XLA:CPU; an accelerator's step calls back
         return False, f"the model runs on {jax.default_backend()}; the handler serves XLA:CPU steps"
     return _registered()
@@ -47,7 +45,7 @@ def status() -> tuple[bool, str]:
 
 @cache
 def _registered() -> tuple[bool, str]:
-    path = native.extension_path(Path(__file__).resolve().parents[1], "_xla_ffi")
+    path = native.extension_path(Path(__file__).resolve().parent, "_xla_ffi")
     if path is None:
         return (
             False,
@@ -118,11 +116,14 @@ def dense_call(x_mk, packed_w, n: int):
     return jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")(x_mk, packed_w)
 
 
-def argmax_tokens(logits_bv):
-    """Each row's first maximum, int32 [b, 1]: the native handler for float32 logits where it is usable (on
-    XLA:CPU; NaN counts as the maximum, as in jnp.argmax), else jnp.argmax."""
-    if logits_bv.dtype != jnp.float32 or not argmax_status()[0]:
+def argmax_tokens(logits_bv, native: bool):
+    """Each row's first maximum, int32 [b, 1]: with `native` (the plan's choice) the native handler for float32
+    logits (NaN counts as the maximum, as in jnp.argmax), else jnp.argmax."""
+    if logits_bv.dtype != jnp.float32 or not native:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)[:, None]
+    usable, reason = argmax_status()  # registers the handler on first use
+    if not usable:
+        raise RuntimeError(f"native argmax unavailable: {reason}")
     result = jax.ShapeDtypeStruct((logits_bv.shape[0], 1), jnp.int32)
     return jax.ffi.ffi_call(ARGMAX_TARGET, result, vmap_method="sequential")(logits_bv)
 

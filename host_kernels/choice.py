@@ -1,0 +1,105 @@
+"""Which host kernels compute a store's experts, decided once: from the store's dtype, this CPU, the native
+library, and the caller's choice. The engine (host_kernels/engine.py) takes the decision as given; nothing below
+it checks the CPU again per call. A new kernel (say, int8 on VNNI) is one more case here.
+
+`native=None` means the library default: native wherever it runs, unless MOE_JAX_HOST_KERNEL=numpy is set (the
+environment only supplies the default; callers that know what they want pass `native=`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from host_kernels import activations, amx, native
+from host_kernels.errors import HostKernelError
+from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls
+from host_kernels.fused_forward import native_status
+
+NUMPY = NumpyExpertMatmuls.name
+AMX_BF16 = AMXExpertMatmuls.name
+AVX512_F32 = "avx512-f32"
+AVX512 = "avx512"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What runs the experts of one store.
+
+    gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16 or NUMPY
+    fused:       the fused native forward (inference; hybrid's host share): AMX_BF16, AVX512_F32 or "" (none)
+    activations: the engine's SwiGLU passes: AVX512 or NUMPY
+    why:         for each part left on numpy (or without a fused forward), the reason
+    """
+
+    gemm: str
+    fused: str
+    activations: str
+    why: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> list[str]:
+        """One line per part: what runs it and, where not native, why."""
+        parts = {"expert GEMMs": self.gemm, "fused expert forward": self.fused or "none", "SwiGLU": self.activations}
+        key = {"expert GEMMs": "gemm", "fused expert forward": "fused", "SwiGLU": "activations"}
+        return [
+            f"{name}: {runs}" + (f" ({self.why[key[name]]})" if key[name] in self.why else "")
+            for name, runs in parts.items()
+        ]
+
+
+def check_choice(choice: KernelChoice, store_dtype):
+    """Refuses a choice (say, one a caller built) whose kernels cannot read a store of `store_dtype`."""
+    bfloat16 = np.dtype(store_dtype) == amx.BF16
+    fused_kernels = {"", AMX_BF16 if bfloat16 else AVX512_F32}
+    gemm_kernels = {NUMPY, AMX_BF16} if bfloat16 else {NUMPY}
+    fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, NUMPY)
+    if not fits:
+        raise HostKernelError(
+            f"kernel choice {choice.gemm}/{choice.fused or 'no fused forward'}/{choice.activations} cannot run a "
+            f"{np.dtype(store_dtype)} store (fused forward: one of {sorted(fused_kernels)}, GEMMs: one of "
+            f"{sorted(gemm_kernels)})"
+        )
+
+
+def choose_kernels(store_dtype, native: bool | None = None) -> KernelChoice:
+    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine."""
+    if native is None:
+        native = os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() != NUMPY
+        off = "MOE_JAX_HOST_KERNEL=numpy"
+    else:
+        off = "native kernels turned off by the caller"
+    if not native:
+        return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
+    why = {}
+    bfloat16 = np.dtype(store_dtype) == amx.BF16
+    on_amx, amx_why = amx.status() if bfloat16 else (False, "float32 store: AMX multiplies bfloat16")
+    if not on_amx:
+        why["gemm"] = amx_why
+    fused_ok, fused_why = native_status(store_dtype)
+    if not fused_ok:
+        why["fused"] = f"{np.dtype(store_dtype)} store: {fused_why}"
+    fused = (AMX_BF16 if bfloat16 else AVX512_F32) if fused_ok else ""
+    act_ok, act_why = activations.status()
+    if not act_ok:
+        why["activations"] = act_why
+    return KernelChoice(AMX_BF16 if on_amx else NUMPY, fused, AVX512 if act_ok else NUMPY, why)
+
+
+# the CPU features the kernels are chosen by (host_kernels/csrc/, moe_jax/csrc/), in the order doctor lists them
+KERNEL_CPU_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+    "amx_int8",
+)  # fmt: skip
+
+
+def cpu_features() -> dict[str, bool]:
+    """Which of KERNEL_CPU_FLAGS this CPU has."""
+    flags = native.cpu_flags()
+    return {flag: flag in flags for flag in KERNEL_CPU_FLAGS}
+
+
+def library_status() -> tuple[bool, str]:
+    """(usable, why not) for the native library itself: built, loadable, from the installed sources."""
+    return native.status(())

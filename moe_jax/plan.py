@@ -1,0 +1,132 @@
+"""The execution plan: where every part of a model's steps runs, decided once, at load.
+
+`make_plan` answers, from the model's dtype, whether the placement runs a host engine, the platform jax runs on,
+this CPU, the native libraries, and the caller's explicit choice (`load_model(native=...)`, the CLIs'
+`--no-native`; the environment variables MOE_JAX_XLA_FFI=0 and MOE_JAX_HOST_KERNEL=numpy only supply defaults):
+- the host experts: which kernels (host_kernels.choose_kernels), and whether a jitted step calls their fused
+  forward through XLA's FFI (moe_jax/native_call.py) or through a `pure_callback`;
+- a decode step's attention, its dense products and greedy argmax: the native FFI handlers or XLA;
+- training in bfloat16 on XLA:CPU: transposed copies of the frozen weights for the backward (layers.frozen_matmul).
+The model is built with these answers (`model.build_transformer`, `engine.compile_generation_steps`,
+`backends.Backend`); no module asks the machine again. `Model.plan` holds it; `python -m moe_jax.doctor` prints it
+for each dtype on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from host_kernels import KernelChoice, choose_kernels
+from moe_jax import native_call
+
+BFLOAT16 = "bfloat16"
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    platform: str  # where jax runs the jitted steps: "cpu", "gpu", ...
+    dtype: str  # the model's: "float32" or "bfloat16"
+    host_kernels: KernelChoice | None  # None: the placement runs no host engine
+    experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
+    decode_attention: bool  # native decode attention over the bfloat16 KV cache
+    dense_decode: bool  # native (AMX) dense products in bfloat16 decode steps, over packed weights
+    argmax: bool  # native greedy argmax of float32 logits
+    transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
+    why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
+
+    def reason(self, part: str) -> str:
+        return dict(self.why).get(part, "")
+
+    def lines(self) -> list[str]:
+        """What runs each part, one line each, with the reason where a part is not native."""
+
+        def line(name, runs, part):
+            why = self.reason(part)
+            return f"{name}: {runs}" + (f" ({why})" if why else "")
+
+        out = [f"platform: {self.platform}, dtype: {self.dtype}"]
+        if self.host_kernels is not None:
+            out += [f"host {part}" for part in self.host_kernels.describe()]
+            called = "through XLA FFI" if self.experts_ffi else "by pure_callback"
+            out.append(line("host experts called", called, "ffi"))
+        out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
+        out.append(line("decode dense products", "native (AMX)" if self.dense_decode else "XLA", "dense"))
+        out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
+        if self.transposed_weights:
+            out.append("training: transposed copies of the frozen weights (bfloat16 backward on XLA:CPU)")
+        return out
+
+    def summary(self) -> str:
+        """The plan in one line, for the CLIs' summaries."""
+        parts = []
+        if self.host_kernels is not None:
+            fused = self.host_kernels.fused or f"engine {self.host_kernels.gemm}"
+            parts.append(f"experts {fused} via {'FFI' if self.experts_ffi else 'callback'}")
+        parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
+        parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
+        parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
+        return ", ".join(parts)
+
+
+def host_store_dtype(checkpoint, dtype: str) -> np.dtype:
+    """The dtype the host engine's experts are stored in: a converted store's own, else the model's bfloat16 or
+    float32 (Hugging Face experts are stacked once in host RAM in it; backends.Backend._host_store)."""
+    if checkpoint.expert_store is not None:
+        return checkpoint.expert_store.dtype
+    return np.dtype(jax.numpy.bfloat16) if dtype == BFLOAT16 else np.dtype(np.float32)
+
+
+def make_plan(
+    dtype: str,
+    store_dtype=None,
+    native: bool | None = None,
+    xla_ffi: bool | None = None,
+    host_kernels: KernelChoice | None = None,
+) -> ExecutionPlan:
+    """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
+    `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
+    as `native`) the XLA FFI handlers alone (the host kernels then run through callbacks). None takes the
+    environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
+    the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another."""
+    why = {}
+    xla_ffi = native if xla_ffi is None else xla_ffi
+    if xla_ffi is False:
+        ffi_on, ffi_off = False, "XLA FFI handlers turned off by the caller"
+    elif xla_ffi is None and os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
+        ffi_on, ffi_off = False, "MOE_JAX_XLA_FFI=0"
+    else:
+        ffi_on, ffi_off = native_call.status()
+
+    def native_part(part: str, applies: bool, not_applicable: str, status) -> bool:
+        """Whether `part` runs natively; its reason recorded where not."""
+        if not applies:
+            why[part] = not_applicable
+            return False
+        usable, reason = (ffi_on, ffi_off) if not ffi_on else status()
+        if not usable:
+            why[part] = reason
+        return usable
+
+    host = host_kernels
+    if host is None and store_dtype is not None:
+        host = choose_kernels(store_dtype, native)
+    experts_ffi = host is not None and native_part(
+        "ffi", bool(host.fused), "no fused forward to call", lambda: (True, "")
+    )
+    bf16 = dtype == BFLOAT16
+    float32_model = "float32 model: the kernel works on bfloat16"
+    return ExecutionPlan(
+        platform=jax.default_backend(),
+        dtype=dtype,
+        host_kernels=host,
+        experts_ffi=experts_ffi,
+        decode_attention=native_part("attention", bf16, float32_model, native_call.decode_attention_status),
+        dense_decode=native_part("dense", bf16, float32_model, native_call.dense_status),
+        argmax=native_part("argmax", True, "", native_call.argmax_status),
+        transposed_weights=bf16 and jax.default_backend() == "cpu",
+        why=tuple(why.items()),
+    )

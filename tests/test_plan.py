@@ -1,0 +1,94 @@
+"""The execution plan (moe_jax/plan.py): decided once at load from the machine and explicit choices, the
+environment only a default; the model runs what it says, and every plan computes the same function."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import moe_jax
+from host_kernels import HostKernelError, HostMoE, KernelChoice, choose_kernels
+from host_kernels.store import ExpertStore, LayerExperts
+from moe_jax import doctor, native_call
+from moe_jax.plan import make_plan
+from tests.hf_models import make_hf_model, save_hf_model
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf_model(make_hf_model("mixtral", seed=5), tmp_path_factory.mktemp("mixtral"))
+
+
+def test_default_plan_follows_this_machine():
+    for dtype, store in (("float32", np.float32), ("bfloat16", BF16)):
+        plan = make_plan(dtype, store)
+        assert plan.host_kernels == choose_kernels(store)
+        assert plan.experts_ffi == (bool(plan.host_kernels.fused) and native_call.status()[0])
+        assert plan.argmax == native_call.argmax_status()[0]
+        bf16 = dtype == "bfloat16"
+        assert plan.decode_attention == (bf16 and native_call.decode_attention_status()[0])
+        assert plan.dense_decode == (bf16 and native_call.dense_status()[0])
+        for part, native in (("attention", plan.decode_attention), ("dense", plan.dense_decode)):
+            assert bool(plan.reason(part)) != native  # every part not native says why
+    assert make_plan("float32").host_kernels is None  # no host engine: no host kernels
+
+
+def test_native_off_turns_every_part_off_and_says_so():
+    plan = make_plan("bfloat16", BF16, native=False)
+    assert plan.host_kernels == KernelChoice("numpy", "", "numpy", plan.host_kernels.why)
+    assert not (plan.experts_ffi or plan.decode_attention or plan.dense_decode or plan.argmax)
+    for part in ("attention", "dense", "argmax"):
+        assert plan.reason(part) == "XLA FFI handlers turned off by the caller"
+    assert all("turned off by the caller" in why for why in plan.host_kernels.why.values())
+    text = "\n".join(plan.lines())
+    assert "greedy argmax: XLA (XLA FFI handlers turned off by the caller)" in text
+
+
+def test_environment_is_only_the_default(monkeypatch):
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
+    plan = make_plan("float32", np.float32)
+    assert not plan.argmax and plan.reason("argmax") == "MOE_JAX_XLA_FFI=0"
+    assert plan.host_kernels.gemm == "numpy" and plan.host_kernels.why["activations"] == "MOE_JAX_HOST_KERNEL=numpy"
+    monkeypatch.delenv("MOE_JAX_XLA_FFI")
+    monkeypatch.delenv("MOE_JAX_HOST_KERNEL")
+    default = make_plan("float32", np.float32)
+    monkeypatch.setenv("MOE_JAX_XLA_FFI", "0")
+    monkeypatch.setenv("MOE_JAX_HOST_KERNEL", "numpy")
+    assert make_plan("float32", np.float32, native=True) == default  # an argument beats the environment
+
+
+def test_every_plan_computes_the_same_logits_and_tokens(checkpoint):
+    ids = np.random.default_rng(4).integers(0, 96, size=(2, 10))
+    prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
+    native = moe_jax.load_model(checkpoint, backend="host")
+    plain = moe_jax.load_model(checkpoint, backend="host", native=False)
+    assert plain.plan == make_plan("float32", np.float32, native=False)
+    np.testing.assert_allclose(plain.logits(ids), native.logits(ids), rtol=1e-4, atol=1e-4)
+    assert plain.generate(prompts, max_new_tokens=5) == native.generate(prompts, max_new_tokens=5)
+    _, decode, _ = plain.generation_steps()
+    tokens = np.zeros((2, 1), np.int32)
+    hlo = decode.lower(plain.state_leaves(), plain.new_caches(2, 16), tokens, tokens > 0, tokens, tokens).as_text()
+    assert "moe_jax_" not in hlo  # no custom call of ours: XLA and Python callbacks only
+
+
+def test_a_choice_that_cannot_read_the_store_is_refused():
+    store = ExpertStore({0: LayerExperts(np.ones((2, 32, 64), np.float32), np.ones((2, 32, 32), np.float32))})
+    for bad in (KernelChoice("amx-bf16", "", "numpy"), KernelChoice("numpy", "amx-bf16", "numpy")):
+        with pytest.raises(HostKernelError, match="cannot run a float32 store"):
+            HostMoE(store, threads=1, kernels=bad)
+
+
+def test_doctor_reports_the_machine_and_both_plans(tmp_path, capsys):
+    assert doctor.main(["--json", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert "CPU features: " in out and "avx512f" in out
+    assert "a float32 model with backend=host runs:" in out and "a bfloat16 model with backend=host runs:" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["plans"]) == {"float32", "bfloat16"}
+    assert report["plans"]["float32"]["lines"] == make_plan("float32", np.float32).lines()
+    assert doctor.main(["--no-native"]) == 0
+    assert "greedy argmax: XLA" in capsys.readouterr().out
