@@ -16,8 +16,15 @@ import math
 import sys
 from pathlib import Path
 
+import moe_jax
+from host_kernels import MAX_THREADS
+from moe_jax.anchor_cache import AnchorCache
 from moe_jax.cli import run_cli
+from moe_jax.engine import EngineStats, GenerationEngine, Request
+from moe_jax.errors import InputError
 from moe_jax.output_files import NewFile, check_writable_dir, write_text
+from moe_jax.prompts import prompt_token_ids, read_jsonl
+from moe_jax.sampling import check_sampling
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = ROOT / "models" / "tiny-moe"
@@ -70,17 +77,12 @@ def parse_args(argv):
 
 def check_settings(args):
     """Everything that can be checked without the model, checked before loading it."""
-    from moe_jax.errors import InputError
-    from moe_jax.sampling import check_sampling
-
     check_sampling(args.temperature, args.top_p, args.top_k, args.seed)
     if any(not s for s in args.stop):
         raise InputError("--stop must not be empty (an empty string would stop every prompt before its first token)")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
     if args.host_threads is not None:
-        from host_kernels import MAX_THREADS
-
         if not 1 <= args.host_threads <= MAX_THREADS:
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
     if args.anchor_cache_mb < 0:
@@ -105,9 +107,6 @@ def check_settings(args):
 
 def load_prompts(args, model):
     """(line, token ids, text) per prompt, fitted to the context window; plus how many were cut or skipped."""
-    from moe_jax.errors import InputError
-    from moe_jax.prompts import prompt_token_ids, read_jsonl
-
     window = model.config.max_position_embeddings - args.max_new_tokens
     if window < 1:
         raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room in the context window")
@@ -134,8 +133,6 @@ def load_prompts(args, model):
 
 def anchor_ids(args, tokenizer) -> list[int]:
     """Anchor tokens: those named on the command line, else the special tokens of the chat template."""
-    from moe_jax.errors import InputError
-
     if tokenizer is None:
         return []
     names = args.anchor_token or tokenizer.template_special_tokens()
@@ -154,8 +151,6 @@ def main(argv=None):
     if args.out is not None:  # an unwritable --out fails now, not after generating everything
         check_writable_dir(args.out.parent, "--out's directory")
         if args.out.is_dir():
-            from moe_jax.errors import InputError
-
             raise InputError(f"--out {args.out} is a directory; give a file path")
     if args.model is None:  # the bundled default, with the adapter train.py wrote for it if there is one
         args.model = DEFAULT_MODEL
@@ -164,10 +159,6 @@ def main(argv=None):
             print(f"using the adapter train.py wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
 
     from tqdm import tqdm
-
-    import moe_jax
-    from moe_jax.anchor_cache import AnchorCache
-    from moe_jax.engine import EngineStats, GenerationEngine, Request
 
     budget = int(args.device_memory_mb * 2**20) if args.device_memory_mb else None
     fixed_fraction = float(args.kv_fraction) if args.kv_fraction not in (None, "auto") else None

@@ -16,6 +16,8 @@ import typing
 
 from moe_jax.cli import run_cli
 from moe_jax.train.config import TrainConfig
+from moe_jax.train.loop import Trainer, load_run_data
+from moe_jax.train.run_dir import prepare_run_dir
 
 
 def _flag_type(field: dataclasses.Field):
@@ -52,9 +54,6 @@ def main(argv=None):
     args = parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig.from_sources(args.config, overrides)
-
-    from moe_jax.train.loop import Trainer, load_run_data
-    from moe_jax.train.run_dir import prepare_run_dir
 
     data = load_run_data(cfg)  # bad data stops here, before any model loading or compilation (or writing)
     prepare_run_dir(cfg.out, args.resume, args.overwrite)  # so does a used or unwritable --out

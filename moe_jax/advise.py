@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_jax.api import resolve_profile
 from moe_jax.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
+from moe_jax.checkpoint import open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.cost_model import Profile, layer_time
 from moe_jax.errors import InputError
@@ -155,8 +157,6 @@ def main(argv=None):
         raise InputError(f"--batch sizes must be >= 1, got {args.batch}")
     if args.bus_gbps is not None and args.bus_gbps <= 0:
         raise InputError(f"--bus-gbps must be > 0, got {args.bus_gbps}")
-    from moe_jax.api import resolve_profile
-    from moe_jax.checkpoint import open_checkpoint
 
     config = open_checkpoint(args.model).config
     shape = model_shape(config, {"float32": 4, "bfloat16": 2}[args.dtype])

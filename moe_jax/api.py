@@ -13,15 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe_jax.backends import BACKENDS, Backend
+from moe_jax.adapters import apply_adapter, read_adapter
+from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.config import ModelConfig
+from moe_jax.cost_model import Profile
+from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
 from moe_jax.errors import CheckpointError, InputError
+from moe_jax.generate import generate
 from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.memory_check import check_fits, load_bytes
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
+from moe_jax.probe import cached_profile
 from moe_jax.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -34,7 +39,7 @@ class Model:
         self,
         transformer: Transformer,
         tokenizer: Tokenizer | None,
-        placement: Backend,
+        placement: ExpertPlacement,
         dtype: str,
         checkpoint: Checkpoint,
         plan: ExecutionPlan,
@@ -73,8 +78,6 @@ class Model:
 
     def load_adapter(self, adapter_dir):
         """Attaches the adapter saved in `adapter_dir` (PEFT format, or a train.py run directory)."""
-        from moe_jax.adapters import apply_adapter, read_adapter
-
         config, tensors = read_adapter(resolve_adapter_dir(adapter_dir))
         transformer = self.transformer
         attach_lora(transformer, config)
@@ -228,8 +231,6 @@ class Model:
         """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
         a memory split moved back and forth does not recompile each time. Where the plan multiplies a decode
         step's dense products natively, the dense weights are first packed for it (Transformer.pack_for_decode)."""
-        from moe_jax.engine import compile_generation_steps
-
         if self.plan.dense_decode and "head_packed" not in self.state:
             self._edit(lambda transformer: transformer.pack_for_decode())
         for graphdef, steps in self._steps:
@@ -242,8 +243,6 @@ class Model:
     def engine(self, slots: int, max_len: int, anchor_cache=None):
         """A generation engine over this model; engines without an anchor cache are kept and reused, so their
         compiled steps are too (an evaluation loop does not recompile each time)."""
-        from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, round_up
-
         if anchor_cache is not None:
             return GenerationEngine(self, slots, max_len, anchor_cache)
         key = (slots, round_up(max_len, TOKEN_BUCKET))
@@ -257,8 +256,6 @@ class Model:
         self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
     ) -> list:
         """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings."""
-        from moe_jax.generate import generate
-
         return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
 
@@ -304,8 +301,8 @@ def load_model(
         raise CheckpointError(f"{adapter}: no such adapter directory")
     checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
-    host_engine = backend in ("host", "hybrid", "auto")
-    store_dtype = host_store_dtype(checkpoint, dtype) if host_engine else None
+    kind = PLACEMENTS[backend]
+    store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels)
     check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels), f"loading {checkpoint.path}")
 
@@ -319,19 +316,10 @@ def load_model(
         if not 0.0 <= kv_fraction <= 1.0:
             raise InputError(f"kv_fraction must be in [0, 1], got {kv_fraction}")
         expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
-    if backend == "auto":
+    if kind.needs_profile:
         profile = resolve_profile(profile, checkpoint.config, jdtype)
-    placement = Backend(
-        backend,
-        checkpoint,
-        jdtype,
-        plan,
-        host_threads=host_threads,
-        device_budget_bytes=expert_budget,
-        placement_plan=placement_plan,
-        profile=profile,
-        calibrate=calibrate,
-    )
+    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate)
+    placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
     model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
     if device_budget_bytes is not None:
@@ -353,11 +341,7 @@ def resolve_adapter_dir(path) -> Path:
 
 def resolve_profile(profile, config, dtype):
     """A probe profile for backend="auto": given, loaded from a path, or measured here once and cached."""
-    from moe_jax.cost_model import Profile
-
     if profile is None:
-        from moe_jax.probe import cached_profile
-
         profile = cached_profile(config.hidden_size, config.expert_intermediate_size)
     elif not isinstance(profile, Profile):
         profile = Profile.load(profile)

@@ -8,8 +8,8 @@ this CPU, the native libraries, and the caller's explicit choice (`load_model(na
 - a decode step's attention, its dense products and greedy argmax: the native FFI handlers or XLA;
 - training in bfloat16 on XLA:CPU: transposed copies of the frozen weights for the backward (layers.frozen_matmul).
 The model is built with these answers (`model.build_transformer`, `engine.compile_generation_steps`,
-`backends.Backend`); no module asks the machine again. `Model.plan` holds it; `python -m moe_jax.doctor` prints it
-for each dtype on this machine.
+`backends.make_placement`); no module asks the machine again. `Model.plan` holds it; `python -m moe_jax.doctor`
+prints it for each dtype on this machine.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ExecutionPlan:
 
 def host_store_dtype(checkpoint, dtype: str) -> np.dtype:
     """The dtype the host engine's experts are stored in: a converted store's own, else the model's bfloat16 or
-    float32 (Hugging Face experts are stacked once in host RAM in it; backends.Backend._host_store)."""
+    float32 (Hugging Face experts are stacked once in host RAM in it; backends.placements.HostPlacement._host_store)."""
     if checkpoint.expert_store is not None:
         return checkpoint.expert_store.dtype
     return np.dtype(jax.numpy.bfloat16) if dtype == BFLOAT16 else np.dtype(np.float32)

@@ -24,7 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from host_kernels import ExpertStore, HostMoE, LayerExperts, default_threads
+from moe_jax.backends.offload import memory_sharding
+from moe_jax.checkpoint import open_checkpoint
 from moe_jax.cli import run_cli
+from moe_jax.cost_model import Profile
+from moe_jax.moe import DeviceExperts
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
 QUICK_ROWS = (1, 4, 16, 64, 256)
@@ -45,7 +49,6 @@ def _median_time(fn, repeats: int) -> float:
 def expert_shape(model_dir) -> tuple[int, int]:
     if model_dir is None:
         return 512, 1408
-    from moe_jax.checkpoint import open_checkpoint
 
     config = open_checkpoint(model_dir).config
     return config.hidden_size, config.expert_intermediate_size
@@ -54,8 +57,6 @@ def expert_shape(model_dir) -> tuple[int, int]:
 def probe_bus(d: int, f: int, repeats: int, copies: int = 4) -> dict:
     """Seconds to copy `copies` experts (fresh buffers each, so nothing is cached on the device) host->device."""
     import jax
-
-    from moe_jax.backends.offload import memory_sharding
 
     host, device = memory_sharding("pinned_host"), memory_sharding("device")
     rng = np.random.default_rng(0)
@@ -120,8 +121,6 @@ def probe_device(d: int, f: int, rows: tuple[int, ...], repeats: int) -> tuple[l
     import jax
     import jax.numpy as jnp
 
-    from moe_jax.moe import DeviceExperts
-
     rng = np.random.default_rng(2)
     experts = DeviceExperts(
         jnp.asarray(rng.standard_normal((8, d, 2 * f)) / np.sqrt(d), jnp.float32),
@@ -174,8 +173,6 @@ def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | 
 def cached_profile(d: int, f: int):
     """This machine's profile for experts of shape (d, f): measured once (quick sizes), then read from
     ~/.cache/moe_jax (or $MOE_JAX_CACHE)."""
-    from moe_jax.cost_model import Profile
-
     cache = Path(os.environ.get("MOE_JAX_CACHE", Path.home() / ".cache" / "moe_jax"))
     path = cache / f"probe-{d}x{f}-{default_threads()}threads.json"
     if not path.exists():

@@ -9,6 +9,7 @@ from flax import nnx
 
 import moe_jax
 from moe_jax.backends import offload
+from moe_jax.backends.placements import hybrid_layers
 from moe_jax.cost_model import Profile
 from moe_jax.engine import GenerationEngine, Request
 from tests.hf_models import make_hf_model, save_hf_model
@@ -100,9 +101,7 @@ def test_expert_cache_holds_the_most_routed_experts_within_its_budget(checkpoint
 
 
 def _layers(model):
-    from moe_jax.backends import _hybrid_layers
-
-    return _hybrid_layers(model.transformer)
+    return hybrid_layers(model.transformer)
 
 
 def test_memory_split_changes_mid_run_keep_outputs_identical_and_within_budget(checkpoint, reference):

@@ -146,7 +146,7 @@ def test_hybrid_host_side_receives_only_host_pairs(checkpoint):
     host.logits(ids)
     routed = host.metrics().tokens_per_expert
     hybrid = load(checkpoint, "hybrid")
-    plan = hybrid.placement.plan
+    plan = hybrid.placement.placement_plan
     hybrid.logits(ids)
     m = hybrid.metrics()
     for layer, counts in routed.items():

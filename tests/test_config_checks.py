@@ -105,7 +105,7 @@ def test_load_that_does_not_fit_is_refused_before_allocating(checkpoint_dir, mon
 
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 1000)  # 1000 bytes free
     built = []
-    monkeypatch.setattr(moe_jax.api, "Backend", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(moe_jax.api, "make_placement", lambda *a, **k: built.append(a))
     with pytest.raises(
         MemoryLimitError, match=r"loading .* needs about .* KiB \(dense weights .*\) but this machine has 1000 bytes"
     ):

@@ -71,7 +71,7 @@ class HybridSpec:
 
 
 @dataclass(frozen=True)
-class Placement:
+class CallPlacement:
     """Where one call's experts compute: `on_device` [e] (from the cache or streamed; the host takes the rest),
     the cache slots in use (`cache_ids` with unused slots emptied), the streamed rounds [r, slots] (None: no
     streams) and how many experts are streamed."""
@@ -83,24 +83,24 @@ class Placement:
     streamed: jax.Array | int
 
 
-def _placement(spec: HybridSpec, ids_tk, cache_ids) -> Placement:
+def _placement(spec: HybridSpec, ids_tk, cache_ids) -> CallPlacement:
     e = spec.num_experts
     resident = jnp.zeros(e + 1, bool).at[cache_ids].set(True)[:e]
     counts = jnp.bincount(ids_tk.reshape(-1), length=e)
     if spec.profile is None:  # a static plan (backend="hybrid"): the cached experts always compute there
-        return Placement(resident, counts, cache_ids, None, 0)
+        return CallPlacement(resident, counts, cache_ids, None, 0)
     k, order = best_placement(spec.profile, counts, resident, spec.stream is not None, xp=jnp)
     on_device = jnp.zeros(e, bool).at[order].set(jnp.arange(e) < k)
     cached_used = jnp.where(on_device[jnp.minimum(cache_ids, e - 1)] & (cache_ids < e), cache_ids, e)
     if spec.stream is None:
-        return Placement(on_device, counts, cached_used, None, 0)
+        return CallPlacement(on_device, counts, cached_used, None, 0)
     to_stream = (on_device & ~resident)[order]
     count = jnp.sum(to_stream)
     packed = order[jnp.argsort(~to_stream, stable=True)]  # the streamed experts first, in the ranking's order
     streamed = jnp.where(jnp.arange(e) < count, packed, e).astype(jnp.int32)
     slots = spec.stream.slots
     rounds = jnp.concatenate([streamed, jnp.full(-e % slots, e, jnp.int32)]).reshape(-1, slots)
-    return Placement(on_device, counts, cached_used, rounds, count)
+    return CallPlacement(on_device, counts, cached_used, rounds, count)
 
 
 def _stream_spec(spec: HybridSpec) -> OffloadSpec:
@@ -114,7 +114,7 @@ def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, cache_
     )
 
 
-def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement: Placement):
+def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement: CallPlacement):
     y = jnp.zeros_like(x_td)
     if spec.capacity:  # slots emptied for this call (their rows go to the host) cost a skipped cond each
         y = y + _cached_part(spec, x_td, ids_tk, weights_tk, lora, cache, placement.cache_ids)

@@ -8,6 +8,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_jax.api import DTYPES
+from moe_jax.backends import BACKENDS
 from moe_jax.errors import ConfigError
 from moe_jax.lora import ATTENTION_TARGETS, KNOWN_TARGETS
 
@@ -72,11 +74,9 @@ class TrainConfig:
             "keep_checkpoints",
         ):
             positive(name)
-        from moe_jax.backends import BACKENDS
 
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        from moe_jax.api import DTYPES
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -13,9 +13,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import moe_jax
 from host_kernels import NonFiniteError
+from moe_jax.adapters import export_peft
 from moe_jax.config import ModelConfig
 from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
+from moe_jax.generate import generate_tokens
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from moe_jax.output_files import NewFile, create_new
@@ -86,8 +89,6 @@ class Trainer:
     def __init__(
         self, cfg: TrainConfig, data: RunData, progress: bool = True, verify: bool = False, native: bool | None = None
     ):
-        import moe_jax
-
         self.cfg, self.data, self.progress = cfg, data, progress
         self.out = Path(cfg.out)
         self.data_sha256 = data_fingerprint(cfg.data, cfg.eval_data)
@@ -187,8 +188,6 @@ class Trainer:
         return result
 
     def exact_match(self, examples: list[Example]) -> float | None:
-        from moe_jax.generate import generate_tokens
-
         scored = [e for e in examples if e.prompt_text is not None and e.answer_text is not None]
         if not scored:
             return None
@@ -261,8 +260,6 @@ class Trainer:
         return self.finish()
 
     def finish(self) -> dict:
-        from moe_jax.adapters import export_peft
-
         self.model.set_lora_state(self.lora_state)
         export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
         plot_losses(self.history, self.out / "loss.png")

@@ -1,0 +1,335 @@
+"""The expert placements as classes behind one interface (`ExpertPlacement`): each builds every MoE layer's expert
+module, says how much device memory its experts hold, fits them into a new budget, and hands over its metrics.
+`make_placement(name, ...)` (moe_jax/backends/__init__.py) picks the class; nothing else compares the name.
+
+`device_budget_bytes` is the device memory a placement may hold expert weights in: the offload rounds, the
+hybrid plan, or auto's stream buffers and cache. `Model.set_memory_split` moves it at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from host_kernels import ExpertStore, HostMoE
+from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
+from moe_jax.backends import calibrate as layer_calibration
+from moe_jax.backends.host import HostExperts, HostRuntime
+from moe_jax.backends.hybrid import HybridExperts
+from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
+from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
+from moe_jax.checkpoint import Checkpoint
+from moe_jax.cost_model import Profile
+from moe_jax.errors import InputError
+from moe_jax.expert_cache import ExpertCache
+from moe_jax.moe import DeviceExperts
+from moe_jax.plan import ExecutionPlan, host_store_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementOptions:
+    """What load_model passes every placement; each reads the fields it needs."""
+
+    host_threads: int | None = None
+    device_budget_bytes: int | None = None  # None: the placement's default
+    placement_plan: dict | None = None  # hybrid: {layer: [expert ids]} on the device
+    profile: Profile | None = None  # auto: the probe profile
+    calibrate: bool = True  # auto: check the profile's verdict on one real layer (backends/calibrate.py)
+
+
+class ExpertPlacement:
+    """Where the experts of every MoE layer live and compute. The base holds what all share; subclasses override
+    `experts_for_layer` and, where they keep experts on the device, the memory methods."""
+
+    name = ""
+    host_engine = False  # runs experts in host_kernels (the plan then holds their kernel choice)
+    needs_profile = False  # reads a probe profile (PlacementOptions.profile)
+
+    def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
+        self.checkpoint = checkpoint
+        self.dtype = np.dtype(dtype)
+        self.plan = plan
+        self.options = options
+        self.metrics = MetricsRecorder()
+        self.runtime: HostRuntime | None = None
+        self.expert_cache: ExpertCache | None = None
+        config = checkpoint.config
+        self.expert_bytes = 3 * config.hidden_size * config.expert_intermediate_size * self.dtype.itemsize
+        self.total_expert_bytes = self.expert_bytes * config.num_experts * len(config.moe_layers)
+
+    def experts_for_layer(self, layer: int):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The placement in a line."""
+        return self.name
+
+    @property
+    def cache_in_use(self) -> bool:
+        """Whether a device expert cache is read by some call shape (auto); else refreshes are skipped."""
+        return False
+
+    @property
+    def stream_buffer_bytes(self) -> int:
+        """Device memory streamed experts' double-buffered rounds take while a layer runs (auto)."""
+        return 0
+
+    def device_expert_bytes(self, transformer) -> int:
+        """Expert weight bytes this placement holds (or, for streams, may hold) in device memory now."""
+        return 0
+
+    def set_expert_budget(self, budget_bytes: int, transformer):
+        """Fits the expert side into `budget_bytes` of device memory, changing `transformer`'s modules; a
+        placement that cannot shrink refuses a budget below what it holds."""
+        needed = self.device_expert_bytes(transformer)
+        if needed > budget_bytes:
+            raise InputError(
+                f"the {self.name} placement holds {needed} bytes of experts on the device; a split leaving "
+                f"{budget_bytes} bytes for them does not fit"
+            )
+
+    def refresh_expert_cache(self, transformer) -> bool:
+        """auto: moves the device cache toward the routing seen since the last call; others have none."""
+        return False
+
+    def take_metrics(self) -> BackendMetrics:
+        if self.runtime is not None:
+            self.runtime.fold_fused_metrics()
+        return self.metrics.take()
+
+    def take_error(self) -> BaseException | None:
+        if self.runtime is None:
+            return None
+        error, self.runtime.error = self.runtime.error, None
+        return error
+
+
+class DevicePlacement(ExpertPlacement):
+    """All experts in device memory, `ragged_dot`: the pure-JAX reference."""
+
+    name = "device"
+
+    def experts_for_layer(self, layer: int):
+        stacked = self.checkpoint.layer_experts(layer, self.dtype)
+        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
+
+    def device_expert_bytes(self, transformer) -> int:
+        return self.total_expert_bytes
+
+
+class OffloadPlacement(ExpertPlacement):
+    """Experts in pinned host memory; each layer copies its routed ones to the device in double-buffered rounds
+    of `offload_slots` experts (default: two top-k sets)."""
+
+    name = "offload"
+
+    def __init__(self, checkpoint, dtype, plan, options):
+        super().__init__(checkpoint, dtype, plan, options)
+        budget = options.device_budget_bytes
+        if budget is None:
+            budget = 2 * checkpoint.config.num_experts_per_tok * self.expert_bytes
+        self.offload_slots = max(1, budget // (2 * self.expert_bytes))
+
+    def experts_for_layer(self, layer: int):
+        stacked = self.checkpoint.layer_experts(layer, self.dtype)
+        counter = TransferCounter(self.metrics, self.expert_bytes)
+        return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter)
+
+    def device_expert_bytes(self, transformer) -> int:
+        return 2 * self.offload_slots * self.expert_bytes
+
+    def set_expert_budget(self, budget_bytes: int, transformer):
+        slots = budget_bytes // (2 * self.expert_bytes)
+        if slots < 1:
+            raise InputError(
+                f"offload needs device room for 2 experts ({2 * self.expert_bytes} bytes); got {budget_bytes}"
+            )
+        self.offload_slots = slots
+        for module in _modules(transformer, OffloadExperts):
+            module.spec = dataclasses.replace(module.spec, slots=min(slots, len(module.w13)))
+
+
+class HostPlacement(ExpertPlacement):
+    """Experts on the host CPU, computed by host_kernels next to their weights (co-compute)."""
+
+    name = "host"
+    host_engine = True
+
+    def __init__(self, checkpoint, dtype, plan, options):
+        super().__init__(checkpoint, dtype, plan, options)
+        engine = HostMoE(self._host_store(), threads=options.host_threads, kernels=plan.host_kernels)
+        self.runtime = HostRuntime(engine, self.metrics, experts_ffi=plan.experts_ffi)
+
+    def _host_store(self) -> ExpertStore:
+        """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
+        if self.checkpoint.expert_store is not None:
+            return self.checkpoint.expert_store
+        storage = host_store_dtype(self.checkpoint, self.dtype.name)
+        return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
+
+    def experts_for_layer(self, layer: int):
+        return HostExperts(self.runtime, layer)
+
+    def _device_layer(self, layer: int):
+        """The layer's experts in the model's dtype, as a device cache and the streams hold them."""
+        store_layer = self.runtime.engine.store[layer]
+        if store_layer.w13.dtype == self.dtype:
+            return store_layer
+        return self.checkpoint.layer_experts(layer, self.dtype)
+
+    def device_expert_bytes(self, transformer) -> int:
+        return sum(m.cache_bytes for m in hybrid_layers(transformer)) + self.stream_buffer_bytes
+
+
+class HybridPlacement(HostPlacement):
+    """The experts a placement plan names ({layer: [ids]}) on the device, the rest on the host, both at once."""
+
+    name = "hybrid"
+
+    def __init__(self, checkpoint, dtype, plan, options):
+        super().__init__(checkpoint, dtype, plan, options)
+        self.placement_plan = _check_plan(options.placement_plan or {}, checkpoint.config)
+
+    def experts_for_layer(self, layer: int):
+        return HybridExperts(self.runtime, layer, self._device_layer(layer), self.placement_plan.get(layer, ()))
+
+
+class AutoPlacement(HostPlacement):
+    """Hybrid layers whose device cache follows the routing (moe_jax.expert_cache) and whose planner places
+    every expert per call (cache, stream or host) from the probe profile; plain host layers where the cost model
+    predicts no gain worth the device (moe_jax.auto_choice). By default it takes half the free device memory
+    (where the device reports it), else a quarter of the experts."""
+
+    name = "auto"
+    needs_profile = True
+
+    def __init__(self, checkpoint, dtype, plan, options):
+        super().__init__(checkpoint, dtype, plan, options)
+        budget = options.device_budget_bytes
+        if budget is None:
+            budget = _free_device_bytes() // 2 or self.total_expert_bytes // 4
+        self.profile = options.profile
+        self.host_phases: frozenset[int] | None = None  # phases measured faster on the host path
+        self.calibration: dict[int, tuple] = {}  # phase -> (host, device) seconds of one layer call
+        config = checkpoint.config
+        helps = self.profile is not None and self.profile.device_helps
+        self.stream_slots = _stream_slots(budget, self.expert_bytes, config.num_experts_per_tok) if helps else 0
+        self.expert_cache = ExpertCache(
+            config.moe_layers, config.num_experts, self.expert_bytes, max(0, budget - self.stream_buffer_bytes)
+        )
+        shape = model_shape(config, self.dtype.itemsize)
+        self.auto_choice: AutoChoice = choose_auto(
+            self.profile, shape, self.expert_cache.capacity, self.stream_slots > 0
+        )
+        self.uses_device = self.auto_choice.use_device  # a device cache and streams (else host layers alone)
+        if not self.uses_device:
+            self.stream_slots = 0
+            self.expert_cache.set_budget(0)
+
+    def describe(self) -> str:
+        """What auto chose and why, with the load-time measurements."""
+        measured = "; ".join(
+            f"{tokens} tokens measured host {host * 1e3:.2f} ms, device path {device * 1e3:.2f} ms"
+            + (" (host path used)" if tokens in (self.host_phases or ()) else "")
+            for tokens, (host, device) in sorted(self.calibration.items())
+        )
+        return f"auto: {self.auto_choice.summary()}" + (f"; {measured}" if measured else "")
+
+    @property
+    def cache_in_use(self) -> bool:
+        if self.expert_cache.capacity == 0:
+            return False
+        if self.host_phases is None or not self.calibration:  # not built yet, or not calibrated: trust the plan
+            return True
+        return any(t not in self.host_phases for t in self.calibration)
+
+    @property
+    def stream_buffer_bytes(self) -> int:
+        return 2 * self.stream_slots * self.expert_bytes
+
+    def experts_for_layer(self, layer: int):
+        if not self.uses_device:
+            return HostExperts(self.runtime, layer)
+        stream = None
+        if self.stream_slots:
+            stream = OffloadSpec(layer, self.stream_slots, 0.0, TransferCounter(self.metrics, self.expert_bytes))
+        capacity = self.expert_cache.capacity
+        # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
+        first = range(capacity)
+        shape = model_shape(self.checkpoint.config, self.dtype.itemsize)
+        module = HybridExperts(
+            self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape
+        )
+        if self.host_phases is None:  # the first layer built: check the predictions on it, once
+            calibrate = self.options.calibrate
+            measured = layer_calibration.host_faster_phases(module, self.dtype) if calibrate else (frozenset(), {})
+            self.host_phases, self.calibration = measured
+        module.spec = dataclasses.replace(module.spec, host_phases=self.host_phases)
+        return module
+
+    def set_expert_budget(self, budget_bytes: int, transformer):
+        if budget_bytes < self.stream_buffer_bytes:
+            raise InputError(
+                f"auto keeps {self.stream_buffer_bytes} bytes of stream buffers on the device; a split leaving "
+                f"{budget_bytes} bytes for experts does not fit"
+            )
+        cache = self.expert_cache
+        cache.set_budget(budget_bytes - self.stream_buffer_bytes if self.uses_device else 0)
+        for module in hybrid_layers(transformer):
+            if module.spec.capacity != cache.capacity:
+                hottest = sorted(module.cached, key=lambda e: -cache.heat[module.spec.layer][e])
+                fill = hottest + [e for e in cache.target(module.spec.layer) if e not in hottest]
+                module.resize(cache.capacity, fill[: cache.capacity])
+
+    def refresh_expert_cache(self, transformer) -> bool:
+        """Folds the routing seen since the last call into the cache policy and moves the device cache toward it
+        (bounded churn). Returns whether any layer's cache changed."""
+        self.runtime.fold_fused_metrics()  # brings in the pairs the native forward counted
+        self.expert_cache.observe(self.runtime.routing.take())
+        changed = False
+        for module in hybrid_layers(transformer):
+            chosen = self.expert_cache.choose(module.spec.layer, module.cached)
+            if chosen != module.cached:
+                module.set_cached(chosen)
+                changed = True
+        return changed
+
+
+PLACEMENTS = {
+    cls.name: cls for cls in (DevicePlacement, HostPlacement, OffloadPlacement, HybridPlacement, AutoPlacement)
+}
+
+
+def _stream_slots(budget: int, expert_bytes: int, top_k: int) -> int:
+    """auto streams rounds of up to top-k experts, double-buffered, when the budget has room for them."""
+    return int(min(top_k, budget // (4 * expert_bytes)))  # at most half the budget for stream buffers
+
+
+def _free_device_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return max(0, int(stats.get("bytes_limit", 0)) - int(stats.get("bytes_in_use", 0)))
+
+
+def _modules(transformer, kind) -> list:
+    return [m for _, m in nnx.iter_graph(transformer) if isinstance(m, kind)]
+
+
+def hybrid_layers(transformer) -> list[HybridExperts]:
+    """The hybrid / auto expert modules of a model (their device caches)."""
+    return _modules(transformer, HybridExperts)
+
+
+def _check_plan(plan: dict, config) -> dict[int, tuple[int, ...]]:
+    checked = {}
+    for layer, experts in plan.items():
+        if int(layer) not in config.moe_layers:
+            raise InputError(f"placement plan names layer {layer}, which is not an MoE layer ({config.moe_layers})")
+        bad = [e for e in experts if not 0 <= int(e) < config.num_experts]
+        if bad:
+            raise InputError(f"placement plan for layer {layer}: expert ids {bad} outside [0, {config.num_experts})")
+        checked[int(layer)] = tuple(sorted({int(e) for e in experts}))
+    return checked
