@@ -50,7 +50,7 @@ def machine_info() -> dict:
 def print_table(title: str, rows: list[dict]):
     if not rows:
         return
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys, first seen first
     cells = [[_fmt(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     print(f"\n{title}")

@@ -1,7 +1,12 @@
-"""The Mixtral-shaped bench model (~76M parameters) as a Hugging Face checkpoint, made once and cached.
+"""The bench models as Hugging Face checkpoints with random weights, made once and cached (speed does not depend
+on what the weights are). Scripts take `--shape` (`add_shape_argument`) and then read `bench_model_dir()`:
 
-hidden 512, ffn 1408, 4 layers, 8 heads, 2 KV heads, 8 experts top-2, vocab 4096: the shape the train and infer
-issues measure against transformers. Random weights: speed does not depend on what they are.
+bench           Mixtral-shaped, ~76M parameters: hidden 512, ffn 1408, 4 layers, 8 heads, 2 KV heads, 8 experts
+                top-2, vocab 4096 (the shape the first issues measured against transformers)
+qwen3-30b-a3b   Qwen3-30B-A3B's real layer dims cut to 2 layers and a 32k vocab: hidden 2048, 128 experts of ffn
+                768, top-8, 32 query / 4 KV heads of 128 (~1.2B parameters, stored in bfloat16: 2.4 GB). Each
+                expert sees few rows even at prefill (512 tokens x top-8 / 128 experts = 32): the regime the tiny
+                model hides.
 """
 
 from __future__ import annotations
@@ -20,16 +25,56 @@ BENCH_SHAPE = dict(
     num_experts_per_tok=2,
     max_position_embeddings=2048,
 )
+QWEN3_30B_A3B_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    max_position_embeddings=4096,
+)
+# name -> (transformers config class, its settings, dtype the checkpoint is stored in)
+SHAPES = {
+    "bench": ("MixtralConfig", "MixtralForCausalLM", BENCH_SHAPE, "float32"),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B_LAYERS, "bfloat16"),
+}
+_selected = "bench"
 
 
-def bench_model_dir() -> Path:
-    path = Path(tempfile.gettempdir()) / "moe_jax_bench_mixtral"
+def add_shape_argument(parser):
+    parser.add_argument("--shape", choices=list(SHAPES), default="bench", help="bench model shape (default: bench)")
+
+
+def use_shape(name: str):
+    """Makes `bench_model_dir()` the checkpoint of shape `name` from now on."""
+    global _selected
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    _selected = name
+
+
+def bench_model_dir(shape: str | None = None) -> Path:
+    """The checkpoint of `shape` (default: the selected one), made on first use."""
+    shape = shape or _selected
+    path = Path(tempfile.gettempdir()) / ("moe_jax_bench_mixtral" if shape == "bench" else f"moe_jax_bench_{shape}")
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
 
+    config_class, model_class, settings, dtype = SHAPES[shape]
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**BENCH_SHAPE))
-    model.save_pretrained(path)
+    config = getattr(transformers, config_class)(**settings)
+    with torch.device("cpu"):
+        model = getattr(transformers, model_class)(config).to(getattr(torch, dtype))
+    partial = path.with_name(path.name + ".partial")
+    model.save_pretrained(partial)
+    partial.rename(path)  # whole or not at all: an interrupted save is not mistaken for a model
     return path

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info, print_table, write_json  # noqa: E402
-from bench.models import bench_model_dir  # noqa: E402
+from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 SIDES = tuple(f"{side}-{dtype}" for side in ("moe_jax-host", "moe_jax-device", "transformers+peft") for dtype in DTYPES)
@@ -32,7 +32,7 @@ def batches(batch, seq, count):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]
+    return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]  # in every shape's vocab
 
 
 def run_moe_jax(backend, dtype, batch, seq, steps):
@@ -113,7 +113,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, 2 steps")
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ", ".join(SIDES))
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    add_shape_argument(parser)
     args = parser.parse_args()
+    use_shape(args.shape)
     if args.quick:
         args.batch, args.seq, args.steps = 2, 128, 2
     if args.child:
@@ -136,6 +138,8 @@ def main():
             str(args.seq),
             "--steps",
             str(args.steps),
+            "--shape",
+            args.shape,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         result = json.loads(out)
@@ -158,7 +162,10 @@ def main():
         r["vs_transformers"] = r["tokens_per_s"] / ref
     print(machine_info())
     print_table(f"LoRA fine-tuning, batch {args.batch} x {args.seq}, r=8 on q/k/v/o", rows)
-    write_json("train", {"batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows, "raw": raw})
+    write_json(
+        f"train-{args.shape}" if args.shape != "bench" else "train",
+        {"shape": args.shape, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows, "raw": raw},
+    )
 
 
 if __name__ == "__main__":

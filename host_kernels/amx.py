@@ -67,6 +67,11 @@ def pack(w: np.ndarray) -> PackedWeight:
     usable, reason = status()
     if not usable:
         raise RuntimeError(f"AMX GEMM unavailable: {reason}")
+    return pack_layout(w)
+
+
+def pack_layout(w: np.ndarray) -> PackedWeight:
+    """The packed layout itself (numpy only): also what the AVX512-BF16 GEMM reads (host_kernels/bf16_gemm.py)."""
     k, n = w.shape
     kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
     full = np.zeros((kp, np_), BF16)

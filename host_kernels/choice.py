@@ -16,11 +16,10 @@ import numpy as np
 from host_kernels import activations, amx, native
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls
-from host_kernels.fused_forward import native_status
+from host_kernels.fused_forward import AVX512_BF16, AVX512_F32, best_kernel
 
 NUMPY = NumpyExpertMatmuls.name
 AMX_BF16 = AMXExpertMatmuls.name
-AVX512_F32 = "avx512-f32"
 AVX512 = "avx512"
 
 
@@ -29,7 +28,8 @@ class KernelChoice:
     """What runs the experts of one store.
 
     gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16 or NUMPY
-    fused:       the fused native forward (inference; hybrid's host share): AMX_BF16, AVX512_F32 or "" (none)
+    fused:       the fused native forward (inference; hybrid's host share): AMX_BF16, AVX512_BF16, AVX512_F32 or
+                 "" (none)
     activations: the engine's SwiGLU passes: AVX512 or NUMPY
     why:         for each part left on numpy (or without a fused forward), the reason
     """
@@ -52,7 +52,7 @@ class KernelChoice:
 def check_choice(choice: KernelChoice, store_dtype):
     """Refuses a choice (say, one a caller built) whose kernels cannot read a store of `store_dtype`."""
     bfloat16 = np.dtype(store_dtype) == amx.BF16
-    fused_kernels = {"", AMX_BF16 if bfloat16 else AVX512_F32}
+    fused_kernels = {"", AMX_BF16, AVX512_BF16} if bfloat16 else {"", AVX512_F32}
     gemm_kernels = {NUMPY, AMX_BF16} if bfloat16 else {NUMPY}
     fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, NUMPY)
     if not fits:
@@ -77,10 +77,9 @@ def choose_kernels(store_dtype, native: bool | None = None) -> KernelChoice:
     on_amx, amx_why = amx.status() if bfloat16 else (False, "float32 store: AMX multiplies bfloat16")
     if not on_amx:
         why["gemm"] = amx_why
-    fused_ok, fused_why = native_status(store_dtype)
-    if not fused_ok:
+    fused, fused_why = best_kernel(store_dtype)
+    if not fused:
         why["fused"] = f"{np.dtype(store_dtype)} store: {fused_why}"
-    fused = (AMX_BF16 if bfloat16 else AVX512_F32) if fused_ok else ""
     act_ok, act_why = activations.status()
     if not act_ok:
         why["activations"] = act_why

@@ -80,8 +80,8 @@ class HostMoE:
             if self.kernels.fused == AMX_BF16:
                 packed = lambda layer: self._layer_matmuls(layer).forward_weights()  # noqa: E731
             else:
-                packed = lambda layer: pack_layer(self.store[layer])  # noqa: E731
-            self._fused = FusedForward(self.store, packed, self.threads)
+                packed = lambda layer: pack_layer(self.store[layer], self.kernels.fused)  # noqa: E731
+            self._fused = FusedForward(self.store, packed, self.threads, self.kernels.fused)
         return self._fused
 
     @property

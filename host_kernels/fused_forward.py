@@ -20,14 +20,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import amx, f32_gemm, native
+from host_kernels import amx, bf16_gemm, f32_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.expert_matmuls import gate_up_blocks
+from host_kernels.expert_matmuls import AMXExpertMatmuls, gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
+AVX512_F32, AMX_BF16, AVX512_BF16 = "avx512-f32", AMXExpertMatmuls.name, "avx512-bf16"
+# moe_forward.h's MOE_KERNEL_*; the weights' dtype of each and whether this machine runs it, fastest first per dtype
+KERNEL_CODES = {AVX512_F32: 0, AMX_BF16: 1, AVX512_BF16: 2}
+KERNEL_DTYPES = {AVX512_F32: np.dtype(np.float32), AMX_BF16: amx.BF16, AVX512_BF16: amx.BF16}
+KERNEL_STATUS = {AVX512_F32: f32_gemm.status, AMX_BF16: amx.status, AVX512_BF16: bf16_gemm.status}
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
     "bytes_out",
@@ -63,33 +68,48 @@ class _NativeLayer:
     weights: list  # the packed weights the moe_layer points into: kept alive with it
 
 
-def native_status(store_dtype) -> tuple[bool, str]:
-    """(usable, why not) for the kernel of a store of `store_dtype` on this machine: bfloat16 weights on AMX,
-    float32 on AVX-512. host_kernels/choice.py decides from it; the constructor checks it again (a SIGILL
+def best_kernel(store_dtype) -> tuple[str, str]:
+    """(kernel, "") for the fastest fused forward kernel this machine runs on a store of `store_dtype`, or
+    ("", why none runs). host_kernels/choice.py decides from it; the constructor checks again (a SIGILL
     otherwise)."""
-    return amx.status() if np.dtype(store_dtype) == amx.BF16 else f32_gemm.status()
+    reasons = []
+    for kernel, dtype in KERNEL_DTYPES.items():  # fastest first
+        if dtype == np.dtype(store_dtype):
+            usable, reason = KERNEL_STATUS[kernel]()
+            if usable:
+                return kernel, ""
+            reasons.append(f"{kernel}: {reason}")
+    return "", "; ".join(reasons) or f"no fused forward kernel for {np.dtype(store_dtype)} weights"
 
 
-def pack_layer(w: LayerExperts) -> list[tuple[f32_gemm.PackedF32, f32_gemm.PackedF32]]:
-    """A float32 layer's (w13, w2) per expert in f32_gemm's layout (w13's up columns from a 32-column boundary)."""
-    return [
-        (f32_gemm.pack(gate_up_blocks(w, e, f32_gemm.N_BLOCK, np.float32)), f32_gemm.pack(w.w2[e]))
-        for e in range(w.num_experts)
-    ]
+def pack_layer(w: LayerExperts, kernel: str) -> list:
+    """A layer's (w13, w2) per expert packed for `kernel`: f32_gemm's column blocks of 32 (float32), or the AMX
+    tile layout that both bfloat16 kernels read (w13's up columns from a block boundary)."""
+    if kernel == AVX512_F32:
+        pack, block, dtype = f32_gemm.pack, f32_gemm.N_BLOCK, np.float32
+    else:
+        pack, block, dtype = amx.pack_layout, amx.N_BLOCK, amx.BF16
+    return [(pack(gate_up_blocks(w, e, block, dtype)), pack(w.w2[e])) for e in range(w.num_experts)]
 
 
 class FusedForward:
-    """Native runner (threads and buffers) plus one native layer per MoE layer, over packed weights that
-    `packed(layer)` returns as [(w13, w2) per expert] when the layer is first used: the engine's AMX forward
-    weights (bfloat16 store) or `pack_layer`'s (float32 store). The native layer points into them: they are kept
-    with it."""
+    """Native runner (threads and buffers) plus one native layer per MoE layer, computed by `kernel` (default:
+    `best_kernel`) over packed weights that `packed(layer)` returns as [(w13, w2) per expert] when the layer is
+    first used: the engine's AMX forward weights, or `pack_layer`'s. The native layer points into them: they are
+    kept with it."""
 
-    def __init__(self, store: ExpertStore, packed, threads: int):
-        usable, reason = native_status(store.dtype)
+    def __init__(self, store: ExpertStore, packed, threads: int, kernel: str | None = None):
+        if kernel is None:
+            kernel, reason = best_kernel(store.dtype)
+            if not kernel:
+                raise HostKernelError(f"fused forward unavailable: {reason}")
+        if KERNEL_DTYPES.get(kernel) != store.dtype:
+            raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.dtype} store")
+        usable, reason = KERNEL_STATUS[kernel]()
         if not usable:
-            raise HostKernelError(f"fused forward unavailable: {reason}")
+            raise HostKernelError(f"fused forward unavailable: {kernel}: {reason}")
         check_thread_count(threads)
-        self.store, self._packed = store, packed
+        self.store, self._packed, self.kernel = store, packed, kernel
         self._lib = native.lib()
         self._runner = self._lib.moe_runner_new(threads)
         if not self._runner:
@@ -113,7 +133,7 @@ class FusedForward:
                 w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
                 pointer = self._lib.moe_layer_new(
-                    DTYPE_CODES[self.store.dtype], w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
+                    KERNEL_CODES[self.kernel], w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
                     routed.ctypes.data,
                 )  # fmt: skip
                 if not pointer:
@@ -154,7 +174,7 @@ class FusedForward:
             raise KernelArgumentError(f"layer {layer}: x is {x_td.dtype} {x_td.shape}, expected [tokens, {w.hidden}]")
         ids_tk = check_expert_ids(layer, ids_tk, x_td.shape[0], w.num_experts)
         weights_tk = np.ascontiguousarray(weights_tk)
-        if weights_tk.shape != ids_tk.shape or weights_tk.dtype.kind != "f":
+        if weights_tk.shape != ids_tk.shape or (weights_tk.dtype.kind != "f" and weights_tk.dtype not in DTYPE_CODES):
             raise KernelArgumentError(
                 f"layer {layer}: routing weights are {weights_tk.dtype} {weights_tk.shape}, expected floats "
                 f"{ids_tk.shape}"

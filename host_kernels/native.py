@@ -28,6 +28,7 @@ SIGNATURES = {
     "swiglu_forward": ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None),
     "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
     "f32_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
+    "bf16_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P], _P),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),
@@ -127,15 +128,17 @@ def check_writable(what: str, array):
         raise KernelArgumentError(f"{what} is read-only; native code writes into it")
 
 
-def check_extent(what: str, array, rows: int):
-    """`rows` rows of `array` from its first (at its row stride) lie inside the memory of the array it views: a
-    kernel may read past a view's shape (a tile reads 16 rows) but never past the buffer underneath."""
+def check_extent(what: str, array, rows: int, row_elements: int | None = None):
+    """`rows` rows of `array` from its first (at its row stride), each `row_elements` long (default: the view's
+    width), lie inside the memory of the array it views: a kernel may read past a view's shape (a tile reads 16
+    rows, a row its padding) but never past the buffer underneath."""
     base = array
     while isinstance(base.base, np.ndarray):
         base = base.base
     low, high = np.lib.array_utils.byte_bounds(base)
     start = array.ctypes.data
-    end = start + (rows - 1) * array.strides[0] + array.shape[1] * array.itemsize if rows else start
+    width = array.shape[1] if row_elements is None else row_elements
+    end = start + (rows - 1) * array.strides[0] + width * array.itemsize if rows else start
     if start < low or end > high:
         raise KernelArgumentError(f"{what}: {rows} rows from its start run past the buffer it is a view of")
 

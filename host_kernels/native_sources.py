@@ -5,7 +5,15 @@ sources. No imports beyond the standard library: setup.py loads this file before
 import hashlib
 from pathlib import Path
 
-SOURCES = ("amx_gemm.c", "f32_gemm.c", "swiglu.c", "runner.c", "moe_forward.c", "source_hash.c")  # host_kernels._native
+SOURCES = (
+    "amx_gemm.c",
+    "bf16_gemm.c",
+    "f32_gemm.c",
+    "swiglu.c",
+    "runner.c",
+    "moe_forward.c",
+    "source_hash.c",
+)  # host_kernels._native
 HEADERS = ("simd.h", "moe_forward.h", "runner.h", "amx_gemm.h")
 CSRC = Path(__file__).parent / "csrc"
 XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"

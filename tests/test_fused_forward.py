@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx, choose_kernels, f32_gemm
+from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
-from host_kernels.fused_forward import FusedForward
+from host_kernels.fused_forward import AVX512_BF16, FusedForward, best_kernel, pack_layer
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, LayerExperts
 
@@ -73,6 +73,51 @@ def test_bit_identical_to_the_engine_forward(threads, tokens, skew):
         got16 = fused.forward(layer, x, ids, weights.astype(BF16))  # bfloat16 routing weights, as a bf16 model
         expected16 = engine.forward(layer, x.astype(np.float32), ids, weights.astype(BF16).astype(np.float32))
         np.testing.assert_array_equal(got16.view(np.uint16), expected16.astype(BF16).view(np.uint16))
+
+
+def rounded_reference(w: LayerExperts, x, ids, weights):
+    """float64 forward with the bfloat16 kernels' roundings: inputs and SwiGLU outputs rounded to bfloat16."""
+    f = w.ffn
+    xb = x.astype(BF16).astype(np.float64)
+    y = np.zeros((x.shape[0], w.hidden))
+    for t, k in np.ndindex(ids.shape):
+        e = ids[t, k]
+        h = xb[t] @ w.w13[e].astype(np.float64)
+        a = (h[:f] / (1 + np.exp(-h[:f])) * h[f:]).astype(BF16).astype(np.float64)
+        y[t] += weights[t, k] * (a @ w.w2[e].astype(np.float64))
+    return y
+
+
+@pytest.mark.skipif(not bf16_gemm.status()[0], reason=f"needs AVX512-BF16: {bf16_gemm.status()[1]}")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens,skew", [(1, False), (5, False), (16, False), (300, True)])
+def test_avx512_bf16_kernel_matches_a_float64_reference(threads, tokens, skew):
+    store = make_store(dtype=BF16)
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], AVX512_BF16), threads, AVX512_BF16)
+    rng = np.random.default_rng(tokens)
+    x = (rng.standard_normal((tokens, 96)) * 2).astype(np.float32)
+    ids, weights = routing(rng, tokens, 8, skew=skew)
+    ids[::4, 1] = NOT_ROUTED  # pairs computed elsewhere add nothing
+    for layer in (0, 1):
+        expected = rounded_reference(store[layer], x, np.where(ids < 0, 0, ids), np.where(ids < 0, 0, weights))
+        got = fused.forward(layer, x, ids, weights)
+        # float32 sums against float64; a SwiGLU output whose bfloat16 rounding flips costs 2^-8 of one term
+        assert np.abs(got - expected).max() < 2e-3 * np.abs(expected).max()
+        got16 = fused.forward(layer, x.astype(BF16), ids, weights.astype(BF16))  # as a bfloat16 model calls it
+        assert got16.dtype == BF16 and np.abs(got16.astype(np.float32) - got).max() < 2e-2 * np.abs(got).max()
+
+
+def test_the_fastest_kernel_is_chosen_for_each_store():
+    kernel, why = best_kernel(BF16)
+    if amx.status()[0]:
+        assert kernel == "amx-bf16"
+    elif bf16_gemm.status()[0]:
+        assert kernel == AVX512_BF16 and why == ""
+    else:
+        assert kernel == "" and "avx512-bf16: CPU lacks" in why
+    assert best_kernel(np.float32)[0] == ("avx512-f32" if f32_gemm.status()[0] else "")
+    with pytest.raises(HostKernelError, match="cannot read a float32 store"):
+        FusedForward(make_store(dtype=np.float32), None, 1, AVX512_BF16)
 
 
 @needs_native
@@ -160,13 +205,6 @@ def test_none_where_the_native_kernels_are_turned_off():
         choice = choose_kernels(dtype, native=False)
         assert choice.fused == "" and "turned off" in choice.why["fused"]
         assert HostMoE(make_store(dtype=dtype, layers=(0,)), threads=1, kernels=choice).fused_forward() is None
-
-
-@pytest.mark.skipif(amx.status()[0], reason="this CPU has AMX: a bfloat16 store has a fused forward here")
-def test_refused_for_a_bfloat16_store_without_amx():
-    assert choose_kernels(BF16).fused == ""
-    with pytest.raises(HostKernelError, match="CPU lacks amx"):
-        FusedForward(make_store(dtype=BF16, layers=(0,)), packed=None, threads=1)
 
 
 @needs_native

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import amx, choose_kernels, f32_gemm
+from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
 from moe_jax import native_call
 from tests.hf_models import make_hf_model, save_hf_model
 
@@ -74,6 +74,24 @@ def test_float32_paths_agree(checkpoint):
     np.testing.assert_allclose(ffi.logits(ids), engine.logits(ids), rtol=1e-4, atol=1e-4)
     prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
     assert ffi.generate(prompts, max_new_tokens=6) == engine.generate(prompts, max_new_tokens=6)
+
+
+@pytest.mark.skipif(not bf16_gemm.status()[0], reason=f"needs AVX512-BF16: {bf16_gemm.status()[1]}")
+def test_bfloat16_paths_agree_without_amx(checkpoint):
+    # bfloat16 experts on a CPU without AMX: the AVX512-BF16 kernel through XLA's FFI and through a callback (the
+    # same bits), against the engine's numpy path on the same weights (which keeps SwiGLU outputs in float32)
+    ids = np.random.default_rng(4).integers(0, 96, size=(2, 12))
+    kernels = choose_kernels(jnp.bfloat16)
+    if kernels.fused != "avx512-bf16":
+        pytest.skip(f"this machine runs bfloat16 experts on {kernels.fused}")
+    ffi = host_model(checkpoint, "ffi", dtype="bfloat16")
+    callback = host_model(checkpoint, "callback", dtype="bfloat16")
+    engine = host_model(checkpoint, "engine", dtype="bfloat16")
+    np.testing.assert_array_equal(callback.logits(ids), ffi.logits(ids))
+    got, expected = ffi.logits(ids), engine.logits(ids)
+    assert np.abs(got - expected).max() < 2e-2 * np.abs(expected).max()
+    prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
+    assert ffi.generate(prompts, max_new_tokens=6) == callback.generate(prompts, max_new_tokens=6)
 
 
 def test_metrics_of_ffi_calls(checkpoint):

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from host_kernels import activations, amx, f32_gemm
 from host_kernels.errors import KernelArgumentError
-from host_kernels.fused_forward import FusedForward, native_status, pack_layer
+from host_kernels.fused_forward import AVX512_F32, FusedForward, best_kernel, pack_layer
 from host_kernels.store import ExpertStore, LayerExperts
 
 rng = np.random.default_rng(0)
@@ -26,9 +26,9 @@ store = ExpertStore({0: LayerExperts(rng.standard_normal((4, 32, 64), np.float32
                                      rng.standard_normal((4, 32, 32), np.float32))})
 x, ok_ids, ok_weights = np.ones((2, 32), np.float32), np.array([[1, 2], [1, 2]]), np.ones((2, 2), np.float32)
 
-def fused(packed=lambda layer: pack_layer(store[layer]), threads=1):
-    if not native_status(store.dtype)[0]:  # the refusal to run on this CPU is the typed error
-        raise KernelArgumentError(native_status(store.dtype)[1])
+def fused(packed=lambda layer: pack_layer(store[layer], AVX512_F32), threads=1):
+    if not best_kernel(store.dtype)[0]:  # the refusal to run on this CPU is the typed error
+        raise KernelArgumentError(best_kernel(store.dtype)[1])
     return FusedForward(store, packed, threads)
 
 try:
@@ -64,7 +64,7 @@ CASES = {
     "fused, integer routing weights": "fused().forward(0, x, ok_ids, np.ones((2, 2), np.int64))",
     "fused, wrong packed shape": "fused(lambda layer: [(f32_gemm.pack(np.ones((2, 2), np.float32)),) * 2] * 4)"
     ".forward(0, x, ok_ids, ok_weights)",
-    "fused, too few packed experts": "fused(lambda layer: pack_layer(store[layer])[:1])"
+    "fused, too few packed experts": "fused(lambda layer: pack_layer(store[layer], AVX512_F32)[:1])"
     ".forward(0, x, ok_ids, ok_weights)",
     "fused, no threads": "fused(threads=0)",
     "fused, absurd threads": "fused(threads=10**7)",

@@ -1,0 +1,39 @@
+"""bfloat16 GEMMs on AVX512-BF16 (host_kernels/csrc/bf16_gemm.c), for CPUs with those instructions and no AMX
+(AMD Zen 4/5, Intel Cooper Lake). They read the AMX kernel's packed layout (`amx.pack_layout`), so a bfloat16
+store has one packing whichever of the two runs it.
+
+`status()` says whether this machine can run them and, if not, why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host_kernels import native
+from host_kernels.amx import N_BLOCK, PackedWeight
+from host_kernels.errors import KernelArgumentError
+
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def status() -> tuple[bool, str]:
+    return native.status(REQUIRED_CPU_FLAGS)
+
+
+def gemm(a: np.ndarray, w: PackedWeight, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """out[:, :] = (a @ w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns past w.k
+    are zeros up to w.kp (`amx.pack_rows` or a `amx.row_buffer` make them); `n0` a multiple of 16; `out` a float32
+    [m, n1 - n0] array or view with unit column stride."""
+    native.require(status(), "bfloat16 AVX512-BF16 GEMM")
+    n1 = w.n if n1 is None else n1
+    if a.dtype != np.uint16 or a.ndim != 2 or a.strides[1] != 2 or a.strides[0] < 2 * w.kp or a.shape[1] < w.k:
+        raise KernelArgumentError(
+            f"rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of at least {w.kp} (w.kp)"
+        )
+    m = a.shape[0]
+    native.check_extent("rows", a, m, row_elements=w.kp)
+    native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
+    native.lib().bf16_gemm(
+        a.ctypes.data, a.strides[0] // 2, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1
+    )
+    return out
