@@ -72,6 +72,9 @@ def parse_args(argv):
     p.add_argument("--profile", type=Path, help="probe profile for --backend auto (default: this machine's)")
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
+    p.add_argument(
+        "--quant", choices=["int8"], help="host experts quantized for the forward (int8, a scale per output column)"
+    )
     return p.parse_args(argv)
 
 
@@ -173,6 +176,7 @@ def main(argv=None):
         profile=args.profile,
         verify=args.verify,
         native=False if args.no_native else None,
+        quant=args.quant,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)

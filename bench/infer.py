@@ -49,16 +49,28 @@ def prompts(batch, length=PROMPT):
 ROUNDS = 3  # each side runs this many times, interleaved with the others; the table has each side's median
 
 
-def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=True):
+def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=True, quant=None):
     """A function that runs one timed generation with moe_jax (compiled, and warmed up, before it is returned).
     `fused=False`: the host experts without the fused native forward (the engine's tiled numpy path)."""
     profile = AUTO_PROFILE if backend == "auto" else None
     kernels = None if fused else dataclasses.replace(choose_kernels(DTYPES[dtype]), fused="")
     model = moe_jax.load_model(
-        bench_model_dir(), backend=backend, dtype=dtype, profile=profile, xla_ffi=xla_ffi, host_kernels=kernels
+        bench_model_dir(),
+        backend=backend,
+        dtype=dtype,
+        profile=profile,
+        xla_ffi=xla_ffi,
+        host_kernels=kernels,
+        quant=quant,
     )
     if backend == "auto":
         print(f"auto {dtype}, batch {batch}: {model.placement.describe()}")
+    return engine_runner(model, batch, new_tokens, prompt)
+
+
+def engine_runner(model, batch, new_tokens, prompt=PROMPT):
+    """A function that runs one timed generation of `model` (compiled before it is returned): `batch` prompts of
+    `prompt` tokens, `new_tokens` each; with no new tokens, a prefill (one token, the prompt's tokens/s)."""
     engine = GenerationEngine(model, batch, prompt + max(new_tokens, 1))
     reqs = [Request(p, max(new_tokens, 1)) for p in prompts(batch, prompt)]
     engine.run(reqs)  # compiles the steps
@@ -107,6 +119,7 @@ SIDES = {
     "transformers_bfloat16": (lambda b, n, p: transformers_generate(b, n, "bfloat16", prompt=p), ROUNDS),
     "host_float32": (lambda b, n, p: ours("host", "float32", b, n, prompt=p), ROUNDS),
     "host_bfloat16": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p), ROUNDS),
+    "host_int8": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p, quant="int8"), ROUNDS),
     "host_bfloat16_callback": (lambda b, n, p: ours("host", "bfloat16", b, n, xla_ffi=False, prompt=p), ROUNDS),
     # bfloat16 experts on the engine's numpy path: what a CPU without AMX ran before the AVX512-BF16 kernel
     "host_bfloat16_engine": (lambda b, n, p: ours("host", "bfloat16", b, n, fused=False, prompt=p), ROUNDS),
@@ -119,7 +132,10 @@ SIDES = {
     "offload_bfloat16": (lambda b, n, p: ours("offload", "bfloat16", b, n, prompt=p), ROUNDS),
     "transformers_bfloat16_cuda": (lambda b, n, p: transformers_generate(b, n, "bfloat16", "cuda", prompt=p), ROUNDS),
 }
-CPU_SIDES = list(SIDES)[:6]
+CPU_SIDES = [
+    "transformers_float32", "transformers_bfloat16", "host_float32", "host_bfloat16", "host_int8",
+    "host_bfloat16_callback", "device_float32",
+]  # fmt: skip
 # the baseline the targets are set against: transformers on the CPU
 REFERENCES = ("transformers_float32", "transformers_bfloat16")
 
@@ -208,7 +224,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 4, 16 new tokens, 6 turns")
     parser.add_argument(
-        "--sides", default=",".join(CPU_SIDES), help=f"comma-separated, from: {', '.join(SIDES)} (default: the first 6)"
+        "--sides",
+        default=",".join(CPU_SIDES),
+        help=f"comma-separated, from: {', '.join(SIDES)} (default: {', '.join(CPU_SIDES)})",
     )
     parser.add_argument("--no-traces", action="store_true", help="the decode table only")
     parser.add_argument("--profile", type=Path, help="probe profile for the auto sides (default: this machine's)")

@@ -11,7 +11,6 @@ import numpy as np
 
 from host_kernels import native
 from host_kernels.amx import N_BLOCK, PackedWeight
-from host_kernels.errors import KernelArgumentError
 
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
@@ -26,12 +25,8 @@ def gemm(a: np.ndarray, w: PackedWeight, out: np.ndarray, n0: int = 0, n1: int |
     [m, n1 - n0] array or view with unit column stride."""
     native.require(status(), "bfloat16 AVX512-BF16 GEMM")
     n1 = w.n if n1 is None else n1
-    if a.dtype != np.uint16 or a.ndim != 2 or a.strides[1] != 2 or a.strides[0] < 2 * w.kp or a.shape[1] < w.k:
-        raise KernelArgumentError(
-            f"rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of at least {w.kp} (w.kp)"
-        )
+    native.check_bf16_rows(a, w.k, w.kp)
     m = a.shape[0]
-    native.check_extent("rows", a, m, row_elements=w.kp)
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     native.lib().bf16_gemm(
         a.ctypes.data, a.strides[0] // 2, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1

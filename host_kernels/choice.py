@@ -16,7 +16,7 @@ import numpy as np
 from host_kernels import activations, amx, native
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls
-from host_kernels.fused_forward import AVX512_BF16, AVX512_F32, best_kernel
+from host_kernels.fused_forward import KERNELS, best_kernel
 
 NUMPY = NumpyExpertMatmuls.name
 AMX_BF16 = AMXExpertMatmuls.name
@@ -28,8 +28,8 @@ class KernelChoice:
     """What runs the experts of one store.
 
     gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16 or NUMPY
-    fused:       the fused native forward (inference; hybrid's host share): AMX_BF16, AVX512_BF16, AVX512_F32 or
-                 "" (none)
+    fused:       the fused native forward (inference; hybrid's host share): a name in fused_forward.KERNELS
+                 ("amx-bf16", "avx512-bf16", "avx512-f32", "avx512-int8") or "" (none)
     activations: the engine's SwiGLU passes: AVX512 or NUMPY
     why:         for each part left on numpy (or without a fused forward), the reason
     """
@@ -38,6 +38,15 @@ class KernelChoice:
     fused: str
     activations: str
     why: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        """The fused forward reads a quantized copy of the experts (`choose_kernels(quant=...)`)."""
+        return bool(self.fused) and KERNELS[self.fused].quantized
+
+    def packed_bytes_per_weight(self) -> int:
+        """Bytes per expert weight of the fused forward's packed copy (0: it makes none)."""
+        return KERNELS[self.fused].packed_itemsize if self.fused else 0
 
     def describe(self) -> list[str]:
         """One line per part: what runs it and, where not native, why."""
@@ -52,7 +61,7 @@ class KernelChoice:
 def check_choice(choice: KernelChoice, store_dtype):
     """Refuses a choice (say, one a caller built) whose kernels cannot read a store of `store_dtype`."""
     bfloat16 = np.dtype(store_dtype) == amx.BF16
-    fused_kernels = {"", AMX_BF16, AVX512_BF16} if bfloat16 else {"", AVX512_F32}
+    fused_kernels = {""} | {name for name, k in KERNELS.items() if np.dtype(store_dtype) in k.store_dtypes}
     gemm_kernels = {NUMPY, AMX_BF16} if bfloat16 else {NUMPY}
     fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, NUMPY)
     if not fits:
@@ -63,21 +72,27 @@ def check_choice(choice: KernelChoice, store_dtype):
         )
 
 
-def choose_kernels(store_dtype, native: bool | None = None) -> KernelChoice:
-    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine."""
+def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = None) -> KernelChoice:
+    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine. `quant` ("int8"): the fused
+    forward reads the experts quantized (a copy made as each layer is first used); refused where this machine has
+    no kernel for it or native kernels are off: an explicit request is never silently dropped."""
     if native is None:
         native = os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() != NUMPY
         off = "MOE_JAX_HOST_KERNEL=numpy"
     else:
         off = "native kernels turned off by the caller"
     if not native:
+        if quant:
+            raise HostKernelError(f"{quant} experts need the native kernels, and they are off ({off})")
         return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
     why = {}
     bfloat16 = np.dtype(store_dtype) == amx.BF16
     on_amx, amx_why = amx.status() if bfloat16 else (False, "float32 store: AMX multiplies bfloat16")
     if not on_amx:
         why["gemm"] = amx_why
-    fused, fused_why = best_kernel(store_dtype)
+    fused, fused_why = best_kernel(store_dtype, quant)
+    if quant and not fused:
+        raise HostKernelError(f"{quant} experts: no kernel on this machine ({fused_why})")
     if not fused:
         why["fused"] = f"{np.dtype(store_dtype)} store: {fused_why}"
     act_ok, act_why = activations.status()

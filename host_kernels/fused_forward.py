@@ -16,23 +16,54 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import amx, bf16_gemm, f32_gemm, native
+from host_kernels import amx, bf16_gemm, f32_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, gate_up_blocks
 from host_kernels.pool import check_thread_count
+from host_kernels.quant import quantize_int8
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
-AVX512_F32, AMX_BF16, AVX512_BF16 = "avx512-f32", AMXExpertMatmuls.name, "avx512-bf16"
-# moe_forward.h's MOE_KERNEL_*; the weights' dtype of each and whether this machine runs it, fastest first per dtype
-KERNEL_CODES = {AVX512_F32: 0, AMX_BF16: 1, AVX512_BF16: 2}
-KERNEL_DTYPES = {AVX512_F32: np.dtype(np.float32), AMX_BF16: amx.BF16, AVX512_BF16: amx.BF16}
-KERNEL_STATUS = {AVX512_F32: f32_gemm.status, AMX_BF16: amx.status, AVX512_BF16: bf16_gemm.status}
+AVX512_F32, AMX_BF16, AVX512_BF16, AVX512_INT8 = "avx512-f32", AMXExpertMatmuls.name, "avx512-bf16", "avx512-int8"
+F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """One GEMM kernel of the fused forward: what it computes from and how its weights are packed."""
+
+    code: int  # moe_forward.h's MOE_KERNEL_*
+    store_dtypes: tuple  # the store dtypes it computes from
+    status: Callable[[], tuple[bool, str]]  # whether this machine runs it, and why not
+    packed: type  # the packed weight type it reads
+    block: int  # columns per block of that layout (w13's up half starts on one)
+    pack_dtype: np.dtype  # the dtype a [k, n] weight is handed to `pack` in
+    pack: Callable  # [k, n] weight -> packed
+    packed_itemsize: int  # bytes per weight in the packed copy (scales aside)
+    quantized: bool = False  # reads a quantized copy: used only when asked for (`quant`), never picked by speed
+
+
+def _pack_int8(w):
+    return int8_gemm.pack(quantize_int8(w))
+
+
+KERNELS = {  # fastest first for each store dtype
+    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 4),
+    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 2),
+    AVX512_BF16: FusedKernel(
+        2, (amx.BF16,), bf16_gemm.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 2
+    ),
+    AVX512_INT8: FusedKernel(
+        3, (F32, amx.BF16), int8_gemm.status, int8_gemm.PackedInt8, amx.N_BLOCK, F32, _pack_int8, 1, quantized=True
+    ),
+}
+QUANTIZED = {"int8": AVX512_INT8}  # load_model(quant=...) -> the kernel that reads such weights
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
     "bytes_out",
@@ -68,28 +99,31 @@ class _NativeLayer:
     weights: list  # the packed weights the moe_layer points into: kept alive with it
 
 
-def best_kernel(store_dtype) -> tuple[str, str]:
-    """(kernel, "") for the fastest fused forward kernel this machine runs on a store of `store_dtype`, or
-    ("", why none runs). host_kernels/choice.py decides from it; the constructor checks again (a SIGILL
-    otherwise)."""
+def best_kernel(store_dtype, quant: str | None = None) -> tuple[str, str]:
+    """(kernel, "") for the fastest fused forward kernel this machine runs on a store of `store_dtype` (with
+    `quant`, the one for those quantized weights), or ("", why none runs). host_kernels/choice.py decides from
+    it; the constructor checks again (a SIGILL otherwise)."""
+    dtype = np.dtype(store_dtype)
+    if quant is not None and quant not in QUANTIZED:
+        raise HostKernelError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
+    wanted = [QUANTIZED[quant]] if quant else [name for name, k in KERNELS.items() if not k.quantized]
     reasons = []
-    for kernel, dtype in KERNEL_DTYPES.items():  # fastest first
-        if dtype == np.dtype(store_dtype):
-            usable, reason = KERNEL_STATUS[kernel]()
+    for name in wanted:
+        if dtype in KERNELS[name].store_dtypes:
+            usable, reason = KERNELS[name].status()
             if usable:
-                return kernel, ""
-            reasons.append(f"{kernel}: {reason}")
-    return "", "; ".join(reasons) or f"no fused forward kernel for {np.dtype(store_dtype)} weights"
+                return name, ""
+            reasons.append(f"{name}: {reason}")
+    return "", "; ".join(reasons) or f"no fused forward kernel for {dtype} weights"
 
 
 def pack_layer(w: LayerExperts, kernel: str) -> list:
-    """A layer's (w13, w2) per expert packed for `kernel`: f32_gemm's column blocks of 32 (float32), or the AMX
-    tile layout that both bfloat16 kernels read (w13's up columns from a block boundary)."""
-    if kernel == AVX512_F32:
-        pack, block, dtype = f32_gemm.pack, f32_gemm.N_BLOCK, np.float32
-    else:
-        pack, block, dtype = amx.pack_layout, amx.N_BLOCK, amx.BF16
-    return [(pack(gate_up_blocks(w, e, block, dtype)), pack(w.w2[e])) for e in range(w.num_experts)]
+    """A layer's (w13, w2) per expert packed for `kernel` (w13's up columns from a block boundary)."""
+    k = KERNELS[kernel]
+    return [
+        (k.pack(gate_up_blocks(w, e, k.block, k.pack_dtype)), k.pack(w.w2[e].astype(k.pack_dtype, copy=False)))
+        for e in range(w.num_experts)
+    ]
 
 
 class FusedForward:
@@ -103,9 +137,9 @@ class FusedForward:
             kernel, reason = best_kernel(store.dtype)
             if not kernel:
                 raise HostKernelError(f"fused forward unavailable: {reason}")
-        if KERNEL_DTYPES.get(kernel) != store.dtype:
+        if kernel not in KERNELS or store.dtype not in KERNELS[kernel].store_dtypes:
             raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.dtype} store")
-        usable, reason = KERNEL_STATUS[kernel]()
+        usable, reason = KERNELS[kernel].status()
         if not usable:
             raise HostKernelError(f"fused forward unavailable: {kernel}: {reason}")
         check_thread_count(threads)
@@ -133,7 +167,7 @@ class FusedForward:
                 w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
                 pointer = self._lib.moe_layer_new(
-                    KERNEL_CODES[self.kernel], w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
+                    KERNELS[self.kernel].code, w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
                     routed.ctypes.data,
                 )  # fmt: skip
                 if not pointer:
@@ -147,8 +181,7 @@ class FusedForward:
     def _check_packed(self, layer: int, w: LayerExperts, weights):
         """The packed weights the native layer will read: one (w13, w2) per expert, of this store's kind and
         the layer's shape (each one's data was checked against its k and n when it was made)."""
-        bf16 = self.store.dtype == amx.BF16
-        kind, block = (amx.PackedWeight, amx.N_BLOCK) if bf16 else (f32_gemm.PackedF32, f32_gemm.N_BLOCK)
+        kind, block = KERNELS[self.kernel].packed, KERNELS[self.kernel].block
         want = ((w.hidden, 2 * amx.padded(w.ffn, block)), (w.ffn, w.hidden))
         if len(weights) != w.num_experts:
             raise KernelArgumentError(f"layer {layer}: {len(weights)} packed experts for {w.num_experts}")

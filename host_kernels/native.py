@@ -29,6 +29,7 @@ SIGNATURES = {
     "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
     "f32_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "bf16_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
+    "int8_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P], _P),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),
@@ -141,6 +142,16 @@ def check_extent(what: str, array, rows: int, row_elements: int | None = None):
     end = start + (rows - 1) * array.strides[0] + width * array.itemsize if rows else start
     if start < low or end > high:
         raise KernelArgumentError(f"{what}: {rows} rows from its start run past the buffer it is a view of")
+
+
+def check_bf16_rows(a, k: int, kp: int):
+    """bfloat16 rows (uint16) that a kernel reads kp columns of: 2-D, unit column stride, row stride at least kp,
+    at least k columns in the view, every row's kp elements inside the buffer underneath."""
+    if a.dtype != np.uint16 or a.ndim != 2 or a.strides[1] != 2 or a.strides[0] < 2 * kp or a.shape[1] < k:
+        raise KernelArgumentError(
+            f"rows are {a.dtype} {a.shape} strides {a.strides}, expected uint16 rows of at least {kp} (w.kp)"
+        )
+    check_extent("rows", a, a.shape[0], row_elements=kp)
 
 
 def check_gemm_output(out, m: int, n0: int, n1: int, n: int, block: int):

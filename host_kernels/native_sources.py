@@ -14,7 +14,7 @@ SOURCES = (
     "moe_forward.c",
     "source_hash.c",
 )  # host_kernels._native
-HEADERS = ("simd.h", "moe_forward.h", "runner.h", "amx_gemm.h")
+HEADERS = ("simd.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h")
 CSRC = Path(__file__).parent / "csrc"
 XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"
 # moe_jax._xla_ffi: XLA's FFI handlers (the experts' call goes through moe_forward.h's moe_call); .c files compile
@@ -24,9 +24,11 @@ XLA_FFI_SOURCES = (
     XLA_CSRC / "xla_argmax.c",
     XLA_CSRC / "xla_dense.c",
     CSRC / "amx_gemm.c",  # compiled into both libraries: the dense handler calls its kernels
+    CSRC / "bf16_gemm.c",  # (and these, on CPUs without AMX)
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
     CSRC / "amx_gemm.h",
+    CSRC / "bf16_gemm.h",
 )
 
 

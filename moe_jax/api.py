@@ -22,7 +22,7 @@ from moe_jax.cost_model import Profile
 from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.generate import generate
-from moe_jax.lora import LoRAConfig, attach_lora
+from moe_jax.lora import EXPERTS_TARGET, LoRAConfig, attach_lora
 from moe_jax.memory_check import check_fits, load_bytes
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
@@ -69,8 +69,17 @@ class Model:
 
         self._forward_jit = jax.jit(forward)
 
+    @property
+    def quantized_experts(self) -> bool:
+        return self.plan.host_kernels is not None and self.plan.host_kernels.quantized
+
+    def _check_lora_targets(self, config: LoRAConfig):
+        if self.quantized_experts and EXPERTS_TARGET in config.targets:
+            raise InputError("expert LoRA runs on the unquantized engine path; load the model without quant= to use it")
+
     def attach_lora(self, config: LoRAConfig, seed: int = 0):
         """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules."""
+        self._check_lora_targets(config)
         transformer = self.transformer
         attach_lora(transformer, config, seed)
         self._set_transformer(transformer)
@@ -79,6 +88,7 @@ class Model:
     def load_adapter(self, adapter_dir):
         """Attaches the adapter saved in `adapter_dir` (PEFT format, or a train.py run directory)."""
         config, tensors = read_adapter(resolve_adapter_dir(adapter_dir))
+        self._check_lora_targets(config)
         transformer = self.transformer
         attach_lora(transformer, config)
         apply_adapter(transformer, tensors, adapter_dir)
@@ -87,7 +97,13 @@ class Model:
 
     def prepare_for_training(self):
         """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
-        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once."""
+        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once. Refuses a model whose
+        experts are quantized for inference: its backward would read other weights than its forward."""
+        if self.quantized_experts:
+            raise InputError(
+                f"this model's experts run quantized ({self.plan.host_kernels.fused}) for generation only; load it "
+                "without quant= to train (training on a quantized base is not built yet)"
+            )
         if self.plan.transposed_weights:
             self._edit(lambda transformer: transformer.keep_transposed_weights())
 
@@ -232,7 +248,7 @@ class Model:
         a memory split moved back and forth does not recompile each time. Where the plan multiplies a decode
         step's dense products natively, the dense weights are first packed for it (Transformer.pack_for_decode)."""
         if self.plan.dense_decode and "head_packed" not in self.state:
-            self._edit(lambda transformer: transformer.pack_for_decode())
+            self._edit(lambda transformer: transformer.pack_for_decode(self.plan.dense_decode))
         for graphdef, steps in self._steps:
             if graphdef == self.graphdef:
                 return steps
@@ -275,6 +291,7 @@ def load_model(
     native: bool | None = None,
     xla_ffi: bool | None = None,
     host_kernels=None,
+    quant: str | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -290,8 +307,10 @@ def load_model(
     `native`: False runs everything in XLA and numpy (no native kernels or FFI handlers), True uses every native
     part this machine runs; None (default) the same, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy say
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
-    `host_kernels.KernelChoice`) replaces the host kernel choice. The resulting plan is `Model.plan`
-    (moe_jax/plan.py).
+    `host_kernels.KernelChoice`) replaces the host kernel choice. `quant="int8"`: the host experts' inference
+    forward reads them as int8 with a scale per output column (quantized as each layer is first used; the
+    unquantized weights stay for anything else, so such a model is for generation, not training). The resulting
+    plan is `Model.plan` (moe_jax/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -302,8 +321,10 @@ def load_model(
     checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
+    if quant is not None and not kind.host_engine:
+        raise InputError(f"quant={quant!r} quantizes the host experts; backend={backend!r} runs none on the host")
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
-    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels)
+    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant)
     check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels), f"loading {checkpoint.path}")
 
     def dense(name):

@@ -1,8 +1,9 @@
 """`python -m moe_jax.doctor`: what this machine supports and what a model loaded here would run, and why.
 
 Prints the CPU's kernel-relevant features, the two native libraries' state, the platform jax runs on, and the
-execution plan (moe_jax/plan.py) for a host-placement model in float32 and in bfloat16. `--json FILE` also writes
-it as JSON (for a bug report). Exit code 0; nothing here changes state.
+execution plan (moe_jax/plan.py) for a host-placement model in float32, in bfloat16 and in bfloat16 with int8
+experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug report). Exit
+code 0; nothing here changes state.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from host_kernels import cpu_features, default_threads, library_status
+from host_kernels import HostKernelError, cpu_features, default_threads, library_status
 from moe_jax import native_call
 from moe_jax.cli import run_cli
 from moe_jax.plan import make_plan
@@ -39,8 +40,13 @@ def cpu_model() -> str:
 def report(native: bool | None = None) -> dict:
     """Everything doctor prints, as plain data."""
     host_ok, host_why = library_status()
+    unavailable = {}
     ffi_ok, ffi_why = native_call.status()
     plans = {dtype: make_plan(dtype, store, native) for dtype, store in STORE_DTYPES.items()}
+    try:
+        plans["bfloat16, quant=int8"] = make_plan("bfloat16", STORE_DTYPES["bfloat16"], native, quant="int8")
+    except HostKernelError as e:
+        unavailable["bfloat16, quant=int8"] = str(e)
     return {
         "cpu": cpu_model(),
         "cpu_features": cpu_features(),
@@ -56,6 +62,7 @@ def report(native: bool | None = None) -> dict:
         },
         "usable": {"host_kernels._native": host_ok, "moe_jax._xla_ffi": ffi_ok},
         "plans": {dtype: {"lines": p.lines(), **_plan_data(p)} for dtype, p in plans.items()},
+        "unavailable": unavailable,
     }
 
 
@@ -81,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, plan in r["plans"].items():
         lines.append(f"\na {dtype} model with backend=host runs:")
         lines += [f"  {line}" for line in plan["lines"]]
+    lines += [f"\na {dtype} model: not here ({why})" for dtype, why in r["unavailable"].items()]
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(r, indent=1) + "\n")

@@ -92,15 +92,17 @@ def frozen_matmul(x, w, w_t=None, out_dtype=None):
     return _frozen_matmul_t(x, w, w_t, out_dtype)
 
 
-def base_matmul(x, w, w_t=None, packed=None, out_dtype=None):
+def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = ""):
     """`frozen_matmul`, or for a decode step's rows (x bfloat16 [b <= 64, 1, k]) of a weight packed for them
-    (`native_call.pack_dense`) the native AMX product (moe_jax/csrc/xla_dense.c) on XLA:CPU. XLA reads such small
-    products' weights at 5-10 GB/s, evicted from cache by the experts between two steps; the native call at ~20
-    (bench model, 16 rows, cold weights: head 197 vs 477 us, a 512 x 512 projection 28 vs 61 us). The float32
-    sums are XLA's (bit-equal on this CPU). Training never takes it: its rows have more than one position."""
+    (`native_call.pack_dense`) the native product (moe_jax/csrc/xla_dense.c, on `dense_kernel`: AMX or
+    AVX512-BF16) on XLA:CPU. XLA reads such small products' weights at 5-10 GB/s, evicted from cache by the experts
+    between two steps; the native call at ~20 (bench model, 16 rows, cold weights, AMX: head 197 vs 477 us, a
+    512 x 512 projection 28 vs 61 us). The float32 sums are XLA's up to summation order. Training never takes it:
+    its rows have more than one position."""
     if packed is not None and x.dtype == jnp.bfloat16 and x.ndim == 3 and x.shape[1] == 1:
         if x.shape[0] <= DENSE_MAX_ROWS:
-            return dense_call(x[:, 0], packed, w.shape[-1])[:, None].astype(out_dtype or x.dtype)
+            y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
+            return y[:, None].astype(out_dtype or x.dtype)
     return frozen_matmul(x, w, w_t, out_dtype)
 
 
@@ -132,6 +134,7 @@ class Projection(nnx.Module):
         self.weight = Frozen(weight)
         self.weight_t = nnx.data(None)  # W transposed, while training in bfloat16 on a CPU (`frozen_matmul`)
         self.packed = nnx.data(None)  # W packed for decode steps' native product (`base_matmul`), once generating
+        self.dense_kernel = ""  # the kernel that multiplies it (the plan's `dense_decode`)
         self.bias = Frozen(bias) if bias is not None else None
         self.lora_a = nnx.data(None)
         self.lora_b = nnx.data(None)
@@ -149,12 +152,14 @@ class Projection(nnx.Module):
     def keep_transposed(self):
         self.weight_t = Frozen(jnp.array(self.weight[...].T))
 
-    def pack_for_decode(self):
+    def pack_for_decode(self, kernel: str):
         self.packed = Frozen(pack_dense(self.weight[...]))
+        self.dense_kernel = kernel
 
     def __call__(self, x):
         w_t = None if self.weight_t is None else self.weight_t[...]
-        y = base_matmul(x, self.weight[...], w_t, None if self.packed is None else self.packed[...])
+        packed = None if self.packed is None else self.packed[...]
+        y = base_matmul(x, self.weight[...], w_t, packed, dense_kernel=self.dense_kernel)
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora_a is not None:

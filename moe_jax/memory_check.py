@@ -57,11 +57,11 @@ def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> 
     params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
     store = checkpoint.expert_store
     store_itemsize = store.dtype.itemsize if store is not None else itemsize
-    packs = host_kernels is not None and bool(host_kernels.fused)
+    packed_itemsize = host_kernels.packed_bytes_per_weight() if host_kernels is not None else 0
     return {
         "dense weights": dense,
         "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,
-        "packed expert copies": params * store_itemsize if packs else 0,
+        "packed expert copies": params * packed_itemsize,
     }
 
 

@@ -43,6 +43,7 @@ class Transformer(nnx.Module):
         # tied head the embedding's transpose, which is then the head itself
         self.head_copy = nnx.data(None)
         self.head_packed = nnx.data(None)  # the head packed for decode steps' native product (layers.base_matmul)
+        self.dense_kernel = ""  # the kernel that multiplies it
 
     def keep_transposed_weights(self):
         """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul)."""
@@ -53,12 +54,13 @@ class Transformer(nnx.Module):
             head = self.lm_head if self.lm_head is not None else self.embed
             self.head_copy = Frozen(jnp.array(head[...].T))
 
-    def pack_for_decode(self):
+    def pack_for_decode(self, kernel: str):
         """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
         when the model first generates, where the plan says so (`ExecutionPlan.dense_decode`)."""
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Projection) and module.packed is None:
-                module.pack_for_decode()
+                module.pack_for_decode(kernel)
+        self.dense_kernel = kernel
         if self.head_packed is None:
             self.head_packed = Frozen(pack_dense(self.lm_head[...] if self.lm_head is not None else self.embed[...].T))
 
@@ -83,7 +85,7 @@ class Transformer(nnx.Module):
         else:
             head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
         packed = None if self.head_packed is None else self.head_packed[...]
-        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32), new_caches
+        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel), new_caches
 
 
 def build_transformer(

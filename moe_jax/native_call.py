@@ -4,7 +4,7 @@
 the CPU platform: "moe_jax_host_experts" (the host's fused expert forward), "moe_jax_decode_attention" (a decode
 step's attention over a bfloat16 KV cache, written in place; see `decode_attention_status`), "moe_jax_argmax"
 (a greedy decode step's tokens; `argmax_tokens`) and "moe_jax_dense" (a decode step's dense bfloat16 products on
-AMX, over weights packed for it; `dense_status`).
+AMX or AVX512-BF16, over weights packed for them; `dense_kernel`).
 
 For the experts, each call site passes the address of its layer's `moe_call` (host_kernels/fused_forward.py) as an
 attribute, so XLA calls the native forward on its own buffers: no Python, no GIL, no copies. Where the handlers are
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import KernelArgumentError, amx, is_live_call, native
+from host_kernels import KernelArgumentError, amx, bf16_gemm, is_live_call, native
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
@@ -33,6 +33,8 @@ ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 DENSE_TARGET = "moe_jax_dense"
 DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
+DENSE_AMX, DENSE_AVX512 = "amx-bf16", "avx512-bf16"  # the dense handler's two kernels
+KERNEL_STATUS = {DENSE_AMX: amx.status, DENSE_AVX512: bf16_gemm.status}
 
 
 def status() -> tuple[bool, str]:
@@ -94,26 +96,34 @@ def argmax_status() -> tuple[bool, str]:
     return _kernel_status(ARGMAX_CPU_FLAGS)
 
 
-def dense_status() -> tuple[bool, str]:
-    """(usable, why not) for the native dense products: the handlers' status, and AMX (host_kernels.amx)."""
+def dense_kernel() -> tuple[str, str]:
+    """(kernel, "") for the native dense products on this machine: "amx-bf16" (AMX tiles) or "avx512-bf16"
+    (AVX512-BF16, CPUs without AMX), after the handlers' status; or ("", why neither)."""
     usable, reason = status()
     if not usable:
-        return usable, reason
-    return amx.status()
+        return "", reason
+    amx_ok, amx_why = amx.status()
+    if amx_ok:
+        return DENSE_AMX, ""
+    bf16_ok, bf16_why = bf16_gemm.status()
+    return (DENSE_AVX512, "") if bf16_ok else ("", f"{amx_why}; {bf16_why}")
 
 
 def pack_dense(w_kn) -> jax.Array:
-    """A bfloat16 [k, n] weight in the AMX tile layout `dense_call` reads (host_kernels/amx.py's `pack`)."""
-    return jnp.asarray(amx.pack(np.asarray(w_kn)).data)
+    """A bfloat16 [k, n] weight in the AMX tile layout `dense_call` reads (host_kernels/amx.py's layout, which
+    the AVX512-BF16 kernel reads too)."""
+    return jnp.asarray(amx.pack_layout(np.asarray(w_kn)).data)
 
 
-def dense_call(x_mk, packed_w, n: int):
-    """x @ W in float32 for x bfloat16 [m <= DENSE_MAX_ROWS, k], W given as `pack_dense(W)` with n columns."""
-    usable, reason = dense_status()  # registers the handler on first use
-    if not usable:
-        raise RuntimeError(f"native dense products unavailable: {reason}")
+def dense_call(x_mk, packed_w, n: int, kernel: str):
+    """x @ W in float32 for x bfloat16 [m <= DENSE_MAX_ROWS, k], W given as `pack_dense(W)` with n columns, on
+    `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
+    usable, reason = KERNEL_STATUS[kernel]() if kernel in KERNEL_STATUS else (False, f"unknown kernel {kernel!r}")
+    if not usable or not status()[0]:  # status() registers the handler on first use
+        raise RuntimeError(f"native dense products on {kernel} unavailable: {reason or status()[1]}")
     result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")(x_mk, packed_w)
+    call = jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")
+    return call(x_mk, packed_w, amx=np.int64(kernel == DENSE_AMX))
 
 
 def argmax_tokens(logits_bv, native: bool):

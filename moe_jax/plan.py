@@ -33,7 +33,7 @@ class ExecutionPlan:
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
     experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
     decode_attention: bool  # native decode attention over the bfloat16 KV cache
-    dense_decode: bool  # native (AMX) dense products in bfloat16 decode steps, over packed weights
+    dense_decode: str  # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-bf16"; "": XLA)
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
@@ -54,9 +54,13 @@ class ExecutionPlan:
             called = "through XLA FFI" if self.experts_ffi else "by pure_callback"
             out.append(line("host experts called", called, "ffi"))
         out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
-        out.append(line("decode dense products", "native (AMX)" if self.dense_decode else "XLA", "dense"))
+        out.append(
+            line("decode dense products", f"native ({self.dense_decode})" if self.dense_decode else "XLA", "dense")
+        )
         out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
-        if self.transposed_weights:
+        if self.host_kernels is not None and self.host_kernels.quantized:
+            out.append("training: refused (the experts are quantized for generation only)")
+        elif self.transposed_weights:
             out.append("training: transposed copies of the frozen weights (bfloat16 backward on XLA:CPU)")
         return out
 
@@ -86,12 +90,14 @@ def make_plan(
     native: bool | None = None,
     xla_ffi: bool | None = None,
     host_kernels: KernelChoice | None = None,
+    quant: str | None = None,
 ) -> ExecutionPlan:
     """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
     `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
     as `native`) the XLA FFI handlers alone (the host kernels then run through callbacks). None takes the
     environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
-    the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another."""
+    the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
+    ("int8") has the host experts' fused forward read them quantized."""
     why = {}
     xla_ffi = native if xla_ffi is None else xla_ffi
     if xla_ffi is False:
@@ -113,11 +119,12 @@ def make_plan(
 
     host = host_kernels
     if host is None and store_dtype is not None:
-        host = choose_kernels(store_dtype, native)
+        host = choose_kernels(store_dtype, native, quant)
     experts_ffi = host is not None and native_part(
         "ffi", bool(host.fused), "no fused forward to call", lambda: (True, "")
     )
     bf16 = dtype == BFLOAT16
+    dense, dense_why = native_call.dense_kernel()
     float32_model = "float32 model: the kernel works on bfloat16"
     return ExecutionPlan(
         platform=jax.default_backend(),
@@ -125,8 +132,8 @@ def make_plan(
         host_kernels=host,
         experts_ffi=experts_ffi,
         decode_attention=native_part("attention", bf16, float32_model, native_call.decode_attention_status),
-        dense_decode=native_part("dense", bf16, float32_model, native_call.dense_status),
+        dense_decode=dense if native_part("dense", bf16, float32_model, lambda: (bool(dense), dense_why)) else "",
         argmax=native_part("argmax", True, "", native_call.argmax_status),
-        transposed_weights=bf16 and jax.default_backend() == "cpu",
+        transposed_weights=bf16 and jax.default_backend() == "cpu" and not (host is not None and host.quantized),
         why=tuple(why.items()),
     )

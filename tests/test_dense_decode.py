@@ -1,5 +1,5 @@
-"""Decode steps' dense products on AMX (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's float32 sums of
-the bfloat16 products, for the shapes a decode step has, and only there."""
+"""Decode steps' dense products on AMX or AVX512-BF16 (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's
+float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,8 @@ from moe_jax.layers import base_matmul
 from moe_jax.lora import LoRAConfig, LoRAParam
 from tests.hf_models import make_hf_model, save_hf_model
 
-pytestmark = pytest.mark.skipif(not native_call.dense_status()[0], reason=native_call.dense_status()[1])
+KERNEL, WHY_NOT = native_call.dense_kernel()  # AMX, else AVX512-BF16
+pytestmark = pytest.mark.skipif(not KERNEL, reason=WHY_NOT)
 
 
 def operands(m, k, n, seed=0):
@@ -29,14 +30,15 @@ SHAPES = [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_same_sums_as_xla(m, k, n):
     x, w, packed = operands(m, k, n)
-    native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32))
+    native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=KERNEL))
     assert native_call.DENSE_TARGET in native.lower(x, w, packed).as_text()
     got = np.asarray(native(x, w, packed))
     xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(got, xla, rtol=1e-6, atol=1e-5)  # float32 sums, perhaps in another order
     assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.5 + 1e-6
-    bf16 = np.asarray(jax.jit(lambda x, w, p: base_matmul(x, w, packed=p))(x, w, packed).astype(jnp.float32))
+    rounded = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))(x, w, packed)
+    bf16 = np.asarray(rounded.astype(jnp.float32))
     np.testing.assert_array_equal(bf16, got.astype(jnp.bfloat16).astype(np.float32))  # rounded once, like XLA's
 
 
@@ -46,17 +48,17 @@ def test_other_shapes_stay_in_xla(shape):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
-    f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p))
+    f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))
     assert native_call.DENSE_TARGET not in f.lower(x, w, native_call.pack_dense(w)).as_text()
 
 
 def test_bad_operands_are_named():
     x, w, packed = operands(65, 64, 32)
     with pytest.raises(Exception, match="1-64 rows"):
-        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 32))
+        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 32, KERNEL))
     x, w, packed = operands(4, 64, 32)
     with pytest.raises(Exception, match="packed weight of x's k and y's n"):
-        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 48))
+        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 48, KERNEL))
 
 
 def with_lora(model):

@@ -4,7 +4,8 @@
  * twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1: 1.1 ms a layer
  * call, of which ~0.2 ms of weight reading). GEMMs: AMX for bfloat16 weights (amx_gemm.c; the arithmetic is the
  * engine's AMX path step for step, so both give the same bits) or, on CPUs without AMX, AVX512-BF16 over the same
- * packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c).
+ * packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c); int8 weights with a scale per column
+ * (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers), quantized from either.
  *
  * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
  * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts
@@ -22,14 +23,13 @@
 #include <string.h>
 
 #include "amx_gemm.h"
+#include "bf16_gemm.h"
 #include "moe_forward.h"
 #include "runner.h"
 #include "simd.h"
 
 void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
               int64_t n0, int64_t n1);
-void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
-               int64_t m, int64_t n0, int64_t n1);
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
 
@@ -44,7 +44,8 @@ static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block
 typedef struct {
     int64_t experts, hidden, ffn;
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
-    int amx;                   /* bfloat16 weights on AMX (amx_gemm.c), else on AVX512-BF16 (bf16_gemm.c) */
+    int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
+    int64_t weight_bytes;      /* bytes per packed weight: 4, 2 or 1 */
     int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
     int64_t kp_hidden, kp_ffn; /* row strides of the gathered inputs and activations: k padded to the AMX tile (32) */
     int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column AMX tile or 32-column f32 block) */
@@ -66,7 +67,8 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
     l->f32 = kernel == MOE_KERNEL_F32_AVX512;
-    l->amx = kernel == MOE_KERNEL_BF16_AMX;
+    l->kernel = kernel;
+    l->weight_bytes = l->f32 ? 4 : kernel == MOE_KERNEL_INT8_AVX512 ? 1 : 2;
     l->row_bytes = l->f32 ? 4 : 2;
     l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
     l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
@@ -137,12 +139,12 @@ static void gather_task(void *state, int worker, int64_t task) {
 /* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride) times packed weight w. */
 static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                         int64_t n0, int64_t n1) {
-    if (l->f32)
-        f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1);
-    else if (l->amx)
-        amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1);
-    else
-        bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1);
+    switch (l->kernel) {
+        case MOE_KERNEL_F32_AVX512: f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_BF16_AMX: amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_BF16_AVX512: bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        default: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+    }
 }
 
 static void gate_up_task(void *state, int worker, int64_t task) {
@@ -154,7 +156,7 @@ static void gate_up_task(void *state, int worker, int64_t task) {
     const char *a = s->rows + r0 * l->kp_hidden * l->row_bytes;
     const void *w13 = l->w13[t.expert];
     int64_t c = t.c0;
-    if (l->amx && m <= 16) /* decode: gate and up columns side by side, four weight streams */
+    if (l->kernel == MOE_KERNEL_BF16_AMX && m <= 16) /* decode: gate and up columns side by side, four weight streams */
         for (; c + 32 <= t.c1; c += 32) {
             const int64_t kp = l->kp_hidden, gate = c / 16, up = (l->ffn_padded + c) / 16;
             const uint16_t *b[4] = {amx_block(w13, kp, gate), amx_block(w13, kp, gate + 1), amx_block(w13, kp, up),
@@ -182,7 +184,7 @@ static void down_task(void *state, int worker, int64_t task) {
     int64_t c = t.c0;
     const void *w2 = l->w2[t.expert];
     const int64_t kp = l->kp_ffn;
-    if (l->amx && m <= 16) /* decode: four 16-column blocks side by side, four weight streams */
+    if (l->kernel == MOE_KERNEL_BF16_AMX && m <= 16) /* decode: four 16-column blocks side by side, four weight streams */
         for (; c + 64 <= t.c1; c += 64) {
             const uint16_t *b[4] = {amx_block(w2, kp, c / 16), amx_block(w2, kp, c / 16 + 1),
                                     amx_block(w2, kp, c / 16 + 2), amx_block(w2, kp, c / 16 + 3)};
@@ -321,7 +323,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     r->totals[TOKENS] += tokens;
     r->totals[PAIRS] += pairs;
     r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
-    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * (l->f32 ? 4 : 2);
+    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * l->weight_bytes;
     r->totals[BYTES_IN] += tokens * d * x_size + tokens * top_k * (4 + w_size);
     r->totals[BYTES_OUT] += tokens * d * x_size;
     return 0;

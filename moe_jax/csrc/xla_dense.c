@@ -1,5 +1,7 @@
 /* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 64), W a bfloat16 weight
- * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]).
+ * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
+ * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout): the
+ * attribute `amx` (s64, 1 or 0) says which, as the execution plan chose (moe_jax/plan.py).
  *
  * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
  * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model
@@ -19,6 +21,7 @@
 #include <string.h>
 
 #include "amx_gemm.h"
+#include "bf16_gemm.h"
 #include "ffi_common.h"
 
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
@@ -31,6 +34,7 @@ typedef struct {
     _Atomic int64_t next, done;
     _Atomic int refs;
     int64_t m, n, kp, groups;
+    int amx; /* AMX tiles, else AVX512-BF16 */
     const uint16_t *w;
     float *y;
     uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
@@ -39,7 +43,9 @@ typedef struct {
 static void run_group(const dense_call *c, int64_t g) {
     const int64_t nb0 = g * GROUP_BLOCKS;
     const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
-    if (n1 - n0 == GROUP_BLOCKS * 16) {
+    if (!c->amx) { /* its own blocking: 6 rows x the group's 4 blocks, four prefetched weight streams */
+        bf16_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (n1 - n0 == GROUP_BLOCKS * 16) {
         const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
                                 amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
         for (int64_t r = 0; r < c->m; r += TILE_ROWS) {
@@ -84,8 +90,11 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     if (ffi_answer_metadata(frame)) return NULL;
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return ffi_error(api, "moe_jax_dense: not the execute stage");
     if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
-        frame->args.types[1] != XLA_FFI_ArgType_BUFFER)
-        return ffi_error(api, "moe_jax_dense takes (x, packed w) and returns y");
+        frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 1 ||
+        frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
+        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has one attribute `amx`");
+    const XLA_FFI_Scalar *amx_attr = frame->attrs.attrs[0];
+    if (amx_attr->dtype != XLA_FFI_DataType_S64) return ffi_error(api, "moe_jax_dense: `amx` must be an s64");
     const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
     if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 ||
         y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
@@ -102,6 +111,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
+    c->amx = *(const int64_t *)amx_attr->value != 0;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
     const int threads = ffi_pool_threads(api, frame->ctx);
     schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));

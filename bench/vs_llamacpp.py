@@ -1,0 +1,171 @@
+"""moe_jax against llama.cpp on the same model, side by side in one run.
+
+    python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8] [--rounds 3]
+
+DIR (or $LLAMA_CPP_DIR) is a llama.cpp source tree with its tools built. llama.cpp is not a dependency of this
+project; to build one here (~10 minutes on 2 cores), from the sources the llama-cpp-python sdist carries:
+
+    pip download llama-cpp-python --no-binary :all: --no-deps -d /tmp/llsrc
+    tar xzf /tmp/llsrc/llama_cpp_python-*.tar.gz -C /tmp && cd /tmp/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build -j 2 --target llama-batched-bench llama-quantize
+    pip install sentencepiece  # this script writes the small tokenizer llama.cpp's converter wants
+
+The bench checkpoint (bench/models.py) is converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (f32, bf16,
+q8_0; q4_0 with llama-quantize), in a directory beside it with a small sentencepiece tokenizer added (the converter
+needs one; it pads the vocab). Each pair (moe_jax float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0) runs the
+same cases with the same threads, A B A B over `--rounds`: decode of 32-token prompts, 64 new tokens, at batch 1
+and 16 (decode tokens/s: llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token
+prompt. llama.cpp's Q4_0 runs too, as the target for int4. Medians; writes bench/results/vs_llamacpp[-SHAPE].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import moe_jax  # noqa: E402
+from bench.common import machine_info, print_table, write_json  # noqa: E402
+from bench.infer import NEW, PREFILL, PROMPT, engine_runner  # noqa: E402
+from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
+from host_kernels import default_threads  # noqa: E402
+
+BATCHES = (1, 16)
+# pair -> (moe_jax load_model settings, llama.cpp GGUF type); "q4_0" has no moe_jax side yet
+PAIRS = {
+    "f32": ({"dtype": "float32"}, "f32"),
+    "bf16": ({"dtype": "bfloat16"}, "bf16"),
+    "int8": ({"dtype": "bfloat16", "quant": "int8"}, "q8_0"),
+    "q4_0": (None, "q4_0"),
+}
+
+
+def llama_tools(directory: Path) -> dict[str, Path]:
+    tools = {
+        "convert": directory / "convert_hf_to_gguf.py",
+        "batched_bench": directory / "build" / "bin" / "llama-batched-bench",
+        "quantize": directory / "build" / "bin" / "llama-quantize",
+    }
+    missing = [str(path) for path in tools.values() if not path.exists()]
+    if missing:
+        sys.exit(f"not a built llama.cpp tree ({', '.join(missing)} missing); see `python {__file__} --help`")
+    return tools
+
+
+def with_tokenizer(checkpoint: Path) -> Path:
+    """A directory beside the checkpoint with its files linked and a small sentencepiece tokenizer.model added."""
+    import sentencepiece
+
+    target = checkpoint.with_name(checkpoint.name + "_gguf_source")
+    target.mkdir(exist_ok=True)
+    for path in checkpoint.iterdir():
+        if path.suffix in (".json", ".safetensors") and not path.name.startswith("tokenizer"):
+            link = target / path.name
+            if not link.exists():
+                link.symlink_to(path)
+    if not (target / "tokenizer.model").exists():
+        rng = np.random.default_rng(0)
+        text = target / "text.txt"
+        words = ["".join(rng.choice(list("abcdefghij"), size=rng.integers(2, 7))) for _ in range(3000)]
+        text.write_text("\n".join(" ".join(words[i : i + 12]) for i in range(0, len(words), 12)))
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(text), model_prefix=str(target / "tokenizer"), vocab_size=200, model_type="bpe"
+        )
+    return target
+
+
+def gguf(tools, source: Path, kind: str) -> Path:
+    """The checkpoint as a GGUF of `kind` (f32 / bf16 / q8_0 by the converter, q4_0 by llama-quantize), made once."""
+    path = source / f"model-{kind}.gguf"
+    if path.exists():
+        return path
+    if kind == "q4_0":
+        subprocess.run([str(tools["quantize"]), str(gguf(tools, source, "f32")), str(path), "q4_0"], check=True)
+    else:
+        convert = [sys.executable, str(tools["convert"]), str(source), "--outtype", kind, "--outfile", str(path)]
+        env = {**os.environ, "PYTHONPATH": str(tools["convert"].parent / "gguf-py")}
+        subprocess.run(convert, check=True, env=env)
+    return path
+
+
+def llama_round(tools, model: Path, threads: int) -> dict[str, float]:
+    """One llama-batched-bench run of every case: decode tokens/s at each batch, prefill tokens/s."""
+
+    def run(*args) -> list[dict]:
+        cmd = [str(tools["batched_bench"]), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512"]
+        cmd += ["-t", str(threads), "-tb", str(threads), "--output-format", "jsonl", *args]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    decode = run("-npp", str(PROMPT), "-ntg", str(NEW), "-npl", ",".join(map(str, BATCHES)))
+    result = {f"decode b{r['pl']}": r["speed_tg"] for r in decode}
+    result[f"prefill 1 x {PREFILL}"] = run("-npp", str(PREFILL), "-ntg", "1", "-npl", "1")[0]["speed_pp"]
+    return result
+
+
+def moe_jax_runners(settings: dict, threads: int) -> dict:
+    model = moe_jax.load_model(bench_model_dir(), backend="host", host_threads=threads, **settings)
+    runners = {f"decode b{b}": engine_runner(model, b, NEW) for b in BATCHES}
+    runners[f"prefill 1 x {PREFILL}"] = engine_runner(model, 1, 0, PREFILL)
+    return runners
+
+
+def moe_jax_round(runners) -> dict[str, float]:
+    return {
+        case: run()["prefill_tok_s" if case.startswith("prefill") else "decode_tok_s"] for case, run in runners.items()
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
+    parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, from {', '.join(PAIRS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=default_threads())
+    add_shape_argument(parser)
+    args = parser.parse_args()
+    use_shape(args.shape)
+    if args.llama_cpp is None:
+        parser.error("give --llama-cpp DIR or set LLAMA_CPP_DIR (how to build one: --help)")
+    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    if not pairs or any(p not in PAIRS for p in pairs):
+        parser.error(f"--pairs from {', '.join(PAIRS)}")
+    tools = llama_tools(args.llama_cpp)
+    source = with_tokenizer(bench_model_dir())
+    print(machine_info())
+    rows, raw = [], {}
+    for pair in pairs:
+        settings, kind = PAIRS[pair]
+        model_file = gguf(tools, source, kind)
+        runners = moe_jax_runners(settings, args.threads) if settings else None
+        rounds = {"llama.cpp": [], "moe_jax": []}
+        for _ in range(args.rounds):  # A B A B: a noisy stretch of the machine hits both alike
+            rounds["llama.cpp"].append(llama_round(tools, model_file, args.threads))
+            if runners:
+                rounds["moe_jax"].append(moe_jax_round(runners))
+        raw[pair] = rounds
+        for side, results in rounds.items():
+            if results:
+                median = {case: float(np.median([r[case] for r in results])) for case in results[0]}
+                rows.append({"pair": pair, "side": side if side == "moe_jax" else f"llama.cpp {kind}", **median})
+        if runners:
+            llama, ours = rows[-2], rows[-1]
+            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | {c: ours[c] / llama[c] for c in runners})
+        del runners
+        gc.collect()
+    print_table(f"tokens/s, {args.threads} threads, shape {args.shape}: decode (32-token prompts) and prefill", rows)
+    name = "vs_llamacpp" if args.shape == "bench" else f"vs_llamacpp-{args.shape}"
+    write_json(name, {"shape": args.shape, "threads": args.threads, "rows": rows, "raw": raw})
+
+
+if __name__ == "__main__":
+    main()

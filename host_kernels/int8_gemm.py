@@ -1,0 +1,75 @@
+"""GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c),
+on AVX512-BF16, and the packed layout they read: per 16-column block, the k-pairs of int8 weights (the bfloat16
+kernels' pair order), then the block's 16 scales. bfloat16 rows in, float32 out.
+
+`status()` says whether this machine can run them and, if not, why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from host_kernels import bf16_gemm, native
+from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
+from host_kernels.errors import KernelArgumentError
+from host_kernels.quant import QuantizedInt8
+
+SCALE_BYTES = 4 * N_BLOCK  # a block's scales, after its weights
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    data: np.ndarray  # uint8 [n blocks, kp * 16 + 64], 64-byte aligned
+    k: int
+    n: int
+
+    @property
+    def kp(self) -> int:
+        return padded(self.k, K_BLOCK)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, what: str = "packed int8 weight"):
+        """The data is exactly what k and n say; checked when made, so `gemm` need not check it again."""
+        shape = (padded(self.n, N_BLOCK) // N_BLOCK, self.kp * N_BLOCK + SCALE_BYTES)
+        native.check_packed(what, self.data, np.uint8, shape)
+
+
+def pack(w: QuantizedInt8) -> PackedInt8:
+    """A [k, n] quantized weight in the packed layout (zeros in the padding, scale 0 for padded columns)."""
+    if w.q.ndim != 2:
+        raise KernelArgumentError(f"pack takes one [k, n] weight, got {w.q.shape}")
+    k, n = w.q.shape
+    kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
+    full = np.zeros((kp, np_), np.int8)
+    full[:k, :n] = w.q
+    blocks = np_ // N_BLOCK
+    pairs = full.reshape(kp // 2, 2, blocks, N_BLOCK).transpose(2, 0, 3, 1)  # [block][k-pair][column][2]
+    scales = np.zeros(np_, np.float32)
+    scales[:n] = w.scale
+    data = aligned_empty((blocks, kp * N_BLOCK + SCALE_BYTES), np.uint8)
+    data[:, : kp * N_BLOCK] = pairs.reshape(blocks, kp * N_BLOCK).view(np.uint8)
+    data[:, kp * N_BLOCK :] = scales.reshape(blocks, N_BLOCK).view(np.uint8)
+    return PackedInt8(data, k, n)
+
+
+def status() -> tuple[bool, str]:
+    """The same instructions as the bfloat16 kernel (the int8 weights are widened to bfloat16 in registers)."""
+    return bf16_gemm.status()
+
+
+def gemm(a: np.ndarray, w: PackedInt8, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
+    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
+    native.require(status(), "int8 AVX512-BF16 GEMM")
+    n1 = w.n if n1 is None else n1
+    native.check_bf16_rows(a, w.k, w.kp)
+    native.check_gemm_output(out, a.shape[0], n0, n1, w.n, N_BLOCK)
+    native.lib().int8_gemm(
+        a.ctypes.data, a.strides[0] // 2, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, a.shape[0],
+        n0, n1,
+    )  # fmt: skip
+    return out
