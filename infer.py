@@ -73,7 +73,10 @@ def parse_args(argv):
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
     p.add_argument(
-        "--quant", choices=["int8"], help="host experts quantized for the forward (int8, a scale per output column)"
+        "--quant",
+        choices=["int8"],
+        help="generate from int8 weights (a scale per output column): the host experts and, in a bfloat16 model's "
+        "decode steps, the attention and head weights",
     )
     return p.parse_args(argv)
 

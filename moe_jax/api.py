@@ -308,9 +308,10 @@ def load_model(
     part this machine runs; None (default) the same, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy say
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
     `host_kernels.KernelChoice`) replaces the host kernel choice. `quant="int8"`: the host experts' inference
-    forward reads them as int8 with a scale per output column (quantized as each layer is first used; the
-    unquantized weights stay for anything else, so such a model is for generation, not training). The resulting
-    plan is `Model.plan` (moe_jax/plan.py).
+    forward reads them as int8 with a scale per output column (quantized as each layer is first used), and so do a
+    bfloat16 model's decode steps for their dense weights where they multiply them natively; the unquantized
+    weights stay for anything else (prefill's dense products, training), so such a model is for generation, not
+    training. The resulting plan is `Model.plan` (moe_jax/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -153,7 +153,7 @@ class Projection(nnx.Module):
         self.weight_t = Frozen(jnp.array(self.weight[...].T))
 
     def pack_for_decode(self, kernel: str):
-        self.packed = Frozen(pack_dense(self.weight[...]))
+        self.packed = Frozen(pack_dense(self.weight[...], kernel))
         self.dense_kernel = kernel
 
     def __call__(self, x):

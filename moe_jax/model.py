@@ -62,7 +62,8 @@ class Transformer(nnx.Module):
                 module.pack_for_decode(kernel)
         self.dense_kernel = kernel
         if self.head_packed is None:
-            self.head_packed = Frozen(pack_dense(self.lm_head[...] if self.lm_head is not None else self.embed[...].T))
+            head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+            self.head_packed = Frozen(pack_dense(head, kernel))
 
     def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import KernelArgumentError, amx, bf16_gemm, is_live_call, native
+from host_kernels import KernelArgumentError, amx, bf16_gemm, int8_gemm, is_live_call, native
 from host_kernels.native_sources import xla_ffi_source_hash
+from host_kernels.quant import quantize_int8
 
 TARGET = "moe_jax_host_experts"
 ATTENTION_TARGET = "moe_jax_decode_attention"
@@ -33,8 +34,9 @@ ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 DENSE_TARGET = "moe_jax_dense"
 DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
-DENSE_AMX, DENSE_AVX512 = "amx-bf16", "avx512-bf16"  # the dense handler's two kernels
-KERNEL_STATUS = {DENSE_AMX: amx.status, DENSE_AVX512: bf16_gemm.status}
+DENSE_AMX, DENSE_AVX512, DENSE_INT8 = "amx-bf16", "avx512-bf16", "avx512-int8"  # the dense handler's kernels
+DENSE_CODES = {DENSE_AVX512: 0, DENSE_AMX: 1, DENSE_INT8: 2}  # xla_dense.c's DENSE_*
+KERNEL_STATUS = {DENSE_AMX: amx.status, DENSE_AVX512: bf16_gemm.status, DENSE_INT8: int8_gemm.status}
 
 
 def status() -> tuple[bool, str]:
@@ -109,10 +111,13 @@ def dense_kernel() -> tuple[str, str]:
     return (DENSE_AVX512, "") if bf16_ok else ("", f"{amx_why}; {bf16_why}")
 
 
-def pack_dense(w_kn) -> jax.Array:
-    """A bfloat16 [k, n] weight in the AMX tile layout `dense_call` reads (host_kernels/amx.py's layout, which
-    the AVX512-BF16 kernel reads too)."""
-    return jnp.asarray(amx.pack_layout(np.asarray(w_kn)).data)
+def pack_dense(w_kn, kernel: str) -> jax.Array:
+    """A [k, n] weight packed for `kernel`: bfloat16 in the AMX tile layout (host_kernels/amx.py's, which the
+    AVX512-BF16 kernel reads too), or int8 with a scale per column (host_kernels/int8_gemm.py's)."""
+    w = np.asarray(w_kn)
+    if kernel == DENSE_INT8:
+        return jnp.asarray(int8_gemm.pack(quantize_int8(w)).data)
+    return jnp.asarray(amx.pack_layout(w).data)
 
 
 def dense_call(x_mk, packed_w, n: int, kernel: str):
@@ -123,7 +128,7 @@ def dense_call(x_mk, packed_w, n: int, kernel: str):
         raise RuntimeError(f"native dense products on {kernel} unavailable: {reason or status()[1]}")
     result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")
-    return call(x_mk, packed_w, amx=np.int64(kernel == DENSE_AMX))
+    return call(x_mk, packed_w, kernel=np.int64(DENSE_CODES[kernel]))
 
 
 def argmax_tokens(logits_bv, native: bool):

@@ -33,7 +33,8 @@ class ExecutionPlan:
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
     experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
     decode_attention: bool  # native decode attention over the bfloat16 KV cache
-    dense_decode: str  # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-bf16"; "": XLA)
+    # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-bf16", "avx512-int8"; "": XLA)
+    dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
@@ -125,6 +126,8 @@ def make_plan(
     )
     bf16 = dtype == BFLOAT16
     dense, dense_why = native_call.dense_kernel()
+    if dense and quant == "int8":  # the decode steps' dense weights quantized like the experts (half the bytes)
+        dense = native_call.DENSE_INT8
     float32_model = "float32 model: the kernel works on bfloat16"
     return ExecutionPlan(
         platform=jax.default_backend(),

@@ -21,7 +21,7 @@ def operands(m, k, n, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    return x, w, native_call.pack_dense(w)
+    return x, w, native_call.pack_dense(w, KERNEL)
 
 
 SHAPES = [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 80), (64, 512, 512), (33, 96, 200)]
@@ -49,7 +49,7 @@ def test_other_shapes_stay_in_xla(shape):
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
     f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))
-    assert native_call.DENSE_TARGET not in f.lower(x, w, native_call.pack_dense(w)).as_text()
+    assert native_call.DENSE_TARGET not in f.lower(x, w, native_call.pack_dense(w, KERNEL)).as_text()
 
 
 def test_bad_operands_are_named():

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from host_kernels import int8_gemm
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "tiny-moe"
 
@@ -189,3 +191,14 @@ def test_extreme_sampling_settings_still_generate(tmp_path):
     tiny = infer("--prompts", prompts, "--max-new-tokens", "4", "--temperature", "1e-30", "--top-k", "100000")
     assert tiny.stdout == greedy
     assert infer("--prompts", prompts, "--max-new-tokens", "4", "--batch-size", "100000").stdout == greedy
+
+
+def test_quant_int8_generates_and_says_so(tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy abc >"}, {"prompt": "sort cab >"}])
+    if not int8_gemm.status()[0]:
+        refused = infer("--prompts", prompts, "--quant", "int8", check=False)
+        assert refused.returncode == 2 and "int8 experts: no kernel on this machine" in refused.stderr
+        return
+    result = infer("--prompts", prompts, "--max-new-tokens", "4", "--dtype", "bfloat16", "--quant", "int8")
+    assert "plan: experts avx512-int8 via FFI" in result.stderr and "dense native" in result.stderr
+    assert result.stdout.count("->") == 2

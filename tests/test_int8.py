@@ -4,6 +4,8 @@ weights, the fused forward, and a model's logits against bfloat16 on the bundled
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,7 +17,9 @@ from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import AVX512_INT8, FusedForward, pack_layer
 from host_kernels.quant import quantize_int8
 from host_kernels.schedule import NOT_ROUTED
+from moe_jax import native_call
 from moe_jax.errors import InputError
+from moe_jax.layers import base_matmul
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from tests.test_fused_forward import make_store, rounded_reference, routing
@@ -97,6 +101,21 @@ def test_fused_forward_matches_the_dequantized_experts(store_dtype, threads, tok
     assert totals.weight_bytes > 0 and totals.weight_bytes % (3 * 96 * 200) == 0  # one byte per weight read
 
 
+@needs_kernel
+@pytest.mark.parametrize("m, k, n", [(1, 96, 200), (16, 512, 4096), (5, 40, 37), (64, 128, 64)])
+def test_decode_dense_products_on_int8_weights(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    packed = native_call.pack_dense(w, native_call.DENSE_INT8)
+    product = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel="avx512-int8"))
+    assert native_call.DENSE_TARGET in product.lower(x, w, packed).as_text()
+    dequantized = quantize_int8(np.asarray(w, np.float32)).dequantize().astype(np.float64)
+    expected = np.asarray(x, np.float64)[:, 0] @ dequantized
+    got = np.asarray(product(x, w, packed))[:, 0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def held_out_token_ids(tokenizer, count=64) -> list[list[int]]:
     lines = (ROOT / "data" / "reverse_eval.jsonl").read_text().splitlines()[:count]
     return [tokenizer.encode(r["instruction"] + r["output"]) for r in map(json.loads, lines)]
@@ -125,8 +144,14 @@ def test_logits_follow_bfloat16_on_the_bundled_model():
     assert kl / tokens < 1.2e-3, kl / tokens
     assert agree / tokens >= 0.98, agree / tokens
     assert abs(np.exp((nll8 - nll16) / predicted) - 1) < 0.01
-    prompts = [[5, 9, 14, 3], [7] * 9]
-    assert [len(t) for t in int8.generate(prompts, max_new_tokens=5)] == [5, 5]
+    # decode steps read the dense weights in int8 too (where the plan multiplies them natively): greedy tokens
+    # follow bfloat16's on held-out prompts
+    if int8.plan.dense_decode:
+        assert int8.plan.dense_decode == native_call.DENSE_INT8
+    prompts = held_out_token_ids(bf16.tokenizer, 16)
+    quantized, plain = int8.generate(prompts, max_new_tokens=6), bf16.generate(prompts, max_new_tokens=6)
+    same = sum(a == b for a, b in zip(quantized, plain, strict=True))
+    assert same >= 14, same
 
 
 @needs_kernel

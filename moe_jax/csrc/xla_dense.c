@@ -1,7 +1,9 @@
 /* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 64), W a bfloat16 weight
  * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
- * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout): the
- * attribute `amx` (s64, 1 or 0) says which, as the execution plan chose (moe_jax/plan.py).
+ * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout); or W
+ * int8 with a scale per column (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for
+ * `quant="int8"`, whose weights a decode step reads at half the bytes. The attribute `kernel` (s64, DENSE_* below)
+ * says which, as the execution plan chose (moe_jax/plan.py).
  *
  * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
  * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model
@@ -27,6 +29,7 @@
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
 #define MAX_ROWS 64
 #define GROUP_BLOCKS 4 /* 16-column blocks per task */
+enum { DENSE_AVX512_BF16 = 0, DENSE_AMX_BF16 = 1, DENSE_AVX512_INT8 = 2 }; /* moe_jax/native_call.py's codes */
 
 /* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
  * finds nothing left), so the last of the caller and its helpers to let go frees it. */
@@ -34,8 +37,8 @@ typedef struct {
     _Atomic int64_t next, done;
     _Atomic int refs;
     int64_t m, n, kp, groups;
-    int amx; /* AMX tiles, else AVX512-BF16 */
-    const uint16_t *w;
+    int kernel; /* DENSE_* */
+    const void *w;
     float *y;
     uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
 } dense_call;
@@ -43,8 +46,10 @@ typedef struct {
 static void run_group(const dense_call *c, int64_t g) {
     const int64_t nb0 = g * GROUP_BLOCKS;
     const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
-    if (!c->amx) { /* its own blocking: 6 rows x the group's 4 blocks, four prefetched weight streams */
+    if (c->kernel == DENSE_AVX512_BF16) { /* its own blocking: 6 rows x the group's 4 blocks, four weight streams */
         bf16_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX512_INT8) {
+        int8_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (n1 - n0 == GROUP_BLOCKS * 16) {
         const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
                                 amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
@@ -92,16 +97,27 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
         frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 1 ||
         frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
-        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has one attribute `amx`");
-    const XLA_FFI_Scalar *amx_attr = frame->attrs.attrs[0];
-    if (amx_attr->dtype != XLA_FFI_DataType_S64) return ffi_error(api, "moe_jax_dense: `amx` must be an s64");
+        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has one attribute `kernel`");
+    const XLA_FFI_Scalar *kernel_attr = frame->attrs.attrs[0];
+    if (kernel_attr->dtype != XLA_FFI_DataType_S64) return ffi_error(api, "moe_jax_dense: `kernel` must be an s64");
+    const int64_t kernel = *(const int64_t *)kernel_attr->value;
+    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX512_INT8)
+        return ffi_error(api, "moe_jax_dense: unknown kernel");
     const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
-    if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 ||
-        y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
-        return ffi_error(api, "moe_jax_dense: x [m, k] bf16, packed w [n blocks, k blocks, 512] u16, y [m, n] f32");
-    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = w->dims[1] * 32;
-    if (m < 1 || m > MAX_ROWS || y->dims[0] != m || w->dims[2] != 512 || w->dims[0] != (n + 15) / 16 || kp < k ||
-        kp - k >= 32)
+    if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
+        return ffi_error(api, "moe_jax_dense: x [m, k] bf16 and y [m, n] f32 expected");
+    int64_t kp;
+    if (kernel == DENSE_AVX512_INT8) { /* [n blocks, kp * 16 + 64] u8: int8 k-pairs, then 16 float32 scales */
+        if (w->dtype != XLA_FFI_DataType_U8 || w->rank != 2 || w->dims[1] < 64 + 512 || (w->dims[1] - 64) % 512)
+            return ffi_error(api, "moe_jax_dense: int8 packed w [n blocks, kp * 16 + 64] u8 expected");
+        kp = (w->dims[1] - 64) / 16;
+    } else {
+        if (w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 || w->dims[2] != 512)
+            return ffi_error(api, "moe_jax_dense: packed w [n blocks, k blocks, 512] u16 expected");
+        kp = w->dims[1] * 32;
+    }
+    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1];
+    if (m < 1 || m > MAX_ROWS || y->dims[0] != m || w->dims[0] != (n + 15) / 16 || kp < k || kp - k >= 32)
         return ffi_error(api, "moe_jax_dense: 1-64 rows, and a packed weight of x's k and y's n expected");
     const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     dense_call *c = aligned_alloc(64, (sizeof(dense_call) + 63) / 64 * 64 + (size_t)padded_rows * kp * 2);
@@ -111,7 +127,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
-    c->amx = *(const int64_t *)amx_attr->value != 0;
+    c->kernel = (int)kernel;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
     const int threads = ffi_pool_threads(api, frame->ctx);
     schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));
