@@ -50,11 +50,10 @@ class KernelChoice:
 
     def describe(self) -> list[str]:
         """One line per part: what runs it and, where not native, why."""
-        parts = {"expert GEMMs": self.gemm, "fused expert forward": self.fused or "none", "SwiGLU": self.activations}
-        key = {"expert GEMMs": "gemm", "fused expert forward": "fused", "SwiGLU": "activations"}
+        parts = (("expert GEMMs", "gemm"), ("fused expert forward", "fused"), ("SwiGLU", "activations"))
         return [
-            f"{name}: {runs}" + (f" ({self.why[key[name]]})" if key[name] in self.why else "")
-            for name, runs in parts.items()
+            f"{name}: {getattr(self, part) or 'none'}" + (f" ({self.why[part]})" if part in self.why else "")
+            for name, part in parts
         ]
 
 
