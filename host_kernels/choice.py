@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from host_kernels import activations, amx, native
+from host_kernels import activations, amx, bf16_gemm, native
 from host_kernels.errors import HostKernelError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, NumpyExpertMatmuls
+from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, NumpyExpertMatmuls
 from host_kernels.fused_forward import KERNELS, best_kernel
 
 NUMPY = NumpyExpertMatmuls.name
 AMX_BF16 = AMXExpertMatmuls.name
+AVX512_BF16 = AVX512BF16ExpertMatmuls.name
 AVX512 = "avx512"
 
 
@@ -27,7 +28,7 @@ AVX512 = "avx512"
 class KernelChoice:
     """What runs the experts of one store.
 
-    gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16 or NUMPY
+    gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16, AVX512_BF16 or NUMPY
     fused:       the fused native forward (inference; hybrid's host share): a name in fused_forward.KERNELS
                  ("amx-bf16", "avx512-bf16", "avx512-f32", "avx512-int8") or "" (none)
     activations: the engine's SwiGLU passes: AVX512 or NUMPY
@@ -61,7 +62,7 @@ def check_choice(choice: KernelChoice, store_dtype):
     """Refuses a choice (say, one a caller built) whose kernels cannot read a store of `store_dtype`."""
     bfloat16 = np.dtype(store_dtype) == amx.BF16
     fused_kernels = {""} | {name for name, k in KERNELS.items() if np.dtype(store_dtype) in k.store_dtypes}
-    gemm_kernels = {NUMPY, AMX_BF16} if bfloat16 else {NUMPY}
+    gemm_kernels = {NUMPY, AMX_BF16, AVX512_BF16} if bfloat16 else {NUMPY}
     fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, NUMPY)
     if not fits:
         raise HostKernelError(
@@ -86,9 +87,15 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
         return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
     why = {}
     bfloat16 = np.dtype(store_dtype) == amx.BF16
-    on_amx, amx_why = amx.status() if bfloat16 else (False, "float32 store: AMX multiplies bfloat16")
-    if not on_amx:
-        why["gemm"] = amx_why
+    gemm = NUMPY
+    if not bfloat16:
+        why["gemm"] = "float32 store: the native GEMMs multiply bfloat16"
+    elif amx.status()[0]:
+        gemm = AMX_BF16
+    elif bf16_gemm.status()[0]:
+        gemm = AVX512_BF16
+    else:
+        why["gemm"] = f"{amx.status()[1]}; {bf16_gemm.status()[1]}"
     fused, fused_why = best_kernel(store_dtype, quant)
     if quant and not fused:
         raise HostKernelError(f"{quant} experts: no kernel on this machine ({fused_why})")
@@ -97,7 +104,7 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
     act_ok, act_why = activations.status()
     if not act_ok:
         why["activations"] = act_why
-    return KernelChoice(AMX_BF16 if on_amx else NUMPY, fused, AVX512 if act_ok else NUMPY, why)
+    return KernelChoice(gemm, fused, AVX512 if act_ok else NUMPY, why)
 
 
 # the CPU features the kernels are chosen by (host_kernels/csrc/, moe_jax/csrc/), in the order doctor lists them

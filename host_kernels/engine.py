@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels.activations import swiglu_backward, swiglu_forward
-from host_kernels.choice import AMX_BF16, AVX512, KernelChoice, check_choice, choose_kernels
+from host_kernels.choice import AVX512, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
 from host_kernels.expert_matmuls import expert_matmuls
 from host_kernels.fused_forward import FusedForward, pack_layer
@@ -63,7 +63,8 @@ class HostMoE:
 
     @property
     def kernel(self) -> str:
-        """Which GEMM path runs the engine's experts: "amx-bf16" (bfloat16 store on an AMX CPU) or "numpy"."""
+        """Which GEMM path runs the engine's experts: "amx-bf16" or "avx512-bf16" (a bfloat16 store on a CPU with
+        AMX or AVX512-BF16), or "numpy"."""
         return self.kernels.gemm
 
     def _layer_matmuls(self, layer: int, backward: bool = False):
@@ -77,7 +78,7 @@ class HostMoE:
         """The native fused forward (host_kernels/fused_forward.py), or None where the kernel choice has none.
         Made once; on AMX it shares the packed weights with `forward`."""
         if self._fused is None and self.kernels.fused:
-            if self.kernels.fused == AMX_BF16:
+            if self.kernels.fused == self.kernels.gemm:  # a bfloat16 kernel on both: one packed copy, shared
                 packed = lambda layer: self._layer_matmuls(layer).forward_weights()  # noqa: E731
             else:
                 packed = lambda layer: pack_layer(self.store[layer], self.kernels.fused)  # noqa: E731

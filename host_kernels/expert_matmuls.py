@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from host_kernels import amx
+from host_kernels import amx, bf16_gemm
 from host_kernels.matmul import matmul_w
 from host_kernels.store import LayerExperts
 from host_kernels.workspace import Workspace
@@ -77,14 +77,23 @@ class AMXExpertMatmuls:
         with self._lock:
             if self._forward is None:
                 self._forward = [
-                    (amx.pack(gate_up_blocks(self.w, e, amx.N_BLOCK, amx.BF16)), amx.pack(self.w.w2[e]))
+                    (self._pack(gate_up_blocks(self.w, e, amx.N_BLOCK, amx.BF16)), self._pack(self.w.w2[e]))
                     for e in range(self.w.num_experts)
                 ]
             if backward and self._backward is None:
                 self._backward = [
-                    (amx.pack(np.asarray(self.w.w2[e]).T), amx.pack(np.asarray(self.w.w13[e]).T))
+                    (self._pack(np.asarray(self.w.w2[e]).T), self._pack(np.asarray(self.w.w13[e]).T))
                     for e in range(self.w.num_experts)
                 ]
+
+    @staticmethod
+    def _pack(w) -> amx.PackedWeight:
+        return amx.pack(w)
+
+    @staticmethod
+    def _mul(a, m: int, w: amx.PackedWeight, out, n0: int, n1: int):
+        """out = (a[:m] @ w)[:, n0:n1]; `a` packed rows (amx.pack_rows / row_buffer, 16-row padded)."""
+        return amx.gemm(a, m, w, out, n0, n1)
 
     def forward_weights(self) -> list[tuple[amx.PackedWeight, amx.PackedWeight]]:
         """(w13, w2) packed per expert, as the forward reads them (w13's up columns start at its n // 2)."""
@@ -98,8 +107,8 @@ class AMXExpertMatmuls:
         a = self._packed_rows(x, w13.kp, rows, m)
         width = cols.stop - cols.start
         hg, hu = (self.workspace.get(name, (m, width), np.float32) for name in ("gate", "up"))
-        amx.gemm(a, m, w13, hg, cols.start, cols.stop)
-        amx.gemm(a, m, w13, hu, fp + cols.start, fp + cols.stop)
+        self._mul(a, m, w13, hg, cols.start, cols.stop)
+        self._mul(a, m, w13, hu, fp + cols.start, fp + cols.stop)
         return hg, hu
 
     def input_buffer(self, name: str, rows: int, width: int, float32: bool = False) -> np.ndarray:
@@ -119,12 +128,12 @@ class AMXExpertMatmuls:
     def _gemm(self, w: amx.PackedWeight, a: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         m = rows.stop - rows.start
         a = a[rows.start :] if a.dtype == np.uint16 else self._packed_rows(a[rows], w.kp, None, m)
-        amx.gemm(a, m, w, out, cols.start, cols.stop)
+        self._mul(a, m, w, out, cols.start, cols.stop)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
         w2t, m = self._backward[e][0], dy.shape[0]
         out = self.workspace.get("activation gradient", (m, cols.stop - cols.start), np.float32)
-        return amx.gemm(self._packed_rows(dy, w2t.kp, None, m), m, w2t, out, cols.start, cols.stop)
+        return self._mul(self._packed_rows(dy, w2t.kp, None, m), m, w2t, out, cols.start, cols.stop)
 
     def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         self._gemm(self._backward[e][1], dh, rows, cols, out)
@@ -139,9 +148,27 @@ def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
     return w13
 
 
+class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
+    """The same GEMMs on AVX512-BF16 (host_kernels/bf16_gemm.py) for CPUs without AMX: it reads the same packed
+    weights and bfloat16 rows, so only the product differs."""
+
+    name = "avx512-bf16"
+
+    @staticmethod
+    def _pack(w) -> amx.PackedWeight:
+        return amx.pack_layout(w)
+
+    @staticmethod
+    def _mul(a, m: int, w: amx.PackedWeight, out, n0: int, n1: int):
+        return bf16_gemm.gemm(a[:m], w, out, n0, n1)
+
+
+MATMULS = {cls.name: cls for cls in (NumpyExpertMatmuls, AMXExpertMatmuls, AVX512BF16ExpertMatmuls)}
+
+
 def expert_matmuls(w: LayerExperts, gemm: str, workspace: Workspace | None = None):
-    """The GEMMs `gemm` names (host_kernels/choice.py: AMXExpertMatmuls.name or NumpyExpertMatmuls.name). The AMX
-    path keeps its temporaries in `workspace` (share one across layers: only one layer runs at a time)."""
-    if gemm == AMXExpertMatmuls.name:
-        return AMXExpertMatmuls(w, workspace)
-    return NumpyExpertMatmuls(w)
+    """The GEMMs `gemm` names (host_kernels/choice.py: a name in MATMULS). The bfloat16 paths keep their
+    temporaries in `workspace` (share one across layers: only one layer runs at a time)."""
+    if gemm == NumpyExpertMatmuls.name:
+        return NumpyExpertMatmuls(w)
+    return MATMULS[gemm](w, workspace)

@@ -1,12 +1,14 @@
 """host_kernels against a plain numpy reference and against jax.grad of a pure-JAX layer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx, choose_kernels
+from host_kernels import amx, bf16_gemm, choose_kernels
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.lora import ExpertLoRA
@@ -121,16 +123,18 @@ def lora_dict(lora):
 
 
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "partial"])
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "bfloat16-amx"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "bfloat16-amx", "bfloat16-avx512"])
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_forward_and_backward_match_references(kind, storage, with_lora, threads):
-    """float32 and bfloat16 storage on the numpy path compute in float32: tight tolerances. On AMX the inputs of
-    every GEMM are rounded to bfloat16 too: the forward against a reference that rounds the same, the gradients
-    (whose inputs are rounded along the way) against float32 ones within bfloat16 error."""
-    on_amx = storage == "bfloat16-amx"
-    if on_amx and not amx.status()[0]:
-        pytest.skip(f"AMX unavailable: {amx.status()[1]}")
+    """float32 and bfloat16 storage on the numpy path compute in float32: tight tolerances. On AMX or AVX512-BF16
+    the inputs of every GEMM are rounded to bfloat16 too: the forward against a reference that rounds the same, the
+    gradients (whose inputs are rounded along the way) against float32 ones within bfloat16 error."""
+    gemm = {"bfloat16-amx": "amx-bf16", "bfloat16-avx512": "avx512-bf16"}.get(storage, "numpy")
+    on_amx = gemm != "numpy"  # (either bfloat16 kernel: the same roundings)
+    status = {"amx-bf16": amx.status, "avx512-bf16": bf16_gemm.status}.get(gemm, lambda: (True, ""))()
+    if not status[0]:
+        pytest.skip(f"{gemm} unavailable: {status[1]}")
     rng = np.random.default_rng(0)
     layer = make_layer(rng, np.float32 if storage == "float32" else ml_dtypes.bfloat16)
     lora = make_lora(rng) if with_lora else None
@@ -139,8 +143,9 @@ def test_forward_and_backward_match_references(kind, storage, with_lora, threads
     ids, weights = routing(kind, tokens, rng)
     dy = rng.standard_normal((tokens, D)).astype(np.float32)
     store = ExpertStore({0: layer})
-    engine = HostMoE(store, threads=threads, kernels=choose_kernels(store.dtype, native=on_amx))
-    assert engine.kernel == ("amx-bf16" if on_amx else "numpy")
+    kernels = dataclasses.replace(choose_kernels(store.dtype, native=on_amx), gemm=gemm)
+    engine = HostMoE(store, threads=threads, kernels=kernels)
+    assert engine.kernel == gemm
 
     y = engine.forward(0, x, ids, weights, lora)
     expected = numpy_reference_forward(layer, x, ids, weights, lora, round_to_bf16=on_amx)
