@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from host_kernels import activations, amx, bf16_gemm, native
+from host_kernels import activations, amx, native
 from host_kernels.errors import HostKernelError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, NumpyExpertMatmuls
 from host_kernels.fused_forward import KERNELS, best_kernel
@@ -86,16 +86,10 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
             raise HostKernelError(f"{quant} experts need the native kernels, and they are off ({off})")
         return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
     why = {}
-    bfloat16 = np.dtype(store_dtype) == amx.BF16
-    gemm = NUMPY
-    if not bfloat16:
-        why["gemm"] = "float32 store: the native GEMMs multiply bfloat16"
-    elif amx.status()[0]:
-        gemm = AMX_BF16
-    elif bf16_gemm.status()[0]:
-        gemm = AVX512_BF16
-    else:
-        why["gemm"] = f"{amx.status()[1]}; {bf16_gemm.status()[1]}"
+    # the engine's GEMMs: the fused forward's fastest bfloat16 kernel (AMX, else AVX512-BF16), which they share
+    gemm, gemm_why = best_kernel(store_dtype) if np.dtype(store_dtype) == amx.BF16 else ("", "")
+    if not gemm:
+        why["gemm"] = gemm_why or "float32 store: the native GEMMs multiply bfloat16"
     fused, fused_why = best_kernel(store_dtype, quant)
     if quant and not fused:
         raise HostKernelError(f"{quant} experts: no kernel on this machine ({fused_why})")
@@ -104,7 +98,7 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
     act_ok, act_why = activations.status()
     if not act_ok:
         why["activations"] = act_why
-    return KernelChoice(gemm, fused, AVX512 if act_ok else NUMPY, why)
+    return KernelChoice(gemm or NUMPY, fused, AVX512 if act_ok else NUMPY, why)
 
 
 # the CPU features the kernels are chosen by (host_kernels/csrc/, moe_jax/csrc/), in the order doctor lists them

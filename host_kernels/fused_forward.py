@@ -23,14 +23,16 @@ import numpy as np
 
 from host_kernels import amx, bf16_gemm, f32_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, gate_up_blocks
+from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.quant import quantize_int8
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
-AVX512_F32, AMX_BF16, AVX512_BF16, AVX512_INT8 = "avx512-f32", AMXExpertMatmuls.name, "avx512-bf16", "avx512-int8"
+# the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)
+AVX512_F32, AVX512_INT8 = "avx512-f32", "avx512-int8"
+AMX_BF16, AVX512_BF16 = AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name
 F32 = np.dtype(np.float32)
 
 

@@ -64,12 +64,4 @@ def status() -> tuple[bool, str]:
 def gemm(a: np.ndarray, w: PackedInt8, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
     past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
-    native.require(status(), "int8 AVX512-BF16 GEMM")
-    n1 = w.n if n1 is None else n1
-    native.check_bf16_rows(a, w.k, w.kp)
-    native.check_gemm_output(out, a.shape[0], n0, n1, w.n, N_BLOCK)
-    native.lib().int8_gemm(
-        a.ctypes.data, a.strides[0] // 2, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, a.shape[0],
-        n0, n1,
-    )  # fmt: skip
-    return out
+    return bf16_gemm.run("int8_gemm", a, w, out, n0, n1)

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import KernelArgumentError, amx, bf16_gemm, int8_gemm, is_live_call, native
+from host_kernels import KernelArgumentError, amx, is_live_call, native
+from host_kernels.fused_forward import AMX_BF16, AVX512_BF16, AVX512_INT8, KERNELS, best_kernel
 from host_kernels.native_sources import xla_ffi_source_hash
-from host_kernels.quant import quantize_int8
 
 TARGET = "moe_jax_host_experts"
 ATTENTION_TARGET = "moe_jax_decode_attention"
@@ -34,9 +34,9 @@ ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 DENSE_TARGET = "moe_jax_dense"
 DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
-DENSE_AMX, DENSE_AVX512, DENSE_INT8 = "amx-bf16", "avx512-bf16", "avx512-int8"  # the dense handler's kernels
-DENSE_CODES = {DENSE_AVX512: 0, DENSE_AMX: 1, DENSE_INT8: 2}  # xla_dense.c's DENSE_*
-KERNEL_STATUS = {DENSE_AMX: amx.status, DENSE_AVX512: bf16_gemm.status, DENSE_INT8: int8_gemm.status}
+# the dense handler's kernels (the fused forward's bfloat16 and int8 ones, host_kernels/fused_forward.py KERNELS,
+# which say how to pack for them and whether this machine runs them) -> xla_dense.c's DENSE_* codes
+DENSE_CODES = {AVX512_BF16: 0, AMX_BF16: 1, AVX512_INT8: 2}
 
 
 def status() -> tuple[bool, str]:
@@ -98,32 +98,25 @@ def argmax_status() -> tuple[bool, str]:
     return _kernel_status(ARGMAX_CPU_FLAGS)
 
 
-def dense_kernel() -> tuple[str, str]:
-    """(kernel, "") for the native dense products on this machine: "amx-bf16" (AMX tiles) or "avx512-bf16"
-    (AVX512-BF16, CPUs without AMX), after the handlers' status; or ("", why neither)."""
+def dense_kernel(quant: str | None = None) -> tuple[str, str]:
+    """(kernel, "") for the native dense products on this machine, after the handlers' status: the fastest
+    bfloat16 kernel the fused forward would pick (AMX tiles, else AVX512-BF16), or with `quant` the one for those
+    quantized weights; or ("", why none)."""
     usable, reason = status()
-    if not usable:
-        return "", reason
-    amx_ok, amx_why = amx.status()
-    if amx_ok:
-        return DENSE_AMX, ""
-    bf16_ok, bf16_why = bf16_gemm.status()
-    return (DENSE_AVX512, "") if bf16_ok else ("", f"{amx_why}; {bf16_why}")
+    return best_kernel(amx.BF16, quant) if usable else ("", reason)
 
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:
-    """A [k, n] weight packed for `kernel`: bfloat16 in the AMX tile layout (host_kernels/amx.py's, which the
-    AVX512-BF16 kernel reads too), or int8 with a scale per column (host_kernels/int8_gemm.py's)."""
-    w = np.asarray(w_kn)
-    if kernel == DENSE_INT8:
-        return jnp.asarray(int8_gemm.pack(quantize_int8(w)).data)
-    return jnp.asarray(amx.pack_layout(w).data)
+    """A [k, n] weight packed for `kernel` (as the fused forward packs for it: bfloat16 in the AMX tile layout,
+    which the AVX512-BF16 kernel reads too, or int8 with a scale per column)."""
+    k = KERNELS[kernel]
+    return jnp.asarray(k.pack(np.asarray(w_kn, k.pack_dtype)).data)
 
 
 def dense_call(x_mk, packed_w, n: int, kernel: str):
-    """x @ W in float32 for x bfloat16 [m <= DENSE_MAX_ROWS, k], W given as `pack_dense(W)` with n columns, on
-    `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
-    usable, reason = KERNEL_STATUS[kernel]() if kernel in KERNEL_STATUS else (False, f"unknown kernel {kernel!r}")
+    """x @ W in float32 for x bfloat16 [m <= DENSE_MAX_ROWS, k], W given as `pack_dense(W, kernel)` with n columns,
+    on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
+    usable, reason = KERNELS[kernel].status() if kernel in DENSE_CODES else (False, f"unknown kernel {kernel!r}")
     if not usable or not status()[0]:  # status() registers the handler on first use
         raise RuntimeError(f"native dense products on {kernel} unavailable: {reason or status()[1]}")
     result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)

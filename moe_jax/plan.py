@@ -125,9 +125,8 @@ def make_plan(
         "ffi", bool(host.fused), "no fused forward to call", lambda: (True, "")
     )
     bf16 = dtype == BFLOAT16
-    dense, dense_why = native_call.dense_kernel()
-    if dense and quant == "int8":  # the decode steps' dense weights quantized like the experts (half the bytes)
-        dense = native_call.DENSE_INT8
+    # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
+    dense, dense_why = native_call.dense_kernel(quant)
     float32_model = "float32 model: the kernel works on bfloat16"
     return ExecutionPlan(
         platform=jax.default_backend(),

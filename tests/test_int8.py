@@ -107,8 +107,8 @@ def test_decode_dense_products_on_int8_weights(m, k, n):
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    packed = native_call.pack_dense(w, native_call.DENSE_INT8)
-    product = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel="avx512-int8"))
+    packed = native_call.pack_dense(w, AVX512_INT8)
+    product = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=AVX512_INT8))
     assert native_call.DENSE_TARGET in product.lower(x, w, packed).as_text()
     dequantized = quantize_int8(np.asarray(w, np.float32)).dequantize().astype(np.float64)
     expected = np.asarray(x, np.float64)[:, 0] @ dequantized
@@ -147,7 +147,7 @@ def test_logits_follow_bfloat16_on_the_bundled_model():
     # decode steps read the dense weights in int8 too (where the plan multiplies them natively): greedy tokens
     # follow bfloat16's on held-out prompts
     if int8.plan.dense_decode:
-        assert int8.plan.dense_decode == native_call.DENSE_INT8
+        assert int8.plan.dense_decode == AVX512_INT8
     prompts = held_out_token_ids(bf16.tokenizer, 16)
     quantized, plain = int8.generate(prompts, max_new_tokens=6), bf16.generate(prompts, max_new_tokens=6)
     same = sum(a == b for a, b in zip(quantized, plain, strict=True))
