@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import moe_jax
-from host_kernels import MAX_THREADS
+from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax.anchor_cache import AnchorCache
 from moe_jax.cli import run_cli
 from moe_jax.engine import EngineStats, GenerationEngine, Request
@@ -74,9 +74,10 @@ def parse_args(argv):
     p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
     p.add_argument(
         "--quant",
-        choices=["int8"],
-        help="generate from int8 weights (a scale per output column): the host experts and, in a bfloat16 model's "
-        "decode steps, the attention and head weights",
+        choices=list(QUANTIZED),
+        help="generate from quantized weights: int8 (a scale per output column) or int4 (a scale per group of 32 "
+        "k-rows, as llama.cpp's Q4_0; int4-g64 / int4-g128: groups of 64 / 128): the host experts and, in a "
+        "bfloat16 model's decode steps, the attention and head weights",
     )
     return p.parse_args(argv)
 

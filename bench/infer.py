@@ -5,7 +5,7 @@
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) and prefill of one
    512-token prompt, on a bench model (bench/models.py; --shape): moe_jax with the host backend (float32;
    bfloat16, whose experts and decode attention XLA calls through the FFI handlers; bfloat16 with xla_ffi=False:
-   experts through a Python callback; bfloat16 without the fused forward: the engine's numpy path) and the device
+   experts through a Python callback; bfloat16 without the fused forward: the engine's numpy path; int8 and int4 experts) and the device
    backend (float32), auto (--sides auto_float32,auto_bfloat16; --profile), and Hugging Face `generate` on torch
    CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against transformers' faster dtype.
 2. Agent traces (bench/data/agent_trace.json, bench/agent_traces.py): prompt tokens prefilled with the anchor
@@ -120,6 +120,7 @@ SIDES = {
     "host_float32": (lambda b, n, p: ours("host", "float32", b, n, prompt=p), ROUNDS),
     "host_bfloat16": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p), ROUNDS),
     "host_int8": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p, quant="int8"), ROUNDS),
+    "host_int4": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p, quant="int4"), ROUNDS),
     "host_bfloat16_callback": (lambda b, n, p: ours("host", "bfloat16", b, n, xla_ffi=False, prompt=p), ROUNDS),
     # bfloat16 experts on the engine's numpy path: what a CPU without AMX ran before the AVX512-BF16 kernel
     "host_bfloat16_engine": (lambda b, n, p: ours("host", "bfloat16", b, n, fused=False, prompt=p), ROUNDS),
@@ -133,7 +134,7 @@ SIDES = {
     "transformers_bfloat16_cuda": (lambda b, n, p: transformers_generate(b, n, "bfloat16", "cuda", prompt=p), ROUNDS),
 }
 CPU_SIDES = [
-    "transformers_float32", "transformers_bfloat16", "host_float32", "host_bfloat16", "host_int8",
+    "transformers_float32", "transformers_bfloat16", "host_float32", "host_bfloat16", "host_int8", "host_int4",
     "host_bfloat16_callback", "device_float32",
 ]  # fmt: skip
 # the baseline the targets are set against: transformers on the CPU

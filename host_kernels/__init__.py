@@ -5,7 +5,7 @@ What the rest of the project uses, importable from here:
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
 - the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
-  what it is made from: `cpu_features`, `library_status`;
+  what it is made from: `cpu_features`, `library_status`; `QUANTIZED`, the quantized formats it can be asked for;
 - errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
 The native library's own wrappers (amx, f32_gemm, native) serve the engine and moe_jax's XLA handlers.
 """
@@ -13,13 +13,14 @@ The native library's own wrappers (amx, f32_gemm, native) serve the engine and m
 from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
-from host_kernels.fused_forward import is_live_call
+from host_kernels.fused_forward import QUANTIZED, is_live_call
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import MAX_THREADS, default_threads
 from host_kernels.store import ExpertStore, LayerExperts, StoreWriter, file_sha256
 
 __all__ = [
     "MAX_THREADS",
+    "QUANTIZED",
     "ExpertLoRA",
     "ExpertStore",
     "HostKernelError",

@@ -45,9 +45,9 @@ class KernelChoice:
         """The fused forward reads a quantized copy of the experts (`choose_kernels(quant=...)`)."""
         return bool(self.fused) and KERNELS[self.fused].quantized
 
-    def packed_bytes_per_weight(self) -> int:
-        """Bytes per expert weight of the fused forward's packed copy (0: it makes none)."""
-        return KERNELS[self.fused].packed_itemsize if self.fused else 0
+    def packed_bytes_per_weight(self) -> float:
+        """Bytes per expert weight of the fused forward's packed copy (0: it makes none), scales aside."""
+        return KERNELS[self.fused].packed_bits / 8 if self.fused else 0
 
     def describe(self) -> list[str]:
         """One line per part: what runs it and, where not native, why."""

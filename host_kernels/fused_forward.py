@@ -21,17 +21,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import amx, bf16_gemm, f32_gemm, int8_gemm, native
+from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, gate_up_blocks
 from host_kernels.pool import check_thread_count
-from host_kernels.quant import quantize_int8
+from host_kernels.quant import INT4_GROUPS, quantize_int4, quantize_int8
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)
 AVX512_F32, AVX512_INT8 = "avx512-f32", "avx512-int8"
+QUANT_INT4 = {group: "int4" if group == 32 else f"int4-g{group}" for group in INT4_GROUPS}  # quant names
+AVX512_INT4 = {group: f"avx512-{name}" for group, name in QUANT_INT4.items()}
 AMX_BF16, AVX512_BF16 = AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name
 F32 = np.dtype(np.float32)
 
@@ -47,25 +49,37 @@ class FusedKernel:
     block: int  # columns per block of that layout (w13's up half starts on one)
     pack_dtype: np.dtype  # the dtype a [k, n] weight is handed to `pack` in
     pack: Callable  # [k, n] weight -> packed
-    packed_itemsize: int  # bytes per weight in the packed copy (scales aside)
+    packed_bits: int  # bits per weight in the packed copy (scales aside)
     quantized: bool = False  # reads a quantized copy: used only when asked for (`quant`), never picked by speed
+    group: int = 0  # int4: k-rows per scale (moe_layer_new's `group`)
 
 
 def _pack_int8(w):
     return int8_gemm.pack(quantize_int8(w))
 
 
+def _int4_kernel(group: int) -> FusedKernel:
+    def pack(w):
+        return int4_gemm.pack(quantize_int4(w, group))
+
+    return FusedKernel(
+        4, (F32, amx.BF16), int4_gemm.status, int4_gemm.PackedInt4, amx.N_BLOCK, F32, pack, 4, True, group
+    )  # fmt: skip
+
+
 KERNELS = {  # fastest first for each store dtype
-    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 4),
-    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 2),
+    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32),
+    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16),
     AVX512_BF16: FusedKernel(
-        2, (amx.BF16,), bf16_gemm.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 2
+        2, (amx.BF16,), bf16_gemm.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16
     ),
     AVX512_INT8: FusedKernel(
-        3, (F32, amx.BF16), int8_gemm.status, int8_gemm.PackedInt8, amx.N_BLOCK, F32, _pack_int8, 1, quantized=True
+        3, (F32, amx.BF16), int8_gemm.status, int8_gemm.PackedInt8, amx.N_BLOCK, F32, _pack_int8, 8, quantized=True
     ),
+    **{AVX512_INT4[group]: _int4_kernel(group) for group in INT4_GROUPS},
 }
-QUANTIZED = {"int8": AVX512_INT8}  # load_model(quant=...) -> the kernel that reads such weights
+# load_model(quant=...) -> the kernel that reads such weights; "int4" has llama.cpp Q4_0's group of 32 k-rows
+QUANTIZED = {"int8": AVX512_INT8, **{QUANT_INT4[group]: AVX512_INT4[group] for group in INT4_GROUPS}}
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
     "bytes_out",
@@ -170,7 +184,7 @@ class FusedForward:
                 routed = np.zeros(w.num_experts, np.int64)
                 pointer = self._lib.moe_layer_new(
                     KERNELS[self.kernel].code, w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
-                    routed.ctypes.data,
+                    routed.ctypes.data, KERNELS[self.kernel].group,
                 )  # fmt: skip
                 if not pointer:
                     raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")

@@ -64,4 +64,5 @@ def status() -> tuple[bool, str]:
 def gemm(a: np.ndarray, w: PackedInt8, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
     past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
-    return bf16_gemm.run("int8_gemm", a, w, out, n0, n1)
+    bf16_gemm.run("int8_gemm", a, w, out, n0, n1)
+    return out

@@ -1,9 +1,14 @@
-"""int8 weights with a float32 scale per output column (symmetric: q = round(w / scale), scale = max|w| / 127 of
-the column), for the experts of a quantized store: a quarter of float32's bytes, half of bfloat16's.
+"""Quantized weights for the experts (and a quantized model's dense decode products):
 
-Per output column (per expert, per matrix) the scale factors out of every product exactly: x @ (q * s) =
-(x @ q) * s, so the kernels multiply once per output and the error is the rounding of each weight alone, at most
-half a step: |w - q * s| <= s / 2 = max|w| / 254 of its column.
+- int8 with a float32 scale per output column (symmetric: q = round(w / scale), scale = max|w| / 127 of the
+  column): a quarter of float32's bytes, half of bfloat16's. Per output column the scale factors out of every
+  product exactly, x @ (q * s) = (x @ q) * s, so the kernels multiply once per output and the error is the
+  rounding of each weight alone, at most half a step: |w - q * s| <= s / 2 = max|w| / 254 of its column.
+- int4 with a float16 scale per group of `group` k-rows and column, llama.cpp's Q4_0 rule: d = m / -8 where m is
+  the group's value of largest magnitude, q = round(w / d) clipped to [-8, 7]. m itself maps to -8 exactly and
+  the other values lie in [-8, 8] steps, so the error is at most half a step, |d| / 2, except for values within
+  half a step of -m (they clip to 7: at most |d|). 4 bits a weight plus 16 / group for the scale: 4.5 at group 32,
+  0.28x bfloat16's bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 from host_kernels.errors import KernelArgumentError
 
 INT8_MAX = 127
+INT4_GROUPS = (32, 64, 128)  # k-rows per int4 scale the kernels take (a multiple of the 32-row k padding)
 
 
 @dataclass(frozen=True)
@@ -38,15 +44,88 @@ class QuantizedInt8:
         return (self.q.astype(np.float32) * self.scale[..., None, :]).astype(dtype)
 
 
-def quantize_int8(w: np.ndarray) -> QuantizedInt8:
-    """Symmetric int8 per output column of a [..., k, n] float weight. A column of zeros gets scale 0 (and stays
-    zeros); a non-finite weight is refused, naming where it is."""
+@dataclass(frozen=True)
+class QuantizedInt4:
+    """A [..., k, n] weight as `q` (int8 values in [-8, 7]) and float16 `scale` [..., ceil(k / group), n]."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    group: int
+
+    def __post_init__(self):
+        if self.group not in INT4_GROUPS:
+            raise KernelArgumentError(f"int4 group size {self.group}: choose one of {INT4_GROUPS}")
+        if self.q.dtype != np.int8 or self.scale.dtype != np.float16:
+            raise KernelArgumentError(f"int4 weight is {self.q.dtype} with {self.scale.dtype} scales")
+        k = self.q.shape[-2] if self.q.ndim >= 2 else 0
+        if self.scale.shape != self.q.shape[:-2] + (-(-k // self.group),) + self.q.shape[-1:]:
+            raise KernelArgumentError(
+                f"scales {self.scale.shape} do not match int4 weights {self.q.shape} in groups of {self.group}"
+            )
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        scale = np.repeat(self.scale.astype(np.float32), self.group, axis=-2)[..., : self.q.shape[-2], :]
+        return (self.q.astype(np.float32) * scale).astype(dtype)
+
+
+def quantize_int4(w: np.ndarray, group: int = 32) -> QuantizedInt4:
+    """int4 per group of `group` k-rows and output column of a [..., k, n] float weight (llama.cpp's Q4_0 rule,
+    the scale rounded to float16 before the weights are divided by it). A group of zeros gets scale 0; a
+    non-finite weight is refused, naming where it is."""
+    if group not in INT4_GROUPS:
+        raise KernelArgumentError(f"int4 group size {group}: choose one of {INT4_GROUPS}")
+    w32 = _finite_float32(w)
+    k, n = w32.shape[-2:]
+    groups = -(-k // group)
+    padded = np.zeros(w32.shape[:-2] + (groups * group, n), np.float32)
+    padded[..., :k, :] = w32
+    blocks = padded.reshape(w32.shape[:-2] + (groups, group, n))
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-2)[..., None, :], axis=-2)[..., 0, :]
+    with np.errstate(over="ignore"):
+        scale = (extreme / -8).astype(np.float16)
+    if not np.isfinite(scale).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(scale))[0])
+        raise KernelArgumentError(f"int4 group {where}: its weights exceed float16 scales' range (|w| > 5.2e5)")
+    safe = np.where(scale != 0, scale.astype(np.float32), 1.0)[..., None, :]
+    q = np.clip(np.rint(blocks / safe), -8, 7).astype(np.int8).reshape(padded.shape)[..., :k, :]
+    return QuantizedInt4(q, scale, group)
+
+
+def _finite_float32(w: np.ndarray) -> np.ndarray:
+    """w as float32, refused if any weight is not finite (naming where)."""
     w32 = np.asarray(w, np.float32)
     if not np.isfinite(w32).all():
         where = tuple(int(i) for i in np.argwhere(~np.isfinite(w32))[0])
         raise KernelArgumentError(f"weight {w32[where]} at {where} is not finite: it cannot be quantized")
+    return w32
+
+
+def quantize_int8(w: np.ndarray) -> QuantizedInt8:
+    """Symmetric int8 per output column of a [..., k, n] float weight. A column of zeros gets scale 0 (and stays
+    zeros); a non-finite weight is refused, naming where it is."""
+    w32 = _finite_float32(w)
     absmax = np.abs(w32).max(axis=-2)
     scale = (absmax / INT8_MAX).astype(np.float32)
     safe = np.where(scale > 0, scale, 1.0)[..., None, :]
     q = np.clip(np.rint(w32 / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
     return QuantizedInt8(q, scale)
+
+
+ACTIVATION_CHUNK = 32  # values per activation scale in the int4 kernel's products
+
+
+def quantize_activations(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How the int4 kernel (host_kernels/csrc/int4_gemm.c) quantizes its bfloat16 rows, as llama.cpp's Q8_0 does:
+    per 32 values of a [m, k] row (k a multiple of 32), d = max|a| / 127 and q = round(a / d) to nearest even,
+    in float32. Returns (q int8 [m, k], d float32 [m, k / 32]); q * d is what the products see."""
+    a32 = np.asarray(a, np.float32)
+    m, k = a32.shape
+    chunks = a32.reshape(m, k // ACTIVATION_CHUNK, ACTIVATION_CHUNK)
+    d = np.abs(chunks).max(axis=-1) / np.float32(127)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(chunks * inverse[..., None]).astype(np.int8).reshape(m, k)
+    return q, d.astype(np.float32)

@@ -307,8 +307,9 @@ def load_model(
     `native`: False runs everything in XLA and numpy (no native kernels or FFI handlers), True uses every native
     part this machine runs; None (default) the same, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy say
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
-    `host_kernels.KernelChoice`) replaces the host kernel choice. `quant="int8"`: the host experts' inference
-    forward reads them as int8 with a scale per output column (quantized as each layer is first used), and so do a
+    `host_kernels.KernelChoice`) replaces the host kernel choice. `quant`: "int8" (a scale per output column),
+    "int4" (a float16 scale per group of 32 k-rows, llama.cpp's Q4_0 rule; "int4-g64", "int4-g128": groups of 64,
+    128): the host experts' inference forward reads them so (quantized as each layer is first used), and so do a
     bfloat16 model's decode steps for their dense weights where they multiply them natively; the unquantized
     weights stay for anything else (prefill's dense products, training), so such a model is for generation, not
     training. The resulting plan is `Model.plan` (moe_jax/plan.py).

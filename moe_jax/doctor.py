@@ -1,8 +1,8 @@
 """`python -m moe_jax.doctor`: what this machine supports and what a model loaded here would run, and why.
 
 Prints the CPU's kernel-relevant features, the two native libraries' state, the platform jax runs on, and the
-execution plan (moe_jax/plan.py) for a host-placement model in float32, in bfloat16 and in bfloat16 with int8
-experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug report). Exit
+execution plan (moe_jax/plan.py) for a host-placement model in float32, in bfloat16, and in bfloat16 with int8
+and with int4 experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug report). Exit
 code 0; nothing here changes state.
 """
 
@@ -43,10 +43,11 @@ def report(native: bool | None = None) -> dict:
     unavailable = {}
     ffi_ok, ffi_why = native_call.status()
     plans = {dtype: make_plan(dtype, store, native) for dtype, store in STORE_DTYPES.items()}
-    try:
-        plans["bfloat16, quant=int8"] = make_plan("bfloat16", STORE_DTYPES["bfloat16"], native, quant="int8")
-    except HostKernelError as e:
-        unavailable["bfloat16, quant=int8"] = str(e)
+    for quant in ("int8", "int4"):
+        try:
+            plans[f"bfloat16, quant={quant}"] = make_plan("bfloat16", STORE_DTYPES["bfloat16"], native, quant=quant)
+        except HostKernelError as e:
+            unavailable[f"bfloat16, quant={quant}"] = str(e)
     return {
         "cpu": cpu_model(),
         "cpu_features": cpu_features(),

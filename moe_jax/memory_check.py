@@ -61,7 +61,7 @@ def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> 
     return {
         "dense weights": dense,
         "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,
-        "packed expert copies": params * packed_itemsize,
+        "packed expert copies": int(params * packed_itemsize),
     }
 
 

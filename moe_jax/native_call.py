@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_kernels import KernelArgumentError, amx, is_live_call, native
-from host_kernels.fused_forward import AMX_BF16, AVX512_BF16, AVX512_INT8, KERNELS, best_kernel
+from host_kernels.fused_forward import AMX_BF16, AVX512_BF16, AVX512_INT4, AVX512_INT8, KERNELS, best_kernel
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
@@ -34,9 +34,9 @@ ARGMAX_TARGET = "moe_jax_argmax"
 ARGMAX_CPU_FLAGS = ("avx512f",)  # xla_argmax.c's target
 DENSE_TARGET = "moe_jax_dense"
 DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
-# the dense handler's kernels (the fused forward's bfloat16 and int8 ones, host_kernels/fused_forward.py KERNELS,
-# which say how to pack for them and whether this machine runs them) -> xla_dense.c's DENSE_* codes
-DENSE_CODES = {AVX512_BF16: 0, AMX_BF16: 1, AVX512_INT8: 2}
+# the dense handler's kernels (the fused forward's bfloat16 and quantized ones, host_kernels/fused_forward.py
+# KERNELS, which say how to pack for them, int4's group and whether this machine runs them) -> xla_dense.c's codes
+DENSE_CODES = {AVX512_BF16: 0, AMX_BF16: 1, AVX512_INT8: 2, **{name: 3 for name in AVX512_INT4.values()}}
 
 
 def status() -> tuple[bool, str]:
@@ -108,7 +108,7 @@ def dense_kernel(quant: str | None = None) -> tuple[str, str]:
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:
     """A [k, n] weight packed for `kernel` (as the fused forward packs for it: bfloat16 in the AMX tile layout,
-    which the AVX512-BF16 kernel reads too, or int8 with a scale per column)."""
+    which the AVX512-BF16 kernel reads too, int8 with a scale per column, or int4 with one per group)."""
     k = KERNELS[kernel]
     return jnp.asarray(k.pack(np.asarray(w_kn, k.pack_dtype)).data)
 
@@ -121,7 +121,7 @@ def dense_call(x_mk, packed_w, n: int, kernel: str):
         raise RuntimeError(f"native dense products on {kernel} unavailable: {reason or status()[1]}")
     result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(DENSE_TARGET, result, vmap_method="sequential")
-    return call(x_mk, packed_w, kernel=np.int64(DENSE_CODES[kernel]))
+    return call(x_mk, packed_w, kernel=np.int64(DENSE_CODES[kernel]), group=np.int64(KERNELS[kernel].group))
 
 
 def argmax_tokens(logits_bv, native: bool):

@@ -33,7 +33,7 @@ class ExecutionPlan:
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
     experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
     decode_attention: bool  # native decode attention over the bfloat16 KV cache
-    # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-bf16", "avx512-int8"; "": XLA)
+    # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
@@ -98,7 +98,8 @@ def make_plan(
     as `native`) the XLA FFI handlers alone (the host kernels then run through callbacks). None takes the
     environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
     the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
-    ("int8") has the host experts' fused forward read them quantized."""
+    ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
+    quantized."""
     why = {}
     xla_ffi = native if xla_ffi is None else xla_ffi
     if xla_ffi is False:

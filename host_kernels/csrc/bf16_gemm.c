@@ -25,7 +25,7 @@
 
 #define ROWS 6
 #define BLOCKS 4
-#define PREFETCH_BYTES 512 /* ahead of the k-pair row loaded, per stream */
+#define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
 
 /* bytes of one 16-column block of packed B, and of one k-pair row in it */
 static inline int64_t block_bytes(int64_t kp, const int int8) { return int8 ? kp * 16 + 64 : kp * 32; }

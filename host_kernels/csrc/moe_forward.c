@@ -5,7 +5,9 @@
  * call, of which ~0.2 ms of weight reading). GEMMs: AMX for bfloat16 weights (amx_gemm.c; the arithmetic is the
  * engine's AMX path step for step, so both give the same bits) or, on CPUs without AMX, AVX512-BF16 over the same
  * packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c); int8 weights with a scale per column
- * (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers), quantized from either.
+ * (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers) or int4 ones with a scale per group of k-rows
+ * (int4_gemm.c on AVX512-VNNI, whose int8 activation rows are made once: the inputs as they are gathered, the
+ * SwiGLU outputs by the tile that computes them), quantized from either.
  *
  * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
  * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts
@@ -24,6 +26,7 @@
 
 #include "amx_gemm.h"
 #include "bf16_gemm.h"
+#include "int4_gemm.h"
 #include "moe_forward.h"
 #include "runner.h"
 #include "simd.h"
@@ -45,7 +48,9 @@ typedef struct {
     int64_t experts, hidden, ffn;
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
     int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
-    int64_t weight_bytes;      /* bytes per packed weight: 4, 2 or 1 */
+    int int4;                  /* the int4 kernel: its GEMMs read int8 rows (int4_quantize_rows) */
+    int64_t group;             /* int4: k-rows per scale */
+    int64_t weight_bits;       /* bits per packed weight: 32, 16, 8 or 4 (scales aside) */
     int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
     int64_t kp_hidden, kp_ffn; /* row strides of the gathered inputs and activations: k padded to the AMX tile (32) */
     int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column AMX tile or 32-column f32 block) */
@@ -60,15 +65,17 @@ void moe_layer_free(moe_layer *l) {
 }
 
 /* w13, w2: addresses of each expert's packed weights for `kernel` (MOE_KERNEL_BF16_*: amx.pack's layout;
- * MOE_KERNEL_F32_AVX512: f32_gemm.c's). */
+ * MOE_KERNEL_F32_AVX512: f32_gemm.c's; the int8 and int4 ones: bf16_gemm.h's). group: int4's k-rows per scale. */
 moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
-                         const uint64_t *w2, int64_t *routed) {
+                         const uint64_t *w2, int64_t *routed, int64_t group) {
     moe_layer *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
     l->f32 = kernel == MOE_KERNEL_F32_AVX512;
     l->kernel = kernel;
-    l->weight_bytes = l->f32 ? 4 : kernel == MOE_KERNEL_INT8_AVX512 ? 1 : 2;
+    l->int4 = kernel == MOE_KERNEL_INT4_AVX512;
+    l->group = group;
+    l->weight_bits = l->f32 ? 32 : kernel == MOE_KERNEL_INT8_AVX512 ? 8 : kernel == MOE_KERNEL_INT4_AVX512 ? 4 : 16;
     l->row_bytes = l->f32 ? 4 : 2;
     l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
     l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
@@ -102,6 +109,7 @@ typedef struct {
     float *weight_sorted;   /* [pairs] */
     char *rows;             /* [pairs + 16, kp_hidden] inputs in sorted order, bfloat16 or float32 (row_bytes) */
     char *act;              /* [pairs + 16, kp_ffn] SwiGLU outputs, the same */
+    char *rows_q, *act_q;   /* int4 layers: both quantized to int8 (int4_row_bytes a row) */
     float *out;             /* [pairs, hidden] weighted expert outputs */
     void *y;
     tile *tiles;
@@ -133,17 +141,20 @@ static void gather_task(void *state, int worker, int64_t task) {
         memset(dst + d * size, 0, (kp - d) * size);
         char *act_row = s->act + i * l->kp_ffn * size;
         memset(act_row + l->ffn * size, 0, (l->kp_ffn - l->ffn) * size);
+        if (l->int4) int4_quantize_rows((const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * int4_row_bytes(kp), kp);
     }
 }
 
-/* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride) times packed weight w. */
+/* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride; int4: their quantized records)
+ * times packed weight w. */
 static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                         int64_t n0, int64_t n1) {
     switch (l->kernel) {
         case MOE_KERNEL_F32_AVX512: f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AMX: amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX512: bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        default: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_INT8_AVX512: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        default: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: quantized rows */
     }
 }
 
@@ -153,7 +164,7 @@ static void gate_up_task(void *state, int worker, int64_t task) {
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, width = t.c1 - t.c0;
     float *hg = s->runner->scratch[worker].data, *hu = hg + m * COLUMN_BLOCK;
-    const char *a = s->rows + r0 * l->kp_hidden * l->row_bytes;
+    const char *a = l->int4 ? s->rows_q + r0 * int4_row_bytes(l->kp_hidden) : s->rows + r0 * l->kp_hidden * l->row_bytes;
     const void *w13 = l->w13[t.expert];
     int64_t c = t.c0;
     if (l->kernel == MOE_KERNEL_BF16_AMX && m <= 16) /* decode: gate and up columns side by side, four weight streams */
@@ -169,8 +180,13 @@ static void gate_up_task(void *state, int worker, int64_t task) {
         expert_gemm(l, a, l->kp_hidden, w13, hu + (c - t.c0), COLUMN_BLOCK, m, l->ffn_padded + c,
                     l->ffn_padded + t.c1);
     }
-    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, s->act + (r0 * l->kp_ffn + t.c0) * l->row_bytes, l->kp_ffn,
-                   !l->f32, m, width);
+    char *act = s->act + r0 * l->kp_ffn * l->row_bytes;
+    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes, l->kp_ffn, !l->f32, m, width);
+    if (l->int4) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
+        const int64_t end = padded(t.c1, 32) < l->kp_ffn ? padded(t.c1, 32) : l->kp_ffn;
+        int4_quantize_rows((const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * int4_row_bytes(l->kp_ffn),
+                           l->kp_ffn);
+    }
 }
 
 static void down_task(void *state, int worker, int64_t task) {
@@ -180,7 +196,7 @@ static void down_task(void *state, int worker, int64_t task) {
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, d = l->hidden;
     float *out = s->out + r0 * d + t.c0;
-    const char *a = s->act + r0 * l->kp_ffn * l->row_bytes;
+    const char *a = l->int4 ? s->act_q + r0 * int4_row_bytes(l->kp_ffn) : s->act + r0 * l->kp_ffn * l->row_bytes;
     int64_t c = t.c0;
     const void *w2 = l->w2[t.expert];
     const int64_t kp = l->kp_ffn;
@@ -267,7 +283,10 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     char *rows = runner_reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
     char *act = runner_reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
     float *out = runner_reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
-    if (!index || !rows || !act || !out) return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
+    char *rows_q = l->int4 ? runner_reserve(&r->rows_q, (size_t)(pairs + 16) * int4_row_bytes(l->kp_hidden)) : NULL;
+    char *act_q = l->int4 ? runner_reserve(&r->act_q, (size_t)(pairs + 16) * int4_row_bytes(l->kp_ffn)) : NULL;
+    if (!index || !rows || !act || !out || (l->int4 && (!rows_q || !act_q)))
+        return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
     int64_t *token_of = fill + experts + 1, *position = token_of + pairs;
     int32_t *by_size = (int32_t *)(position + tokens * top_k);
@@ -304,7 +323,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
             return fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
 
     call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
-                    weight_sorted, rows, act, out, y, tiles, 0};
+                    weight_sorted, rows, act, rows_q, act_q, out, y, tiles, 0};
     runner_open_call(r, helpers);
     runner_run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
     s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
@@ -323,7 +342,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     r->totals[TOKENS] += tokens;
     r->totals[PAIRS] += pairs;
     r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
-    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * l->weight_bytes;
+    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * l->weight_bits / 8;
     r->totals[BYTES_IN] += tokens * d * x_size + tokens * top_k * (4 + w_size);
     r->totals[BYTES_OUT] += tokens * d * x_size;
     return 0;

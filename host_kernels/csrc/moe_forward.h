@@ -8,8 +8,15 @@
 
 enum { MOE_FLOAT32 = 0, MOE_BFLOAT16 = 1 }; /* activations' and routing weights' dtypes */
 /* the GEMM kernel of a layer's packed weights (moe_layer_new): float32 on AVX-512 FMA, bfloat16 on AMX tiles or on
- * AVX512-BF16 (both read the same packed layout), int8 with per-column scales on AVX512-BF16 */
-enum { MOE_KERNEL_F32_AVX512 = 0, MOE_KERNEL_BF16_AMX = 1, MOE_KERNEL_BF16_AVX512 = 2, MOE_KERNEL_INT8_AVX512 = 3 };
+ * AVX512-BF16 (both read the same packed layout), int8 with per-column scales or int4 with per-group scales on
+ * AVX512-BF16 */
+enum {
+    MOE_KERNEL_F32_AVX512 = 0,
+    MOE_KERNEL_BF16_AMX = 1,
+    MOE_KERNEL_BF16_AVX512 = 2,
+    MOE_KERNEL_INT8_AVX512 = 3,
+    MOE_KERNEL_INT4_AVX512 = 4
+};
 
 /* Where a call's helper threads come from: `schedule(context, task, data)` has task(data) run on another thread
  * (XLA's thread pool, for the FFI handler), at most `count` times; it returns non-zero if it cannot. A forward

@@ -52,7 +52,7 @@ typedef struct {
     task_fn fn;
     void *state;
     pthread_mutex_t one_call; /* calls share the buffers */
-    buffer rows, act, out, index, scratch[MAX_THREADS];
+    buffer rows, act, out, index, rows_q, act_q, scratch[MAX_THREADS]; /* _q: int4 layers' int8 rows */
     uint64_t totals[TOTALS];           /* over calls, read by moe_runner_totals */
     _Atomic uint64_t busy_nanoseconds; /* summed over threads */
 } moe_runner;

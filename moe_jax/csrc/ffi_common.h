@@ -4,6 +4,7 @@
 #define MOE_JAX_FFI_COMMON_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -36,6 +37,20 @@ static inline int ffi_pool_schedule(const XLA_FFI_Api *api, XLA_FFI_ExecutionCon
     XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_Schedule(&args);
     if (!err) return 0;
     ffi_drop_error(api, err);
+    return 1;
+}
+
+/* The s64 scalar attribute `name` into *value; non-zero where the call has none of that name and type. */
+static inline int ffi_s64_attr(const XLA_FFI_CallFrame *frame, const char *name, int64_t *value) {
+    const size_t length = strlen(name);
+    for (int64_t i = 0; i < frame->attrs.size; i++) {
+        const XLA_FFI_ByteSpan *attr_name = frame->attrs.names[i];
+        if (attr_name->len != length || memcmp(attr_name->ptr, name, length)) continue;
+        const XLA_FFI_Scalar *scalar = frame->attrs.attrs[i];
+        if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR || scalar->dtype != XLA_FFI_DataType_S64) return 1;
+        *value = *(const int64_t *)scalar->value;
+        return 0;
+    }
     return 1;
 }
 

@@ -2,8 +2,10 @@
  * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
  * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout); or W
  * int8 with a scale per column (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for
- * `quant="int8"`, whose weights a decode step reads at half the bytes. The attribute `kernel` (s64, DENSE_* below)
- * says which, as the execution plan chose (moe_jax/plan.py).
+ * `quant="int8"`, whose weights a decode step reads at half the bytes, or int4 with a scale per group of `group`
+ * k-rows (host_kernels/int4_gemm.py's layout: [n blocks, kp * 8 + groups * 32] u8) for `quant="int4"`. The
+ * attributes `kernel` (s64, DENSE_* below) and `group` (s64: int4's k-rows per scale, else 0) say which, as the
+ * execution plan chose (moe_jax/plan.py).
  *
  * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
  * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model
@@ -25,11 +27,12 @@
 #include "amx_gemm.h"
 #include "bf16_gemm.h"
 #include "ffi_common.h"
+#include "int4_gemm.h"
 
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
 #define MAX_ROWS 64
 #define GROUP_BLOCKS 4 /* 16-column blocks per task */
-enum { DENSE_AVX512_BF16 = 0, DENSE_AMX_BF16 = 1, DENSE_AVX512_INT8 = 2 }; /* moe_jax/native_call.py's codes */
+enum { DENSE_AVX512_BF16 = 0, DENSE_AMX_BF16 = 1, DENSE_AVX512_INT8 = 2, DENSE_AVX512_INT4 = 3 }; /* native_call.py's */
 
 /* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
  * finds nothing left), so the last of the caller and its helpers to let go frees it. */
@@ -37,10 +40,12 @@ typedef struct {
     _Atomic int64_t next, done;
     _Atomic int refs;
     int64_t m, n, kp, groups;
-    int kernel; /* DENSE_* */
+    int kernel;          /* DENSE_* */
+    int64_t int4_group;  /* int4: k-rows per scale */
     const void *w;
     float *y;
     uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
+    char *x_q;   /* int4: x quantized to int8 (int4_row_bytes a row), after x */
 } dense_call;
 
 static void run_group(const dense_call *c, int64_t g) {
@@ -50,6 +55,8 @@ static void run_group(const dense_call *c, int64_t g) {
         bf16_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX512_INT8) {
         int8_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX512_INT4) {
+        int4_gemm_quantized(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
     } else if (n1 - n0 == GROUP_BLOCKS * 16) {
         const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
                                 amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
@@ -94,40 +101,46 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
     if (ffi_answer_metadata(frame)) return NULL;
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return ffi_error(api, "moe_jax_dense: not the execute stage");
+    int64_t kernel, group;
     if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
-        frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 1 ||
-        frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
-        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has one attribute `kernel`");
-    const XLA_FFI_Scalar *kernel_attr = frame->attrs.attrs[0];
-    if (kernel_attr->dtype != XLA_FFI_DataType_S64) return ffi_error(api, "moe_jax_dense: `kernel` must be an s64");
-    const int64_t kernel = *(const int64_t *)kernel_attr->value;
-    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX512_INT8)
+        frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 2 ||
+        ffi_s64_attr(frame, "kernel", &kernel) || ffi_s64_attr(frame, "group", &group))
+        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has s64 attributes kernel, group");
+    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX512_INT4)
         return ffi_error(api, "moe_jax_dense: unknown kernel");
+    if (kernel == DENSE_AVX512_INT4 ? group != 32 && group != 64 && group != 128 : group != 0)
+        return ffi_error(api, "moe_jax_dense: `group` must be 32, 64 or 128 for int4, 0 otherwise");
     const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
     if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
         return ffi_error(api, "moe_jax_dense: x [m, k] bf16 and y [m, n] f32 expected");
-    int64_t kp;
-    if (kernel == DENSE_AVX512_INT8) { /* [n blocks, kp * 16 + 64] u8: int8 k-pairs, then 16 float32 scales */
-        if (w->dtype != XLA_FFI_DataType_U8 || w->rank != 2 || w->dims[1] < 64 + 512 || (w->dims[1] - 64) % 512)
-            return ffi_error(api, "moe_jax_dense: int8 packed w [n blocks, kp * 16 + 64] u8 expected");
-        kp = (w->dims[1] - 64) / 16;
-    } else {
-        if (w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 || w->dims[2] != 512)
-            return ffi_error(api, "moe_jax_dense: packed w [n blocks, k blocks, 512] u16 expected");
-        kp = w->dims[1] * 32;
+    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = (k + 31) / 32 * 32; /* packings pad k so */
+    if (m < 1 || m > MAX_ROWS || y->dims[0] != m)
+        return ffi_error(api, "moe_jax_dense: x and y of the same 1-64 rows expected");
+    if (kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX512_INT4) {
+        /* int8: [n blocks, kp * 16 + 64] u8, int8 k-pairs then 16 float32 scales; int4: [n blocks, kp * 8 +
+         * groups * 32] u8, per group its nibbles then 16 float16 scales */
+        const int64_t block_bytes = kernel == DENSE_AVX512_INT8 ? kp * 16 + 64 : kp * 8 + (kp + group - 1) / group * 32;
+        if (w->dtype != XLA_FFI_DataType_U8 || w->rank != 2 || w->dims[0] != (n + 15) / 16 || w->dims[1] != block_bytes)
+            return ffi_error(api, "moe_jax_dense: a packed weight of x's k and y's n expected (quantized: "
+                                  "[n blocks, block bytes] u8)");
+    } else if (w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 || w->dims[0] != (n + 15) / 16 ||
+               w->dims[1] != kp / 32 || w->dims[2] != 512) {
+        return ffi_error(api, "moe_jax_dense: a packed weight of x's k and y's n expected ([n blocks, k blocks, 512] "
+                              "u16)");
     }
-    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1];
-    if (m < 1 || m > MAX_ROWS || y->dims[0] != m || w->dims[0] != (n + 15) / 16 || kp < k || kp - k >= 32)
-        return ffi_error(api, "moe_jax_dense: 1-64 rows, and a packed weight of x's k and y's n expected");
     const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    dense_call *c = aligned_alloc(64, (sizeof(dense_call) + 63) / 64 * 64 + (size_t)padded_rows * kp * 2);
+    const size_t head = (sizeof(dense_call) + 63) / 64 * 64, x_bytes = (size_t)padded_rows * kp * 2;
+    const size_t q_bytes = kernel == DENSE_AVX512_INT4 ? (size_t)(m * int4_row_bytes(kp)) : 0;
+    dense_call *c = aligned_alloc(64, (head + x_bytes + q_bytes + 63) / 64 * 64);
     if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
     const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
-    c->x = (uint16_t *)((char *)c + (sizeof(dense_call) + 63) / 64 * 64);
+    c->x = (uint16_t *)((char *)c + head);
+    c->x_q = (char *)c + head + x_bytes;
     memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
+    if (kernel == DENSE_AVX512_INT4) int4_quantize_rows(c->x, kp, m, 0, kp, c->x_q, kp); /* once, for every task */
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
-    c->kernel = (int)kernel;
+    c->kernel = (int)kernel, c->int4_group = group;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
     const int threads = ffi_pool_threads(api, frame->ctx);
     schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));

@@ -1,0 +1,177 @@
+/* GEMMs over int4 weights on AVX512-VNNI (VPDPBUSD: 64 products of unsigned x signed bytes per instruction), for
+ * the fused expert forward (moe_forward.c), XLA's dense handler (moe_jax/csrc/xla_dense.c) and
+ * host_kernels/int4_gemm.py. Only this file is compiled for avx512vnni; its callers check the CPU first.
+ *
+ * Weights: int4 in groups of `group` k-rows (32, 64 or 128) with a float16 scale per group and column, llama.cpp's
+ * Q4_0 rule (stored as q + 8 in [0, 15]; the value is (stored - 8) * d). Per 16-column block, per group: the
+ * group's k-quads two at a time in 64-byte rows (byte 4c + i holds column c's k-row 8r + i in its low nibble and
+ * 8r + 4 + i in its high one: two VPDPBUSD operands after an and, a shift and an and), then its 16 scales (32
+ * bytes). The last group may be shorter (kp, a multiple of 32, need not be one of `group`).
+ *
+ * Activations: bfloat16 rows quantized to int8 per 32 values, as llama.cpp quantizes them for its Q4_0 products
+ * (Q8_0): d_a = max |a| / 127, q_a = round(a / d_a). `int4_quantize_rows` writes a row's record: kp int8 values,
+ * then per 32-value chunk its d_a (float32), then -8 * sum(q_a) (int32, the offset of the stored nibbles, folded
+ * into the integer sums' start). A chunk's integer dot product is exact; it is scaled by d_a * d_w in float32.
+ *
+ * Register blocking: 1-2 rows x 4 column blocks (decode: four weight streams) or up to 4 rows x 2 blocks; larger
+ * m goes over the same strip again (from cache) for each 4 rows.
+ */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "int4_gemm.h"
+
+#define CHUNK 32           /* activations' quantization block, in k */
+#define SCALE_BYTES 32     /* 16 float16 scales per group and block */
+#define PREFETCH_BYTES 2048 /* ahead of the row loaded, per stream (512 read 27 GB/s from DRAM on one core, 2048 39) */
+
+static inline int64_t block_bytes(int64_t kp, int64_t group) {
+    return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;
+}
+
+int64_t int4_row_bytes(int64_t kp) { return kp + kp / CHUNK * 8; }
+
+void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp) {
+    const int64_t stride = int4_row_bytes(kp);
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *row = a + i * lda;
+        int8_t *values = (int8_t *)(q + i * stride);
+        float *scales = (float *)(q + i * stride + kp);
+        int32_t *offsets = (int32_t *)(scales + kp / CHUNK);
+        for (int64_t c = c0; c < c1; c += CHUNK) {
+            __m512 x[2];
+            for (int h = 0; h < 2; h++) /* bfloat16 -> float32: the bits moved up 16 */
+                x[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c + 16 * h))), 16));
+            const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1])));
+            const float d = absmax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+            __m512i sum = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(x[h], _mm512_set1_ps(inverse))); /* to nearest */
+                _mm_storeu_si128((__m128i *)(values + c + 16 * h), _mm512_cvtsepi32_epi8(v));
+                sum = _mm512_add_epi32(sum, v);
+            }
+            scales[c / CHUNK] = d;
+            offsets[c / CHUNK] = -8 * _mm512_reduce_add_epi32(sum);
+        }
+    }
+}
+
+/* c rows [0, rows) x `blocks` blocks of 16 columns, from quantized rows q (row stride int4_row_bytes(kp)) and
+ * the weight blocks at b. rows and blocks are constants at each call site, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, int64_t group,
+                                                             float *c, int64_t ldc, const int rows, const int blocks,
+                                                             int cols) {
+    enum { MAX_ROWS = 4, MAX_BLOCKS = 4 };
+    const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MAX_ROWS][MAX_BLOCKS];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < kp; g0 += group) {
+        const int64_t g1 = g0 + group < kp ? g0 + group : kp;
+        const char *gb = b + g0 / group * (group * 8 + SCALE_BYTES); /* this group in block 0 */
+        __m512 weight_scale[MAX_BLOCKS];
+        for (int j = 0; j < blocks; j++)
+            weight_scale[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + j * stride + (g1 - g0) * 8)));
+        for (int64_t c0 = g0; c0 < g1; c0 += CHUNK) {
+            /* two sums per output vector (low and high nibbles' quads): twice the independent chains */
+            __m512i sums[MAX_ROWS][MAX_BLOCKS], sums_hi[MAX_ROWS][MAX_BLOCKS];
+            for (int i = 0; i < rows; i++) {
+                const int32_t *offsets = (const int32_t *)(q + i * q_stride + kp + kp / CHUNK * 4);
+                for (int j = 0; j < blocks; j++)
+                    sums[i][j] = _mm512_set1_epi32(offsets[c0 / CHUNK]), sums_hi[i][j] = _mm512_setzero_si512();
+            }
+            for (int64_t r = 0; r < CHUNK / 8; r++) { /* 8 k-rows per 64-byte row: two quads */
+                __m512i lo[MAX_BLOCKS], hi[MAX_BLOCKS];
+                for (int j = 0; j < blocks; j++) {
+                    const char *row = gb + j * stride + (c0 - g0) * 8 + r * 64;
+                    _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+                    const __m512i v = _mm512_loadu_si512((const void *)row);
+                    lo[j] = _mm512_and_si512(v, low4), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+                for (int i = 0; i < rows; i++) {
+                    const int32_t *quads = (const int32_t *)(q + i * q_stride + c0 + r * 8);
+                    const __m512i x0 = _mm512_set1_epi32(quads[0]), x1 = _mm512_set1_epi32(quads[1]);
+                    for (int j = 0; j < blocks; j++) {
+                        sums[i][j] = _mm512_dpbusd_epi32(sums[i][j], lo[j], x0);
+                        sums_hi[i][j] = _mm512_dpbusd_epi32(sums_hi[i][j], hi[j], x1);
+                    }
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                const __m512 row_scale = _mm512_set1_ps(((const float *)(q + i * q_stride + kp))[c0 / CHUNK]);
+                for (int j = 0; j < blocks; j++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[i][j], sums_hi[i][j])),
+                                                _mm512_mul_ps(weight_scale[j], row_scale), acc[i][j]);
+            }
+        }
+    }
+    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++)
+            _mm512_mask_storeu_ps(c + i * ldc + j * 16, j == blocks - 1 ? last : (__mmask16)0xFFFF, acc[i][j]);
+}
+
+/* rows [r0, r0 + rows) x `blocks` blocks: R and B constants, R x B <= 8 (16 accumulators) */
+#define BLOCK_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
+
+void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c, int64_t ldc,
+                         int64_t m, int64_t n0, int64_t n1) {
+    const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
+    const int wide = m <= 2;                /* decode: 1-2 rows x 4 blocks side by side (four weight streams) */
+    const int64_t step = wide ? 4 : 2, row_step = wide ? 2 : 4; /* else up to 4 rows x 2 blocks */
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += step) {
+        const int64_t width = n1 - nb * 16; /* columns left from this block on */
+        const int blocks = width >= step * 16 ? (int)step : (int)((width + 15) / 16);
+        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
+        const char *b = (const char *)b_packed + nb * stride;
+        for (int64_t r0 = 0; r0 < m; r0 += row_step) {
+            const int rows = m - r0 < row_step ? (int)(m - r0) : (int)row_step;
+            if (wide) {
+                if (rows == 1) {
+                    switch (blocks) {
+                        case 1: BLOCK_CASE(1, 1); break;
+                        case 2: BLOCK_CASE(1, 2); break;
+                        case 3: BLOCK_CASE(1, 3); break;
+                        default: BLOCK_CASE(1, 4); break;
+                    }
+                } else {
+                    switch (blocks) {
+                        case 1: BLOCK_CASE(2, 1); break;
+                        case 2: BLOCK_CASE(2, 2); break;
+                        case 3: BLOCK_CASE(2, 3); break;
+                        default: BLOCK_CASE(2, 4); break;
+                    }
+                }
+            } else if (blocks == 1) {
+                switch (rows) {
+                    case 1: BLOCK_CASE(1, 1); break;
+                    case 2: BLOCK_CASE(2, 1); break;
+                    case 3: BLOCK_CASE(3, 1); break;
+                    default: BLOCK_CASE(4, 1); break;
+                }
+            } else {
+                switch (rows) {
+                    case 1: BLOCK_CASE(1, 2); break;
+                    case 2: BLOCK_CASE(2, 2); break;
+                    case 3: BLOCK_CASE(3, 2); break;
+                    default: BLOCK_CASE(4, 2); break;
+                }
+            }
+        }
+    }
+}
+
+int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
+              int64_t n0, int64_t n1, int64_t group) {
+    char *q = malloc((size_t)(m * int4_row_bytes(kp)));
+    if (!q) return 1;
+    int4_quantize_rows(a, lda, m, 0, kp, q, kp);
+    int4_gemm_quantized(q, kp, b_packed, group, c, ldc, m, n0, n1);
+    free(q);
+    return 0;
+}

@@ -1,0 +1,21 @@
+/* GEMMs over int4 weights with a float16 scale per group of k-rows on AVX512-VNNI (int4_gemm.c), for the fused
+ * expert forward (moe_forward.c) and XLA's dense handler (moe_jax/csrc/xla_dense.c). Callers check the CPU's
+ * avx512_vnni first. */
+#ifndef INT4_GEMM_H
+#define INT4_GEMM_H
+#include <stdint.h>
+
+/* bytes of one quantized activation row of kp (a multiple of 32) values */
+int64_t int4_row_bytes(int64_t kp);
+/* columns [c0, c1) (multiples of 32, c1 <= kp) of m bfloat16 rows (row stride lda) quantized to int8 per 32 values,
+ * into the records at q (row stride int4_row_bytes(kp)) */
+void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp);
+/* C[:, n0:n1] (float32, row stride ldc; c points at column n0) = rows q @ B, B int4 in host_kernels/int4_gemm.py's
+ * layout with `group` k-rows per scale; n0 a multiple of 16 */
+void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c, int64_t ldc,
+                         int64_t m, int64_t n0, int64_t n1);
+/* the same from bfloat16 rows A [m, kp] (row stride lda), quantized first; non-zero where memory runs out */
+int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
+              int64_t n0, int64_t n1, int64_t group);
+
+#endif

@@ -1,0 +1,85 @@
+"""GEMMs over int4 weights with a float16 scale per group of k-rows and column (host_kernels/csrc/int4_gemm.c), on
+AVX512-VNNI, and the packed layout they read: per 16-column block, per group, 64-byte rows of 8 k-rows each (byte
+4c + i: column c's k-row 8r + i in the low nibble, 8r + 4 + i in the high one, each stored as q + 8), then the
+group's 16 float16 scales. bfloat16 rows in (quantized to int8 per 32 values by the kernel, as llama.cpp does for
+its Q4_0 products: `quant.quantize_activations` is the same rule), float32 out.
+
+`status()` says whether this machine can run them and, if not, why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from host_kernels import bf16_gemm, native
+from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
+from host_kernels.errors import HostKernelError, KernelArgumentError
+from host_kernels.quant import QuantizedInt4
+
+SCALE_BYTES = 2 * N_BLOCK  # a group's scales, after its nibbles
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def block_bytes(kp: int, group: int) -> int:
+    """Bytes of one 16-column block: kp / 2 pair rows of 16 bytes, and 32 bytes of scales per group."""
+    return kp * N_BLOCK // 2 + -(-kp // group) * SCALE_BYTES
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    data: np.ndarray  # uint8 [n blocks, block_bytes(kp, group)], 64-byte aligned
+    k: int
+    n: int
+    group: int
+
+    @property
+    def kp(self) -> int:
+        return padded(self.k, K_BLOCK)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, what: str = "packed int4 weight"):
+        """The data is exactly what k, n and group say; checked when made, so `gemm` need not check it again."""
+        shape = (padded(self.n, N_BLOCK) // N_BLOCK, block_bytes(self.kp, self.group))
+        native.check_packed(what, self.data, np.uint8, shape)
+
+
+def pack(w: QuantizedInt4) -> PackedInt4:
+    """A [k, n] quantized weight in the packed layout (zeros in the padding: q = 0, scale 0 past k and n)."""
+    if w.q.ndim != 2:
+        raise KernelArgumentError(f"pack takes one [k, n] weight, got {w.q.shape}")
+    k, n = w.q.shape
+    kp, np_, group = padded(k, K_BLOCK), padded(n, N_BLOCK), w.group
+    blocks, groups = np_ // N_BLOCK, -(-kp // group)
+    full = np.zeros((kp, np_), np.uint8)
+    full[:k, :n] = w.q + 8
+    full[k:, :] = full[:, n:] = 8  # q = 0
+    # [block][8-row slab][column][i][half]: byte 4c + i of a slab's 64 holds rows 8r + i and 8r + 4 + i
+    slabs = full.reshape(kp // 8, 2, 4, blocks, N_BLOCK).transpose(3, 0, 4, 2, 1)
+    nibbles = (slabs[..., 0] | (slabs[..., 1] << 4)).reshape(blocks, kp // 8, 64)
+    scales = np.zeros((groups, np_), np.float16)
+    scales[: w.scale.shape[0], :n] = w.scale
+    scales = scales.reshape(groups, blocks, N_BLOCK).transpose(1, 0, 2).view(np.uint8)  # [block][group][32 bytes]
+    data = aligned_empty((blocks, block_bytes(kp, group)), np.uint8)
+    group_bytes = group * N_BLOCK // 2 + SCALE_BYTES
+    for g in range(groups):
+        rows = nibbles[:, g * group // 8 : (g + 1) * group // 8]  # the last group may be shorter
+        start = g * group_bytes
+        data[:, start : start + rows.shape[1] * 64] = rows.reshape(blocks, -1)
+        data[:, start + rows.shape[1] * 64 : start + rows.shape[1] * 64 + SCALE_BYTES] = scales[:, g]
+    return PackedInt4(data, k, n, group)
+
+
+def status() -> tuple[bool, str]:
+    return native.status(REQUIRED_CPU_FLAGS)
+
+
+def gemm(a: np.ndarray, w: PackedInt4, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+    """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
+    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
+    if bf16_gemm.run("int4_gemm", a, w, out, n0, n1, w.group, usable=status()):
+        raise HostKernelError(f"int4 GEMM: out of memory for {a.shape[0]} quantized rows")
+    return out
