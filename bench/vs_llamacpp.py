@@ -1,6 +1,6 @@
 """moe_jax against llama.cpp on the same model, side by side in one run.
 
-    python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8] [--rounds 3]
+    python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8,int4] [--rounds 3]
 
 DIR (or $LLAMA_CPP_DIR) is a llama.cpp source tree with its tools built. llama.cpp is not a dependency of this
 project; to build one here (~10 minutes on 2 cores), from the sources the llama-cpp-python sdist carries:
@@ -14,10 +14,10 @@ project; to build one here (~10 minutes on 2 cores), from the sources the llama-
 The bench checkpoint (bench/models.py) is converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (f32, bf16,
 q8_0; q4_0 with llama-quantize), in a directory beside it with a small sentencepiece tokenizer added (the converter
 needs one; it pads the vocab; for Qwen MoE it is told to read that one too, see CONVERT). Each pair (moe_jax
-float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0) runs the same cases with the same threads, A B A B over
-`--rounds`: decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode tokens/s: llama-batched-bench's
-S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. llama.cpp's Q4_0 runs too, as the target
-for int4. Medians; writes bench/results/vs_llamacpp[-SHAPE].json.
+float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0) runs the same cases with the same threads,
+A B A B over `--rounds`: decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode tokens/s:
+llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. Medians; writes
+bench/results/vs_llamacpp[-SHAPE].json.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from host_kernels import default_threads  # noqa: E402
 from moe_jax.errors import MemoryLimitError  # noqa: E402
 
 BATCHES = (1, 16)
-# pair -> (moe_jax load_model settings, llama.cpp GGUF type); "q4_0" has no moe_jax side yet
+# pair -> (moe_jax load_model settings, llama.cpp GGUF type)
 PAIRS = {
     "f32": ({"dtype": "float32"}, "f32"),
     "bf16": ({"dtype": "bfloat16"}, "bf16"),
     "int8": ({"dtype": "bfloat16", "quant": "int8"}, "q8_0"),
-    "q4_0": (None, "q4_0"),
+    "int4": ({"dtype": "bfloat16", "quant": "int4"}, "q4_0"),
 }
 
 
