@@ -38,6 +38,14 @@ def run(symbol: str, a: np.ndarray, w, out: np.ndarray, n0: int, n1: int | None,
     m = a.shape[0]
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
     return getattr(native.lib(), symbol)(
-        a.ctypes.data, a.strides[0] // 2, w.data.ctypes.data, w.kp, out.ctypes.data, out.strides[0] // 4, m, n0, n1,
+        a.ctypes.data,
+        a.strides[0] // 2,
+        w.data.ctypes.data,
+        w.kp,
+        out.ctypes.data,
+        out.strides[0] // 4,
+        m,
+        n0,
+        n1,
         *layout,
     )

@@ -2,8 +2,8 @@
 
 Prints the CPU's kernel-relevant features, the two native libraries' state, the platform jax runs on, and the
 execution plan (moe_jax/plan.py) for a host-placement model in float32, in bfloat16, and in bfloat16 with int8
-and with int4 experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug report). Exit
-code 0; nothing here changes state.
+and with int4 experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug
+report). Exit code 0; nothing here changes state.
 """
 
 from __future__ import annotations
