@@ -25,15 +25,14 @@ from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, gate_up_blocks
 from host_kernels.pool import check_thread_count
-from host_kernels.quant import INT4_GROUPS, quantize_int4, quantize_int8
+from host_kernels.quant import INT4_GROUPS
+from host_kernels.quant_formats import FORMATS, QuantFormat
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)
-AVX512_F32, AVX512_INT8 = "avx512-f32", "avx512-int8"
-QUANT_INT4 = {group: "int4" if group == 32 else f"int4-g{group}" for group in INT4_GROUPS}  # quant names
-AVX512_INT4 = {group: f"avx512-{name}" for group, name in QUANT_INT4.items()}
+AVX512_F32 = "avx512-f32"
 AMX_BF16, AVX512_BF16 = AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name
 F32 = np.dtype(np.float32)
 
@@ -50,36 +49,39 @@ class FusedKernel:
     pack_dtype: np.dtype  # the dtype a [k, n] weight is handed to `pack` in
     pack: Callable  # [k, n] weight -> packed
     packed_bits: int  # bits per weight in the packed copy (scales aside)
-    quantized: bool = False  # reads a quantized copy: used only when asked for (`quant`), never picked by speed
-    group: int = 0  # int4: k-rows per scale (moe_layer_new's `group`)
+    # the quantized format it reads (quant_formats.FORMATS): such a kernel runs only when asked for (`quant`),
+    # never picked by speed
+    format: QuantFormat | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not None
+
+    @property
+    def group(self) -> int:
+        """int4: k-rows per scale (moe_layer_new's `group`); 0 otherwise."""
+        return self.format.group if self.format else 0
 
 
-def _pack_int8(w):
-    return int8_gemm.pack(quantize_int8(w))
+def _quantized_kernel(quant: QuantFormat) -> FusedKernel:
+    """int8: MOE_KERNEL_INT8_AVX512 (AVX512-BF16); int4: MOE_KERNEL_INT4_AVX512 (AVX512-VNNI)."""
+    code, status = (3, int8_gemm.status) if quant.bits == 8 else (4, int4_gemm.status)
+    packed, pack = quant.packed_type, quant.pack
+    return FusedKernel(code, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)
 
 
-def _int4_kernel(group: int) -> FusedKernel:
-    def pack(w):
-        return int4_gemm.pack(quantize_int4(w, group))
-
-    return FusedKernel(
-        4, (F32, amx.BF16), int4_gemm.status, int4_gemm.PackedInt4, amx.N_BLOCK, F32, pack, 4, True, group
-    )  # fmt: skip
-
-
+# load_model(quant=...) -> the kernel that reads such weights ("int4": llama.cpp Q4_0's group of 32 k-rows)
+QUANTIZED = {name: f"avx512-{name}" for name in FORMATS}
+AVX512_INT8 = QUANTIZED["int8"]
+AVX512_INT4 = {group: QUANTIZED["int4" if group == 32 else f"int4-g{group}"] for group in INT4_GROUPS}
 KERNELS = {  # fastest first for each store dtype
     AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32),
     AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16),
     AVX512_BF16: FusedKernel(
         2, (amx.BF16,), bf16_gemm.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16
     ),
-    AVX512_INT8: FusedKernel(
-        3, (F32, amx.BF16), int8_gemm.status, int8_gemm.PackedInt8, amx.N_BLOCK, F32, _pack_int8, 8, quantized=True
-    ),
-    **{AVX512_INT4[group]: _int4_kernel(group) for group in INT4_GROUPS},
+    **{QUANTIZED[name]: _quantized_kernel(quant) for name, quant in FORMATS.items()},
 }
-# load_model(quant=...) -> the kernel that reads such weights; "int4" has llama.cpp Q4_0's group of 32 k-rows
-QUANTIZED = {"int8": AVX512_INT8, **{QUANT_INT4[group]: AVX512_INT4[group] for group in INT4_GROUPS}}
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
     "bytes_out",

@@ -73,6 +73,23 @@ def pack(w: QuantizedInt4) -> PackedInt4:
     return PackedInt4(data, k, n, group)
 
 
+def unpack(w: PackedInt4) -> np.ndarray:
+    """The float32 [k, n] weight a packed one holds ((stored - 8) * scale): what its products compute with."""
+    blocks, kp, group = w.data.shape[0], w.kp, w.group
+    group_bytes = group * N_BLOCK // 2 + SCALE_BYTES
+    nibbles, scales = [], []
+    for start in range(0, kp, group):
+        rows = min(group, kp - start) // 8  # 64-byte rows of 8 k-rows; the last group may be shorter
+        at = start // group * group_bytes
+        nibbles.append(w.data[:, at : at + rows * 64].reshape(blocks, rows, 64))
+        scales.append(w.data[:, at + rows * 64 : at + rows * 64 + SCALE_BYTES].view(np.float16))
+    packed = np.concatenate(nibbles, axis=1).reshape(blocks, kp // 8, N_BLOCK, 4)  # [block][slab][column][i]
+    values = np.stack([packed & 15, packed >> 4], axis=2)  # [block][slab][half][column][i]: k-row 8r + 4 half + i
+    q = values.transpose(1, 2, 4, 0, 3).reshape(kp, blocks * N_BLOCK).astype(np.float32) - 8
+    scale = np.stack(scales, axis=1).astype(np.float32).transpose(1, 0, 2).reshape(-1, blocks * N_BLOCK)
+    return (q * np.repeat(scale, group, axis=0)[:kp])[: w.k, : w.n]
+
+
 def status() -> tuple[bool, str]:
     return native.status(REQUIRED_CPU_FLAGS)
 

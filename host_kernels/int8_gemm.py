@@ -56,6 +56,15 @@ def pack(w: QuantizedInt8) -> PackedInt8:
     return PackedInt8(data, k, n)
 
 
+def unpack(w: PackedInt8) -> np.ndarray:
+    """The float32 [k, n] weight a packed one holds (q * scale): what its products compute with."""
+    blocks, kp = w.data.shape[0], w.kp
+    q = w.data[:, : kp * N_BLOCK].view(np.int8).reshape(blocks, kp // 2, N_BLOCK, 2)
+    q = q.transpose(1, 3, 0, 2).reshape(kp, blocks * N_BLOCK)[: w.k, : w.n]
+    scale = np.ascontiguousarray(w.data[:, kp * N_BLOCK :]).view(np.float32).reshape(-1)[: w.n]
+    return q.astype(np.float32) * scale
+
+
 def status() -> tuple[bool, str]:
     """The same instructions as the bfloat16 kernel (the int8 weights are widened to bfloat16 in registers)."""
     return bf16_gemm.status()
