@@ -45,6 +45,11 @@ class KernelChoice:
         """The fused forward reads a quantized copy of the experts (`choose_kernels(quant=...)`)."""
         return bool(self.fused) and KERNELS[self.fused].quantized
 
+    @property
+    def quant(self) -> str | None:
+        """The quantized format the experts are held in (quant_formats.FORMATS), or None."""
+        return KERNELS[self.fused].format.name if self.quantized else None
+
     def packed_bytes_per_weight(self) -> float:
         """Bytes per expert weight of the fused forward's packed copy (0: it makes none), scales aside."""
         return KERNELS[self.fused].packed_bits / 8 if self.fused else 0
@@ -73,9 +78,10 @@ def check_choice(choice: KernelChoice, store_dtype):
 
 
 def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = None) -> KernelChoice:
-    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine. `quant` ("int8"): the fused
-    forward reads the experts quantized (a copy made as each layer is first used); refused where this machine has
-    no kernel for it or native kernels are off: an explicit request is never silently dropped."""
+    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine. `quant` (a
+    quant_formats.FORMATS name): the experts are held quantized (a quantized store, or quantized at load), the
+    fused forward reads them so and the engine's GEMMs dequantize them; refused where this machine has no kernel
+    for it or native kernels are off: an explicit request is never silently dropped."""
     if native is None:
         native = os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() != NUMPY
         off = "MOE_JAX_HOST_KERNEL=numpy"
@@ -87,8 +93,10 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
         return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
     why = {}
     # the engine's GEMMs: the fused forward's fastest bfloat16 kernel (AMX, else AVX512-BF16), which they share
-    gemm, gemm_why = best_kernel(store_dtype) if np.dtype(store_dtype) == amx.BF16 else ("", "")
-    if not gemm:
+    gemm, gemm_why = best_kernel(store_dtype) if np.dtype(store_dtype) == amx.BF16 and not quant else ("", "")
+    if quant:
+        why["gemm"] = f"{quant} experts: the engine's GEMMs (expert LoRA, training's backward) dequantize each expert"
+    elif not gemm:
         why["gemm"] = gemm_why or "float32 store: the native GEMMs multiply bfloat16"
     fused, fused_why = best_kernel(store_dtype, quant)
     if quant and not fused:

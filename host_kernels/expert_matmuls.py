@@ -22,7 +22,7 @@ import numpy as np
 
 from host_kernels import amx, bf16_gemm
 from host_kernels.matmul import matmul_w
-from host_kernels.store import LayerExperts
+from host_kernels.store import LayerExperts, gate_up_blocks
 from host_kernels.workspace import Workspace
 
 
@@ -37,9 +37,13 @@ class NumpyExpertMatmuls:
     def prepare(self, backward: bool):
         """Nothing to prepare: numpy reads the stored weights as they are."""
 
+    def weights(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert e's (w13 [d, 2f], w2 [f, d]) as the GEMMs read them."""
+        return self.w.w13[e], self.w.w2[e]
+
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
         x = x if rows is None else x[rows]
-        w13, f = self.w.w13[e], self.w.ffn
+        w13, f = self.weights(e)[0], self.w.ffn
         if cols.start == 0 and cols.stop == f:
             h = matmul_w(x, w13)
             return h[:, :f], h[:, f:]
@@ -50,13 +54,39 @@ class NumpyExpertMatmuls:
         return np.empty((rows, width), np.float32)
 
     def down(self, e: int, act: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
-        matmul_w(act[rows], self.w.w2[e][:, cols], out=out)
+        matmul_w(act[rows], self.weights(e)[1][:, cols], out=out)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
-        return matmul_w(dy, self.w.w2[e][cols, :], transpose=True)
+        return matmul_w(dy, self.weights(e)[1][cols, :], transpose=True)
 
     def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
-        matmul_w(dh[rows], self.w.w13[e][cols, :], transpose=True, out=out)
+        matmul_w(dh[rows], self.weights(e)[0][cols, :], transpose=True, out=out)
+
+
+class DequantizedExpertMatmuls(NumpyExpertMatmuls):
+    """The same GEMMs over a quantized layer (store.QuantizedLayerExperts): each expert's weights dequantized to
+    float32 when a GEMM first needs them and kept for the next few (a layer's tiles come expert by expert), so
+    LoRA training on a quantized base (QLoRA's idea) computes with exactly the weights the fused forward reads,
+    and holds a handful of float32 experts, not a float copy of the model."""
+
+    name = "numpy-dequantized"
+    KEEP = 8  # experts kept dequantized (the tiles of about as many run at once on the pool's threads)
+
+    def __init__(self, w):
+        super().__init__(w)
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def weights(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            kept = self._kept.pop(e, None)
+        if kept is None:
+            kept = self.w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
+        with self._lock:
+            self._kept[e] = kept  # most recent last
+            while len(self._kept) > self.KEEP:
+                del self._kept[next(iter(self._kept))]
+        return kept
 
 
 class AMXExpertMatmuls:
@@ -139,15 +169,6 @@ class AMXExpertMatmuls:
         self._gemm(self._backward[e][1], dh, rows, cols, out)
 
 
-def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
-    """Expert e's w13 [d, 2 fp] with the gate columns at [0, f) and the up columns at [fp, fp + f), fp = f rounded
-    up to `block`: both halves start on a block boundary of the packed layout (zeros between)."""
-    f, fp = w.ffn, amx.padded(w.ffn, block)
-    w13 = np.zeros((w.hidden, 2 * fp), dtype)
-    w13[:, :f], w13[:, fp : fp + f] = w.w13[e][:, :f], w.w13[e][:, f:]
-    return w13
-
-
 class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
     """The same GEMMs on AVX512-BF16 (host_kernels/bf16_gemm.py) for CPUs without AMX: it reads the same packed
     weights and bfloat16 rows, so only the product differs."""
@@ -166,9 +187,12 @@ class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
 MATMULS = {cls.name: cls for cls in (NumpyExpertMatmuls, AMXExpertMatmuls, AVX512BF16ExpertMatmuls)}
 
 
-def expert_matmuls(w: LayerExperts, gemm: str, workspace: Workspace | None = None):
-    """The GEMMs `gemm` names (host_kernels/choice.py: a name in MATMULS). The bfloat16 paths keep their
-    temporaries in `workspace` (share one across layers: only one layer runs at a time)."""
+def expert_matmuls(w, gemm: str, workspace: Workspace | None = None):
+    """The GEMMs `gemm` names (host_kernels/choice.py: a name in MATMULS) over layer `w`; a quantized layer's are
+    always DequantizedExpertMatmuls. The bfloat16 paths keep their temporaries in `workspace` (share one across
+    layers: only one layer runs at a time)."""
+    if w.quant is not None:
+        return DequantizedExpertMatmuls(w)
     if gemm == NumpyExpertMatmuls.name:
         return NumpyExpertMatmuls(w)
     return MATMULS[gemm](w, workspace)

@@ -23,12 +23,12 @@ import numpy as np
 
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, gate_up_blocks
+from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls
 from host_kernels.pool import check_thread_count
 from host_kernels.quant import INT4_GROUPS
 from host_kernels.quant_formats import FORMATS, QuantFormat
 from host_kernels.schedule import check_expert_ids
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.store import ExpertStore, LayerExperts, QuantizedLayerExperts, gate_up_blocks
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)
@@ -135,9 +135,14 @@ def best_kernel(store_dtype, quant: str | None = None) -> tuple[str, str]:
     return "", "; ".join(reasons) or f"no fused forward kernel for {dtype} weights"
 
 
-def pack_layer(w: LayerExperts, kernel: str) -> list:
-    """A layer's (w13, w2) per expert packed for `kernel` (w13's up columns from a block boundary)."""
+def pack_layer(w: LayerExperts | QuantizedLayerExperts, kernel: str) -> list:
+    """A layer's (w13, w2) per expert packed for `kernel` (w13's up columns from a block boundary); a quantized
+    layer's are already packed (views of its arrays) and must be of the kernel's format."""
     k = KERNELS[kernel]
+    if w.quant is not None:
+        if k.format is None or k.format.name != w.quant:
+            raise HostKernelError(f"{w.quant} experts cannot run on the {kernel} kernel")
+        return [w.packed(e) for e in range(w.num_experts)]
     return [
         (k.pack(gate_up_blocks(w, e, k.block, k.pack_dtype)), k.pack(w.w2[e].astype(k.pack_dtype, copy=False)))
         for e in range(w.num_experts)
@@ -157,6 +162,8 @@ class FusedForward:
                 raise HostKernelError(f"fused forward unavailable: {reason}")
         if kernel not in KERNELS or store.dtype not in KERNELS[kernel].store_dtypes:
             raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.dtype} store")
+        if store.quant is not None and KERNELS[kernel].group != FORMATS[store.quant].group:
+            raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.quant} store")
         usable, reason = KERNELS[kernel].status()
         if not usable:
             raise HostKernelError(f"fused forward unavailable: {kernel}: {reason}")

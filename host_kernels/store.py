@@ -4,6 +4,11 @@ Layout (version 1), per MoE layer:
   w13 [experts, hidden, 2 * ffn]  gate columns [0, ffn) then up columns [ffn, 2 * ffn): `x @ w13[e]` gives both
                                   projections in one GEMM over contiguous memory.
   w2  [experts, ffn, hidden]      `act @ w2[e]`.
+A quantized store (layout version 2; `quant` in the manifest names a quant_formats.FORMATS entry, `hidden` and
+`ffn` the layers' sizes) holds each expert already packed for its fused kernel, as uint8:
+  w13 [experts, blocks, block bytes]  `gate_up_blocks(.., 16)`'s [hidden, 2 * ffn rounded up to 16], packed
+  w2  [experts, blocks, block bytes]  [ffn, hidden], packed
+so the kernel reads the mapped file itself: such a model's experts take their quantized bytes in RAM, no more.
 On disk: `manifest.json` plus one raw little-endian file per tensor. Opening maps the files read-only, so loading a
 model costs neither a copy nor a conversion. Sizes are checked at open (a truncated store fails there, not at first
 use); SHA-256 checksums are checked when asked (`verify=True`), since hashing a large model takes minutes.
@@ -22,9 +27,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from host_kernels.amx import N_BLOCK, padded
 from host_kernels.errors import StoreError
+from host_kernels.quant_formats import FORMATS, QuantFormat
 
 LAYOUT_VERSION = 1
+QUANTIZED_LAYOUT_VERSION = 2
 FORMAT_NAME = "moe_jax.expert_store"
 MANIFEST = "manifest.json"
 STORAGE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -54,12 +62,89 @@ class LayerExperts:
         """Bytes of one expert's weights as stored."""
         return (self.w13[0].size + self.w2[0].size) * self.w13.dtype.itemsize
 
+    @property
+    def quant(self) -> str | None:
+        return None
+
     def validate(self, name: str):
         e, d, f2 = self.w13.shape
         if self.w2.shape != (e, f2 // 2, d) or f2 % 2:
             raise StoreError(f"{name}: w13 shape {self.w13.shape} and w2 shape {self.w2.shape} do not fit together")
         if self.w13.dtype != self.w2.dtype or self.w13.dtype not in STORAGE_DTYPES.values():
             raise StoreError(f"{name}: unsupported storage dtypes {self.w13.dtype}/{self.w2.dtype}")
+
+
+def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
+    """Expert e's w13 [d, 2 fp] with the gate columns at [0, f) and the up columns at [fp, fp + f), fp = f rounded
+    up to `block`: both halves start on a block boundary of the packed layout (zeros between)."""
+    f, fp = w.ffn, padded(w.ffn, block)
+    w13 = np.zeros((w.hidden, 2 * fp), dtype)
+    w13[:, :f], w13[:, fp : fp + f] = w.w13[e][:, :f], w.w13[e][:, f:]
+    return w13
+
+
+@dataclass(frozen=True)
+class QuantizedLayerExperts:
+    """One layer's experts quantized in `quant`'s format, each packed for its fused kernel (a quantized store's
+    mapped files, or `quantize_layer`'s arrays): w13_packed / w2_packed uint8 [experts, blocks, block bytes]."""
+
+    quant: str
+    w13_packed: np.ndarray
+    w2_packed: np.ndarray
+    hidden: int
+    ffn: int
+
+    @property
+    def format(self) -> QuantFormat:
+        return FORMATS[self.quant]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_packed.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.w13_packed[0].nbytes + self.w2_packed[0].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13_packed.nbytes + self.w2_packed.nbytes
+
+    def packed_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(k, n) of each expert's packed w13 (gate and up halves from 16-column blocks) and w2."""
+        return (self.hidden, 2 * padded(self.ffn, N_BLOCK)), (self.ffn, self.hidden)
+
+    def validate(self, name: str):
+        if self.quant not in FORMATS:
+            raise StoreError(f"{name}: unknown quantized format {self.quant!r}")
+        arrays = (self.w13_packed, self.w2_packed)
+        for what, array, (k, n) in zip(("w13", "w2"), arrays, self.packed_shapes(), strict=True):
+            want = (self.num_experts, *self.format.packed_shape(k, n))
+            if array.dtype != np.uint8 or array.shape != want:
+                raise StoreError(f"{name}: {what} is {array.dtype} {array.shape}, {self.quant} needs uint8 {want}")
+
+    def packed(self, e: int) -> tuple:
+        """Expert e's (w13, w2) as the fused kernel's packed weights: views of the arrays, no copy."""
+        (k13, n13), (k2, n2) = self.packed_shapes()
+        return self.format.wrap(self.w13_packed[e], k13, n13), self.format.wrap(self.w2_packed[e], k2, n2)
+
+    def dequantized(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert e's float32 (w13 [hidden, 2 ffn], w2 [ffn, hidden]): the weights its kernel computes with."""
+        w13_blocks, w2 = (self.format.unpack(p) for p in self.packed(e))
+        f, fp = self.ffn, padded(self.ffn, N_BLOCK)
+        return np.concatenate([w13_blocks[:, :f], w13_blocks[:, fp : fp + f]], axis=1), w2
+
+
+def quantize_layer(w: LayerExperts, quant: str) -> QuantizedLayerExperts:
+    """A float layer's experts quantized and packed in `quant`'s format (for a quantized store, or at load)."""
+    fmt = FORMATS[quant]
+    packed = [
+        (fmt.pack(gate_up_blocks(w, e, N_BLOCK, np.float32)).data, fmt.pack(w.w2[e].astype(np.float32)).data)
+        for e in range(w.num_experts)
+    ]
+    return QuantizedLayerExperts(
+        quant, np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), w.hidden, w.ffn
+    )
 
 
 class ExpertStore:
@@ -69,14 +154,23 @@ class ExpertStore:
     again, so a file truncated or rewritten in place under a running job is a StoreError at the layer's next use
     instead of a SIGBUS (a mapped page past the file's new end) or weights silently mixed from two conversions."""
 
-    def __init__(self, layers: dict[int, LayerExperts], path: Path | None = None, files=None):
+    def __init__(self, layers: dict, path: Path | None = None, files=None, dtype=None):
+        """`layers`: LayerExperts, or QuantizedLayerExperts of one format; then `dtype` (float32 or bfloat16) is
+        the dtype their products take rows in (the store's source dtype)."""
         for i, layer in layers.items():
             layer.validate(f"layer {i}")
+        quants = {layer.quant for layer in layers.values()}
+        if len(quants) > 1:
+            raise StoreError(f"expert store mixes formats {sorted(map(str, quants))}")
         self.layers = dict(layers)
         self.path = path
+        self.quant: str | None = quants.pop() if quants else None
+        if self.quant is not None and np.dtype(dtype) not in STORAGE_DTYPES.values():
+            raise StoreError(f"a {self.quant} store needs the dtype its products run in, got {dtype!r}")
+        self._dtype = np.dtype(dtype) if self.quant else None
         self._files: dict[int, list[tuple[Path, os.stat_result]]] = files or {}
 
-    def __getitem__(self, layer: int) -> LayerExperts:
+    def __getitem__(self, layer: int):
         try:
             experts = self.layers[layer]
         except KeyError:
@@ -87,11 +181,12 @@ class ExpertStore:
 
     @property
     def dtype(self) -> np.dtype:
-        return next(iter(self.layers.values())).w13.dtype
+        """The stored weights' dtype; for a quantized store, the dtype its products take rows in."""
+        return self._dtype if self.quant else next(iter(self.layers.values())).w13.dtype
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.w13.nbytes + layer.w2.nbytes for layer in self.layers.values())
+        return sum(layer.nbytes if self.quant else layer.w13.nbytes + layer.w2.nbytes for layer in self.layers.values())
 
     @classmethod
     def open(cls, path, verify: bool = False) -> ExpertStore:
@@ -108,16 +203,25 @@ class ExpertStore:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
             format_name = manifest.get("format") if isinstance(manifest, dict) else None
             raise StoreError(f"{manifest_path}: not an expert store manifest (format={format_name!r})")
-        if manifest.get("layout_version") != LAYOUT_VERSION:
+        quant = manifest.get("quant")
+        version = QUANTIZED_LAYOUT_VERSION if quant is not None else LAYOUT_VERSION
+        if manifest.get("layout_version") != version:
             raise StoreError(
                 f"{manifest_path}: layout version {manifest.get('layout_version')} but this build reads "
-                f"version {LAYOUT_VERSION}; reconvert with `python -m moe_jax.convert`"
+                f"version {version}{' for quantized stores' if quant is not None else ''}; reconvert with "
+                "`python -m moe_jax.convert`"
             )
+        if quant is not None and (not isinstance(quant, str) or quant not in FORMATS):
+            raise StoreError(f"{manifest_path}: unknown quantized format {quant!r} (this build reads {list(FORMATS)})")
+        sizes = [manifest.get(key) for key in ("hidden", "ffn")]
+        if quant is not None and not all(type(v) is int and v > 0 for v in sizes):
+            raise StoreError(f"{manifest_path}: a quantized store needs positive integer 'hidden' and 'ffn'")
         dtype = STORAGE_DTYPES.get(manifest.get("dtype")) if isinstance(manifest.get("dtype"), str) else None
         if dtype is None:
             raise StoreError(f"{manifest_path}: unsupported dtype {manifest.get('dtype')!r}")
         if not isinstance(manifest.get("layers"), dict) or not manifest["layers"]:
             raise StoreError(f"{manifest_path}: 'layers' must be a non-empty object of layer index -> tensors")
+        file_dtype = np.dtype(np.uint8) if quant is not None else dtype
         layers, files = {}, {}
         for key, tensors in manifest["layers"].items():
             if not key.isdigit() or not isinstance(tensors, dict):
@@ -125,7 +229,7 @@ class ExpertStore:
             arrays, files[int(key)] = {}, []
             for name in ("w13", "w2"):
                 file, shape, sha256 = _manifest_entry(manifest_path, key, name, tensors.get(name))
-                expected = math.prod(shape) * dtype.itemsize
+                expected = math.prod(shape) * file_dtype.itemsize
                 try:
                     opened = file.stat()
                 except FileNotFoundError:
@@ -138,10 +242,16 @@ class ExpertStore:
                     )
                 if verify and file_sha256(file) != sha256:
                     raise StoreError(f"{file}: layer {key} {name} checksum mismatch (file is corrupt)")
-                arrays[name] = np.memmap(file, dtype=dtype, mode="r", shape=shape)
+                arrays[name] = np.memmap(file, dtype=file_dtype, mode="r", shape=shape)
                 files[int(key)].append((file, opened))
-            layers[int(key)] = LayerExperts(arrays["w13"], arrays["w2"])
-        return cls(layers, path, files)
+            if quant is None:
+                layers[int(key)] = LayerExperts(arrays["w13"], arrays["w2"])
+            else:
+                layers[int(key)] = QuantizedLayerExperts(quant, arrays["w13"], arrays["w2"], *sizes)
+        try:
+            return cls(layers, path, files, dtype)
+        except StoreError as e:
+            raise StoreError(f"{manifest_path}: {e}") from None
 
 
 def _manifest_entry(manifest_path: Path, layer: str, name: str, entry) -> tuple[Path, tuple[int, ...], str]:
@@ -183,29 +293,39 @@ class StoreWriter:
     A crash mid-conversion leaves only the temporary directory, never a store that opens.
     """
 
-    def __init__(self, path, dtype: str = "float32"):
+    def __init__(self, path, dtype: str = "float32", quant: str | None = None):
+        """`quant` (a quant_formats.FORMATS name): each layer is quantized and packed as it is added; `dtype` is
+        then the one its products take rows in."""
         if dtype not in STORAGE_DTYPES:
             raise StoreError(f"unsupported storage dtype {dtype!r}; use one of {sorted(STORAGE_DTYPES)}")
+        if quant is not None and quant not in FORMATS:
+            raise StoreError(f"unknown quantized format {quant!r}; use one of {list(FORMATS)}")
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".partial")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self.dtype = dtype
+        self.dtype, self.quant = dtype, quant
         self.manifest = {
             "format": FORMAT_NAME,
-            "layout_version": LAYOUT_VERSION,
+            "layout_version": LAYOUT_VERSION if quant is None else QUANTIZED_LAYOUT_VERSION,
             "dtype": dtype,
+            **({"quant": quant} if quant else {}),
             "layers": {},
         }
 
     def add_layer(self, layer: int, w13: np.ndarray, w2: np.ndarray):
-        LayerExperts(w13.astype(STORAGE_DTYPES[self.dtype]), w2.astype(STORAGE_DTYPES[self.dtype])).validate(
-            f"layer {layer}"
-        )
+        experts = LayerExperts(w13.astype(STORAGE_DTYPES[self.dtype]), w2.astype(STORAGE_DTYPES[self.dtype]))
+        experts.validate(f"layer {layer}")
+        if self.quant is not None:
+            quantized = quantize_layer(experts, self.quant)
+            sizes = {"hidden": quantized.hidden, "ffn": quantized.ffn}
+            if any(self.manifest.setdefault(key, v) != v for key, v in sizes.items()):
+                raise StoreError(f"layer {layer}: sizes {sizes} differ from the store's earlier layers")
+            w13, w2 = quantized.w13_packed, quantized.w2_packed
         entry = {}
         for name, array in (("w13", w13), ("w2", w2)):
             file = f"layer{layer:04d}.{name}.bin"
-            data = np.ascontiguousarray(array, dtype=STORAGE_DTYPES[self.dtype])
+            data = np.ascontiguousarray(array, dtype=STORAGE_DTYPES[self.dtype] if self.quant is None else np.uint8)
             raw = data.reshape(-1).view(np.uint8)  # bfloat16 has no buffer-protocol format code
             with open(self.tmp / file, "wb") as f:
                 f.write(raw.data)

@@ -22,7 +22,7 @@ from moe_jax.cost_model import Profile
 from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.generate import generate
-from moe_jax.lora import EXPERTS_TARGET, LoRAConfig, attach_lora
+from moe_jax.lora import LoRAConfig, attach_lora
 from moe_jax.memory_check import check_fits, load_bytes
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
@@ -73,13 +73,8 @@ class Model:
     def quantized_experts(self) -> bool:
         return self.plan.host_kernels is not None and self.plan.host_kernels.quantized
 
-    def _check_lora_targets(self, config: LoRAConfig):
-        if self.quantized_experts and EXPERTS_TARGET in config.targets:
-            raise InputError("expert LoRA runs on the unquantized engine path; load the model without quant= to use it")
-
     def attach_lora(self, config: LoRAConfig, seed: int = 0):
         """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules."""
-        self._check_lora_targets(config)
         transformer = self.transformer
         attach_lora(transformer, config, seed)
         self._set_transformer(transformer)
@@ -88,7 +83,6 @@ class Model:
     def load_adapter(self, adapter_dir):
         """Attaches the adapter saved in `adapter_dir` (PEFT format, or a train.py run directory)."""
         config, tensors = read_adapter(resolve_adapter_dir(adapter_dir))
-        self._check_lora_targets(config)
         transformer = self.transformer
         attach_lora(transformer, config)
         apply_adapter(transformer, tensors, adapter_dir)
@@ -97,13 +91,7 @@ class Model:
 
     def prepare_for_training(self):
         """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
-        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once. Refuses a model whose
-        experts are quantized for inference: its backward would read other weights than its forward."""
-        if self.quantized_experts:
-            raise InputError(
-                f"this model's experts run quantized ({self.plan.host_kernels.fused}) for generation only; load it "
-                "without quant= to train (training on a quantized base is not built yet)"
-            )
+        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once."""
         if self.plan.transposed_weights:
             self._edit(lambda transformer: transformer.keep_transposed_weights())
 
@@ -309,10 +297,12 @@ def load_model(
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
     `host_kernels.KernelChoice`) replaces the host kernel choice. `quant`: "int8" (a scale per output column),
     "int4" (a float16 scale per group of 32 k-rows, llama.cpp's Q4_0 rule; "int4-g64", "int4-g128": groups of 64,
-    128): the host experts' inference forward reads them so (quantized as each layer is first used), and so do a
-    bfloat16 model's decode steps for their dense weights where they multiply them natively; the unquantized
-    weights stay for anything else (prefill's dense products, training), so such a model is for generation, not
-    training. The resulting plan is `Model.plan` (moe_jax/plan.py).
+    128): the host experts are quantized as they are loaded and kept only so (a store converted with
+    `moe_jax.convert --quant` is already, and says its format itself); the fused forward reads them, the engine's
+    GEMMs (expert LoRA, training's backward) dequantize them expert by expert, so LoRA trains on the quantized
+    base. A bfloat16 model's decode steps then read their dense weights quantized too, where they multiply them
+    natively (a quantized copy beside the bfloat16 weights, which prefill and training use). Only the host
+    backend runs quantized experts. The resulting plan is `Model.plan` (moe_jax/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -323,8 +313,12 @@ def load_model(
     checkpoint = open_checkpoint(Path(path), verify=verify)
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
-    if quant is not None and not kind.host_engine:
-        raise InputError(f"quant={quant!r} quantizes the host experts; backend={backend!r} runs none on the host")
+    quant = stored_quant(checkpoint, quant)
+    if quant is not None and not kind.quantized_experts:
+        raise InputError(
+            f"{quant} experts run on the host backend; backend={backend!r} "
+            f"{'computes some on the device' if kind.host_engine else 'runs none on the host'}"
+        )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant)
     check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels), f"loading {checkpoint.path}")
@@ -352,6 +346,16 @@ def load_model(
     if adapter is not None:
         model.load_adapter(adapter)
     return model
+
+
+def stored_quant(checkpoint, quant: str | None) -> str | None:
+    """The experts' quantized format: a quantized store's own (`quant` may only repeat it), else `quant`."""
+    store = checkpoint.expert_store
+    if store is None or store.quant is None:
+        return quant
+    if quant not in (None, store.quant):
+        raise InputError(f"{checkpoint.path} holds {store.quant} experts: quant={quant!r} cannot requantize them")
+    return store.quant
 
 
 def resolve_adapter_dir(path) -> Path:

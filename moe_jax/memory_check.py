@@ -56,8 +56,15 @@ def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> 
     c = checkpoint.config
     params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
     store = checkpoint.expert_store
-    store_itemsize = store.dtype.itemsize if store is not None else itemsize
     packed_itemsize = host_kernels.packed_bytes_per_weight() if host_kernels is not None else 0
+    if host_kernels is not None and host_kernels.quantized:  # held only quantized: the store's own mapped file,
+        mapped = store is not None and store.quant == host_kernels.quant  # or quantized at load, layer by layer
+        return {
+            "dense weights": dense,
+            "experts": 0,
+            "packed expert copies": 0 if mapped else int(params * packed_itemsize),
+        }
+    store_itemsize = store.dtype.itemsize if store is not None else itemsize
     return {
         "dense weights": dense,
         "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,

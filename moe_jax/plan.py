@@ -42,6 +42,11 @@ class ExecutionPlan:
     def reason(self, part: str) -> str:
         return dict(self.why).get(part, "")
 
+    @property
+    def quant(self) -> str | None:
+        """The host experts' quantized format, or None."""
+        return self.host_kernels.quant if self.host_kernels is not None else None
+
     def lines(self) -> list[str]:
         """What runs each part, one line each, with the reason where a part is not native."""
 
@@ -60,8 +65,8 @@ class ExecutionPlan:
         )
         out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
         if self.host_kernels is not None and self.host_kernels.quantized:
-            out.append("training: refused (the experts are quantized for generation only)")
-        elif self.transposed_weights:
+            out.append("training: LoRA on the quantized experts' base (the backward dequantizes each expert)")
+        if self.transposed_weights:
             out.append("training: transposed copies of the frozen weights (bfloat16 backward on XLA:CPU)")
         return out
 
@@ -78,8 +83,9 @@ class ExecutionPlan:
 
 
 def host_store_dtype(checkpoint, dtype: str) -> np.dtype:
-    """The dtype the host engine's experts are stored in: a converted store's own, else the model's bfloat16 or
-    float32 (Hugging Face experts are stacked once in host RAM in it; backends.placements.HostPlacement._host_store)."""
+    """The dtype the host engine's experts are stored in (a quantized store's: the dtype its products take rows in):
+    a converted store's own, else the model's bfloat16 or float32 (Hugging Face experts are stacked once in host
+    RAM in it; backends.placements.HostPlacement._host_store)."""
     if checkpoint.expert_store is not None:
         return checkpoint.expert_store.dtype
     return np.dtype(jax.numpy.bfloat16) if dtype == BFLOAT16 else np.dtype(np.float32)
@@ -137,6 +143,6 @@ def make_plan(
         decode_attention=native_part("attention", bf16, float32_model, native_call.decode_attention_status),
         dense_decode=dense if native_part("dense", bf16, float32_model, lambda: (bool(dense), dense_why)) else "",
         argmax=native_part("argmax", True, "", native_call.argmax_status),
-        transposed_weights=bf16 and jax.default_backend() == "cpu" and not (host is not None and host.quantized),
+        transposed_weights=bf16 and jax.default_backend() == "cpu",
         why=tuple(why.items()),
     )

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from host_kernels import ExpertStore, HostMoE
+from host_kernels.store import quantize_layer
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime
@@ -48,6 +50,7 @@ class ExpertPlacement:
     name = ""
     host_engine = False  # runs experts in host_kernels (the plan then holds their kernel choice)
     needs_profile = False  # reads a probe profile (PlacementOptions.profile)
+    quantized_experts = False  # runs quantized experts (all on the host: none of them is copied to the device)
 
     def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
         self.checkpoint = checkpoint
@@ -158,6 +161,7 @@ class HostPlacement(ExpertPlacement):
 
     name = "host"
     host_engine = True
+    quantized_experts = True
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
@@ -165,11 +169,18 @@ class HostPlacement(ExpertPlacement):
         self.runtime = HostRuntime(engine, self.metrics, experts_ffi=plan.experts_ffi)
 
     def _host_store(self) -> ExpertStore:
-        """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM."""
-        if self.checkpoint.expert_store is not None:
-            return self.checkpoint.expert_store
+        """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM; where the
+        plan's experts are quantized and the store is not, each layer quantized as it is read (no float copy
+        kept)."""
+        store, quant = self.checkpoint.expert_store, self.plan.quant
+        if store is not None and store.quant == quant:
+            return store
         storage = host_store_dtype(self.checkpoint, self.dtype.name)
-        return ExpertStore({i: self.checkpoint.layer_experts(i, storage) for i in self.checkpoint.config.moe_layers})
+        layers = {}
+        for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
+            layer = self.checkpoint.layer_experts(i, storage)
+            layers[i] = quantize_layer(layer, quant) if quant else layer
+        return ExpertStore(layers, dtype=storage)
 
     def experts_for_layer(self, layer: int):
         return HostExperts(self.runtime, layer)
@@ -189,6 +200,7 @@ class HybridPlacement(HostPlacement):
     """The experts a placement plan names ({layer: [ids]}) on the device, the rest on the host, both at once."""
 
     name = "hybrid"
+    quantized_experts = False  # its device share reads the float weights
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
