@@ -143,7 +143,7 @@ class HostMoE:
             order = sorted(active.tolist(), key=lambda e: -routing.sizes[e])
             self._run_tasks(stats, layer, [lambda e=e: expert(e) for e in order])
             stats.flops += 2.0 * routing.pairs * 3 * d * f
-            stats.weight_bytes += len(active) * 3 * d * f * w.w13.dtype.itemsize
+            stats.weight_bytes += len(active) * 3 * d * f * w.bytes_per_weight
         else:
             self._run(stats, layer, plan_tiles(routing, f, self.threads), gate_up, w, phase_width=2 * d)
             self._run(stats, layer, plan_tiles(routing, d, self.threads), down, w, phase_width=f)
@@ -261,7 +261,7 @@ class HostMoE:
             ]
         self._run_tasks(stats, layer, tasks)
         stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
-        stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.w13.dtype.itemsize
+        stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.bytes_per_weight
 
         dx = self._combine(stats, layer, dx_s, routing)
         dweights = np.zeros(ids_tk.size, np.float32)
@@ -284,7 +284,7 @@ class HostMoE:
         for t in tiles:
             cols = t.cols.stop - t.cols.start
             stats.flops += 2.0 * (t.rows.stop - t.rows.start) * phase_width * cols
-            stats.weight_bytes += phase_width * cols * w.w13.dtype.itemsize
+            stats.weight_bytes += phase_width * cols * w.bytes_per_weight
 
     def _run_tasks(self, stats: CallStats, layer: int, tasks):
         try:

@@ -66,6 +66,10 @@ class LayerExperts:
     def quant(self) -> str | None:
         return None
 
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.w13.dtype.itemsize
+
     def validate(self, name: str):
         e, d, f2 = self.w13.shape
         if self.w2.shape != (e, f2 // 2, d) or f2 % 2:
@@ -101,6 +105,11 @@ class QuantizedLayerExperts:
     @property
     def num_experts(self) -> int:
         return self.w13_packed.shape[0]
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """As the packed weights are read, scales aside."""
+        return self.format.bits / 8
 
     @property
     def expert_bytes(self) -> int:

@@ -47,6 +47,10 @@ class Checkpoint:
         """One MoE layer's experts in kernel layout and `dtype` (a view when converted and of that dtype)."""
         if self.expert_store is not None:
             stored = self.expert_store[layer]
+            if stored.quant is not None:
+                raise CheckpointError(
+                    f"{self.path}: its experts are stored {stored.quant}-quantized: they run on the host backend only"
+                )
             if stored.w13.dtype == dtype:
                 return stored
             return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
@@ -97,11 +101,15 @@ def _check_layer_count(hf_config, tensors: TensorSource, config_file: Path):
 
 
 def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
-    want = (config.num_experts, config.hidden_size, 2 * config.expert_intermediate_size)
+    want = (config.num_experts, config.hidden_size, config.expert_intermediate_size)
     for layer in config.moe_layers:
-        got = store[layer].w13.shape
+        w = store[layer]
+        got = (w.num_experts, w.hidden, w.ffn)
         if got != want:
-            raise CheckpointError(f"{path / EXPERT_STORE_DIR}: layer {layer} w13 has shape {got}, config says {want}")
+            raise CheckpointError(
+                f"{path / EXPERT_STORE_DIR}: layer {layer} holds {got[0]} experts of hidden {got[1]}, ffn {got[2]}; "
+                f"the config says {want[0]} of {want[1]}, {want[2]}"
+            )
 
 
 def moe_prefix(config: ModelConfig, layer: int) -> str:

@@ -1,11 +1,12 @@
-"""`python -m moe_jax.convert --hf DIR --out DIR`: a Hugging Face checkpoint into the converted format.
+"""`python -m moe_jax.convert --hf DIR --out DIR [--quant int8|int4]`: a Hugging Face checkpoint into the converted
+format.
 
 The converted directory holds config.json and tokenizer files as they were, the non-expert tensors in one
 `model.safetensors` (Hugging Face names and layout), and the routed experts in an `experts/` store in the host
-kernels' layout, memory-mapped when loaded. It is written into a directory of its own next to OUT
-(`OUT.partial-XXXX`), its store checksums verified, and renamed into place at the end, so an interrupted
-conversion never leaves a directory that looks finished. An existing non-empty OUT is refused unless --overwrite;
-OUT may not be or contain the source, nor lie inside it.
+kernels' layout (with --quant, quantized and packed for their kernel), memory-mapped when loaded. It is written
+into a directory of its own next to OUT (`OUT.partial-XXXX`), its store checksums verified, and renamed into
+place at the end, so an interrupted conversion never leaves a directory that looks finished. An existing
+non-empty OUT is refused unless --overwrite; OUT may not be or contain the source, nor lie inside it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from host_kernels import ExpertStore, StoreWriter
+from host_kernels import QUANTIZED, ExpertStore, StoreWriter
 from moe_jax.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError
@@ -37,9 +38,15 @@ SIDE_FILES = (
 )
 
 
-def convert(hf_dir, out_dir, dtype: str | None = None, progress: bool = True, overwrite: bool = False) -> Path:
+def convert(
+    hf_dir, out_dir, dtype: str | None = None, progress: bool = True, overwrite: bool = False, quant: str | None = None
+) -> Path:
     """Writes the converted checkpoint of `hf_dir` to `out_dir` and returns it. `out_dir` must not exist or be
-    empty, unless `overwrite` (then it is replaced, only once the new one is complete and verified)."""
+    empty, unless `overwrite` (then it is replaced, only once the new one is complete and verified). `quant` (a
+    host_kernels.QUANTIZED name): the experts are stored quantized, packed for their kernel (`dtype` is then the
+    one their products take rows in); the dense weights stay as they are."""
+    if quant is not None and quant not in QUANTIZED:
+        raise InputError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
     checkpoint = open_checkpoint(hf_dir)
     if checkpoint.is_converted:
         raise CheckpointError(f"{hf_dir}: already a converted directory")
@@ -64,8 +71,9 @@ def convert(hf_dir, out_dir, dtype: str | None = None, progress: bool = True, ov
                 shutil.copy2(checkpoint.path / name, partial / name)
         dense = {n: checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if not is_expert_tensor(n)}
         save_safetensors(partial / "model.safetensors", dense)
-        writer = StoreWriter(partial / EXPERT_STORE_DIR, dtype)
-        for layer in tqdm(config.moe_layers, desc="converting experts", unit="layer", disable=not progress):
+        writer = StoreWriter(partial / EXPERT_STORE_DIR, dtype, quant)
+        desc = f"converting experts{f' to {quant}' if quant else ''}"
+        for layer in tqdm(config.moe_layers, desc=desc, unit="layer", disable=not progress):
             stacked = checkpoint.layer_experts(layer, storage)
             writer.add_layer(layer, stacked.w13, stacked.w2)
         writer.close()
@@ -116,8 +124,15 @@ def main(argv=None):
     parser.add_argument("--out", required=True, type=Path, help="directory to write (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="expert storage dtype (default: as stored)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is done)")
+    parser.add_argument(
+        "--quant",
+        choices=list(QUANTIZED),
+        help="store the experts quantized: int8 (a scale per output column) or int4 (a scale per group of 32 k-rows, "
+        "llama.cpp's Q4_0 rule; int4-g64 / int4-g128: groups of 64 / 128), packed for their kernel and memory-mapped "
+        "as they are when loaded (int4: 0.28x the bfloat16 experts' bytes)",
+    )
     args = parser.parse_args(argv)
-    out = convert(args.hf, args.out, args.dtype, overwrite=args.overwrite)
+    out = convert(args.hf, args.out, args.dtype, overwrite=args.overwrite, quant=args.quant)
     print(f"converted {args.hf} -> {out} (expert store checksums verified)")
 
 

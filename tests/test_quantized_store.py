@@ -1,0 +1,115 @@
+"""Quantized expert stores (`moe_jax.convert --quant`) and LoRA training on a quantized base: the store's size and
+checksums, loading it against quantizing at load, what it refuses, and training steps against the same steps on
+a float32 model whose experts are the dequantized weights."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import moe_jax
+from host_kernels import ExpertStore, StoreError, StoreWriter, int4_gemm
+from moe_jax.convert import convert
+from moe_jax.errors import CheckpointError, InputError
+from moe_jax.lora import LoRAConfig
+from moe_jax.objective import lora_value_and_grad
+from tests.test_bfloat16 import nnx_flat, relative_error
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "tiny-moe"
+pytestmark = pytest.mark.skipif(not int4_gemm.status()[0], reason=f"needs AVX512-VNNI: {int4_gemm.status()[1]}")
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """The bundled model converted: bfloat16, int4 and int8 from bfloat16, int4 from float32."""
+    root = tmp_path_factory.mktemp("stores")
+    made = {
+        "bfloat16": convert(TINY, root / "bf16", "bfloat16", progress=False),
+        "int4": convert(TINY, root / "int4", "bfloat16", progress=False, quant="int4"),
+        "int8": convert(TINY, root / "int8", "bfloat16", progress=False, quant="int8"),
+        "int4 from float32": convert(TINY, root / "int4_f32", "float32", progress=False, quant="int4"),
+    }
+    return made
+
+
+def test_an_int4_store_is_under_0_3x_of_bfloat16_and_checksummed(stores):
+    size = {name: sum(f.stat().st_size for f in (path / "experts").glob("*.bin")) for name, path in stores.items()}
+    assert size["int4"] <= 0.3 * size["bfloat16"], size  # 4 bits and a float16 scale per 32 weights
+    assert size["int8"] <= 0.55 * size["bfloat16"], size
+    store = ExpertStore.open(stores["int4"] / "experts", verify=True)
+    assert store.quant == "int4" and store.nbytes == size["int4"]
+    file = stores["int4"] / "experts" / "layer0001.w2.bin"
+    data = bytearray(file.read_bytes())
+    data[100] ^= 1
+    copy = stores["int4"].parent / "corrupt"
+    convert(TINY, copy, "bfloat16", progress=False, quant="int4")
+    (copy / "experts" / "layer0001.w2.bin").write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="layer 1 w2 checksum mismatch"):
+        ExpertStore.open(copy / "experts", verify=True)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_a_quantized_store_computes_what_quantizing_at_load_does(stores, quant):
+    stored = moe_jax.load_model(stores[quant], dtype="bfloat16")
+    at_load = moe_jax.load_model(TINY, dtype="bfloat16", quant=quant)
+    assert stored.plan.quant == at_load.plan.quant == quant
+    ids = np.random.default_rng(0).integers(0, stored.config.vocab_size, size=(2, 11))
+    np.testing.assert_array_equal(stored.logits(ids), at_load.logits(ids))
+    assert stored.generate(ids.tolist(), max_new_tokens=4) == at_load.generate(ids.tolist(), max_new_tokens=4)
+    # the packed weights the kernel reads are the mapped file itself
+    layer = stored.placement.runtime.engine.store[0]
+    assert isinstance(layer.w13_packed, np.memmap) and np.shares_memory(layer.packed(0)[0].data, layer.w13_packed)
+
+
+def test_what_a_quantized_store_refuses(stores):
+    with pytest.raises(InputError, match="holds int4 experts: quant='int8' cannot requantize"):
+        moe_jax.load_model(stores["int4"], quant="int8")
+    with pytest.raises(InputError, match="runs none on the host"):
+        moe_jax.load_model(stores["int4"], backend="device")
+    with pytest.raises(CheckpointError, match="stored int4-quantized"):
+        moe_jax.load_model(stores["int4"]).checkpoint.layer_experts(0, np.float32)
+    with pytest.raises(InputError, match="unknown quantization 'int5'"):
+        convert(TINY, stores["int4"].parent / "int5", quant="int5")
+
+
+def dequantized_float32_checkpoint(quantized: Path, out: Path) -> Path:
+    """A float32 converted checkpoint whose experts are the dequantized weights of a quantized one."""
+    convert(TINY, out, "float32", progress=False)
+    store = ExpertStore.open(quantized / "experts")
+    writer = StoreWriter(out / "experts", "float32")
+    for i, layer in store.layers.items():
+        weights = [layer.dequantized(e) for e in range(layer.num_experts)]
+        writer.add_layer(i, np.stack([w[0] for w in weights]), np.stack([w[1] for w in weights]))
+    writer.close()
+    return out
+
+
+def loss_and_grads(path, targets):
+    model = moe_jax.load_model(path, backend="host", dtype="float32")
+    model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=targets), seed=3)
+    value_and_grad, lora_state = lora_value_and_grad(model)
+    lora_state = jax.tree.map(lambda a: a + 0.05 * np.ones(a.shape, a.dtype), lora_state)  # non-zero B too
+    tokens = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(2, 40))
+    loss, grads = value_and_grad(lora_state, tokens, np.ones_like(tokens))
+    return float(loss), {k: np.asarray(v, np.float64) for k, v in nnx_flat(grads).items()}, model
+
+
+def test_training_on_a_quantized_base_follows_the_dequantized_weights(stores, tmp_path):
+    reference = dequantized_float32_checkpoint(stores["int4 from float32"], tmp_path / "dequantized")
+    # with expert LoRA the engine computes both passes, over each expert dequantized: the same float32 function
+    targets = ("q_proj", "v_proj", "experts")
+    loss_q, grads_q, model = loss_and_grads(stores["int4 from float32"], targets)
+    loss_f, grads_f, _ = loss_and_grads(reference, targets)
+    assert model.plan.quant == "int4" and model.placement.runtime.engine.kernel == "numpy"
+    assert abs(loss_q - loss_f) < 1e-5 * abs(loss_f)
+    assert grads_q.keys() == grads_f.keys() and any("experts" in k for k in grads_q)
+    for name in grads_f:
+        assert relative_error(grads_q[name], grads_f[name]) < 1e-4, name
+    # attention LoRA alone: the forward may take the int4 kernel, whose activations are int8 (llama.cpp's rule)
+    loss_q, grads_q, _ = loss_and_grads(stores["int4 from float32"], ("q_proj", "v_proj"))
+    loss_f, grads_f, _ = loss_and_grads(reference, ("q_proj", "v_proj"))
+    assert abs(loss_q - loss_f) < 1e-2 * abs(loss_f)
+    for name in grads_f:
+        assert relative_error(grads_q[name], grads_f[name]) < 0.05, name
