@@ -8,6 +8,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host_kernels import QUANTIZED
 from moe_jax.api import DTYPES
 from moe_jax.backends import BACKENDS
 from moe_jax.errors import ConfigError
@@ -26,6 +27,7 @@ class TrainConfig:
     out: str = "runs/default"
     backend: str = "host"
     dtype: str = "float32"  # of the base weights and activations; bfloat16 runs the experts on AMX where there is one
+    quant: str | None = None  # the experts quantized (int8, int4, ...): LoRA on a quantized base (host backend)
     # LoRA
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -80,6 +82,8 @@ class TrainConfig:
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quant is not None and self.quant not in QUANTIZED:
+            raise ConfigError(f"quant must be one of {', '.join(QUANTIZED)}, got {self.quant!r}")
         for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_budget_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:

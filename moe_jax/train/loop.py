@@ -97,6 +97,7 @@ class Trainer:
             cfg.model,
             backend=cfg.backend,
             dtype=cfg.dtype,
+            quant=cfg.quant,
             host_threads=cfg.host_threads,
             device_budget_bytes=budget,
             verify=verify,
