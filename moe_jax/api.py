@@ -316,8 +316,8 @@ def load_model(
     quant = stored_quant(checkpoint, quant)
     if quant is not None and not kind.quantized_experts:
         raise InputError(
-            f"{quant} experts run on the host backend; backend={backend!r} "
-            f"{'computes some on the device' if kind.host_engine else 'runs none on the host'}"
+            f"{quant} experts run on the host backend only; backend={backend!r} "
+            f"{'may compute some on the device' if kind.host_engine else 'runs none on the host'}"
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from host_kernels import int8_gemm
+from host_kernels import int4_gemm, int8_gemm
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "tiny-moe"
@@ -193,12 +193,13 @@ def test_extreme_sampling_settings_still_generate(tmp_path):
     assert infer("--prompts", prompts, "--max-new-tokens", "4", "--batch-size", "100000").stdout == greedy
 
 
-def test_quant_int8_generates_and_says_so(tmp_path):
+@pytest.mark.parametrize("quant, gemm", [("int8", int8_gemm), ("int4", int4_gemm)])
+def test_quant_generates_and_says_so(tmp_path, quant, gemm):
     prompts = write(tmp_path / "p.jsonl", [{"prompt": "copy abc >"}, {"prompt": "sort cab >"}])
-    if not int8_gemm.status()[0]:
-        refused = infer("--prompts", prompts, "--quant", "int8", check=False)
-        assert refused.returncode == 2 and "int8 experts: no kernel on this machine" in refused.stderr
+    if not gemm.status()[0]:
+        refused = infer("--prompts", prompts, "--quant", quant, check=False)
+        assert refused.returncode == 2 and f"{quant} experts: no kernel on this machine" in refused.stderr
         return
-    result = infer("--prompts", prompts, "--max-new-tokens", "4", "--dtype", "bfloat16", "--quant", "int8")
-    assert "plan: experts avx512-int8 via FFI" in result.stderr and "dense native" in result.stderr
+    result = infer("--prompts", prompts, "--max-new-tokens", "4", "--dtype", "bfloat16", "--quant", quant)
+    assert f"plan: experts avx512-{quant} via FFI" in result.stderr and "dense native" in result.stderr
     assert result.stdout.count("->") == 2

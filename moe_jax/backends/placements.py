@@ -218,6 +218,7 @@ class AutoPlacement(HostPlacement):
 
     name = "auto"
     needs_profile = True
+    quantized_experts = False  # a device cache would read the float weights
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
