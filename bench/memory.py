@@ -6,8 +6,9 @@ For each format the bench model (bench/models.py) is converted once (`moe_jax.co
 quantized ones, bfloat16 rows) beside it, and a fresh process loads it with the host backend in bfloat16 and
 generates (batch 16, 32-token prompts, 64 new tokens). Reported: the expert store's bytes on disk, the dense
 weights' (bfloat16, plus the quantized copies a quantized model's decode steps read), the KV cache's, their sum
-("expected"), the process's peak RSS, and its RSS before loading (Python, jax and the libraries) subtracted from
-that peak ("model RSS"), whose ratio to "expected" is the overhead. Writes bench/results/memory[-SHAPE].json.
+("expected"), the process's peak RSS (loading included), its RSS once it has generated, and that less its RSS
+before loading (Python, jax and the libraries): "model RSS", whose ratio to "expected" is the overhead. Writes
+bench/results/memory[-SHAPE].json.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ engine.run([Request(rng.integers(16, 4096, size=prompt).tolist(), new) for _ in 
 dense = sum(leaf.nbytes for leaf in jax.tree.leaves(model.state) if hasattr(leaf, "nbytes"))
 kv = sum(leaf.nbytes for leaf in jax.tree.leaves(model.new_caches(batch, prompt + new)))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"before": before, "peak": peak, "dense": dense, "kv": kv}))
+import os
+now = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+print(json.dumps({"before": before, "peak": peak, "now": now, "dense": dense, "kv": kv}))
 """
 
 
@@ -64,7 +67,7 @@ def measure(fmt: str) -> dict:
     )  # fmt: skip
     child = json.loads(run.stdout.strip().splitlines()[-1])
     expected = store + child["dense"] + child["kv"]
-    model_rss = child["peak"] - child["before"]
+    model_rss = child["now"] - child["before"]
     gib = 2**30
     return {
         "experts": fmt,
@@ -73,6 +76,7 @@ def measure(fmt: str) -> dict:
         "KV GiB": child["kv"] / gib,
         "expected GiB": expected / gib,
         "peak RSS GiB": child["peak"] / gib,
+        "RSS after GiB": child["now"] / gib,
         "model RSS GiB": model_rss / gib,
         "model RSS / expected": model_rss / expected,
     }

@@ -1,7 +1,8 @@
 """host_kernels: the routed experts of MoE layers computed on the host CPU, next to their weights. No JAX.
 
 What the rest of the project uses, importable from here:
-- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `StoreWriter`, `file_sha256`;
+- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `StoreWriter`, `file_sha256`,
+  `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
 - the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
@@ -15,8 +16,9 @@ from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
 from host_kernels.fused_forward import QUANTIZED, is_live_call
 from host_kernels.lora import ExpertLoRA
+from host_kernels.native import trim_heap
 from host_kernels.pool import MAX_THREADS, default_threads
-from host_kernels.store import ExpertStore, LayerExperts, StoreWriter, file_sha256
+from host_kernels.store import ExpertStore, LayerExperts, StoreWriter, file_sha256, release_pages
 
 __all__ = [
     "MAX_THREADS",
@@ -37,4 +39,6 @@ __all__ = [
     "file_sha256",
     "is_live_call",
     "library_status",
+    "release_pages",
+    "trim_heap",
 ]

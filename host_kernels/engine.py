@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host_kernels import native
 from host_kernels.activations import swiglu_backward, swiglu_forward
 from host_kernels.choice import AVX512, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
@@ -78,12 +79,20 @@ class HostMoE:
         """The native fused forward (host_kernels/fused_forward.py), or None where the kernel choice has none.
         Made once; on AMX it shares the packed weights with `forward`."""
         if self._fused is None and self.kernels.fused:
-            if self.kernels.fused == self.kernels.gemm:  # a bfloat16 kernel on both: one packed copy, shared
-                packed = lambda layer: self._layer_matmuls(layer).forward_weights()  # noqa: E731
-            else:
-                packed = lambda layer: pack_layer(self.store[layer], self.kernels.fused)  # noqa: E731
-            self._fused = FusedForward(self.store, packed, self.threads, self.kernels.fused)
+            self._fused = FusedForward(self.store, self._packed_forward_weights, self.threads, self.kernels.fused)
         return self._fused
+
+    def _packed_forward_weights(self, layer: int) -> list:
+        """The fused forward's packed weights of `layer`: with a bfloat16 kernel on both, the engine's (one copy,
+        shared); a quantized layer's own; else packed for it. A float store's mapped pages then leave memory (the
+        copy replaced them; a GEMM that reads the store again reads them from the file)."""
+        if self.kernels.fused == self.kernels.gemm:
+            packed = self._layer_matmuls(layer).forward_weights()
+        else:
+            packed = pack_layer(self.store[layer], self.kernels.fused)
+        self.store.release_pages(layer)
+        native.trim_heap()  # the packing's temporaries
+        return packed
 
     @property
     def threads(self) -> int:

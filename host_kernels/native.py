@@ -119,6 +119,23 @@ def lib():
     return library
 
 
+@cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap():
+    """Returns the C heap's free memory to the OS (glibc's malloc_trim; nothing elsewhere). Packing a layer frees
+    as much temporary memory as it keeps, and glibc keeps freed heap pages resident: without this a bfloat16
+    model's process held ~0.8 GB more than its weights (Qwen3-30B-A3B dims, 2 layers)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def require(usable: tuple[bool, str], what: str):
     """Refuses a native call this machine cannot make (a SIGILL otherwise): `usable` is a status() pair."""
     if not usable[0]:

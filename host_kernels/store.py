@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import shutil
 from dataclasses import dataclass
@@ -188,6 +189,14 @@ class ExpertStore:
             _check_unchanged(file, opened)
         return experts
 
+    def release_pages(self, layer: int):
+        """Drops a float layer's mapped pages from memory (`release_pages`), once a packed copy has replaced them
+        (they are read again from the file if needed). A quantized layer's pages are what its kernel reads: kept."""
+        experts = self.layers[layer]
+        if experts.quant is None:
+            release_pages(experts.w13)
+            release_pages(experts.w2)
+
     @property
     def dtype(self) -> np.dtype:
         """The stored weights' dtype; for a quantized store, the dtype its products take rows in."""
@@ -352,6 +361,17 @@ class StoreWriter:
         if self.path.exists():
             shutil.rmtree(self.path)
         os.replace(self.tmp, self.path)
+
+
+def release_pages(array: np.ndarray):
+    """madvise(MADV_DONTNEED) on the file mapping under a np.memmap (or a view of one): its resident pages leave the
+    process's memory, to be read again from the file if touched (so every array stays valid). Nothing for arrays
+    that map no file."""
+    while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
+        array = array.base
+    mapping = getattr(array, "_mmap", None)
+    if mapping is not None and hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def file_sha256(file) -> str:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from host_kernels import trim_heap
 from moe_jax.adapters import apply_adapter, read_adapter
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.metrics import BackendMetrics
@@ -237,6 +238,7 @@ class Model:
         step's dense products natively, the dense weights are first packed for it (Transformer.pack_for_decode)."""
         if self.plan.dense_decode and "head_packed" not in self.state:
             self._edit(lambda transformer: transformer.pack_for_decode(self.plan.dense_decode))
+            trim_heap()  # the packing's temporaries
         for graphdef, steps in self._steps:
             if graphdef == self.graphdef:
                 return steps
@@ -338,6 +340,7 @@ def load_model(
     options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
+    checkpoint.tensors.release_pages()  # every weight read from the files is a copy by now
     model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
     if device_budget_bytes is not None:
         model.device_budget_bytes = int(device_budget_bytes)

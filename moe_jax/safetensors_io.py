@@ -17,6 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from host_kernels import release_pages
 from moe_jax.errors import CheckpointError, is_int
 
 _DTYPES = {
@@ -122,6 +123,12 @@ class SafetensorsFile:
     def keys(self):
         return self._entries.keys()
 
+    def release_pages(self):
+        """Drops the mapped pages read so far from this process's memory (the arrays stay valid: a page read again
+        comes back from the file). The weights loaded from a file are copies; without this, the pages they were
+        copied from would stay counted in the process's RSS for as long as the checkpoint is open."""
+        release_pages(self._mmap)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name]["shape"])
 
@@ -163,6 +170,11 @@ class TensorSource:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def release_pages(self):
+        """`SafetensorsFile.release_pages` for every file."""
+        for f in self._files:
+            f.release_pages()
 
     def names(self):
         return self._where.keys()

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from host_kernels import ExpertStore, HostMoE
+from host_kernels import ExpertStore, HostMoE, trim_heap
 from host_kernels.store import quantize_layer
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
@@ -179,7 +179,11 @@ class HostPlacement(ExpertPlacement):
         layers = {}
         for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
             layer = self.checkpoint.layer_experts(i, storage)
-            layers[i] = quantize_layer(layer, quant) if quant else layer
+            if quant:
+                layers[i] = quantize_layer(layer, quant)
+                trim_heap()  # the float layer and the quantization's temporaries
+            else:
+                layers[i] = layer
         return ExpertStore(layers, dtype=storage)
 
     def experts_for_layer(self, layer: int):
