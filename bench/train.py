@@ -4,7 +4,8 @@
 
 Same Mixtral-shaped bench model (bench/models.py), same random token batches, LoRA r=8 alpha=16 on q/k/v/o,
 AdamW, each side in float32 and in bfloat16 (base weights and activations; adapters and optimizer state stay
-float32 on both sides, as peft keeps them by default). Each side runs in its own process (so
+float32 on both sides, as peft keeps them by default), and moe_jax also on int8 and int4 experts (bfloat16
+otherwise: LoRA on a quantized base). Each side runs in its own process (so
 peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
 against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
 """
@@ -25,7 +26,9 @@ from bench.common import machine_info, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
+QUANTS = ("int8", "int4")  # moe_jax's host experts quantized (bfloat16 otherwise): LoRA on a quantized base
 SIDES = tuple(f"{side}-{dtype}" for side in ("moe_jax-host", "moe_jax-device", "transformers+peft") for dtype in DTYPES)
+SIDES += tuple(f"moe_jax-host-{quant}" for quant in QUANTS)
 
 
 def batches(batch, seq, count):
@@ -35,7 +38,7 @@ def batches(batch, seq, count):
     return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]  # in every shape's vocab
 
 
-def run_moe_jax(backend, dtype, batch, seq, steps):
+def run_moe_jax(backend, dtype, batch, seq, steps, quant=None):
     import jax
     import numpy as np
     import optax
@@ -44,7 +47,7 @@ def run_moe_jax(backend, dtype, batch, seq, steps):
     from moe_jax.lora import LoRAConfig
     from moe_jax.objective import lora_value_and_grad
 
-    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype)
+    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, quant=quant)
     model.attach_lora(LoRAConfig(rank=8, alpha=16))
     value_and_grad, lora_state = lora_value_and_grad(model)
     tx = optax.adamw(1e-4)
@@ -97,10 +100,12 @@ def run_transformers(dtype, batch, seq, steps):
 
 def child(side, batch, seq, steps):
     name, dtype = side.rsplit("-", 1)
+    quant = dtype if dtype in QUANTS else None
     if name == "transformers+peft":
         times, losses, metrics = run_transformers(dtype, batch, seq, steps)
     else:
-        times, losses, metrics = run_moe_jax(name.split("-")[1], dtype, batch, seq, steps)
+        backend = name.split("-")[1]
+        times, losses, metrics = run_moe_jax(backend, "bfloat16" if quant else dtype, batch, seq, steps, quant)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"times": times, "losses": losses, "metrics": metrics, "peak_rss_mb": peak_mb}))
 

@@ -177,11 +177,14 @@ def main():
         raw[pair] = rounds
         for side, results in rounds.items():
             if results:
-                median = {case: float(np.median([r[case] for r in results])) for case in results[0]}
+                # a llama-batched-bench run now and then leaves a case out of its output: the others' median
+                cases = dict.fromkeys(case for r in results for case in r)
+                median = {case: float(np.median([r[case] for r in results if case in r])) for case in cases}
                 rows.append({"pair": pair, "side": side if side == "moe_jax" else f"llama.cpp {kind}", **median})
         if runners:
             llama, ours = rows[-2], rows[-1]
-            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | {c: ours[c] / llama[c] for c in runners})
+            ratios = {c: ours[c] / llama[c] for c in runners if c in llama}
+            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | ratios)
         del runners
         gc.collect()
     print_table(f"tokens/s, {args.threads} threads, shape {args.shape}: decode (32-token prompts) and prefill", rows)

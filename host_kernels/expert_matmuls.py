@@ -64,29 +64,37 @@ class NumpyExpertMatmuls:
 
 
 class DequantizedExpertMatmuls(NumpyExpertMatmuls):
-    """The same GEMMs over a quantized layer (store.QuantizedLayerExperts): each expert's weights dequantized to
-    float32 when a GEMM first needs them and kept for the next few (a layer's tiles come expert by expert), so
-    LoRA training on a quantized base (QLoRA's idea) computes with exactly the weights the fused forward reads,
-    and holds a handful of float32 experts, not a float copy of the model."""
+    """The same GEMMs over a quantized layer (store.QuantizedLayerExperts), each expert's weights dequantized to
+    float32 when a GEMM first needs them, so LoRA training on a quantized base (QLoRA's idea) computes with exactly
+    the weights the fused forward reads. Kept: the first experts met, up to `keep_bytes` (the base is frozen, so
+    they stay valid; the backward's two passes meet the experts in the same order, where a least-recently-used
+    cache would keep none for the second), and the last few met (an expert's tiles come one after another)."""
 
     name = "numpy-dequantized"
-    KEEP = 8  # experts kept dequantized (the tiles of about as many run at once on the pool's threads)
+    RECENT = 8
 
-    def __init__(self, w):
+    def __init__(self, w, keep_bytes: int = 256 << 20):
         super().__init__(w)
+        self.keep_bytes = keep_bytes
         self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._kept_bytes = 0
+        self._recent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def weights(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
-            kept = self._kept.pop(e, None)
-        if kept is None:
-            kept = self.w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
+            found = self._kept.get(e) or self._recent.pop(e, None)
+        if found is None:
+            found = self.w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
         with self._lock:
-            self._kept[e] = kept  # most recent last
-            while len(self._kept) > self.KEEP:
-                del self._kept[next(iter(self._kept))]
-        return kept
+            size = found[0].nbytes + found[1].nbytes
+            if e not in self._kept and self._kept_bytes + size <= self.keep_bytes:
+                self._kept[e], self._kept_bytes = found, self._kept_bytes + size
+            elif e not in self._kept:
+                self._recent[e] = found  # most recent last
+                while len(self._recent) > self.RECENT:
+                    del self._recent[next(iter(self._recent))]
+        return found
 
 
 class AMXExpertMatmuls:

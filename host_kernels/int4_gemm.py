@@ -74,7 +74,18 @@ def pack(w: QuantizedInt4) -> PackedInt4:
 
 
 def unpack(w: PackedInt4) -> np.ndarray:
-    """The float32 [k, n] weight a packed one holds ((stored - 8) * scale): what its products compute with."""
+    """The float32 [k, n] weight a packed one holds ((stored - 8) * scale): what its products compute with. Native
+    where the kernel runs (~10x numpy's speed: training's backward dequantizes every expert it meets)."""
+    if not status()[0]:
+        return unpack_numpy(w)
+    blocks = w.data.shape[0]
+    out = np.empty((w.k, blocks * N_BLOCK), np.float32)
+    native.lib().int4_unpack(w.data.ctypes.data, w.kp, w.group, blocks, w.k, out.ctypes.data, blocks * N_BLOCK)
+    return out[:, : w.n]
+
+
+def unpack_numpy(w: PackedInt4) -> np.ndarray:
+    """`unpack` in numpy."""
     blocks, kp, group = w.data.shape[0], w.kp, w.group
     group_bytes = group * N_BLOCK // 2 + SCALE_BYTES
     nibbles, scales = [], []

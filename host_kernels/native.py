@@ -31,6 +31,7 @@ SIGNATURES = {
     "bf16_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "int8_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
     "int4_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int),
+    "int4_unpack": ([_P, _I, _I, _I, _I, _P, _I], None),
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),

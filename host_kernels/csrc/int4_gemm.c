@@ -175,3 +175,27 @@ int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t k
     free(q);
     return 0;
 }
+
+void int4_unpack(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
+                 int64_t ldo) {
+    const int64_t stride = block_bytes(kp, group);
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const char *block = (const char *)b_packed + nb * stride;
+        for (int64_t g0 = 0; g0 < k; g0 += group) {
+            const int64_t g1 = g0 + group < kp ? g0 + group : kp;
+            const char *gb = block + g0 / group * (group * 8 + SCALE_BYTES);
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + (g1 - g0) * 8)));
+            for (int64_t r = g0; r < g1 && r < k; r += 8) {
+                /* lane c: column c's 4 bytes, k-rows r..r+3 in the low nibbles, r+4..r+7 in the high ones */
+                const __m512i v = _mm512_loadu_si512((const void *)(gb + (r - g0) * 8));
+                for (int i = 0; i < 8 && r + i < k; i++) {
+                    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (i & 3) + 4 * (i >> 2)), low4);
+                    const __m512 w = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), eight), scale);
+                    _mm512_storeu_ps(out + (r + i) * ldo + nb * 16, w);
+                }
+            }
+        }
+    }
+}

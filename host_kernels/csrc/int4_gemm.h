@@ -18,4 +18,10 @@ void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int
 int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
               int64_t n0, int64_t n1, int64_t group);
 
+/* The float32 weights (stored - 8) * scale of `blocks` 16-column blocks, rows [0, k), into out (row stride ldo
+ * >= 16 * blocks): what the products compute with, for GEMMs that need the weights themselves (training's
+ * backward). */
+void int4_unpack(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
+                 int64_t ldo);
+
 #endif

@@ -50,8 +50,10 @@ class HostRuntime:
         # forward activations kept for the backward, by ticket, oldest first; beyond `keep_bytes` the oldest are
         # dropped and their backward recomputes (so does a backward whose ticket is unknown). By default only on
         # the numpy path: on AMX the recompute (one GEMM) is faster than reading the kept 2 x ffn floats per pair
-        # back from RAM (bench model, 4 x 512 tokens, a layer's forward + backward: 87 ms recomputing, 103 keeping)
-        self.keep_bytes = keep_bytes if keep_bytes is not None else (2 << 30 if engine.kernel == "numpy" else 0)
+        # back from RAM (bench model, 4 x 512 tokens, a layer's forward + backward: 87 ms recomputing, 103 keeping);
+        # nor for quantized experts: their fused forward skips the dequantization the engine's forward pays
+        keeps = engine.kernel == "numpy" and not engine.kernels.quantized
+        self.keep_bytes = keep_bytes if keep_bytes is not None else (2 << 30 if keeps else 0)
         self._kept: OrderedDict[int, object] = OrderedDict()
         self._kept_bytes = 0
         # asynchronous calls (hybrid placement): one background thread drives the engine's pool
