@@ -52,8 +52,8 @@ class HostMoE:
         kernels: KernelChoice | None = None,
     ):
         self.store = store
-        self.kernels = kernels or choose_kernels(store.dtype)
-        check_choice(self.kernels, store.dtype)
+        self.kernels = kernels or choose_kernels(store.dtype, quant=store.quant)
+        check_choice(self.kernels, store.dtype, store.quant)
         self._native_swiglu = self.kernels.activations == AVX512
         self.pool = pool or WorkerPool(threads)
         self.last_stats: CallStats | None = None

@@ -181,6 +181,8 @@ class HostPlacement(ExpertPlacement):
             layer = self.checkpoint.layer_experts(i, storage)
             if quant:
                 layers[i] = quantize_layer(layer, quant)
+                if store is not None:
+                    store.release_pages(i)  # a converted float store's pages: read once, not needed again
                 trim_heap()  # the float layer and the quantization's temporaries
             else:
                 layers[i] = layer
