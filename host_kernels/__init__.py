@@ -1,7 +1,8 @@
 """host_kernels: the routed experts of MoE layers computed on the host CPU, next to their weights. No JAX.
 
 What the rest of the project uses, importable from here:
-- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `StoreWriter`, `file_sha256`,
+- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `QuantizedLayerExperts` and
+  `quantize_layer` (experts held quantized, packed for their kernel), `StoreWriter`, `file_sha256`,
   `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
@@ -18,7 +19,15 @@ from host_kernels.fused_forward import QUANTIZED, is_live_call
 from host_kernels.lora import ExpertLoRA
 from host_kernels.native import trim_heap
 from host_kernels.pool import MAX_THREADS, default_threads
-from host_kernels.store import ExpertStore, LayerExperts, StoreWriter, file_sha256, release_pages
+from host_kernels.store import (
+    ExpertStore,
+    LayerExperts,
+    QuantizedLayerExperts,
+    StoreWriter,
+    file_sha256,
+    quantize_layer,
+    release_pages,
+)
 
 __all__ = [
     "MAX_THREADS",
@@ -30,6 +39,7 @@ __all__ = [
     "KernelChoice",
     "KernelArgumentError",
     "LayerExperts",
+    "QuantizedLayerExperts",
     "NonFiniteError",
     "StoreError",
     "StoreWriter",
@@ -39,6 +49,7 @@ __all__ = [
     "file_sha256",
     "is_live_call",
     "library_status",
+    "quantize_layer",
     "release_pages",
     "trim_heap",
 ]

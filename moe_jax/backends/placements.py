@@ -16,8 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from host_kernels import ExpertStore, HostMoE, trim_heap
-from host_kernels.store import quantize_layer
+from host_kernels import ExpertStore, HostMoE, quantize_layer, trim_heap
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime
