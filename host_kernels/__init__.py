@@ -2,8 +2,8 @@
 
 What the rest of the project uses, importable from here:
 - the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `QuantizedLayerExperts` and
-  `quantize_layer` (experts held quantized, packed for their kernel), `StoreWriter`, `file_sha256`,
-  `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
+  `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`), `StoreWriter`,
+  `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
 - the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
@@ -26,6 +26,7 @@ from host_kernels.store import (
     StoreWriter,
     file_sha256,
     quantize_layer,
+    quantized_expert_bytes,
     release_pages,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "is_live_call",
     "library_status",
     "quantize_layer",
+    "quantized_expert_bytes",
     "release_pages",
     "trim_heap",
 ]

@@ -122,7 +122,7 @@ class QuantizedLayerExperts:
 
     def packed_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(k, n) of each expert's packed w13 (gate and up halves from 16-column blocks) and w2."""
-        return (self.hidden, 2 * padded(self.ffn, N_BLOCK)), (self.ffn, self.hidden)
+        return packed_weight_shapes(self.hidden, self.ffn)
 
     def validate(self, name: str):
         if self.quant not in FORMATS:
@@ -143,6 +143,16 @@ class QuantizedLayerExperts:
         w13_blocks, w2 = (self.format.unpack(p) for p in self.packed(e))
         f, fp = self.ffn, padded(self.ffn, N_BLOCK)
         return np.concatenate([w13_blocks[:, :f], w13_blocks[:, fp : fp + f]], axis=1), w2
+
+
+def packed_weight_shapes(hidden: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(k, n) of an expert's packed w13 (gate and up halves from 16-column blocks) and w2."""
+    return (hidden, 2 * padded(ffn, N_BLOCK)), (ffn, hidden)
+
+
+def quantized_expert_bytes(quant: str, hidden: int, ffn: int) -> int:
+    """Bytes of one expert held in format `quant`, packed, scales included."""
+    return sum(math.prod(FORMATS[quant].packed_shape(k, n)) for k, n in packed_weight_shapes(hidden, ffn))
 
 
 def quantize_layer(w: LayerExperts, quant: str) -> QuantizedLayerExperts:

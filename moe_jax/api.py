@@ -24,7 +24,7 @@ from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_st
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.generate import generate
 from moe_jax.lora import LoRAConfig, attach_lora
-from moe_jax.memory_check import check_fits, load_bytes
+from moe_jax.memory_check import check_fits, load_bytes, quantization_hint
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
 from moe_jax.probe import cached_profile
@@ -323,7 +323,9 @@ def load_model(
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant)
-    check_fits(load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels), f"loading {checkpoint.path}")
+    parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels)
+    hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""
+    check_fits(parts, f"loading {checkpoint.path}", hint=hint)
 
     def dense(name):
         return jnp.asarray(checkpoint.dense(name), dtype=jdtype)

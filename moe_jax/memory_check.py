@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from host_kernels import KernelChoice
+from host_kernels import KernelChoice, quantized_expert_bytes
 from moe_jax.checkpoint import is_expert_tensor
 from moe_jax.errors import MemoryLimitError
 
@@ -72,8 +72,9 @@ def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> 
     }
 
 
-def check_fits(parts: dict[str, int], what: str, available: int | None = None):
-    """Raises MemoryLimitError naming each part when their sum exceeds the available memory."""
+def check_fits(parts: dict[str, int], what: str, available: int | None = None, hint: str = ""):
+    """Raises MemoryLimitError naming each part when their sum exceeds the available memory (and `hint`: another
+    way to fit, if there is one)."""
     available = available_bytes() if available is None else available
     need = sum(parts.values())
     if available is None or need <= available:
@@ -81,5 +82,21 @@ def check_fits(parts: dict[str, int], what: str, available: int | None = None):
     listed = ", ".join(f"{name} {_size(size)}" for name, size in parts.items() if size)
     raise MemoryLimitError(
         f"{what} needs about {_size(need)} ({listed}) but this machine has {_size(available)} available; "
-        "use a machine with more memory, a smaller dtype, or fewer sequences at a time"
+        f"use a machine with more memory, a smaller dtype, or fewer sequences at a time{hint}"
+    )
+
+
+def quantization_hint(checkpoint, parts: dict[str, int]) -> str:
+    """ "; with quant='int4' ..." where holding the experts quantized would shrink the load (their float bytes
+    replaced by int4's), else ""."""
+    floats = parts.get("experts", 0) + parts.get("packed expert copies", 0)
+    if not floats:
+        return ""
+    c = checkpoint.config
+    experts = quantized_expert_bytes("int4", c.hidden_size, c.expert_intermediate_size)
+    experts *= c.num_experts * len(c.moe_layers)
+    need = sum(parts.values()) - floats + experts
+    return (
+        f"; with quant='int4' (infer.py / train.py --quant int4, or `moe_jax.convert --quant int4`) the host "
+        f"experts are held in {_size(experts)}, about {_size(need)} in all"
     )

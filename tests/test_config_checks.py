@@ -113,6 +113,20 @@ def test_load_that_does_not_fit_is_refused_before_allocating(checkpoint_dir, mon
     assert not built
 
 
+def test_a_load_that_int4_would_fit_says_so(checkpoint_dir, monkeypatch):
+    import moe_jax.memory_check as memory_check
+    from moe_jax.checkpoint import open_checkpoint
+
+    parts = load_bytes(open_checkpoint(checkpoint_dir), 4, choose_kernels(np.float32))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda: sum(parts.values()) - 1)  # one byte short
+    with pytest.raises(MemoryLimitError, match=r"with quant='int4' .* the host experts are held in [\d.]+ KiB"):
+        moe_jax.load_model(checkpoint_dir, backend="host")
+    with pytest.raises(MemoryLimitError) as refused:  # the device backend holds no host experts to quantize
+        monkeypatch.setattr(memory_check, "available_bytes", lambda: 1000)
+        moe_jax.load_model(checkpoint_dir, backend="device")
+    assert "quant=" not in str(refused.value)
+
+
 def test_load_estimate_counts_each_part(checkpoint_dir):
     from moe_jax.checkpoint import open_checkpoint
 
