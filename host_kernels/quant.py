@@ -57,6 +57,8 @@ class QuantizedInt4:
             raise KernelArgumentError(f"int4 group size {self.group}: choose one of {INT4_GROUPS}")
         if self.q.dtype != np.int8 or self.scale.dtype != np.float16:
             raise KernelArgumentError(f"int4 weight is {self.q.dtype} with {self.scale.dtype} scales")
+        if self.q.size and not (-8 <= self.q.min() and self.q.max() <= 7):  # a nibble holds q + 8
+            raise KernelArgumentError(f"int4 values must lie in [-8, 7], got [{self.q.min()}, {self.q.max()}]")
         k = self.q.shape[-2] if self.q.ndim >= 2 else 0
         if self.scale.shape != self.q.shape[:-2] + (-(-k // self.group),) + self.q.shape[-1:]:
             raise KernelArgumentError(

@@ -17,7 +17,7 @@ import moe_jax
 from host_kernels import HostKernelError, amx, choose_kernels, int4_gemm, int8_gemm
 from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import AVX512_INT4, AVX512_INT8, KERNELS, QUANTIZED, FusedForward, pack_layer
-from host_kernels.quant import INT4_GROUPS, quantize_activations, quantize_int4, quantize_int8
+from host_kernels.quant import INT4_GROUPS, QuantizedInt4, quantize_activations, quantize_int4, quantize_int8
 from host_kernels.schedule import NOT_ROUTED
 from moe_jax import native_call
 from moe_jax.errors import InputError
@@ -87,6 +87,8 @@ def test_int4_quantization_error_is_at_most_half_a_step_but_at_the_clipped_end(g
         quantize_int4(np.full((32, 1), 1e6, np.float32), group)
     with pytest.raises(KernelArgumentError, match="group size 48"):
         quantize_int4(w, 48)
+    with pytest.raises(KernelArgumentError, match=r"must lie in \[-8, 7\], got \[-8, 9\]"):
+        QuantizedInt4(np.array([[9], [-8]], np.int8), np.ones((1, 1), np.float16), 32)
 
 
 def test_activations_are_quantized_per_32_values_within_half_a_step():
