@@ -155,9 +155,17 @@ def quantized_expert_bytes(quant: str, hidden: int, ffn: int) -> int:
     return sum(math.prod(FORMATS[quant].packed_shape(k, n)) for k, n in packed_weight_shapes(hidden, ffn))
 
 
-def quantize_layer(w: LayerExperts, quant: str) -> QuantizedLayerExperts:
-    """A float layer's experts quantized and packed in `quant`'s format (for a quantized store, or at load)."""
+def quantize_layer(w: LayerExperts, quant: str, name: str = "layer") -> QuantizedLayerExperts:
+    """A float layer's experts quantized and packed in `quant`'s format (for a quantized store, or at load). A
+    weight that is not finite is refused, named by `name`, expert, matrix and position."""
     fmt = FORMATS[quant]
+    for e in range(w.num_experts):
+        for matrix, array in (("w13 (gate | up)", w.w13[e]), ("w2 (down)", w.w2[e])):
+            bad = np.argwhere(~np.isfinite(np.asarray(array, np.float32)))
+            if bad.size:
+                row, col = (int(i) for i in bad[0])
+                value = array[row, col]
+                raise StoreError(f"{name} expert {e} {matrix} [{row}, {col}] is {value}: it cannot be quantized")
     packed = [
         (fmt.pack(gate_up_blocks(w, e, N_BLOCK, np.float32)).data, fmt.pack(w.w2[e].astype(np.float32)).data)
         for e in range(w.num_experts)
@@ -345,7 +353,7 @@ class StoreWriter:
         experts = LayerExperts(w13.astype(STORAGE_DTYPES[self.dtype]), w2.astype(STORAGE_DTYPES[self.dtype]))
         experts.validate(f"layer {layer}")
         if self.quant is not None:
-            quantized = quantize_layer(experts, self.quant)
+            quantized = quantize_layer(experts, self.quant, f"layer {layer}")
             sizes = {"hidden": quantized.hidden, "ffn": quantized.ffn}
             if any(self.manifest.setdefault(key, v) != v for key, v in sizes.items()):
                 raise StoreError(f"layer {layer}: sizes {sizes} differ from the store's earlier layers")

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from host_kernels import QUANTIZED, ExpertStore, StoreWriter
+from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError
@@ -75,7 +75,10 @@ def convert(
         desc = f"converting experts{f' to {quant}' if quant else ''}"
         for layer in tqdm(config.moe_layers, desc=desc, unit="layer", disable=not progress):
             stacked = checkpoint.layer_experts(layer, storage)
-            writer.add_layer(layer, stacked.w13, stacked.w2)
+            try:
+                writer.add_layer(layer, stacked.w13, stacked.w2)
+            except StoreError as e:  # a weight that cannot be quantized, named
+                raise CheckpointError(f"{checkpoint.path}: {e}") from None
         writer.close()
         ExpertStore.open(partial / EXPERT_STORE_DIR, verify=True)  # what landed on disk is what was written
         _move_into_place(partial, out_dir)

@@ -3,6 +3,7 @@ checksums, loading it against quantizing at load, what it refuses, and training 
 a float32 model whose experts are the dequantized weights."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
+from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
 from tests.test_bfloat16 import nnx_flat, relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +77,21 @@ def test_what_a_quantized_store_refuses(stores):
         moe_jax.load_model(stores["int4"]).checkpoint.layer_experts(0, np.float32)
     with pytest.raises(InputError, match="unknown quantization 'int5'"):
         convert(TINY, stores["int4"].parent / "int5", quant="int5")
+
+
+def test_a_weight_that_cannot_be_quantized_is_named(tmp_path):
+    broken = tmp_path / "nan"
+    shutil.copytree(TINY, broken)
+    source = SafetensorsFile(broken / "model.safetensors")
+    tensors = {name: np.array(source.get(name)) for name in source.keys()}
+    del source
+    tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"][5, 3] = np.inf  # down [hidden, ffn] in HF
+    save_safetensors(broken / "model.safetensors", tensors)
+    with pytest.raises(CheckpointError, match=r"layer 1 expert 2 w2 \(down\) \[3, 5\] is inf"):
+        convert(broken, tmp_path / "out", progress=False, quant="int4")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial*"))
+    with pytest.raises(StoreError, match=r"nan: layer 1 expert 2 w2 \(down\) \[3, 5\] is inf"):
+        moe_jax.load_model(broken, quant="int4")
 
 
 def dequantized_float32_checkpoint(quantized: Path, out: Path) -> Path:

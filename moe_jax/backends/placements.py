@@ -179,7 +179,7 @@ class HostPlacement(ExpertPlacement):
         for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
             layer = self.checkpoint.layer_experts(i, storage)
             if quant:
-                layers[i] = quantize_layer(layer, quant)
+                layers[i] = quantize_layer(layer, quant, f"{self.checkpoint.path}: layer {i}")
                 if store is not None:
                     store.release_pages(i)  # a converted float store's pages: read once, not needed again
                 trim_heap()  # the float layer and the quantization's temporaries
