@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels.amx import N_BLOCK, padded
-from host_kernels.errors import StoreError
+from host_kernels.errors import KernelArgumentError, StoreError
 from host_kernels.quant_formats import FORMATS, QuantFormat
 
 LAYOUT_VERSION = 1
@@ -166,10 +166,13 @@ def quantize_layer(w: LayerExperts, quant: str, name: str = "layer") -> Quantize
                 row, col = (int(i) for i in bad[0])
                 value = array[row, col]
                 raise StoreError(f"{name} expert {e} {matrix} [{row}, {col}] is {value}: it cannot be quantized")
-    packed = [
-        (fmt.pack(gate_up_blocks(w, e, N_BLOCK, np.float32)).data, fmt.pack(w.w2[e].astype(np.float32)).data)
-        for e in range(w.num_experts)
-    ]
+    packed = []
+    for e in range(w.num_experts):
+        try:
+            w13 = fmt.pack(gate_up_blocks(w, e, N_BLOCK, np.float32)).data
+            packed.append((w13, fmt.pack(w.w2[e].astype(np.float32)).data))
+        except KernelArgumentError as err:  # weights too large for the format's scales
+            raise StoreError(f"{name} expert {e}: {err}") from None
     return QuantizedLayerExperts(
         quant, np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), w.hidden, w.ffn
     )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import ExpertStore, StoreError, StoreWriter, int4_gemm
+from host_kernels import ExpertStore, LayerExperts, StoreError, StoreWriter, int4_gemm, quantize_layer
 from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.lora import LoRAConfig
@@ -92,6 +92,9 @@ def test_a_weight_that_cannot_be_quantized_is_named(tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial*"))
     with pytest.raises(StoreError, match=r"nan: layer 1 expert 2 w2 \(down\) \[3, 5\] is inf"):
         moe_jax.load_model(broken, quant="int4")
+    too_large = LayerExperts(np.full((2, 32, 64), 1e6, np.float32), np.ones((2, 32, 32), np.float32))
+    with pytest.raises(StoreError, match="layer 7 expert 0: .* exceed float16 scales"):
+        quantize_layer(too_large, "int4", "layer 7")
 
 
 def dequantized_float32_checkpoint(quantized: Path, out: Path) -> Path:
