@@ -162,7 +162,8 @@ class FusedForward:
                 raise HostKernelError(f"fused forward unavailable: {reason}")
         if kernel not in KERNELS or store.dtype not in KERNELS[kernel].store_dtypes:
             raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.dtype} store")
-        if store.quant is not None and KERNELS[kernel].group != FORMATS[store.quant].group:
+        quantized_as = KERNELS[kernel].format.name if KERNELS[kernel].quantized else None
+        if store.quant is not None and quantized_as != store.quant:  # (a float store, any kernel quantizes it)
             raise HostKernelError(f"fused forward kernel {kernel!r} cannot read a {store.quant} store")
         usable, reason = KERNELS[kernel].status()
         if not usable:

@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 import moe_jax
-from host_kernels import ExpertStore, LayerExperts, StoreError, StoreWriter, int4_gemm, quantize_layer
+from host_kernels import (
+    ExpertStore,
+    HostKernelError,
+    LayerExperts,
+    StoreError,
+    StoreWriter,
+    int4_gemm,
+    quantize_layer,
+)
+from host_kernels.fused_forward import FusedForward, pack_layer
 from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.lora import LoRAConfig
@@ -77,6 +86,10 @@ def test_what_a_quantized_store_refuses(stores):
         moe_jax.load_model(stores["int4"]).checkpoint.layer_experts(0, np.float32)
     with pytest.raises(InputError, match="unknown quantization 'int5'"):
         convert(TINY, stores["int4"].parent / "int5", quant="int5")
+    store = ExpertStore.open(stores["int4"] / "experts")
+    for kernel in ("avx512-int8", "avx512-int4-g64"):  # the same bits per weight, another layout
+        with pytest.raises(HostKernelError, match=f"{kernel}' cannot read a int4 store"):
+            FusedForward(store, lambda layer, k=kernel: pack_layer(store[layer], k), 1, kernel)
 
 
 def test_a_weight_that_cannot_be_quantized_is_named(tmp_path):
