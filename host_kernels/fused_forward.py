@@ -25,7 +25,6 @@ from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls
 from host_kernels.pool import check_thread_count
-from host_kernels.quant import INT4_GROUPS
 from host_kernels.quant_formats import FORMATS, QuantFormat
 from host_kernels.schedule import check_expert_ids
 from host_kernels.store import ExpertStore, LayerExperts, QuantizedLayerExperts, gate_up_blocks
@@ -73,7 +72,7 @@ def _quantized_kernel(quant: QuantFormat) -> FusedKernel:
 # load_model(quant=...) -> the kernel that reads such weights ("int4": llama.cpp Q4_0's group of 32 k-rows)
 QUANTIZED = {name: f"avx512-{name}" for name in FORMATS}
 AVX512_INT8 = QUANTIZED["int8"]
-AVX512_INT4 = {group: QUANTIZED["int4" if group == 32 else f"int4-g{group}"] for group in INT4_GROUPS}
+AVX512_INT4 = {quant.group: QUANTIZED[name] for name, quant in FORMATS.items() if quant.bits == 4}  # by group
 KERNELS = {  # fastest first for each store dtype
     AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32),
     AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16),

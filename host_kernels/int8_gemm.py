@@ -19,6 +19,11 @@ from host_kernels.quant import QuantizedInt8
 SCALE_BYTES = 4 * N_BLOCK  # a block's scales, after its weights
 
 
+def block_bytes(kp: int) -> int:
+    """Bytes of one 16-column block: kp int8 rows of 16 weights, then 16 float32 scales."""
+    return kp * N_BLOCK + SCALE_BYTES
+
+
 @dataclass(frozen=True)
 class PackedInt8:
     data: np.ndarray  # uint8 [n blocks, kp * 16 + 64], 64-byte aligned
@@ -34,7 +39,7 @@ class PackedInt8:
 
     def validate(self, what: str = "packed int8 weight"):
         """The data is exactly what k and n say; checked when made, so `gemm` need not check it again."""
-        shape = (padded(self.n, N_BLOCK) // N_BLOCK, self.kp * N_BLOCK + SCALE_BYTES)
+        shape = (padded(self.n, N_BLOCK) // N_BLOCK, block_bytes(self.kp))
         native.check_packed(what, self.data, np.uint8, shape)
 
 
@@ -50,7 +55,7 @@ def pack(w: QuantizedInt8) -> PackedInt8:
     pairs = full.reshape(kp // 2, 2, blocks, N_BLOCK).transpose(2, 0, 3, 1)  # [block][k-pair][column][2]
     scales = np.zeros(np_, np.float32)
     scales[:n] = w.scale
-    data = aligned_empty((blocks, kp * N_BLOCK + SCALE_BYTES), np.uint8)
+    data = aligned_empty((blocks, block_bytes(kp)), np.uint8)
     data[:, : kp * N_BLOCK] = pairs.reshape(blocks, kp * N_BLOCK).view(np.uint8)
     data[:, kp * N_BLOCK :] = scales.reshape(blocks, N_BLOCK).view(np.uint8)
     return PackedInt8(data, k, n)

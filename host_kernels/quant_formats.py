@@ -50,7 +50,6 @@ def _int4(group: int) -> QuantFormat:
 
 
 INT8 = QuantFormat(
-    "int8", 8, 0, int8_gemm.PackedInt8, quantize_int8, int8_gemm.pack,
-    lambda kp: kp * N_BLOCK + int8_gemm.SCALE_BYTES, int8_gemm.unpack,
-)  # fmt: skip
+    "int8", 8, 0, int8_gemm.PackedInt8, quantize_int8, int8_gemm.pack, int8_gemm.block_bytes, int8_gemm.unpack
+)
 FORMATS = {f.name: f for f in (INT8, *(_int4(group) for group in INT4_GROUPS))}

@@ -68,6 +68,10 @@ class LayerExperts:
         return None
 
     @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    @property
     def bytes_per_weight(self) -> float:
         return self.w13.dtype.itemsize
 
@@ -225,7 +229,7 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes if self.quant else layer.w13.nbytes + layer.w2.nbytes for layer in self.layers.values())
+        return sum(layer.nbytes for layer in self.layers.values())
 
     @classmethod
     def open(cls, path, verify: bool = False) -> ExpertStore:

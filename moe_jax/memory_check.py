@@ -53,23 +53,26 @@ def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> 
     one, packs each expert once into its own tile layout."""
     tensors = checkpoint.tensors
     dense = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not is_expert_tensor(n)) * itemsize
-    c = checkpoint.config
-    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
     store = checkpoint.expert_store
-    packed_itemsize = host_kernels.packed_bytes_per_weight() if host_kernels is not None else 0
     if host_kernels is not None and host_kernels.quantized:  # held only quantized: the store's own mapped file,
         mapped = store is not None and store.quant == host_kernels.quant  # or quantized at load, layer by layer
-        return {
-            "dense weights": dense,
-            "experts": 0,
-            "packed expert copies": 0 if mapped else int(params * packed_itemsize),
-        }
+        packed = 0 if mapped else quantized_experts_bytes(checkpoint, host_kernels.quant)
+        return {"dense weights": dense, "experts": 0, "packed expert copies": packed}
+    c = checkpoint.config
+    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
+    packed_itemsize = host_kernels.packed_bytes_per_weight() if host_kernels is not None else 0
     store_itemsize = store.dtype.itemsize if store is not None else itemsize
     return {
         "dense weights": dense,
         "experts": 0 if store is not None and store_itemsize == itemsize else params * itemsize,
         "packed expert copies": int(params * packed_itemsize),
     }
+
+
+def quantized_experts_bytes(checkpoint, quant: str) -> int:
+    """Bytes of every routed expert of `checkpoint` held in format `quant`, packed, scales included."""
+    c = checkpoint.config
+    return quantized_expert_bytes(quant, c.hidden_size, c.expert_intermediate_size) * c.num_experts * len(c.moe_layers)
 
 
 def check_fits(parts: dict[str, int], what: str, available: int | None = None, hint: str = ""):
@@ -92,9 +95,7 @@ def quantization_hint(checkpoint, parts: dict[str, int]) -> str:
     floats = parts.get("experts", 0) + parts.get("packed expert copies", 0)
     if not floats:
         return ""
-    c = checkpoint.config
-    experts = quantized_expert_bytes("int4", c.hidden_size, c.expert_intermediate_size)
-    experts *= c.num_experts * len(c.moe_layers)
+    experts = quantized_experts_bytes(checkpoint, "int4")
     need = sum(parts.values()) - floats + experts
     return (
         f"; with quant='int4' (infer.py / train.py --quant int4, or `moe_jax.convert --quant int4`) the host "

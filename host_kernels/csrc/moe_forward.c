@@ -65,7 +65,7 @@ void moe_layer_free(moe_layer *l) {
 }
 
 /* w13, w2: addresses of each expert's packed weights for `kernel` (MOE_KERNEL_BF16_*: amx.pack's layout;
- * MOE_KERNEL_F32_AVX512: f32_gemm.c's; the int8 and int4 ones: bf16_gemm.h's). group: int4's k-rows per scale. */
+ * MOE_KERNEL_F32_AVX512: f32_gemm.c's; int8: bf16_gemm.h's; int4: int4_gemm.h's). group: int4's k-rows per scale. */
 moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
                          const uint64_t *w2, int64_t *routed, int64_t group) {
     moe_layer *l = calloc(1, sizeof *l);
@@ -158,13 +158,19 @@ static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const voi
     }
 }
 
+/* Where the GEMMs read row r0 of the gathered inputs or SwiGLU outputs (row stride kp): those rows, or for an int4
+ * layer their quantized records. */
+static const char *gemm_rows(const moe_layer *l, const char *rows, const char *rows_q, int64_t kp, int64_t r0) {
+    return l->int4 ? rows_q + r0 * int4_row_bytes(kp) : rows + r0 * kp * l->row_bytes;
+}
+
 static void gate_up_task(void *state, int worker, int64_t task) {
     call_state *s = state;
     const moe_layer *l = s->layer;
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, width = t.c1 - t.c0;
     float *hg = s->runner->scratch[worker].data, *hu = hg + m * COLUMN_BLOCK;
-    const char *a = l->int4 ? s->rows_q + r0 * int4_row_bytes(l->kp_hidden) : s->rows + r0 * l->kp_hidden * l->row_bytes;
+    const char *a = gemm_rows(l, s->rows, s->rows_q, l->kp_hidden, r0);
     const void *w13 = l->w13[t.expert];
     int64_t c = t.c0;
     if (l->kernel == MOE_KERNEL_BF16_AMX && m <= 16) /* decode: gate and up columns side by side, four weight streams */
@@ -196,7 +202,7 @@ static void down_task(void *state, int worker, int64_t task) {
     const tile t = s->tiles[task];
     const int64_t r0 = s->offsets[t.expert], m = s->offsets[t.expert + 1] - r0, d = l->hidden;
     float *out = s->out + r0 * d + t.c0;
-    const char *a = l->int4 ? s->act_q + r0 * int4_row_bytes(l->kp_ffn) : s->act + r0 * l->kp_ffn * l->row_bytes;
+    const char *a = gemm_rows(l, s->act, s->act_q, l->kp_ffn, r0);
     int64_t c = t.c0;
     const void *w2 = l->w2[t.expert];
     const int64_t kp = l->kp_ffn;
