@@ -1,11 +1,10 @@
-"""The generation engine: a KV cache of `slots` rows, jit-compiled prefill and decode, continuous batching.
+"""The generation engine: jit-compiled prefill and decode over a KV cache of `slots` rows, continuous batching.
 
-Each slot holds one sequence. When a sequence finishes, its slot takes the next waiting prompt at once, so the
-batch never waits for its slowest member. New prompts are prefilled into their slots (a bucketed number of rows
-and tokens, so shapes repeat and compile once), then every step decodes one token for all slots together.
-With an anchor cache, a prompt first copies the KV of its longest cached anchor prefix into its slot and prefills
-only the rest. Every request samples from its own seeded generator, so its output does not depend on which other
-requests share the batch. Greedy steps follow each other on the device, the host one step behind (_Run).
+`GenerationEngine.run` generates for a list of requests: each sequence holds a slot of the batch
+(moe_jax/batch.py) until it ends, and its slot takes the next waiting prompt at once, so the batch never waits for
+its slowest member. New prompts are prefilled into their slots (a bucketed number of rows and tokens, so shapes
+repeat and compile once), then every step decodes one token for all slots together. With an anchor cache, a
+prompt first copies the KV of its longest cached anchor prefix into its slot and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import gc
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,11 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.anchor_cache import AnchorCache
+from moe_jax.batch import Batch, Completion, Job, Request, Sampling
 from moe_jax.errors import InputError
 from moe_jax.native_call import argmax_tokens
-from moe_jax.sampling import sample
+
+__all__ = ["Completion", "EngineStats", "GenerationEngine", "Request"]
 
 TOKEN_BUCKET = 32
 PREFILL_CHUNK = 256
@@ -41,22 +42,6 @@ def row_bucket(n: int) -> int:
 
 
 @dataclass
-class Request:
-    tokens: list[int]
-    max_new_tokens: int
-    seed: int = 0
-
-
-@dataclass
-class Completion:
-    tokens: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose KV came from the anchor cache
-    seconds: float = 0.0
-
-
-@dataclass
 class EngineStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -69,37 +54,11 @@ class EngineStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-@dataclass
-class _Slot:
-    index: int  # request index
-    request: Request
-    position: int  # where the next token's KV goes
-    rng: np.random.Generator
-    started: float
-    reused: int
-    out: list[int] = field(default_factory=list)
-    fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
-
-
-@dataclass
-class _Step:
-    """A dispatched decode step: its logits and argmax tokens (device arrays), and the slots it decoded for."""
-
-    logits: jax.Array
-    tokens: jax.Array
-    decoded: dict[int, _Slot]
-
-
 class GenerationEngine:
     def __init__(self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None):
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.stats = EngineStats()
-
-    def _compile(self):
-        """The model's jitted steps for its current structure (a memory split that resizes its expert cache
-        changes the structure; the model keeps the steps of each structure it has had)."""
-        self._prefill, self._decode, self._write_prefix = self.model.generation_steps()
 
     def slots_that_fit(self) -> int:
         """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
@@ -113,6 +72,13 @@ class GenerationEngine:
             )
         return min(self.slots, fit)
 
+    def check_fits(self, request: Request, where: str = ""):
+        if not request.tokens or len(request.tokens) + request.max_new_tokens > self.max_len:
+            raise InputError(
+                f"{where}{len(request.tokens)} prompt tokens + {request.max_new_tokens} new tokens do not fit this "
+                f"engine's {self.max_len}-token cache (or the prompt is empty)"
+            )
+
     def run(
         self,
         requests: list[Request],
@@ -123,40 +89,76 @@ class GenerationEngine:
         should_stop: Callable[[int, list[int]], bool] | None = None,
         on_finish: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:
-        model = self.model
+        """Generates for every request (request i's index is i for `should_stop` and `on_finish`) and returns
+        their completions in order."""
         for i, r in enumerate(requests):
-            if not r.tokens or len(r.tokens) + r.max_new_tokens > self.max_len:
-                raise InputError(
-                    f"request {i}: {len(r.tokens)} prompt tokens + {r.max_new_tokens} new tokens do not fit this "
-                    f"engine's {self.max_len}-token cache (or the prompt is empty)"
-                )
+            self.check_fits(r, f"request {i}: ")
+        results: list[Completion | None] = [None] * len(requests)
+        sampling = Sampling(temperature, top_p, top_k)
+
+        def job(i: int, request: Request) -> Job:
+            def finished(done: Completion):
+                results[i] = done
+                if on_finish is not None:
+                    on_finish(i, done)
+
+            out: list[int] = []
+
+            def on_token(token: int) -> bool:
+                out.append(token)
+                return should_stop(i, out)
+
+            return Job(request, sampling, on_token if should_stop is not None else None, finished)
+
+        waiting = deque(job(i, r) for i, r in enumerate(requests))
         slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
+        with self.batch(slots, eos_ids) as batch, gc_paused(), self.model.host_errors():
+            while waiting or batch.active:
+                free = len(batch.free_slots)
+                if free and waiting:
+                    batch.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
+                start = time.perf_counter()
+                batch.step()
+                self.stats.decode_s += time.perf_counter() - start
+        return results
+
+    @contextlib.contextmanager
+    def batch(self, slots: int, eos_ids=()):
+        """A Batch of `slots` KV-cache rows over this engine's compiled steps, for the time of the block (its KV
+        cache counts as the model's live KV bytes meanwhile)."""
+        model = self.model
         model.refresh_expert_cache()
-        self._compile()
+        # the model's jitted steps for its current structure (a memory split that resizes its expert cache
+        # changes the structure; the model keeps the steps of each structure it has had)
+        self._prefill, self._decode, self._write_prefix = model.generation_steps()
         caches = model.new_caches(slots, self.max_len)
         model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         try:
-            run = _Run(self, requests, slots, (temperature, top_p, top_k), set(eos_ids), should_stop, on_finish)
-            with gc_paused(), model.host_errors():
-                return run.loop(caches)
+            yield Batch(self, slots, caches, eos_ids)
         finally:
             model.kv_live_bytes = 0
 
-    def _admit(self, caches, admitted, requests, active):
-        """Prefills newly admitted requests into their slots; returns (caches, next-token logits per request)."""
+    def decode(self, caches, host_tokens, from_host, last_tokens, positions):
+        """Dispatches one decode step (not waited for): (logits, argmax tokens, caches)."""
+        if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
+            self.model.refresh_expert_cache()  # values only: the compiled step is reused
+        self.stats.decode_steps += 1
+        return self._decode(self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
+
+    def prefill(self, caches, admitted: list[tuple[int, Job]]):
+        """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
+        anchor cache per job, next-token logits per job)."""
         start = time.perf_counter()
-        suffixes = []
-        for slot, index in admitted:
-            request = requests[index]
-            reused, prefix = self.anchor_cache.lookup(request.tokens) if self.anchor_cache else (0, [])
-            if reused:
-                padded = round_up(reused, TOKEN_BUCKET)
+        suffixes, reused = [], []
+        for slot, job in admitted:
+            tokens = job.request.tokens
+            n, prefix = self.anchor_cache.lookup(tokens) if self.anchor_cache else (0, [])
+            if n:
+                padded = round_up(n, TOKEN_BUCKET)
                 prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
                 caches = self.model.run_jitted(self._write_prefix, caches, np.int32(slot), prefix)
-            suffixes.append(request.tokens[reused:])
-            active[slot] = _Slot(
-                index, request, len(request.tokens), np.random.default_rng(request.seed), start, reused
-            )
+            suffixes.append(tokens[n:])
+            reused.append(n)
         first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
         longest = max(len(s) for s in suffixes)
         # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
@@ -170,10 +172,10 @@ class GenerationEngine:
             last = np.zeros(rows, np.int32)
             for row in range(rows):
                 i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
-                slot, suffix = admitted[i][0], suffixes[i][chunk_start : chunk_start + width]
-                slot_ids[row] = slot
+                suffix = suffixes[i][chunk_start : chunk_start + width]
+                slot_ids[row] = admitted[i][0]
                 tokens[row, : len(suffix)] = suffix
-                positions[row] = active[slot].reused + chunk_start + np.arange(width)
+                positions[row] = reused[i] + chunk_start + np.arange(width)
                 last[row] = max(len(suffix) - 1, 0)
             step_logits, caches = self.model.run_jitted(
                 self._prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last
@@ -183,11 +185,11 @@ class GenerationEngine:
                 if chunk_start < len(suffix) <= chunk_start + width:  # this request's last prompt token
                     first_logits[i] = step_logits[i]
         if self.anchor_cache is not None:
-            for slot, index in admitted:
-                self._store_anchors(caches, slot, requests[index].tokens)
+            for slot, job in admitted:
+                self._store_anchors(caches, slot, job.request.tokens)
         self.stats.prefill_s += time.perf_counter() - start
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
-        return caches, first_logits
+        return caches, reused, first_logits
 
     def _store_anchors(self, caches, slot, tokens):
         rows = None
@@ -200,113 +202,6 @@ class GenerationEngine:
             return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
 
         self.anchor_cache.store(tokens, kv_of_range)
-
-
-class _Run:
-    """One GenerationEngine.run: admit waiting requests into free slots, decode a step for every active slot, take
-    each slot's next token, retire the finished.
-
-    Greedy decoding keeps one step in flight: a step's argmax tokens feed the next step on the device, and the host
-    reads them (and checks EOS, stop strings, lengths) while that next step runs, so Python and the device-to-host
-    copy stay off the critical path (bench model, interleaved against reading every step at once: 12-14% more
-    tokens/s at batch 16 and at batch 1). A slot that finished on the token read last has had one more step
-    computed for it; that output is dropped, and a step still in flight when every sequence has ended is left to
-    finish unread. Sampling reads each step's logits at once: its tokens come from each request's own generator
-    on the host."""
-
-    def __init__(self, engine, requests, slots, sampling, eos, should_stop, on_finish):
-        self.engine, self.requests, self.slots = engine, requests, slots
-        self.temperature, self.top_p, self.top_k = sampling
-        self.greedy = self.temperature == 0
-        self.eos, self.should_stop, self.on_finish = eos, should_stop, on_finish
-        self.active: dict[int, _Slot] = {}
-        self.results: list[Completion | None] = [None] * len(requests)
-        self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
-        self.in_flight: _Step | None = None  # greedy: dispatched, not yet read
-
-    def loop(self, caches) -> list[Completion]:
-        engine, active = self.engine, self.active
-        waiting = deque(range(len(self.requests)))
-        while waiting or active:
-            free = [s for s in range(self.slots) if s not in active]
-            admitted = []
-            while free and waiting:
-                admitted.append((free.pop(0), waiting.popleft()))
-            if admitted:
-                caches, first_logits = engine._admit(caches, admitted, self.requests, active)
-                for (slot, _), row in zip(admitted, first_logits, strict=True):
-                    self.take(slot, active[slot], self.choose(active[slot], row), fresh=True)
-            start = time.perf_counter()
-            step, caches = self.dispatch(caches)
-            if self.in_flight is not None:
-                self.read(self.in_flight)
-            self.in_flight = step if self.greedy else None
-            if step is not None and not self.greedy:
-                self.read(step)
-            engine.stats.decode_s += time.perf_counter() - start
-        return self.results
-
-    def dispatch(self, caches) -> tuple[_Step | None, list]:
-        """Starts a decode step for the active slots, unless none of them could keep its output (the step in
-        flight may already hold the last token a slot is allowed)."""
-        pending = self.in_flight.decoded if self.in_flight is not None else {}
-        if not any(len(s.out) + (pending.get(i) is s) < s.request.max_new_tokens for i, s in self.active.items()):
-            return None, caches
-        engine, model = self.engine, self.engine.model
-        if engine.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
-            model.refresh_expert_cache()  # values only: the compiled step is reused
-        host_tokens = np.zeros((self.slots, 1), np.int32)
-        from_host = np.ones((self.slots, 1), bool)  # free slots compute on padding and are ignored
-        positions = np.zeros((self.slots, 1), np.int32)
-        for slot, s in self.active.items():
-            if s.fresh:
-                host_tokens[slot, 0] = s.out[-1]
-            else:  # its next input is the in-flight step's argmax
-                from_host[slot, 0] = False
-            s.fresh = False
-            positions[slot, 0] = s.position
-            s.position += 1
-        logits, self.last_tokens, caches = engine._decode(
-            model.state_leaves(), caches, host_tokens, from_host, self.last_tokens, positions
-        )
-        engine.stats.decode_steps += 1
-        return _Step(logits, self.last_tokens, dict(self.active)), caches
-
-    def read(self, step: _Step):
-        """Takes a decode step's tokens for the slots it decoded that are still theirs."""
-        if self.greedy:  # the step's argmax: already fed to the step after it
-            chosen = np.asarray(step.tokens)[:, 0]
-        else:
-            logits = np.asarray(step.logits)
-        for slot, s in step.decoded.items():
-            if self.active.get(slot) is s:
-                token = int(chosen[slot]) if self.greedy else self.choose(s, logits[slot])
-                self.take(slot, s, token, fresh=not self.greedy)
-                self.engine.stats.decode_tokens += 1
-
-    def choose(self, s: _Slot, row: np.ndarray) -> int:
-        if self.greedy:
-            return int(row.argmax())
-        return int(sample(row[None], s.rng, self.temperature, self.top_p, self.top_k)[0])
-
-    def take(self, slot: int, s: _Slot, token: int, fresh: bool):
-        """Appends a slot's next token (fresh: chosen on the host, not yet fed to a step); retires the slot if
-        the token ends its sequence."""
-        s.out.append(token)
-        s.fresh = fresh
-        reason = None
-        if token in self.eos:
-            reason = "eos"
-        elif self.should_stop is not None and self.should_stop(s.index, s.out):
-            reason = "stop"
-        elif len(s.out) >= s.request.max_new_tokens:
-            reason = "length"
-        if reason:
-            del self.active[slot]
-            done = Completion(s.out, reason, len(s.request.tokens), s.reused, time.perf_counter() - s.started)
-            self.results[s.index] = done
-            if self.on_finish is not None:
-                self.on_finish(s.index, done)
 
 
 @contextlib.contextmanager
