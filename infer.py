@@ -18,7 +18,7 @@ from pathlib import Path
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
-from moe_jax.anchor_cache import AnchorCache
+from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.cli import run_cli
 from moe_jax.engine import EngineStats, GenerationEngine, Request
 from moe_jax.errors import InputError
@@ -138,20 +138,6 @@ def load_prompts(args, model):
     return prompts, truncated, rejected
 
 
-def anchor_ids(args, tokenizer) -> list[int]:
-    """Anchor tokens: those named on the command line, else the special tokens of the chat template."""
-    if tokenizer is None:
-        return []
-    names = args.anchor_token or tokenizer.template_special_tokens()
-    ids = []
-    for name in names:
-        token = tokenizer.token_to_id(name)
-        if token is None:
-            raise InputError(f"--anchor-token {name!r} is not a token of this tokenizer")
-        ids.append(token)
-    return ids
-
-
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
@@ -186,7 +172,7 @@ def main(argv=None):
     prompts, truncated, rejected = load_prompts(args, model)
     cache = None
     if args.anchor_cache_mb > 0:
-        cache = AnchorCache(anchor_ids(args, tok), budget_bytes=int(args.anchor_cache_mb * 2**20))
+        cache = AnchorCache(anchor_token_ids(tok, args.anchor_token), budget_bytes=int(args.anchor_cache_mb * 2**20))
     requests = [Request(ids, args.max_new_tokens, args.seed + i) for i, (_, ids, _) in enumerate(prompts)]
     stop = None
     if args.stop and tok is not None:

@@ -20,6 +20,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe_jax.errors import InputError
+
+
+def anchor_token_ids(tokenizer, names=()) -> list[int]:
+    """Anchor tokens: those named, else the special tokens the chat template writes (message, tool and thinking
+    delimiters: where a conversation's edits begin and end)."""
+    if tokenizer is None:
+        return []
+    ids = []
+    for name in names or tokenizer.template_special_tokens():
+        token = tokenizer.token_to_id(name)
+        if token is None:
+            raise InputError(f"anchor token {name!r} is not a token of this tokenizer")
+        ids.append(token)
+    return ids
+
 
 def prefix_key(tokens) -> bytes:
     return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()

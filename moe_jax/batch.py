@@ -65,6 +65,7 @@ class Job:
     sampling: Sampling = Sampling()
     on_token: Callable[[int], bool] | None = None
     on_finish: Callable[[Completion], None] | None = None
+    eos_ids: frozenset[int] = frozenset()  # tokens that end it ("eos"): the model's, or none to ignore them
     cancelled: bool = False
 
 
@@ -92,9 +93,8 @@ class Batch:
     """`slots` KV-cache rows over `engine` (a GenerationEngine whose steps are compiled and whose caches are
     `caches`). Not thread-safe: one thread admits and steps; other threads may only cancel jobs."""
 
-    def __init__(self, engine, slots: int, caches, eos_ids=()):
+    def __init__(self, engine, slots: int, caches):
         self.engine, self.slots, self.caches = engine, slots, caches
-        self.eos = set(eos_ids)
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
@@ -177,7 +177,7 @@ class Batch:
         the token ends its sequence."""
         s.out.append(token)
         s.fresh = fresh
-        if token in self.eos:
+        if token in s.job.eos_ids:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):
             self.finish(slot, s, "stop")

@@ -94,7 +94,7 @@ class GenerationEngine:
         for i, r in enumerate(requests):
             self.check_fits(r, f"request {i}: ")
         results: list[Completion | None] = [None] * len(requests)
-        sampling = Sampling(temperature, top_p, top_k)
+        sampling, eos = Sampling(temperature, top_p, top_k), frozenset(eos_ids)
 
         def job(i: int, request: Request) -> Job:
             def finished(done: Completion):
@@ -108,11 +108,11 @@ class GenerationEngine:
                 out.append(token)
                 return should_stop(i, out)
 
-            return Job(request, sampling, on_token if should_stop is not None else None, finished)
+            return Job(request, sampling, on_token if should_stop is not None else None, finished, eos)
 
         waiting = deque(job(i, r) for i, r in enumerate(requests))
         slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
-        with self.batch(slots, eos_ids) as batch, gc_paused(), self.model.host_errors():
+        with self.batch(slots) as batch, gc_paused(), self.model.host_errors():
             while waiting or batch.active:
                 free = len(batch.free_slots)
                 if free and waiting:
@@ -123,7 +123,7 @@ class GenerationEngine:
         return results
 
     @contextlib.contextmanager
-    def batch(self, slots: int, eos_ids=()):
+    def batch(self, slots: int):
         """A Batch of `slots` KV-cache rows over this engine's compiled steps, for the time of the block (its KV
         cache counts as the model's live KV bytes meanwhile)."""
         model = self.model
@@ -134,7 +134,7 @@ class GenerationEngine:
         caches = model.new_caches(slots, self.max_len)
         model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         try:
-            yield Batch(self, slots, caches, eos_ids)
+            yield Batch(self, slots, caches)
         finally:
             model.kv_live_bytes = 0
 

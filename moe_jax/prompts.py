@@ -41,8 +41,11 @@ def read_jsonl(path, on_bad_line: Callable[[str], None] | None = None) -> Iterat
         yield number, record
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, where: str = "") -> str:
-    """Messages rendered with the checkpoint's chat template (in jinja2's sandbox, as transformers does)."""
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, where: str = "", **template_kwargs
+) -> str:
+    """Messages rendered with the checkpoint's chat template (in jinja2's sandbox, as transformers does);
+    `template_kwargs` (`tools`, `enable_thinking`, ...) are passed to the template as transformers passes them."""
     if tokenizer is None or not tokenizer.chat_template:
         raise InputError(f"{where}messages given, but the checkpoint has no chat template")
     if not isinstance(messages, list) or not messages:
@@ -52,9 +55,13 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
             raise InputError(f"{where}message {i} needs a string 'role' and a 'content'")
         if not isinstance(m["content"], str | list):
             raise InputError(f"{where}message {i}: 'content' must be a string or a list of parts")
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(template_kwargs)
+    if reserved:
+        raise InputError(f"{where}template arguments may not set {', '.join(sorted(reserved))}")
     return render_template(
         tokenizer.chat_template,
         where,
+        **template_kwargs,
         messages=messages,
         add_generation_prompt=add_generation_prompt,
         bos_token=tokenizer.bos_token or "",

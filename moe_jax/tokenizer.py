@@ -42,6 +42,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def special_token_ids(self) -> list[int]:
+        return [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
+
     def template_special_tokens(self) -> list[str]:
         """Special tokens that the chat template writes (message, tool and thinking delimiters): the natural
         anchor points of a conversation. BOS is left out: every prompt starts with it."""

@@ -1,0 +1,102 @@
+"""An OpenAI- and Anthropic-compatible HTTP server: `python -m moe_jax.serve --model DIR [--port 8000]`.
+
+Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; `stream: true` for server-sent events),
+POST /v1/messages (Anthropic Messages), GET /v1/models, /health, /metrics (Prometheus). One engine thread runs
+continuous batching over every connection (--max-batch sequences at once, --max-queue more waiting); prompts that
+share a prefix up to a chat-template delimiter reuse its KV state (the anchor cache, --anchor-cache-mb). Binds
+to 127.0.0.1 unless --host says otherwise; with --api-key, every request but /health must carry it
+(`Authorization: Bearer KEY` or `x-api-key: KEY`). SIGTERM or Ctrl-C: running requests get
+--shutdown-timeout seconds to finish. With no --model it serves the bundled default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import moe_jax
+from host_kernels import MAX_THREADS, QUANTIZED
+from moe_jax.cli import run_cli
+from moe_jax.errors import InputError
+from moe_jax.serving.service import Limits, Service
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="Hugging Face or converted directory (default: the bundled model)")
+    p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
+    p.add_argument("--backend", default="host", choices=["device", "host", "offload", "hybrid", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quant", choices=list(QUANTIZED), help="serve from quantized host experts (as infer.py)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="sequences generating at once (KV-cache slots)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429s")
+    p.add_argument("--max-model-len", type=int, help="context per sequence (default: the model's)")
+    p.add_argument("--anchor-cache-mb", type=float, default=512.0, help="host memory for the anchor cache (0: off)")
+    p.add_argument("--served-model-name", help="the model name clients ask for (default: the directory's name)")
+    p.add_argument("--api-key", help="require this key on every request but /health")
+    p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get at shutdown")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def check_settings(args):
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise InputError("--max-batch must be >= 1 and --max-queue >= 0")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise InputError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.anchor_cache_mb < 0 or args.shutdown_timeout < 0:
+        raise InputError("--anchor-cache-mb and --shutdown-timeout must be >= 0")
+    if args.host_threads is not None and not 1 <= args.host_threads <= MAX_THREADS:
+        raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
+    if args.api_key is not None and not args.api_key:
+        raise InputError("--api-key must not be empty")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_settings(args)
+    import uvicorn
+
+    from moe_jax.serving.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    model_dir = args.model or DEFAULT_MODEL
+    model = moe_jax.load_model(
+        model_dir,
+        backend=args.backend,
+        dtype=args.dtype,
+        adapter=args.adapter,
+        host_threads=args.host_threads,
+        quant=args.quant,
+    )
+    limits = Limits(args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20))
+    service = Service(model, args.served_model_name or Path(model_dir).resolve().name, limits)
+    service.start()  # compiles before the port opens: the first request does not wait for it
+    print(
+        f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "
+        f"tokens) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_app(service, args.api_key, args.shutdown_timeout)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+    )
+    uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,270 @@
+"""The HTTP application: OpenAI's and Anthropic's endpoints over one Service, with errors in each API's schema.
+
+Every error is an answer, never a dead server: a malformed body or an unsupported field is a 400, an unknown
+model a 404, a full queue a 429 with Retry-After, a failed generation step a 500 for the requests it held; the
+engine thread goes on. Errors on `/v1/messages` use Anthropic's error schema, all others OpenAI's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from moe_jax.errors import InputError
+from moe_jax.serving import anthropic_api, openai_api
+from moe_jax.serving.generation import ClientGone, Generation
+from moe_jax.serving.metrics import ServerMetrics
+from moe_jax.serving.output_parser import Dialect
+from moe_jax.serving.scheduler import QueueFull
+from moe_jax.serving.service import ContextTooLong, Service
+
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s: float = 30.0) -> FastAPI:
+    """The app for a started Service; shutting the app down stops the service (running requests get up to
+    `shutdown_timeout_s` to finish)."""
+    metrics = ServerMetrics(service)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(service.stop, shutdown_timeout_s)
+
+    app = FastAPI(title="moe_jax", lifespan=lifespan)
+    app.state.service, app.state.metrics = service, metrics
+
+    @app.middleware("http")
+    async def check_key_and_count(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health" and not _key_matches(request, api_key):
+            response = _error_response(request, ApiError(401, "invalid or missing API key", "authentication_error"))
+        else:
+            response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return _error_response(request, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        return _error_response(request, ApiError(400, _validation_message(error)))
+
+    @app.exception_handler(InputError)
+    async def bad_input(request: Request, error: InputError):
+        code = "context_length_exceeded" if isinstance(error, ContextTooLong) else None
+        return _error_response(request, ApiError(400, str(error), code=code))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, error: QueueFull):
+        response = _error_response(request, ApiError(429, f"the server is busy: {error}", "rate_limit_error"))
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, error: ClientGone):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception):
+        return _error_response(request, ApiError(500, f"generation failed: {error}", "server_error"))
+
+    def check_model(name: str):
+        if name != service.name:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist here; this server serves {service.name!r}",
+                "not_found_error",
+                "model_not_found",
+            )
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": service.name}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "moe_jax",
+                    "max_model_len": service.context,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: openai_api.ChatRequest, request: Request):
+        check_model(body.model)
+        body.check()
+        tokens, text = service.chat_prompt(body.template_messages(), body.template_tools, body.chat_template_kwargs)
+        prompt = service.prompt(
+            tokens,
+            text,
+            max_tokens=body.limit,
+            sampling=body.sampling,
+            seed=body.seed,
+            stops=body.stops,
+            ignore_eos=body.ignore_eos,
+        )
+        generation = service.submit(prompt)
+        request_id = openai_api.new_id("chatcmpl-")
+        if body.stream:
+            return EventSourceResponse(_chat_events(generation, request_id, body))
+        pieces = [p async for p in generation.pieces(request.is_disconnected)]
+        return openai_api.chat_answer(request_id, body.model, pieces, generation.completion)
+
+    @app.post("/v1/completions")
+    async def completions(body: openai_api.CompletionRequest, request: Request):
+        check_model(body.model)
+        body.check()
+        given = body.single_prompt()
+        tokens, text = (service.text_prompt(given), given) if isinstance(given, str) else (list(given), None)
+        prompt = service.prompt(
+            tokens,
+            text,
+            max_tokens=body.max_tokens,
+            sampling=body.sampling,
+            seed=body.seed,
+            stops=body.stops,
+            ignore_eos=body.ignore_eos,
+        )
+        generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
+        request_id = openai_api.new_id("cmpl-")
+        if body.stream:
+            return EventSourceResponse(_completion_events(generation, request_id, body))
+        pieces = [p async for p in generation.pieces(request.is_disconnected)]
+        text = "".join(p.text for p in pieces)
+        return openai_api.completion_answer(request_id, body.model, text, generation.completion)
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic_api.MessagesRequest, request: Request):
+        check_model(body.model)
+        tokens, text = service.chat_prompt(body.template_messages(), body.template_tools(), body.template_kwargs())
+        prompt = service.prompt(
+            tokens,
+            text,
+            max_tokens=body.max_tokens,
+            sampling=body.sampling,
+            seed=None,
+            stops=body.stop_sequences or [],
+            ignore_eos=False,
+        )
+        generation = service.submit(prompt)
+        message_id = openai_api.new_id("msg_")
+        if body.stream:
+            return EventSourceResponse(_message_events(generation, message_id, body))
+        pieces = [p async for p in generation.pieces(request.is_disconnected)]
+        return anthropic_api.message_answer(
+            message_id, body.model, pieces, generation.completion, generation.stop_string
+        )
+
+    return app
+
+
+async def _chat_events(generation: Generation, request_id: str, body):
+    chunks = openai_api.ChatChunks(request_id, body.model)
+    yield json.dumps(chunks.first())
+    try:
+        async for piece in generation.pieces():
+            yield json.dumps(chunks.piece(piece))
+    except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
+        yield json.dumps({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+    else:
+        yield json.dumps(chunks.last(generation.completion))
+        if body.include_usage:
+            yield json.dumps(chunks.usage(generation.completion))
+    yield "[DONE]"
+
+
+async def _completion_events(generation: Generation, request_id: str, body):
+    try:
+        async for piece in generation.pieces():
+            yield json.dumps(openai_api.completion_chunk(request_id, body.model, piece.text))
+    except Exception as error:
+        yield json.dumps({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+    else:
+        finish = openai_api.FINISH_REASONS[generation.completion.finish_reason]
+        last = openai_api.completion_chunk(request_id, body.model, "", finish)
+        if body.include_usage:
+            last["usage"] = openai_api.usage(generation.completion)
+        yield json.dumps(last)
+    yield "[DONE]"
+
+
+async def _message_events(generation: Generation, message_id: str, body):
+    events = anthropic_api.MessageEvents(message_id, body.model)
+
+    def sse(pairs):
+        return [ServerSentEvent(data=json.dumps(data), event=name) for name, data in pairs]
+
+    prompt = generation.prompt
+    for event in sse(events.start(len(prompt.tokens), 0)):
+        yield event
+    try:
+        async for piece in generation.pieces():
+            for event in sse(events.piece(piece)):
+                yield event
+    except Exception as error:
+        yield ServerSentEvent(
+            event="error",
+            data=json.dumps(
+                {"type": "error", "error": {"type": "api_error", "message": f"generation failed: {error}"}}
+            ),
+        )
+        return
+    for event in sse(events.end(generation.completion, generation.stop_string)):
+        yield event
+
+
+def _key_matches(request: Request, key: str) -> bool:
+    given = request.headers.get("x-api-key") or ""
+    bearer = request.headers.get("authorization") or ""
+    if bearer.lower().startswith("bearer "):
+        given = given or bearer[7:].strip()
+    return secrets.compare_digest(given.encode(), key.encode())
+
+
+def _error_response(request: Request, error: ApiError) -> JSONResponse:
+    if request.url.path.startswith("/v1/messages"):
+        kinds = {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+        }
+        body = {"type": "error", "error": {"type": kinds.get(error.status, "api_error"), "message": error.message}}
+    else:
+        body = {"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}}
+    return JSONResponse(body, status_code=error.status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    problems = []
+    for e in error.errors()[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "invalid request body: " + "; ".join(problems)

@@ -1,0 +1,114 @@
+"""One request's generation, from the engine thread to its connection's event loop.
+
+The engine thread calls the job's callbacks; they turn tokens into text (stop strings applied) and post it to an
+asyncio queue with `call_soon_threadsafe`, the only safe way into the loop from another thread. The connection
+reads parsed pieces (reasoning, answer, tool calls) from `pieces()` as they come, and cancels the job when its
+client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from moe_jax.batch import Completion, Request, Sampling
+from moe_jax.serving.output_parser import Dialect, OutputParser, Parsed
+from moe_jax.serving.scheduler import ServedJob
+from moe_jax.serving.text_stream import TextStream
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
+
+
+@dataclass
+class Prompt:
+    """What a request asks for, checked: token ids, the rendered text (None for token ids), how to sample."""
+
+    tokens: list[int]
+    text: str | None
+    max_tokens: int
+    sampling: Sampling
+    seed: int
+    stops: list[str]
+    eos_ids: frozenset[int]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
+
+
+class Generation:
+    def __init__(
+        self,
+        prompt: Prompt,
+        decode: Callable[[list[int]], str],
+        dialect: Dialect,
+        on_done: Callable[[Completion], None] | None = None,
+    ):
+        """`on_done(completion)`: on the engine thread when the job ends, however (an error is a completion
+        with finish_reason "error")."""
+        self.prompt, self.on_done = prompt, on_done
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stream = TextStream(decode, prompt.stops)
+        self.parser = OutputParser.for_prompt(dialect, prompt.text or "")
+        self.completion: Completion | None = None
+        request = Request(prompt.tokens, prompt.max_tokens, prompt.seed)
+        self.job = ServedJob(
+            request, prompt.sampling, self._on_token, self._on_finish, prompt.eos_ids, on_error=self._on_error
+        )
+
+    # ---------------------------------------------------------------- engine thread
+    def _post(self, item):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: the server is gone, and so is whoever asked
+            self.job.cancelled = True
+
+    def _on_token(self, token: int) -> bool:
+        text = self.stream.push(token)
+        if text:
+            self._post(("text", text))
+        return self.stream.stop is not None
+
+    def _on_finish(self, completion: Completion):
+        if self.on_done is not None:
+            self.on_done(completion)
+        self._post(("done", completion, self.stream.finish()))
+
+    def _on_error(self, error: BaseException):
+        if self.on_done is not None:
+            self.on_done(Completion([], "error", len(self.prompt.tokens)))
+        self._post(("error", error))
+
+    # ---------------------------------------------------------------- event loop
+    def cancel(self):
+        self.job.cancelled = True
+
+    async def pieces(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Parsed]:
+        """Parsed output as it comes; `self.completion` is set once it ends. With `disconnected`, a client that
+        went away cancels the job (ClientGone)."""
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S if disconnected else None)
+                except TimeoutError:
+                    if await disconnected():
+                        raise ClientGone() from None
+                    continue
+                if item[0] == "error":
+                    raise item[1]
+                for piece in self.parser.feed(item[1] if item[0] == "text" else item[2]):
+                    yield piece
+                if item[0] == "done":
+                    for piece in self.parser.close():
+                        yield piece
+                    self.completion = item[1]
+                    return
+        finally:
+            if self.completion is None:  # the client left, or the reader stopped early: free the slot
+                self.cancel()
+
+    @property
+    def stop_string(self) -> str | None:
+        return self.stream.stop

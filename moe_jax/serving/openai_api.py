@@ -1,0 +1,230 @@
+"""OpenAI's chat completions and completions: request bodies, and answers whole or as server-sent chunks.
+
+Fields follow the OpenAI API reference; `top_k`, `ignore_eos` and `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}`) are the extensions vLLM also takes. What moe_jax cannot do (n > 1, logprobs,
+images) is refused with a 400 naming it, not ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moe_jax.batch import Sampling
+from moe_jax.errors import InputError
+from moe_jax.serving.output_parser import Parsed, ToolCall
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields that change nothing here (user, metadata...)
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+    def check(self):
+        if self.n != 1:
+            raise InputError(f"n must be 1 here (got {self.n}): ask again for another choice")
+        if self.logprobs:
+            raise InputError("logprobs are not supported by this server")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    chat_template_kwargs: dict | None = None
+
+    def template_messages(self) -> list[dict]:
+        """The messages as Hugging Face chat templates take them."""
+        return [_template_message(i, m) for i, m in enumerate(self.messages)]
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        return None if self.tool_choice == "none" else self.tools
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InputError(f"one prompt per request here, got {len(prompt)}")
+            prompt = prompt[0]
+        if self.echo or self.suffix:
+            raise InputError("echo and suffix are not supported by this server")
+        return prompt
+
+
+def _template_message(index: int, m: ChatMessage) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": _text_of(index, m.content)}
+    if m.tool_calls:
+        out["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+    for key in ("tool_call_id", "reasoning_content", "name"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def _text_of(index: int, content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InputError(f"messages[{index}]: only text content parts are supported, got {part.get('type')!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _template_tool_call(call: dict) -> dict:
+    """An OpenAI tool call with its JSON-string arguments as a dict, as chat templates expect them."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # kept as the string it is: templates print either
+    return {**call, "function": function}
+
+
+# ---------------------------------------------------------------------------------------------- answers
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def usage(completion) -> dict:
+    n_prompt, n_out = completion.prompt_tokens, len(completion.tokens)
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_out,
+        "total_tokens": n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": completion.reused_tokens},
+    }
+
+
+def finish_reason(completion, calls: list) -> str:
+    return "tool_calls" if calls else FINISH_REASONS[completion.finish_reason]
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {
+        "id": new_id("call_"),
+        "type": "function",
+        "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
+    }
+    return out if index is None else {"index": index, **out}
+
+
+def chat_answer(request_id: str, model: str, pieces: list[Parsed], completion) -> dict:
+    reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+    calls = [p.call for p in pieces if p.kind == "tool_call"]
+    message = {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(completion, calls)}],
+        "usage": usage(completion),
+    }
+
+
+def completion_answer(request_id: str, model: str, text: str, completion) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": FINISH_REASONS[completion.finish_reason]}],
+        "usage": usage(completion),
+    }
+
+
+class ChatChunks:
+    """The `chat.completion.chunk` objects of one streamed answer."""
+
+    def __init__(self, request_id: str, model: str):
+        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.calls = 0
+
+    def chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def first(self) -> dict:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def piece(self, p: Parsed) -> dict:
+        if p.kind == "tool_call":
+            self.calls += 1
+            return self.chunk({"tool_calls": [tool_call_json(p.call, self.calls - 1)]})
+        return self.chunk({"reasoning_content" if p.kind == "reasoning" else "content": p.text})
+
+    def last(self, completion) -> dict:
+        return self.chunk({}, "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason])
+
+    def usage(self, completion) -> dict:
+        return {**self.base, "choices": [], "usage": usage(completion)}
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+    }

@@ -1,0 +1,182 @@
+"""The server's engine thread: one continuous batch shared by every connection.
+
+Connections submit jobs from the event loop's thread; the engine thread takes them between decode steps, admits
+as many as there are free slots (the rest wait, up to `max_queue`), steps the batch while anything runs, and
+sleeps on the queue when nothing does. A job cancelled by its connection leaves its slot before the next step.
+A step that raises fails the jobs it held (each one's `on_error`) and the batch starts afresh with a new KV
+cache; the thread itself never dies of a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moe_jax.batch import Batch, Completion, Job, Request
+from moe_jax.engine import GenerationEngine
+
+log = logging.getLogger("moe_jax.serve")
+IDLE_POLL_S = 0.05  # how often an idle engine thread looks for a stop request
+
+
+class QueueFull(Exception):
+    """More jobs are waiting than the server accepts."""
+
+
+@dataclass
+class ServedJob(Job):
+    """A job with what the server needs besides: who to tell when it could not run."""
+
+    on_error: Callable[[BaseException], None] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """What the engine thread has done, read by the metrics endpoint (plain numbers: reads need no lock)."""
+
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    step_rows: int = 0  # summed over steps: running sequences per step
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    failures: int = 0
+
+
+class Scheduler:
+    def __init__(self, model, slots: int, max_len: int, anchor_cache=None, max_queue: int = 256):
+        self.engine = GenerationEngine(model, slots, max_len, anchor_cache)
+        self.slots = self.engine.slots_that_fit()
+        self.max_queue = max_queue
+        self.stats = SchedulerStats()
+        self.on_step: Callable[[int], None] | None = None  # on the engine thread after each step: its rows
+        self._inbox: queue.Queue[ServedJob] = queue.Queue()
+        self._pending = 0  # submitted, not yet admitted or dropped
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._deadline = float("inf")  # stopping: running jobs are cancelled after this (time.monotonic)
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moe_jax-engine", daemon=True)
+
+    def start(self):
+        """Starts the engine thread and waits until its batch exists and its steps are compiled for one
+        sequence (a first request does not wait for compilation); raises what kept it from starting."""
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def submit(self, job: ServedJob):
+        """Queues a job; QueueFull when more than `max_queue` would wait for a slot."""
+        with self._lock:
+            if self._pending >= self.max_queue + self.slots - self.stats.running:
+                raise QueueFull(f"{self._pending} requests are waiting (--max-queue {self.max_queue})")
+            self._pending += 1
+        self._inbox.put(job)
+
+    def stop(self, timeout_s: float = 30.0):
+        """Refuses what waits, lets running jobs finish for up to `timeout_s`, cancels the rest, ends the thread."""
+        self._deadline = time.monotonic() + timeout_s
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s + 10 * IDLE_POLL_S)
+
+    def _run(self):
+        waiting: deque[ServedJob] = deque()
+        while True:  # a new batch (a fresh KV cache) after a failed step
+            try:
+                with self.engine.batch(self.slots) as batch:
+                    if not self._started.is_set():
+                        self._warm_up(batch)
+                        self._started.set()
+                    if self._serve(batch, waiting):
+                        return
+            except BaseException as error:
+                if self._started.is_set():
+                    log.exception("the engine thread cannot go on")
+                    raise
+                self._start_error = error
+                self._started.set()
+                return
+
+    def _warm_up(self, batch: Batch):
+        batch.admit([ServedJob(Request([0], 2))])
+        while batch.active:
+            batch.step()
+        self.engine.stats = type(self.engine.stats)()
+
+    def _serve(self, batch: Batch, waiting: deque) -> bool:
+        """Runs the batch until the server stops (True) or a step fails (False: the jobs it held are told)."""
+        model = self.engine.model
+        while True:
+            self._collect(waiting, block=not batch.active and not waiting)
+            if self._stopping.is_set():
+                self._drop(waiting, list(waiting))
+                if time.monotonic() > self._deadline:
+                    for s in batch.active.values():
+                        s.job.cancelled = True
+            self._drop(waiting, [j for j in waiting if j.cancelled])
+            batch.retire_cancelled()
+            if self._stopping.is_set() and not batch.active:
+                return True
+            admitted = [waiting.popleft() for _ in range(min(len(batch.free_slots), len(waiting)))]
+            with self._lock:
+                self._pending -= len(admitted)
+            try:
+                with model.host_errors():
+                    if admitted:
+                        batch.admit(admitted)
+                    if batch.active:
+                        self._step(batch)
+            except Exception as error:  # the step's jobs hear of it; the server goes on with a new batch
+                self.stats.failures += 1
+                log.exception("a generation step failed; its requests get an error")
+                failed = {id(s.job): s.job for s in batch.active.values()}
+                failed.update((id(j), j) for j in admitted)
+                for job in failed.values():
+                    if job.on_error is not None:
+                        job.on_error(error)
+                self.stats.running = 0
+                return False
+            self.stats.running, self.stats.waiting = len(batch.active), len(waiting)
+
+    def _step(self, batch: Batch):
+        start = time.perf_counter()
+        before = self.engine.stats.decode_tokens
+        rows = len(batch.active)
+        batch.step()
+        self.stats.steps += 1
+        self.stats.step_rows += rows
+        self.stats.decode_tokens += self.engine.stats.decode_tokens - before
+        self.stats.decode_s += time.perf_counter() - start
+        if self.on_step is not None:
+            self.on_step(rows)
+
+    def _collect(self, waiting: deque, block: bool):
+        """Moves submitted jobs into `waiting`; when `block`, first waits a moment for one."""
+        if block:
+            try:
+                waiting.append(self._inbox.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop(self, waiting: deque, jobs: list[ServedJob]):
+        """Jobs that leave the queue unrun (cancelled, or the server is stopping) finish as cancelled."""
+        for job in jobs:
+            waiting.remove(job)
+            with self._lock:
+                self._pending -= 1
+            job.cancelled = True
+            if job.on_finish is not None:
+                job.on_finish(Completion([], "cancelled", len(job.request.tokens)))

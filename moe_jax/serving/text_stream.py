@@ -1,0 +1,71 @@
+"""Generated tokens to text as they come: incremental detokenization and stop strings.
+
+Decoding token by token is not decoding the whole: a byte-level tokenizer may split one character over several
+tokens, and a decoder may join pieces differently at the start of a text. So each new token's text is the
+difference between decoding a short window of recent tokens with and without it (the way vLLM and TGI stream),
+and nothing is released while the window ends in half a character. Text that could be the start of a stop string
+is held back until it cannot be; a stop string found ends the text before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str] = ()):
+        self.decode = decode
+        self.stops = [s for s in stops if s]
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # the window decoded for context starts here
+        self.read_offset = 0  # tokens before this are in `text`
+        self.text = ""  # decoded so far (released or held back), cut at a stop string
+        self.released = 0  # characters of `text` handed out
+        self.stop: str | None = None  # the stop string that ended the text
+
+    def push(self, token: int) -> str:
+        """Takes one token; returns the text that can be released now (possibly empty)."""
+        if self.stop is not None:
+            return ""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.prefix_offset : self.read_offset])
+        after = self.decode(self.tokens[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self._find_stop()
+        return self._release(self.text if self.stop is not None else self.text[: len(self.text) - self._held()])
+
+    def finish(self) -> str:
+        """The text still held back (the sequence has ended)."""
+        return self._release(self.text)
+
+    def _find_stop(self):
+        longest = max((len(s) for s in self.stops), default=0)
+        search_from = max(0, self.released - longest)
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        if found:
+            index, self.stop = min(found)
+            self.text = self.text[:index]
+
+    def _held(self) -> int:
+        """Characters at the end of the text that begin some stop string (and so are not released yet)."""
+        return min(partial_prefix_length(self.text, self.stops), len(self.text) - self.released)
+
+    def _release(self, upto: str) -> str:
+        out = upto[self.released :]
+        self.released = max(self.released, len(upto))
+        return out
+
+
+def partial_prefix_length(text: str, markers) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `markers`."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
