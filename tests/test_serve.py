@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import shutil
 import signal
 import threading
 import time
@@ -316,3 +317,65 @@ def test_full_queue_429_api_key_and_graceful_shutdown(tmp_path):
         assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
         second.join()
         assert results["last"][0] == 200 and results["last"][1]["usage"]["completion_tokens"] == 110
+
+
+TOOL_CALL = '<tool_call>{"name": "lookup", "arguments": {"q": 1}}</tool_call>'
+
+
+def test_reasoning_and_tool_calls_are_parsed(tmp_path, offline):
+    """A copy of the bundled model whose tokenizer decodes two of the characters it answers with as a thinking
+    block and as a Qwen3-style tool call, and whose template mentions both: the server returns the thinking apart
+    and the tool calls structured, in both APIs, whole and streamed."""
+    text = "copy srel >"
+    _, out = offline_text(offline, chat_tokens(offline, text), 24)
+    chars = [offline.tokenizer.decode([t]) for t in out if t != 2]
+    thinking_char, call_char = chars[0], chars[-1]
+    assert thinking_char != call_char, chars
+    model_dir = tmp_path / "model"
+    shutil.copytree(MODEL, model_dir)
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    # applied in turn to each token's text: the thinking block must not hold the character replaced after it
+    replace = [(thinking_char, "<think>?!</think>"), (call_char, TOOL_CALL)]
+    assert call_char not in replace[0][1]
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            *({"type": "Replace", "pattern": {"String": a}, "content": b} for a, b in replace),
+            spec["decoder"],
+        ],
+    }
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{# the model writes <think>...</think> and <tool_call>...</tool_call> #}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    rest = "".join(c for c in chars if c not in (thinking_char, call_char))
+    calls = chars.count(call_char)
+
+    with running_server(["--model", str(model_dir), "--served-model-name", NAME], tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model=NAME, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=24)
+        message = client.chat.completions.create(**ask).choices[0]
+        assert message.finish_reason == "tool_calls"
+        assert message.message.content == rest
+        assert message.message.model_extra["reasoning_content"] == "?!" * chars.count(thinking_char)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.message.tool_calls] == [
+            ("lookup", {"q": 1})
+        ] * calls
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == rest
+        assert "".join(
+            (c.delta.model_extra or {}).get("reasoning_content") or "" for c in chunks
+        ) == "?!" * chars.count(thinking_char)
+        assert sum(len(c.delta.tool_calls or []) for c in chunks) == calls
+        assert chunks[-1].finish_reason == "tool_calls"
+
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        ask = dict(model=NAME, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": text}])
+        reply = claude.messages.create(**ask)
+        assert reply.stop_reason == "tool_use"
+        assert [b.thinking for b in reply.content if b.type == "thinking"] == ["?!"] * chars.count(thinking_char)
+        assert [(b.name, b.input) for b in reply.content if b.type == "tool_use"] == [("lookup", {"q": 1})] * calls
+        with claude.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == [b.type for b in reply.content]
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("lookup", {"q": 1})] * calls
