@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_process import running_server
-
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import moe_jax  # noqa: E402
 from moe_jax.prompts import render_chat  # noqa: E402
+from moe_jax.serving.process import running_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "tiny-moe"

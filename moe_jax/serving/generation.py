@@ -9,6 +9,7 @@ client goes away.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class Generation:
         self.stream = TextStream(decode, prompt.stops)
         self.parser = OutputParser.for_prompt(dialect, prompt.text or "")
         self.completion: Completion | None = None
+        self._outbox: list = []  # posted by the engine thread, not yet delivered to the loop
+        self._wake_pending = False
+        self._lock = threading.Lock()
         request = Request(prompt.tokens, prompt.max_tokens, prompt.seed)
         self.job = ServedJob(
             request, prompt.sampling, self._on_token, self._on_finish, prompt.eos_ids, on_error=self._on_error
@@ -60,10 +64,22 @@ class Generation:
 
     # ---------------------------------------------------------------- engine thread
     def _post(self, item):
+        """Hands `item` to the loop. Items wait in `_outbox` and one wake-up carries all that came meanwhile,
+        rather than one wake-up of the loop per token and request."""
+        with self._lock:
+            self._outbox.append(item)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop has closed: the server is gone, and so is whoever asked
             self.job.cancelled = True
+
+    def _deliver(self):
+        with self._lock:
+            items, self._outbox, self._wake_pending = self._outbox, [], False
+        self.queue.put_nowait(items)
 
     def _on_token(self, token: int) -> bool:
         text = self.stream.push(token)
@@ -91,19 +107,21 @@ class Generation:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S if disconnected else None)
+                    items = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S if disconnected else None)
                 except TimeoutError:
                     if await disconnected():
                         raise ClientGone() from None
                     continue
-                if item[0] == "error":
-                    raise item[1]
-                for piece in self.parser.feed(item[1] if item[0] == "text" else item[2]):
+                text = "".join(item[1] if item[0] == "text" else item[2] for item in items if item[0] != "error")
+                for piece in self.parser.feed(text):  # all the text that came since the last read, as one
                     yield piece
-                if item[0] == "done":
+                last = items[-1]
+                if last[0] == "error":
+                    raise last[1]
+                if last[0] == "done":
                     for piece in self.parser.close():
                         yield piece
-                    self.completion = item[1]
+                    self.completion = last[1]
                     return
         finally:
             if self.completion is None:  # the client left, or the reader stopped early: free the slot

@@ -1,0 +1,226 @@
+"""The HTTP server against offline generation, and the anchor cache over HTTP, on the bench model.
+
+    python bench/serve.py [--quick] [--clients 1,16,64]
+
+1. Throughput and latency: N concurrent streaming clients (the openai client, asynchronous) each send
+   prompts of 32 random tokens for 64 new tokens (`ignore_eos`) to `python -m moe_jax.serve` (a child process,
+   --max-batch 16); the same prompts go through the generation engine in this process (what infer.py runs, same
+   slots and context). Prints tokens/s of both and their ratio, and p50/p99 time to first token and inter-token
+   latency as the clients saw them. Server and bench share this machine's cores: the clients' own work is in
+   the server's numbers.
+2. Agent traces over HTTP (bench/data/agent_trace.json sent as chat messages, thinking dropped each turn, old
+   tool results trimmed): `cached_tokens` over prompt tokens after the first two turns, and whether the outputs
+   equal those of a server without the anchor cache.
+
+Writes bench/results/serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.agent_traces import TRACE, chat_requests, write_chat_tokenizer  # noqa: E402
+from bench.common import RESULTS, machine_info, print_table  # noqa: E402
+from bench.models import bench_model_dir  # noqa: E402
+
+PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16
+FIRST_TURNS = 2  # the replay's cache coverage is counted after these (each turn is two requests)
+
+
+def chat_model_dir() -> Path:
+    """The bench model with a tokenizer and chat template for the agent traces' token ids (links to its files)."""
+    source = bench_model_dir()
+    directory = Path(tempfile.gettempdir()) / "moe_jax_bench_mixtral_chat"
+    directory.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        if not (directory / f.name).exists():
+            (directory / f.name).symlink_to(f)
+    write_chat_tokenizer(directory)
+    return directory
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(16, vocab, PROMPT_TOKENS).tolist() for _ in range(n)]
+
+
+def offline_tokens_per_s(model_dir: Path, prompts, slots: int, max_len: int) -> float:
+    import moe_jax
+    from moe_jax.engine import GenerationEngine, Request
+
+    model = moe_jax.load_model(model_dir)
+    engine = GenerationEngine(model, slots, max_len)
+    engine.run([Request(p, NEW_TOKENS) for p in prompts[:slots]])  # compile every shape first
+    start = time.perf_counter()
+    done = engine.run([Request(p, NEW_TOKENS) for p in prompts])
+    return sum(len(c.tokens) for c in done) / (time.perf_counter() - start)
+
+
+async def stream_clients(url: str, prompts, clients: int) -> dict:
+    """`clients` concurrent streaming clients share `prompts` (each takes the next one when done)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    queue = list(prompts)
+    first_token, gaps, tokens = [], [], 0
+
+    async def one_client():
+        nonlocal tokens
+        while queue:
+            prompt = queue.pop()
+            sent = time.perf_counter()
+            last = None
+            stream = await client.completions.create(
+                model="bench",
+                prompt=prompt,
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].text:
+                    if last is None:
+                        first_token.append(now - sent)
+                    else:
+                        gaps.append(now - last)
+                    last = now
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    seconds = time.perf_counter() - start
+    await client.close()
+    return {
+        "tokens_per_s": tokens / seconds,
+        "ttft_p50_ms": 1e3 * statistics.median(first_token),
+        "ttft_p99_ms": 1e3 * float(np.percentile(first_token, 99)),
+        "itl_p50_ms": 1e3 * statistics.median(gaps),
+        "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)),
+    }
+
+
+def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -> list[dict]:
+    from moe_jax.serving.process import running_server
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    max_len = PROMPT_TOKENS + NEW_TOKENS
+    args = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "bench",
+        "--max-batch",
+        str(MAX_BATCH),
+        "--max-model-len",
+        str(max_len),
+        "--anchor-cache-mb",
+        "0",
+    ]
+    rows = []
+    with running_server(args, log_dir / "throughput.log") as server:
+        for clients in client_counts:
+            prompts = random_prompts(max(clients, 4), vocab, seed=clients)
+            asyncio.run(stream_clients(server.url, prompts[:clients], clients))  # compiles this batch's shapes
+            served = asyncio.run(stream_clients(server.url, prompts, clients))
+            rows.append({"clients": clients, "requests": len(prompts), **served})
+    for row in rows:  # offline after the server has gone: the two never share the cores
+        prompts = random_prompts(row["requests"], vocab, seed=row["clients"])
+        offline = offline_tokens_per_s(model_dir, prompts, min(row["clients"], MAX_BATCH), max_len)
+        row["offline_tokens_per_s"] = offline
+        row["server_vs_offline"] = row["tokens_per_s"] / offline
+    return rows
+
+
+def replay(url: str, conversation) -> list[dict]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    out = []
+    for edit, messages in conversation:
+        answer = client.chat.completions.create(
+            model="bench", messages=messages, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        out.append(
+            {
+                "edit": edit,
+                "prompt_tokens": answer.usage.prompt_tokens,
+                "cached_tokens": answer.usage.prompt_tokens_details.cached_tokens,
+                "answer": answer.choices[0].message.content,
+            }
+        )
+    return out
+
+
+def trace_table(model_dir: Path, turns: int | None, log_dir: Path) -> list[dict]:
+    from moe_jax.serving.process import running_server
+
+    trace = json.loads(TRACE.read_text())
+    if turns:
+        trace["turns"] = trace["turns"][:turns]
+    rows = []
+    for cache_mb in ("512", "0"):
+        args = ["--model", str(model_dir), "--served-model-name", "bench", "--anchor-cache-mb", cache_mb]
+        with running_server(args, log_dir / f"replay_{cache_mb}.log") as server:
+            for scenario, trim in (("thinking dropped", False), ("+ old tool results trimmed", True)):
+                rows.append(
+                    {
+                        "scenario": scenario,
+                        "cache_mb": cache_mb,
+                        "answers": replay(server.url, chat_requests(trace, trim)),
+                    }
+                )
+    table = []
+    for with_cache, without in zip(rows[:2], rows[2:], strict=True):
+        later = with_cache["answers"][2 * FIRST_TURNS :]
+        table.append(
+            {
+                "scenario": with_cache["scenario"],
+                "requests": len(with_cache["answers"]),
+                "prompt_tokens": sum(a["prompt_tokens"] for a in with_cache["answers"]),
+                "cached_after_first_turns": sum(a["cached_tokens"] for a in later)
+                / sum(a["prompt_tokens"] for a in later),
+                "identical_outputs_without_cache": [a["answer"] for a in with_cache["answers"]]
+                == [a["answer"] for a in without["answers"]],
+            }
+        )
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 and 16 clients, 6 trace turns")
+    parser.add_argument("--clients", default="1,16,64", help="concurrent streaming clients, comma-separated")
+    args = parser.parse_args()
+    client_counts = [1, 16] if args.quick else [int(c) for c in args.clients.split(",")]
+    model_dir = chat_model_dir()
+    log_dir = Path(tempfile.mkdtemp(prefix="moe_jax_bench_serve_"))
+    throughput = throughput_table(model_dir, client_counts, log_dir)
+    print_table(
+        f"server vs offline, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, --max-batch {MAX_BATCH}",
+        throughput,
+    )
+    traces = trace_table(model_dir, 6 if args.quick else None, log_dir)
+    print_table("agent traces over HTTP: cached_tokens / prompt tokens after the first turns", traces)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "serve.json"
+    out.write_text(json.dumps({"machine": machine_info(), "throughput": throughput, "agent_traces": traces}, indent=1))
+    print(f"\nwrote {out} (server logs in {log_dir})")
+
+
+if __name__ == "__main__":
+    main()
