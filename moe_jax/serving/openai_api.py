@@ -46,6 +46,18 @@ class _Body(BaseModel):
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k)
 
+    def prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None):
+        """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
+        return service.prompt(
+            tokens,
+            text,
+            max_tokens=max_tokens,
+            sampling=self.sampling,
+            seed=self.seed,
+            stops=self.stops,
+            ignore_eos=self.ignore_eos,
+        )
+
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
