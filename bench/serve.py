@@ -2,7 +2,7 @@
 
     python bench/serve.py [--quick] [--clients 1,16,64]
 
-1. Throughput and latency: N concurrent streaming clients (the openai client, asynchronous) each send
+1. Throughput and latency: N concurrent streaming clients (asyncio, plain HTTP) each send
    prompts of 32 random tokens for 64 new tokens (`ignore_eos`) to `python -m moe_jax.serve` (a child process,
    --max-batch 16); the same prompts go through the generation engine in this process (what infer.py runs, same
    slots and context). Prints tokens/s of both and their ratio, and p50/p99 time to first token and inter-token
@@ -67,34 +67,60 @@ def offline_tokens_per_s(model_dir: Path, prompts, slots: int, max_len: int) -> 
     return sum(len(c.tokens) for c in done) / (time.perf_counter() - start)
 
 
-async def stream_clients(url: str, prompts, clients: int) -> dict:
-    """`clients` concurrent streaming clients share `prompts` (each takes the next one when done)."""
-    from openai import AsyncOpenAI
+async def stream_completion(port: int, body: dict):
+    """POSTs `body` to /v1/completions and yields (arrival time, event) for each server-sent event: a minimal
+    HTTP/1.1 client (chunked transfer decoded by hand), so that what is timed is the server, not a client
+    library's parsing, which runs on the same cores (the openai client's pydantic objects per chunk cost
+    the server's tokens/s about as much as the server's own HTTP work)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"the server answered {status!r}")
+    while (await reader.readline()).strip():  # headers
+        pass
+    buffer = b""
+    try:
+        while size := int((await reader.readline()).strip() or b"0", 16):
+            buffer += (await reader.readexactly(size + 2))[:-2]
+            *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+            now = time.perf_counter()
+            for event in events:
+                payload = event.removeprefix(b"data: ")
+                if payload != b"[DONE]" and payload.startswith(b"{"):
+                    yield now, json.loads(payload)
+    finally:
+        writer.close()
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+async def stream_clients(port: int, prompts, clients: int) -> dict:
+    """`clients` concurrent streaming clients share `prompts` (each takes the next one when done)."""
     queue = list(prompts)
     first_token, gaps, tokens = [], [], 0
 
     async def one_client():
         nonlocal tokens
         while queue:
-            prompt = queue.pop()
-            sent = time.perf_counter()
-            last = None
-            stream = await client.completions.create(
-                model="bench",
-                prompt=prompt,
-                max_tokens=NEW_TOKENS,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.usage is not None:
-                    tokens += chunk.usage.completion_tokens
-                if chunk.choices and chunk.choices[0].text:
+            body = {
+                "model": "bench",
+                "prompt": queue.pop(),
+                "max_tokens": NEW_TOKENS,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            sent, last = time.perf_counter(), None
+            async for now, chunk in stream_completion(port, body):
+                if chunk.get("usage"):
+                    tokens += chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
                     if last is None:
                         first_token.append(now - sent)
                     else:
@@ -104,7 +130,6 @@ async def stream_clients(url: str, prompts, clients: int) -> dict:
     start = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(clients)))
     seconds = time.perf_counter() - start
-    await client.close()
     return {
         "tokens_per_s": tokens / seconds,
         "ttft_p50_ms": 1e3 * statistics.median(first_token),
@@ -135,8 +160,8 @@ def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -
     with running_server(args, log_dir / "throughput.log") as server:
         for clients in client_counts:
             prompts = random_prompts(max(clients, 4), vocab, seed=clients)
-            asyncio.run(stream_clients(server.url, prompts[:clients], clients))  # compiles this batch's shapes
-            served = asyncio.run(stream_clients(server.url, prompts, clients))
+            asyncio.run(stream_clients(server.port, prompts[:clients], clients))  # compiles this batch's shapes
+            served = asyncio.run(stream_clients(server.port, prompts, clients))
             rows.append({"clients": clients, "requests": len(prompts), **served})
     for row in rows:  # offline after the server has gone: the two never share the cores
         prompts = random_prompts(row["requests"], vocab, seed=row["clients"])

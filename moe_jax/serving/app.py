@@ -121,7 +121,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         check_model(body.model)
         body.check()
         tokens, text = service.chat_prompt(body.template_messages(), body.template_tools, body.chat_template_kwargs)
-        prompt = body.prompt(service, tokens, text, body.limit)
+        prompt = body.checked_prompt(service, tokens, text, body.limit)
         generation = service.submit(prompt)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
@@ -135,7 +135,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         body.check()
         given = body.single_prompt()
         tokens, text = (service.text_prompt(given), given) if isinstance(given, str) else (list(given), None)
-        prompt = body.prompt(service, tokens, text, body.max_tokens)
+        prompt = body.checked_prompt(service, tokens, text, body.max_tokens)
         generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:

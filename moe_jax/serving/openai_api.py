@@ -46,7 +46,7 @@ class _Body(BaseModel):
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.top_k)
 
-    def prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None):
+    def checked_prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None):
         """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
         return service.prompt(
             tokens,
