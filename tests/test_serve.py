@@ -89,24 +89,21 @@ def test_completion_text_and_token_prompts(client, offline):
 
 
 def test_streaming_chunks_add_up_to_the_whole_answer(client, offline):
-    text = "copy wvdkse >"
-    whole = client.chat.completions.create(
-        model=NAME, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=20
-    )
-    stream = client.chat.completions.create(
+    # 60 tokens past EOS: long enough (tens of milliseconds) to come in several chunks however busy the machine
+    ask = dict(
         model=NAME,
-        messages=[{"role": "user", "content": text}],
+        messages=[{"role": "user", "content": "copy wvdkse >"}],
         temperature=0,
-        max_tokens=20,
-        stream=True,
-        stream_options={"include_usage": True},
+        max_tokens=60,
+        extra_body={"ignore_eos": True},
     )
-    chunks = list(stream)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert len([d for d in deltas if d]) > 1  # streamed piece by piece, not at the end
     assert "".join(deltas) == whole.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 60
 
     completion_stream = client.completions.create(
         model=NAME, prompt="sort plokij >", temperature=0, max_tokens=9, stream=True

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.datastructures import Headers
 
 from moe_jax.errors import InputError
 from moe_jax.serving import anthropic_api, openai_api
@@ -47,32 +48,24 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
 
     app = FastAPI(title="moe_jax", lifespan=lifespan)
     app.state.service, app.state.metrics = service, metrics
-
-    @app.middleware("http")
-    async def check_key_and_count(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health" and not _key_matches(request, api_key):
-            response = _error_response(request, ApiError(401, "invalid or missing API key", "authentication_error"))
-        else:
-            response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(KeyAndCount, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        return _error_response(request, error)
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
-        return _error_response(request, ApiError(400, _validation_message(error)))
+        return _error_response(request.url.path, ApiError(400, _validation_message(error)))
 
     @app.exception_handler(InputError)
     async def bad_input(request: Request, error: InputError):
         code = "context_length_exceeded" if isinstance(error, ContextTooLong) else None
-        return _error_response(request, ApiError(400, str(error), code=code))
+        return _error_response(request.url.path, ApiError(400, str(error), code=code))
 
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, error: QueueFull):
-        response = _error_response(request, ApiError(429, f"the server is busy: {error}", "rate_limit_error"))
+        response = _error_response(request.url.path, ApiError(429, f"the server is busy: {error}", "rate_limit_error"))
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
@@ -82,7 +75,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
 
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception):
-        return _error_response(request, ApiError(500, f"generation failed: {error}", "server_error"))
+        return _error_response(request.url.path, ApiError(500, f"generation failed: {error}", "server_error"))
 
     def check_model(name: str):
         if name != service.name:
@@ -224,16 +217,48 @@ async def _message_events(generation: Generation, message_id: str, body):
         yield event
 
 
-def _key_matches(request: Request, key: str) -> bool:
-    given = request.headers.get("x-api-key") or ""
-    bearer = request.headers.get("authorization") or ""
+class KeyAndCount:
+    """Checks the API key (all paths but /health) and counts answers by route and status. Plain ASGI rather than
+    `@app.middleware("http")`, which passes every streamed chunk through a task and a memory stream of its own."""
+
+    ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = 500
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path != "/health" and not _key_matches(Headers(scope=scope), self.api_key):
+                error = ApiError(401, "invalid or missing API key", "authentication_error")
+                await _error_response(path, error)(scope, receive, counted)
+            else:
+                await self.app(scope, receive, counted)
+        finally:
+            route = path if path in self.ROUTES else "other"  # a label per unknown path would grow without end
+            self.metrics.requests.labels(route, str(status)).inc()
+
+
+def _key_matches(headers: Headers, key: str) -> bool:
+    given = headers.get("x-api-key") or ""
+    bearer = headers.get("authorization") or ""
     if bearer.lower().startswith("bearer "):
         given = given or bearer[7:].strip()
     return secrets.compare_digest(given.encode(), key.encode())
 
 
-def _error_response(request: Request, error: ApiError) -> JSONResponse:
-    if request.url.path.startswith("/v1/messages"):
+def _error_response(path: str, error: ApiError) -> JSONResponse:
+    if path.startswith("/v1/messages"):
         kinds = {
             400: "invalid_request_error",
             401: "authentication_error",

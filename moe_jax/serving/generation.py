@@ -38,25 +38,56 @@ class ClientGone(Exception):
     """The client disconnected before its answer was complete."""
 
 
+class Mailbox:
+    """The engine thread's way into one event loop: what it posts for any generation waits here, and one wake-up
+    of the loop delivers everything posted meanwhile (a decode step's tokens for every connection), rather than
+    a wake-up per token and connection."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[Generation, tuple]] = []
+        self._wake_pending = False
+        self._lock = threading.Lock()
+
+    def post(self, generation: Generation, item: tuple):
+        """Engine thread. False when the loop has closed (the server is gone, and so is whoever asked)."""
+        with self._lock:
+            self._items.append((generation, item))
+            if self._wake_pending:
+                return True
+            self._wake_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            return False
+        return True
+
+    def _deliver(self):
+        with self._lock:
+            items, self._items, self._wake_pending = self._items, [], False
+        by_generation: dict[Generation, list] = {}
+        for generation, item in items:
+            by_generation.setdefault(generation, []).append(item)
+        for generation, its_items in by_generation.items():
+            generation.queue.put_nowait(its_items)
+
+
 class Generation:
     def __init__(
         self,
         prompt: Prompt,
         decode: Callable[[list[int]], str],
         dialect: Dialect,
+        mailbox: Mailbox,
         on_done: Callable[[Completion], None] | None = None,
     ):
         """`on_done(completion)`: on the engine thread when the job ends, however (an error is a completion
         with finish_reason "error")."""
-        self.prompt, self.on_done = prompt, on_done
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt, self.mailbox, self.on_done = prompt, mailbox, on_done
+        self.queue: asyncio.Queue = asyncio.Queue()  # lists of items, in order
         self.stream = TextStream(decode, prompt.stops)
         self.parser = OutputParser.for_prompt(dialect, prompt.text or "")
         self.completion: Completion | None = None
-        self._outbox: list = []  # posted by the engine thread, not yet delivered to the loop
-        self._wake_pending = False
-        self._lock = threading.Lock()
         request = Request(prompt.tokens, prompt.max_tokens, prompt.seed)
         self.job = ServedJob(
             request, prompt.sampling, self._on_token, self._on_finish, prompt.eos_ids, on_error=self._on_error
@@ -64,22 +95,8 @@ class Generation:
 
     # ---------------------------------------------------------------- engine thread
     def _post(self, item):
-        """Hands `item` to the loop. Items wait in `_outbox` and one wake-up carries all that came meanwhile,
-        rather than one wake-up of the loop per token and request."""
-        with self._lock:
-            self._outbox.append(item)
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop has closed: the server is gone, and so is whoever asked
+        if not self.mailbox.post(self, item):
             self.job.cancelled = True
-
-    def _deliver(self):
-        with self._lock:
-            items, self._outbox, self._wake_pending = self._outbox, [], False
-        self.queue.put_nowait(items)
 
     def _on_token(self, token: int) -> bool:
         text = self.stream.push(token)

@@ -8,6 +8,7 @@ checks them against the context, and submits them.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.batch import Completion, Sampling
 from moe_jax.errors import InputError
 from moe_jax.prompts import render_chat
-from moe_jax.serving.generation import Generation, Prompt
+from moe_jax.serving.generation import Generation, Mailbox, Prompt
 from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import Scheduler
 
@@ -49,6 +50,7 @@ class Service:
         self.dialect = Dialect.of_template(self.tokenizer.chat_template if self.tokenizer else None)
         self.special_ids = special_token_ids(self.tokenizer, keep=self.dialect.markers)
         self.on_finish: Callable[[Completion], None] | None = None  # every generation's end (metrics)
+        self._mailbox: Mailbox | None = None  # into the event loop that submits
 
     def start(self):
         self.scheduler.start()
@@ -108,7 +110,10 @@ class Service:
     def submit(self, prompt: Prompt, dialect: Dialect | None = None) -> Generation:
         """Starts generating (QueueFull when the queue is full); `dialect`: the markup to parse in the output
         (default: the chat template's). Call from the event loop."""
-        generation = Generation(prompt, self.decode, dialect or self.dialect, self.on_finish)
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        generation = Generation(prompt, self.decode, dialect or self.dialect, self._mailbox, self.on_finish)
         self.scheduler.submit(generation.job)
         return generation
 
