@@ -2,8 +2,8 @@
 
     python bench/serve.py [--quick] [--clients 1,16,64]
 
-1. Throughput and latency: N concurrent streaming clients (asyncio, plain HTTP) each send
-   prompts of 32 random tokens for 64 new tokens (`ignore_eos`) to `python -m moe_jax.serve` (a child process,
+1. Throughput and latency: N concurrent streaming clients (asyncio, plain HTTP) each send 4 prompts, one after
+   the other, of 32 random tokens for 64 new tokens (`ignore_eos`) to `python -m moe_jax.serve` (a child process,
    --max-batch 16); the same prompts go through the generation engine in this process (what infer.py runs, same
    slots and context). Prints tokens/s of both and their ratio, and p50/p99 time to first token and inter-token
    latency as the clients saw them. Server and bench share this machine's cores: the clients' own work is in
@@ -35,6 +35,7 @@ from bench.common import RESULTS, machine_info, print_table  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16
+REQUESTS_PER_CLIENT = 4  # back to back: the batch's ramp up and down is a small part of the run
 FIRST_TURNS = 2  # the replay's cache coverage is counted after these (each turn is two requests)
 
 
@@ -159,7 +160,7 @@ def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -
     rows = []
     with running_server(args, log_dir / "throughput.log") as server:
         for clients in client_counts:
-            prompts = random_prompts(max(clients, 4), vocab, seed=clients)
+            prompts = random_prompts(REQUESTS_PER_CLIENT * clients, vocab, seed=clients)
             asyncio.run(stream_clients(server.port, prompts[:clients], clients))  # compiles this batch's shapes
             served = asyncio.run(stream_clients(server.port, prompts, clients))
             rows.append({"clients": clients, "requests": len(prompts), **served})

@@ -28,6 +28,10 @@ import numpy as np
 from moe_jax.sampling import sample
 
 
+def row_bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 @dataclass
 class Request:
     tokens: list[int]
@@ -93,14 +97,18 @@ class Batch:
     """`slots` KV-cache rows over `engine` (a GenerationEngine whose steps are compiled and whose caches are
     `caches`). Not thread-safe: one thread admits and steps; other threads may only cancel jobs."""
 
-    def __init__(self, engine, slots: int, caches):
-        self.engine, self.slots, self.caches = engine, slots, caches
+    def __init__(self, engine, slots: int, caches, shrink: bool = False):
+        """`shrink`: decode only the slots up to the highest one in use (in powers of two, one compiled step
+        each) rather than all of them: for a server, whose batch is mostly less than full; a fixed list of
+        requests fills its batch but in its last steps, which would compile those steps for little."""
+        self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
 
     @property
     def free_slots(self) -> list[int]:
+        """Free slots, lowest first: sequences stay packed at the low end, where a shrunk step decodes."""
         return [s for s in range(self.slots) if s not in self.active]
 
     def admit(self, jobs: list[Job]):
@@ -136,9 +144,10 @@ class Batch:
         pending = self.in_flight.decoded if self.in_flight is not None else {}
         if not any(len(s.out) + (pending.get(i) is s) < s.job.request.max_new_tokens for i, s in self.active.items()):
             return None
-        host_tokens = np.zeros((self.slots, 1), np.int32)
-        from_host = np.ones((self.slots, 1), bool)  # free slots compute on padding and are ignored
-        positions = np.zeros((self.slots, 1), np.int32)
+        rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
+        host_tokens = np.zeros((rows, 1), np.int32)
+        from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
+        positions = np.zeros((rows, 1), np.int32)
         for slot, s in self.active.items():
             if s.fresh:
                 host_tokens[slot, 0] = s.out[-1]

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.anchor_cache import AnchorCache
-from moe_jax.batch import Batch, Completion, Job, Request, Sampling
+from moe_jax.batch import Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.errors import InputError
 from moe_jax.native_call import argmax_tokens
 
@@ -35,10 +35,6 @@ CACHE_REFRESH_STEPS = 16  # decode steps between expert cache updates (backend="
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def row_bucket(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @dataclass
@@ -123,9 +119,9 @@ class GenerationEngine:
         return results
 
     @contextlib.contextmanager
-    def batch(self, slots: int):
-        """A Batch of `slots` KV-cache rows over this engine's compiled steps, for the time of the block (its KV
-        cache counts as the model's live KV bytes meanwhile)."""
+    def batch(self, slots: int, shrink: bool = False):
+        """A Batch of `slots` KV-cache rows over this engine's compiled steps (`shrink`: see Batch), for the
+        time of the block (its KV cache counts as the model's live KV bytes meanwhile)."""
         model = self.model
         model.refresh_expert_cache()
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
@@ -134,16 +130,18 @@ class GenerationEngine:
         caches = model.new_caches(slots, self.max_len)
         model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         try:
-            yield Batch(self, slots, caches)
+            yield Batch(self, slots, caches, shrink)
         finally:
             model.kv_live_bytes = 0
 
     def decode(self, caches, host_tokens, from_host, last_tokens, positions):
-        """Dispatches one decode step (not waited for): (logits, argmax tokens, caches)."""
+        """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for): (logits,
+        argmax tokens of every slot, caches)."""
         if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
             self.model.refresh_expert_cache()  # values only: the compiled step is reused
         self.stats.decode_steps += 1
-        return self._decode(self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
+        rows = len(host_tokens)
+        return self._decode(self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, rows)
 
     def prefill(self, caches, admitted: list[tuple[int, Job]]):
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
@@ -250,13 +248,20 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ]
         return logits[:, 0], caches
 
-    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions):
-        """One token for every slot: the host's where from_host, else the previous step's argmax (last_tokens),
-        so greedy steps can follow each other without the host. Returns (logits, argmax tokens, caches)."""
-        tokens = jnp.where(from_host, host_tokens, last_tokens)
-        logits, caches = merged(leaves)(tokens, positions, caches)
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, rows):
+        """One token for each of the first `rows` slots (static: a compiled step per count): the host's token
+        where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
+        each other without the host. Returns (logits [rows, vocab], argmax tokens of all slots, caches). Fewer
+        rows than slots read and write those rows' caches only (the copy of their rows costs less than
+        computing the idle ones: a server's batch is rarely full)."""
+        tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
+        every = rows == caches[0][0].shape[0]
+        part = caches if every else [(k[:rows], v[:rows]) for k, v in caches]
+        logits, part = merged(leaves)(tokens, positions, part)
+        if not every:
+            part = [(k.at[:rows].set(pk), v.at[:rows].set(pv)) for (k, v), (pk, pv) in zip(caches, part, strict=True)]
         logits = logits[:, 0]
-        return logits, argmax_tokens(logits, native_argmax), caches
+        return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
@@ -270,6 +275,6 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
     return (
         jax.jit(prefill, donate_argnums=1),
-        jax.jit(decode, donate_argnums=1),
+        jax.jit(decode, donate_argnums=1, static_argnums=6),
         jax.jit(write_prefix, donate_argnums=0),
     )

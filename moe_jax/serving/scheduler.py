@@ -91,7 +91,7 @@ class Scheduler:
         waiting: deque[ServedJob] = deque()
         while True:  # a new batch (a fresh KV cache) after a failed step
             try:
-                with self.engine.batch(self.slots) as batch:
+                with self.engine.batch(self.slots, shrink=True) as batch:
                     if not self._started.is_set():
                         self._warm_up(batch)
                         self._started.set()
@@ -106,9 +106,17 @@ class Scheduler:
                 return
 
     def _warm_up(self, batch: Batch):
-        batch.admit([ServedJob(Request([0], 2))])
-        while batch.active:
-            batch.step()
+        """Compiles the decode step and the prefill of short prompts for every number of rows admission can
+        bucket (1, 2, 4, ... slots): requests arrive a few at a time, and each new shape would otherwise cost
+        its first request a compilation."""
+        rows = 1
+        while True:
+            batch.admit([ServedJob(Request([0], 2)) for _ in range(min(rows, self.slots))])
+            while batch.active:
+                batch.step()
+            if rows >= self.slots:
+                break
+            rows *= 2
         self.engine.stats = type(self.engine.stats)()
 
     def _serve(self, batch: Batch, waiting: deque) -> bool:
