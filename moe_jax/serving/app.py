@@ -8,7 +8,6 @@ engine thread goes on. Errors on `/v1/messages` use Anthropic's error schema, al
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -16,11 +15,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import Headers
 
 from moe_jax.errors import InputError
 from moe_jax.serving import anthropic_api, openai_api
+from moe_jax.serving.event_stream import EventStream, data_event, named_event
 from moe_jax.serving.generation import ClientGone, Generation
 from moe_jax.serving.metrics import ServerMetrics
 from moe_jax.serving.output_parser import Dialect
@@ -118,7 +117,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         generation = service.submit(prompt)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
-            return EventSourceResponse(_chat_events(generation, request_id, body))
+            return EventStream(_chat_events(generation, request_id, body))
         pieces = [p async for p in generation.pieces(request.is_disconnected)]
         return openai_api.chat_answer(request_id, body.model, pieces, generation.completion)
 
@@ -132,7 +131,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
-            return EventSourceResponse(_completion_events(generation, request_id, body))
+            return EventStream(_completion_events(generation, request_id, body))
         pieces = [p async for p in generation.pieces(request.is_disconnected)]
         text = "".join(p.text for p in pieces)
         return openai_api.completion_answer(request_id, body.model, text, generation.completion)
@@ -153,7 +152,7 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         generation = service.submit(prompt)
         message_id = openai_api.new_id("msg_")
         if body.stream:
-            return EventSourceResponse(_message_events(generation, message_id, body))
+            return EventStream(_message_events(generation, message_id, body))
         pieces = [p async for p in generation.pieces(request.is_disconnected)]
         return anthropic_api.message_answer(
             message_id, body.model, pieces, generation.completion, generation.stop_string
@@ -164,57 +163,48 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
 
 async def _chat_events(generation: Generation, request_id: str, body):
     chunks = openai_api.ChatChunks(request_id, body.model)
-    yield json.dumps(chunks.first())
+    yield data_event(chunks.first())
     try:
         async for piece in generation.pieces():
-            yield json.dumps(chunks.piece(piece))
+            yield data_event(chunks.piece(piece))
     except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
-        yield json.dumps({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        yield data_event({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
     else:
-        yield json.dumps(chunks.last(generation.completion))
+        yield data_event(chunks.last(generation.completion))
         if body.include_usage:
-            yield json.dumps(chunks.usage(generation.completion))
-    yield "[DONE]"
+            yield data_event(chunks.usage(generation.completion))
+    yield data_event("[DONE]")
 
 
 async def _completion_events(generation: Generation, request_id: str, body):
     try:
         async for piece in generation.pieces():
-            yield json.dumps(openai_api.completion_chunk(request_id, body.model, piece.text))
+            yield data_event(openai_api.completion_chunk(request_id, body.model, piece.text))
     except Exception as error:
-        yield json.dumps({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        yield data_event({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
     else:
         finish = openai_api.FINISH_REASONS[generation.completion.finish_reason]
         last = openai_api.completion_chunk(request_id, body.model, "", finish)
         if body.include_usage:
             last["usage"] = openai_api.usage(generation.completion)
-        yield json.dumps(last)
-    yield "[DONE]"
+        yield data_event(last)
+    yield data_event("[DONE]")
 
 
 async def _message_events(generation: Generation, message_id: str, body):
     events = anthropic_api.MessageEvents(message_id, body.model)
-
-    def sse(pairs):
-        return [ServerSentEvent(data=json.dumps(data), event=name) for name, data in pairs]
-
-    prompt = generation.prompt
-    for event in sse(events.start(len(prompt.tokens), 0)):
-        yield event
+    for name, data in events.start(len(generation.prompt.tokens), 0):
+        yield named_event(name, data)
     try:
         async for piece in generation.pieces():
-            for event in sse(events.piece(piece)):
-                yield event
+            for name, data in events.piece(piece):
+                yield named_event(name, data)
     except Exception as error:
-        yield ServerSentEvent(
-            event="error",
-            data=json.dumps(
-                {"type": "error", "error": {"type": "api_error", "message": f"generation failed: {error}"}}
-            ),
-        )
+        message = f"generation failed: {error}"
+        yield named_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
         return
-    for event in sse(events.end(generation.completion, generation.stop_string)):
-        yield event
+    for name, data in events.end(generation.completion, generation.stop_string):
+        yield named_event(name, data)
 
 
 class KeyAndCount:
