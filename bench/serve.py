@@ -68,16 +68,15 @@ def offline_tokens_per_s(model_dir: Path, prompts, slots: int, max_len: int) -> 
     return sum(len(c.tokens) for c in done) / (time.perf_counter() - start)
 
 
-async def stream_completion(port: int, body: dict):
-    """POSTs `body` to /v1/completions and yields (arrival time, event) for each server-sent event: a minimal
-    HTTP/1.1 client (chunked transfer decoded by hand), so that what is timed is the server, not a client
-    library's parsing, which runs on the same cores (the openai client's pydantic objects per chunk cost
-    the server's tokens/s about as much as the server's own HTTP work)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def stream_completion(connection, body: dict):
+    """POSTs `body` to /v1/completions on an open keep-alive connection (reader, writer) and yields (arrival
+    time, event) for each server-sent event: a minimal HTTP/1.1 client (chunked transfer decoded by hand), so
+    that what is timed is the server, not a client library's parsing, which runs on the same cores."""
+    reader, writer = connection
     data = json.dumps(body).encode()
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
     await writer.drain()
@@ -87,17 +86,15 @@ async def stream_completion(port: int, body: dict):
     while (await reader.readline()).strip():  # headers
         pass
     buffer = b""
-    try:
-        while size := int((await reader.readline()).strip() or b"0", 16):
-            buffer += (await reader.readexactly(size + 2))[:-2]
-            *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-            now = time.perf_counter()
-            for event in events:
-                payload = event.removeprefix(b"data: ")
-                if payload != b"[DONE]" and payload.startswith(b"{"):
-                    yield now, json.loads(payload)
-    finally:
-        writer.close()
+    while size := int((await reader.readline()).strip(), 16):
+        buffer += (await reader.readexactly(size + 2))[:-2]
+        *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        now = time.perf_counter()
+        for event in events:
+            payload = event.removeprefix(b"data: ")
+            if payload.startswith(b"{"):
+                yield now, json.loads(payload)
+    await reader.readline()  # the empty line after the last chunk: the connection is ready for the next request
 
 
 async def stream_clients(port: int, prompts, clients: int) -> dict:
@@ -107,6 +104,7 @@ async def stream_clients(port: int, prompts, clients: int) -> dict:
 
     async def one_client():
         nonlocal tokens
+        connection = await asyncio.open_connection("127.0.0.1", port)
         while queue:
             body = {
                 "model": "bench",
@@ -118,7 +116,7 @@ async def stream_clients(port: int, prompts, clients: int) -> dict:
                 "ignore_eos": True,
             }
             sent, last = time.perf_counter(), None
-            async for now, chunk in stream_completion(port, body):
+            async for now, chunk in stream_completion(connection, body):
                 if chunk.get("usage"):
                     tokens += chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
@@ -127,6 +125,7 @@ async def stream_clients(port: int, prompts, clients: int) -> dict:
                     else:
                         gaps.append(now - last)
                     last = now
+        connection[1].close()
 
     start = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(clients)))
