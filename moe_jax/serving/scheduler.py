@@ -33,6 +33,7 @@ class ServedJob(Job):
     """A job with what the server needs besides: who to tell when it could not run."""
 
     on_error: Callable[[BaseException], None] | None = None
+    ended: bool = False
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.on_step: Callable[[int], None] | None = None  # on the engine thread after each step: its rows
         self._inbox: queue.Queue[ServedJob] = queue.Queue()
-        self._pending = 0  # submitted, not yet admitted or dropped
+        self._held = 0  # submitted and not yet ended: running or waiting
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._deadline = float("inf")  # stopping: running jobs are cancelled after this (time.monotonic)
@@ -75,10 +76,26 @@ class Scheduler:
     def submit(self, job: ServedJob):
         """Queues a job; QueueFull when more than `max_queue` would wait for a slot."""
         with self._lock:
-            if self._pending >= self.max_queue + self.slots - self.stats.running:
-                raise QueueFull(f"{self._pending} requests are waiting (--max-queue {self.max_queue})")
-            self._pending += 1
+            if self._held >= self.max_queue + self.slots:
+                raise QueueFull(f"{self._held - self.slots} requests are waiting (--max-queue {self.max_queue})")
+            self._held += 1
+        job.on_finish, job.on_error = self._released(job, job.on_finish), self._released(job, job.on_error)
         self._inbox.put(job)
+
+    def _released(self, job: ServedJob, callback):
+        """`callback`, once the job is counted out of the server; a job ends once, through on_finish or
+        on_error (a step that fails after a job finished in it does not fail that job)."""
+
+        def ended(value):
+            with self._lock:
+                if job.ended:
+                    return
+                job.ended = True
+                self._held -= 1
+            if callback is not None:
+                callback(value)
+
+        return ended
 
     def stop(self, timeout_s: float = 30.0):
         """Refuses what waits, lets running jobs finish for up to `timeout_s`, cancels the rest, ends the thread."""
@@ -134,8 +151,6 @@ class Scheduler:
             if self._stopping.is_set() and not batch.active:
                 return True
             admitted = [waiting.popleft() for _ in range(min(len(batch.free_slots), len(waiting)))]
-            with self._lock:
-                self._pending -= len(admitted)
             try:
                 with model.host_errors():
                     if admitted:
@@ -183,8 +198,6 @@ class Scheduler:
         """Jobs that leave the queue unrun (cancelled, or the server is stopping) finish as cancelled."""
         for job in jobs:
             waiting.remove(job)
-            with self._lock:
-                self._pending -= 1
             job.cancelled = True
             if job.on_finish is not None:
                 job.on_finish(Completion([], "cancelled", len(job.request.tokens)))

@@ -1,0 +1,117 @@
+"""The server's engine thread without HTTP: jobs from other threads, mixed sampling in one batch, cancellation,
+a full queue, and a failing step that fails only its jobs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import moe_jax
+from moe_jax.batch import Request, Sampling
+from moe_jax.serving.scheduler import QueueFull, Scheduler, ServedJob
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moe_jax.load_model(MODEL)
+
+
+class Waiter:
+    """A job's end, waited for from the test's thread."""
+
+    def __init__(self, request):
+        self.done = threading.Event()
+        self.completion = self.error = None
+        self.job = ServedJob(request, Sampling(), None, self._finish, frozenset({2}), on_error=self._fail)
+
+    def _finish(self, completion):
+        self.completion = completion
+        self.done.set()
+
+    def _fail(self, error):
+        self.error = error
+        self.done.set()
+
+    def wait(self):
+        assert self.done.wait(60)
+        return self
+
+
+@pytest.fixture
+def scheduler(model):
+    s = Scheduler(model, slots=4, max_len=64, max_queue=2)
+    s.start()
+    yield s
+    s.stop(5)
+
+
+def test_mixed_greedy_and_sampled_jobs_match_generate(model, scheduler):
+    prompts = [model.tokenizer.encode(p) for p in ["copy srel >", "sort wvdk >", "copy abc >", "reverse xyz >"]]
+    settings = [Sampling(), Sampling(1.3, 0.9), Sampling(), Sampling(0.8)]
+    waiters = [Waiter(Request(p, 12, seed=3)) for p in prompts]
+    for w, sampling in zip(waiters, settings, strict=True):
+        w.job.sampling = sampling
+        scheduler.submit(w.job)
+    for w, p, sampling in zip(waiters, prompts, settings, strict=True):
+        expected = model.generate(
+            [p], max_new_tokens=12, temperature=sampling.temperature, top_p=sampling.top_p, seed=3
+        )[0]
+        assert w.wait().completion.tokens == expected
+
+
+def test_cancel_and_full_queue(model, scheduler):
+    prompt = model.tokenizer.encode("copy ab >")
+    started = threading.Event()
+
+    def first_token(token):
+        started.set()
+        return False
+
+    # four running to their length (EOS ignored), two waiting: the next is refused
+    running = [Waiter(Request(prompt, 50)) for _ in range(4)]
+    running[0].job.on_token = first_token
+    for w in running:
+        w.job.eos_ids = frozenset()
+        scheduler.submit(w.job)
+    assert started.wait(60)
+    waiting = [Waiter(Request(prompt, 5)) for _ in range(2)]
+    for w in waiting:
+        scheduler.submit(w.job)
+    with pytest.raises(QueueFull):
+        scheduler.submit(Waiter(Request(prompt, 5)).job)
+    running[1].job.cancelled = True
+    waiting[0].job.cancelled = True
+    assert running[1].wait().completion.finish_reason == "cancelled"
+    assert len(running[1].completion.tokens) < 50
+    assert waiting[0].wait().completion.finish_reason == "cancelled"
+    assert waiting[0].completion.tokens == []
+    assert waiting[1].wait().completion.finish_reason in ("eos", "length")
+    assert all(w.wait().completion.finish_reason == "length" for w in (running[0], running[2], running[3]))
+
+
+def test_a_failing_step_fails_its_jobs_and_the_server_goes_on(model, scheduler):
+    prompt = model.tokenizer.encode("copy srel >")
+    decode = scheduler.engine.decode
+    calls = []
+
+    def failing_once(*args):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("a host kernel failed")
+        return decode(*args)
+
+    scheduler.engine.decode = failing_once
+    try:
+        failed = Waiter(Request(prompt, 8))
+        scheduler.submit(failed.job)
+        assert isinstance(failed.wait().error, RuntimeError)
+        after = Waiter(Request(prompt, 8))
+        scheduler.submit(after.job)
+        assert after.wait().completion.tokens == model.generate([prompt], max_new_tokens=8)[0]
+        assert scheduler.stats.failures == 1
+    finally:
+        scheduler.engine.decode = decode
