@@ -12,6 +12,7 @@ to 127.0.0.1 unless --host says otherwise; with --api-key, every request but /he
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -81,6 +82,10 @@ def main(argv=None):
     limits = Limits(args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20))
     service = Service(model, args.served_model_name or Path(model_dir).resolve().name, limits)
     service.start()  # compiles before the port opens: the first request does not wait for it
+    # the model, JAX and the web stack are long-lived: keep the cycle collector from walking them again and
+    # again between decode steps (what remains is each request's own objects)
+    gc.collect()
+    gc.freeze()
     print(
         f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "
         f"tokens) on http://{args.host}:{args.port}/v1",
