@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.agent_traces import TRACE, chat_requests, write_chat_tokenizer  # noqa: E402
 from bench.common import RESULTS, machine_info, print_table  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
+from moe_jax import load_model  # noqa: E402
+from moe_jax.engine import GenerationEngine, Request  # noqa: E402
+from moe_jax.serving.process import running_server  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16
 REQUESTS_PER_CLIENT = 4  # back to back: the batch's ramp up and down is a small part of the run
@@ -57,10 +60,7 @@ def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def offline_tokens_per_s(model_dir: Path, prompts, slots: int, max_len: int) -> float:
-    import moe_jax
-    from moe_jax.engine import GenerationEngine, Request
-
-    model = moe_jax.load_model(model_dir)
+    model = load_model(model_dir)
     engine = GenerationEngine(model, slots, max_len)
     engine.run([Request(p, NEW_TOKENS) for p in prompts[:slots]])  # compile every shape first
     start = time.perf_counter()
@@ -140,8 +140,6 @@ async def stream_clients(port: int, prompts, clients: int) -> dict:
 
 
 def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -> list[dict]:
-    from moe_jax.serving.process import running_server
-
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     max_len = PROMPT_TOKENS + NEW_TOKENS
     args = [
@@ -172,7 +170,7 @@ def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -
 
 
 def replay(url: str, conversation) -> list[dict]:
-    from openai import OpenAI
+    from openai import OpenAI  # the test extra's client: only the replay needs it
 
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     out = []
@@ -192,8 +190,6 @@ def replay(url: str, conversation) -> list[dict]:
 
 
 def trace_table(model_dir: Path, turns: int | None, log_dir: Path) -> list[dict]:
-    from moe_jax.serving.process import running_server
-
     trace = json.loads(TRACE.read_text())
     if turns:
         trace["turns"] = trace["turns"][:turns]

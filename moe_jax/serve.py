@@ -17,10 +17,13 @@ import logging
 import sys
 from pathlib import Path
 
+import uvicorn
+
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax.cli import run_cli
 from moe_jax.errors import InputError
+from moe_jax.serving.app import create_app
 from moe_jax.serving.service import Limits, Service
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
@@ -65,10 +68,6 @@ def check_settings(args):
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
-    import uvicorn
-
-    from moe_jax.serving.app import create_app
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model_dir = args.model or DEFAULT_MODEL
     model = moe_jax.load_model(

@@ -82,6 +82,10 @@ class ServerMetrics:
         idle = time.monotonic() - t1
         return (n1 - n0) / (t1 - t0 + idle) if t1 > t0 else 0.0
 
+    def backend_totals(self) -> dict:
+        with self._lock:
+            return dict(self._backend)
+
     def count_finish(self, completion):
         """Engine thread, when a generation ends."""
         self.finished.labels(completion.finish_reason).inc()
@@ -113,8 +117,7 @@ class _LiveCollector:
         yield CounterMetricFamily(
             "moe_jax_step_failures", "Steps that failed (their requests got errors)", value=stats.failures
         )
-        with self.metrics._lock:
-            backend = dict(self.metrics._backend)
+        backend = self.metrics.backend_totals()
         yield CounterMetricFamily(
             "moe_jax_host_busy_seconds", "Host expert threads' busy time", value=backend["host_busy_s"]
         )
