@@ -140,8 +140,10 @@ class GenerationEngine:
         if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
             self.model.refresh_expert_cache()  # values only: the compiled step is reused
         self.stats.decode_steps += 1
-        rows = len(host_tokens)
-        return self._decode(self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, rows)
+        rows = len(host_tokens) if len(host_tokens) < len(last_tokens) else None  # None: every slot
+        return self._decode(
+            self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, rows=rows
+        )
 
     def prefill(self, caches, admitted: list[tuple[int, Job]]):
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
@@ -248,14 +250,14 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ]
         return logits[:, 0], caches
 
-    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, rows):
-        """One token for each of the first `rows` slots (static: a compiled step per count): the host's token
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, rows=None):
+        """One token for each of the first `rows` slots (static: a compiled step per count; None: all): the host's token
         where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
         each other without the host. Returns (logits [rows, vocab], argmax tokens of all slots, caches). Fewer
         rows than slots read and write those rows' caches only (the copy of their rows costs less than
         computing the idle ones: a server's batch is rarely full)."""
+        every = rows is None or rows == caches[0][0].shape[0]
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
-        every = rows == caches[0][0].shape[0]
         part = caches if every else [(k[:rows], v[:rows]) for k, v in caches]
         logits, part = merged(leaves)(tokens, positions, part)
         if not every:
@@ -275,6 +277,6 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
     return (
         jax.jit(prefill, donate_argnums=1),
-        jax.jit(decode, donate_argnums=1, static_argnums=6),
+        jax.jit(decode, donate_argnums=1, static_argnames="rows"),
         jax.jit(write_prefix, donate_argnums=0),
     )
