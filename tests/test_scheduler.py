@@ -10,7 +10,7 @@ import pytest
 
 import moe_jax
 from moe_jax.batch import Request, Sampling
-from moe_jax.serving.scheduler import QueueFull, Scheduler, ServedJob
+from moe_jax.serving.scheduler import EngineStopped, QueueFull, Scheduler, ServedJob
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
@@ -115,3 +115,11 @@ def test_a_failing_step_fails_its_jobs_and_the_server_goes_on(model, scheduler):
         assert scheduler.stats.failures == 1
     finally:
         scheduler.engine.decode = decode
+
+
+def test_a_stopped_engine_refuses_new_jobs(model):
+    scheduler = Scheduler(model, slots=2, max_len=64)
+    scheduler.start()
+    scheduler.stop(5)
+    with pytest.raises(EngineStopped):
+        scheduler.submit(Waiter(Request([1, 2], 4)).job)

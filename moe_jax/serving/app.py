@@ -23,7 +23,7 @@ from moe_jax.serving.event_stream import EventStream, data_event, named_event
 from moe_jax.serving.generation import ClientGone, Generation
 from moe_jax.serving.metrics import ServerMetrics
 from moe_jax.serving.output_parser import Dialect
-from moe_jax.serving.scheduler import QueueFull
+from moe_jax.serving.scheduler import EngineStopped, QueueFull
 from moe_jax.serving.service import ContextTooLong, Service
 
 RETRY_AFTER_S = 1
@@ -67,6 +67,10 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         response = _error_response(request.url.path, ApiError(429, f"the server is busy: {error}", "rate_limit_error"))
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
+
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(request: Request, error: EngineStopped):
+        return _error_response(request.url.path, ApiError(503, str(error), "server_error"))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, error: ClientGone):

@@ -28,6 +28,10 @@ class QueueFull(Exception):
     """More jobs are waiting than the server accepts."""
 
 
+class EngineStopped(Exception):
+    """The engine thread has ended (the server is stopping, or it could not go on)."""
+
+
 @dataclass
 class ServedJob(Job):
     """A job with what the server needs besides: who to tell when it could not run."""
@@ -58,6 +62,7 @@ class Scheduler:
         self.on_step: Callable[[int], None] | None = None  # on the engine thread after each step: its rows
         self._inbox: queue.Queue[ServedJob] = queue.Queue()
         self._held = 0  # submitted and not yet ended: running or waiting
+        self._dead = False  # the engine thread ended on an error
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._deadline = float("inf")  # stopping: running jobs are cancelled after this (time.monotonic)
@@ -66,21 +71,24 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="moe_jax-engine", daemon=True)
 
     def start(self):
-        """Starts the engine thread and waits until its batch exists and its steps are compiled for one
-        sequence (a first request does not wait for compilation); raises what kept it from starting."""
+        """Starts the engine thread and waits until its batch exists and its steps are compiled (a first request
+        does not wait for compilation); raises what kept it from starting."""
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
             raise self._start_error
 
     def submit(self, job: ServedJob):
-        """Queues a job; QueueFull when more than `max_queue` would wait for a slot."""
-        with self._lock:
+        """Queues a job; QueueFull when more than `max_queue` would wait for a slot, EngineStopped when no engine
+        thread runs."""
+        with self._lock:  # the inbox is written under the lock: a dying engine thread drains what got in
+            if self._dead or self._stopping.is_set():
+                raise EngineStopped("the generation engine is not running (the server is stopping or failed)")
             if self._held >= self.max_queue + self.slots:
                 raise QueueFull(f"{self._held - self.slots} requests are waiting (--max-queue {self.max_queue})")
             self._held += 1
-        job.on_finish, job.on_error = self._released(job, job.on_finish), self._released(job, job.on_error)
-        self._inbox.put(job)
+            job.on_finish, job.on_error = self._released(job, job.on_finish), self._released(job, job.on_error)
+            self._inbox.put(job)
 
     def _released(self, job: ServedJob, callback):
         """`callback`, once the job is counted out of the server; a job ends once, through on_finish or
@@ -115,11 +123,16 @@ class Scheduler:
                     if self._serve(batch, waiting):
                         return
             except BaseException as error:
-                if self._started.is_set():
-                    log.exception("the engine thread cannot go on")
-                    raise
-                self._start_error = error
-                self._started.set()
+                if not self._started.is_set():
+                    self._start_error = error
+                    self._started.set()
+                    return
+                log.exception("the engine thread cannot go on; its requests get an error")
+                with self._lock:
+                    self._dead = True
+                self._collect(waiting, block=False)
+                for job in waiting:
+                    job.on_error(error)
                 return
 
     def _warm_up(self, batch: Batch):
