@@ -22,6 +22,8 @@ from moe_jax.engine import GenerationEngine
 
 log = logging.getLogger("moe_jax.serve")
 IDLE_POLL_S = 0.05  # how often an idle engine thread looks for a stop request
+ARRIVAL_GAP_S = 0.005  # an idle batch waits this long for another request before starting on those it has,
+ARRIVAL_WINDOW_S = 0.025  # and no longer than this in all (what a lone request's first token may wait)
 
 
 class QueueFull(Exception):
@@ -195,12 +197,21 @@ class Scheduler:
             self.on_step(rows)
 
     def _collect(self, waiting: deque, block: bool):
-        """Moves submitted jobs into `waiting`; when `block`, first waits a moment for one."""
+        """Moves submitted jobs into `waiting`. When `block` (the batch is idle), first waits a moment for one,
+        then for as long as more keep coming within ARRIVAL_GAP_S, up to a batch: clients answered together come
+        back together, a few milliseconds apart, and one prefill of them all costs far less than a prefill of
+        the first alone and another of the rest (bench model, 16 clients: 1 + 15 rows 16 + 69 ms, 16 rows 61-67)."""
         if block:
             try:
                 waiting.append(self._inbox.get(timeout=IDLE_POLL_S))
             except queue.Empty:
                 return
+            deadline = time.monotonic() + ARRIVAL_WINDOW_S
+            while len(waiting) < self.slots and time.monotonic() < deadline:
+                try:
+                    waiting.append(self._inbox.get(timeout=ARRIVAL_GAP_S))
+                except queue.Empty:
+                    break
         while True:
             try:
                 waiting.append(self._inbox.get_nowait())
