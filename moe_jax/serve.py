@@ -26,6 +26,7 @@ from moe_jax.errors import InputError
 from moe_jax.serving.app import create_app
 from moe_jax.serving.service import Limits, Service
 
+GIL_SWITCH_INTERVAL_S = 0.0005
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
 
@@ -85,6 +86,10 @@ def main(argv=None):
     # again between decode steps (what remains is each request's own objects)
     gc.collect()
     gc.freeze()
+    # the engine thread waits on the device and needs the interpreter back at once when a step ends, while the
+    # event loop thread streams tokens: a 0.5 ms switch interval instead of 5 (16 streaming clients, bench model,
+    # two interleaved A/B pairs: median server/offline 0.904 and 0.927 against 0.902 and 0.881)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(
         f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "
         f"tokens) on http://{args.host}:{args.port}/v1",
