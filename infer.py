@@ -19,6 +19,7 @@ from pathlib import Path
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
+from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
 from moe_jax.cli import run_cli
 from moe_jax.engine import EngineStats, GenerationEngine, Request
 from moe_jax.errors import InputError
@@ -69,6 +70,11 @@ def parse_args(argv):
         type=int,
         help="prompts per generation batch (default: all at once); the memory split can change between waves",
     )
+    p.add_argument(
+        "--placement-plan",
+        type=Path,
+        help='--backend hybrid: JSON file {"layer": [expert ids]} naming the experts kept on the device',
+    )
     p.add_argument("--profile", type=Path, help="probe profile for --backend auto (default: this machine's)")
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
@@ -94,6 +100,7 @@ def check_settings(args):
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
     if args.anchor_cache_mb < 0:
         raise InputError("--anchor-cache-mb must be >= 0")
+    check_placement_plan_flag(args.backend, args.placement_plan)
     if args.wave_size is not None and args.wave_size < 1:
         raise InputError("--wave-size must be >= 1")
     if args.device_memory_mb is not None and not (math.isfinite(args.device_memory_mb) and args.device_memory_mb > 0):
@@ -167,6 +174,7 @@ def main(argv=None):
         verify=args.verify,
         native=False if args.no_native else None,
         quant=args.quant,
+        placement_plan=read_placement_plan(args.placement_plan) if args.placement_plan else None,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)
@@ -274,6 +282,10 @@ def print_summary(args, model, st, cache, truncated, rejected):
         lines.append(
             f"device memory {split['budget'] / 2**20:.1f} MiB: KV cache {kv}, experts "
             f"{split['experts_in_use'] / 2**20:.1f} MiB in use"
+        )
+    if args.placement_plan:
+        lines.append(
+            f"hybrid: {split['experts_in_use'] / 2**20:.1f} MiB of experts on the device ({args.placement_plan})"
         )
     if truncated or rejected:
         lines.append(f"too long for the context window: {truncated} truncated, {len(rejected)} rejected")

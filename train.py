@@ -42,7 +42,10 @@ def parse_args(argv):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        help_text = f"(default: {default})"
+        if isinstance(default, list):  # the flag takes "a,b,c", so say the default that way
+            help_text = f"comma-separated (default: {','.join(default)})"
+        else:
+            help_text = f"(default: {default})"
         if kind is None:
             p.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

@@ -127,6 +127,39 @@ def test_auto_backend_with_a_memory_split_per_wave_gives_the_host_backends_outpu
     assert "device memory 2.0 MiB: KV cache" in result.stderr
 
 
+def test_hybrid_takes_a_placement_plan_and_moves_those_experts(tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": p} for p in ("copy abc >", "reverse hello >", "sort dcba >")])
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"0": [1, 2], "1": [0]}))
+    host_out, hybrid_out = tmp_path / "host.jsonl", tmp_path / "hybrid.jsonl"
+    infer("--prompts", prompts, "--out", host_out)
+    result = infer("--prompts", prompts, "--out", hybrid_out, "--backend", "hybrid", "--placement-plan", plan)
+    completions = [
+        [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()] for f in (host_out, hybrid_out)
+    ]
+    assert completions[0] == completions[1]
+    config = json.loads((MODEL / "config.json").read_text())
+    expert_mib = 3 * config["hidden_size"] * config["intermediate_size"] * 4 / 2**20  # gate, up, down in float32
+    assert f"hybrid: {3 * expert_mib:.1f} MiB of experts on the device" in result.stderr
+
+
+def test_placement_plan_refusals(tmp_path):
+    bad = tmp_path / "bad.json"
+    for flags, content, message in (
+        (["--backend", "hybrid"], None, "the hybrid backend needs a placement plan"),
+        (["--placement-plan", bad], "{}", "--placement-plan is for --backend hybrid"),
+        (["--backend", "hybrid", "--placement-plan", bad], "[1]", "a non-empty JSON object"),
+        (["--backend", "hybrid", "--placement-plan", bad], '{"x": [1]}', "'x' is not a layer number"),
+        (["--backend", "hybrid", "--placement-plan", bad], '{"0": [1.5]}', "layer 0: expected a list of expert ids"),
+        (["--backend", "hybrid", "--placement-plan", bad], "{", "not JSON"),
+        (["--backend", "hybrid", "--placement-plan", bad], '{"0": [9]}', "expert ids [9] outside [0, 4)"),
+    ):
+        if content is not None:
+            bad.write_text(content)
+        result = infer(*flags, check=False)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_bad_memory_settings_refused_before_loading_the_model(tmp_path):
     for flags, message in (
         (["--kv-fraction", "0.5"], "--kv-fraction needs --device-memory-mb"),

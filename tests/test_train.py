@@ -188,6 +188,8 @@ GOOD = json.dumps({"instruction": "reverse abc >", "output": " cba"})
         ([GOOD], ["--learning-rate", "fast"], r"--learning-rate: invalid float value: 'fast'"),
         ([GOOD], ["--dtype", "float16"], r"dtype must be one of float32, bfloat16, got 'float16'"),
         ([json.dumps({"question": "x"})], [], r"bad.jsonl:1: expected 'text'"),
+        ([GOOD], ["--backend", "hybrid"], r"the hybrid backend needs a placement plan: --placement-plan FILE"),
+        ([GOOD], ["--placement-plan", "plan.json"], r"--placement-plan is for --backend hybrid, not 'host'"),
     ],
 )
 def test_bad_input_exits_2_before_compute(tmp_path, lines, extra, message):

@@ -9,6 +9,8 @@ hybrid plan, or auto's stream buffers and cache. `Model.set_memory_split` moves 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
 from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
 from moe_jax.checkpoint import Checkpoint
 from moe_jax.cost_model import Profile
-from moe_jax.errors import InputError
+from moe_jax.errors import InputError, is_int
 from moe_jax.expert_cache import ExpertCache
 from moe_jax.moe import DeviceExperts
 from moe_jax.plan import ExecutionPlan, host_store_dtype
@@ -339,6 +341,42 @@ def _modules(transformer, kind) -> list:
 def hybrid_layers(transformer) -> list[HybridExperts]:
     """The hybrid / auto expert modules of a model (their device caches)."""
     return _modules(transformer, HybridExperts)
+
+
+def check_placement_plan_flag(backend: str, plan_file) -> None:
+    """The CLIs' rule: hybrid takes a plan (without one it would be the host backend under another name), and
+    only hybrid does."""
+    if backend == "hybrid" and not plan_file:
+        raise InputError(
+            'the hybrid backend needs a placement plan: --placement-plan FILE (JSON {"layer": [expert ids]}, the '
+            "experts kept on the device; `python -m moe_jax.advise` suggests placements), or use --backend auto"
+        )
+    if plan_file and backend != "hybrid":
+        raise InputError(f"--placement-plan is for --backend hybrid, not {backend!r}")
+
+
+def read_placement_plan(path) -> dict[int, list[int]]:
+    """A hybrid placement plan from a JSON file `{"layer": [expert ids], ...}` (what `--placement-plan` takes;
+    `moe_jax.advise` and `HybridPlacement` use the same form). Checked for form here, against the model at load."""
+    path = Path(path)
+    try:
+        plan = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such placement plan file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: unreadable ({e})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(plan, dict) or not plan:
+        raise InputError(f'{path}: a placement plan is a non-empty JSON object {{"layer": [expert ids]}}')
+    checked = {}
+    for layer, experts in plan.items():
+        if not layer.isdigit():
+            raise InputError(f"{path}: {layer!r} is not a layer number")
+        if not isinstance(experts, list) or not all(is_int(e) for e in experts):
+            raise InputError(f"{path}: layer {layer}: expected a list of expert ids, got {experts!r}")
+        checked[int(layer)] = experts
+    return checked
 
 
 def _check_plan(plan: dict, config) -> dict[int, tuple[int, ...]]:

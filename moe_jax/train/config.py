@@ -11,7 +11,8 @@ from pathlib import Path
 from host_kernels import QUANTIZED
 from moe_jax.api import DTYPES
 from moe_jax.backends import BACKENDS
-from moe_jax.errors import ConfigError
+from moe_jax.backends.placements import check_placement_plan_flag
+from moe_jax.errors import ConfigError, InputError
 from moe_jax.lora import ATTENTION_TARGETS, KNOWN_TARGETS
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -28,6 +29,7 @@ class TrainConfig:
     backend: str = "host"
     dtype: str = "float32"  # of the base weights and activations; bfloat16 runs the experts on AMX where there is one
     quant: str | None = None  # the experts quantized (int8, int4, ...): LoRA on a quantized base (host backend)
+    placement_plan: str | None = None  # hybrid: JSON file {"layer": [expert ids]} of the experts on the device
     # LoRA
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -79,6 +81,10 @@ class TrainConfig:
 
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        try:
+            check_placement_plan_flag(self.backend, self.placement_plan)
+        except InputError as e:
+            raise ConfigError(str(e)) from None
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -16,6 +16,7 @@ import optax
 import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax.adapters import export_peft
+from moe_jax.backends.placements import read_placement_plan
 from moe_jax.config import ModelConfig
 from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
 from moe_jax.generate import generate_tokens
@@ -102,6 +103,7 @@ class Trainer:
             device_budget_bytes=budget,
             verify=verify,
             native=native,
+            placement_plan=read_placement_plan(cfg.placement_plan) if cfg.placement_plan else None,
         )
         self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
         self.model.attach_lora(self.lora_config, seed=cfg.seed)
