@@ -2,8 +2,11 @@
 
 PEFT keys are `base_model.model.<module>.lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]), with
 `adapter_config.json` giving r, lora_alpha and target_modules, so `peft.PeftModel.from_pretrained` loads an
-exported adapter onto the transformers model. Routed-expert adapters have no PEFT counterpart for per-expert
-checkpoints; they are written beside it in `moe_jax_expert_lora.safetensors` and read back by moe_jax only.
+exported adapter onto the transformers model. Routed-expert adapters go to peft as LoRA on the fused expert
+parameters (`target_parameters`: `experts.gate_up_proj` [experts, 2 * ffn, hidden] and `experts.down_proj`): moe_jax's
+separate gate and up adapters of rank r are one adapter of rank 2r on gate_up_proj (A stacked, B block-diagonal),
+given by `rank_pattern` / `alpha_pattern`, so peft computes exactly what moe_jax does. moe_jax itself reads its
+per-projection form back from `moe_jax_expert_lora.safetensors` (exact, with its own targets file).
 """
 
 from __future__ import annotations
@@ -68,14 +71,6 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
     for name, module in projections:
         tensors[f"base_model.model.{name}.lora_A.weight"] = np.asarray(module.lora_a[...], np.float32).T.copy()
         tensors[f"base_model.model.{name}.lora_B.weight"] = np.asarray(module.lora_b[...], np.float32).T.copy()
-    save_safetensors(tmp / PEFT_WEIGHTS, tensors)
-    if experts:
-        expert_tensors = {
-            f"{name}.{key}": np.asarray(value[...], np.float32)
-            for name, mod in experts
-            for key, value in mod.lora.items()
-        }
-        save_safetensors(tmp / EXPERT_WEIGHTS, expert_tensors)
     peft_targets = sorted({t for t in lora_config.targets if t != EXPERTS_TARGET})
     config = {
         "peft_type": "LORA",
@@ -89,11 +84,49 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
+    if experts:
+        arrays = {name: {k: np.asarray(v[...], np.float32) for k, v in mod.lora.items()} for name, mod in experts}
+        for name, lora in arrays.items():
+            tensors.update(peft_expert_tensors(name, lora))
+        fused = "experts.gate_up_proj"
+        config["target_parameters"] = [fused, "experts.down_proj"]  # this order: gate_up_proj is the inner wrapper
+        config["rank_pattern"] = {fused: 2 * lora_config.rank}
+        config["alpha_pattern"] = {fused: 2 * lora_config.alpha}  # the same alpha / r at twice the rank
+        expert_tensors = {f"{name}.{key}": value for name, lora in arrays.items() for key, value in lora.items()}
+        save_safetensors(tmp / EXPERT_WEIGHTS, expert_tensors)
+    save_safetensors(tmp / PEFT_WEIGHTS, tensors)
     (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
     (tmp / MOE_JAX_CONFIG).write_text(json.dumps({"targets": list(lora_config.targets)}, indent=1))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+def peft_expert_tensors(name: str, lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One MoE block's routed-expert adapters as peft's ParamWrapper tensors. peft keeps an adapter on a 3-D
+    parameter [experts, out, in] as lora_A [experts * r, in] (row e * r + k) and lora_B [out, r * experts]
+    (column k * experts + e), and adds scaling * B_e @ A_e to expert e's weight. moe_jax's adapters are
+    `<proj>_a` [experts, in, r] and `<proj>_b` [experts, r, out]. transformers (>= 5) names Mixtral's MoE block
+    `mlp` (`block_sparse_moe` in older checkpoints), as Qwen's."""
+    module = "base_model.model." + name.replace("block_sparse_moe", "mlp")
+    e, hidden, r = lora["gate_a"].shape
+    ffn = lora["gate_b"].shape[2]
+    a = np.concatenate([lora["gate_a"], lora["up_a"]], axis=2).transpose(0, 2, 1)  # [e, 2r, hidden]
+    b = np.zeros((e, 2 * ffn, 2 * r), np.float32)  # block-diagonal: gate's B on gate's rows, up's on up's
+    b[:, :ffn, :r] = lora["gate_b"].transpose(0, 2, 1)
+    b[:, ffn:, r:] = lora["up_b"].transpose(0, 2, 1)
+
+    def stacked(a_eri, b_eor):
+        return a_eri.reshape(-1, a_eri.shape[-1]), b_eor.transpose(1, 2, 0).reshape(b_eor.shape[1], -1)
+
+    gate_up_a, gate_up_b = stacked(a, b)
+    down_a, down_b = stacked(lora["down_a"].transpose(0, 2, 1), lora["down_b"].transpose(0, 2, 1))
+    return {
+        f"{module}.base_layer.lora_A.weight": gate_up_a,
+        f"{module}.base_layer.lora_B.weight": gate_up_b,
+        f"{module}.lora_A.weight": down_a,
+        f"{module}.lora_B.weight": down_b,
+    }
 
 
 def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
@@ -102,15 +135,20 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     config_file = adapter_dir / PEFT_CONFIG
     config = read_json_file(config_file, "an adapter directory")
     targets = None
-    if (adapter_dir / MOE_JAX_CONFIG).exists():
+    ours = (adapter_dir / MOE_JAX_CONFIG).exists()
+    if ours:
         extra = read_json_file(adapter_dir / MOE_JAX_CONFIG, "an adapter directory")
         targets = extra.get("targets") if isinstance(extra, dict) else extra
+    if ours:  # the expert settings it wrote for peft describe the tensors moe_jax reads from its own file
+        config = {k: v for k, v in config.items() if k not in ("target_parameters", "rank_pattern", "alpha_pattern")}
     lora_config = adapter_config(config, config_file, targets)
     tensors = {}
     for file in (PEFT_WEIGHTS, EXPERT_WEIGHTS):
         if (adapter_dir / file).exists():
             f = SafetensorsFile(adapter_dir / file)
-            tensors.update({k: np.asarray(f.get(k), np.float32) for k in f.keys()})
+            # moe_jax's own export: the routed experts' peft form is for peft; the side file has them exactly
+            keys = [k for k in f.keys() if not (ours and file == PEFT_WEIGHTS and ".experts." in k)]
+            tensors.update({k: np.asarray(f.get(k), np.float32) for k in keys})
     if not tensors:
         raise CheckpointError(f"{adapter_dir}: no {PEFT_WEIGHTS}")
     return lora_config, tensors
@@ -123,6 +161,7 @@ _UNSUPPORTED = {
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "modules_to_save": "fully trained modules (modules_to_save)",
     "layers_to_transform": "adapters on some layers only (layers_to_transform)",
+    "target_parameters": "adapters on parameters made by peft (target_parameters)",
 }
 
 

@@ -95,3 +95,38 @@ def test_adapter_with_non_finite_weights_is_refused(tmp_path):
         tensors[f"{prefix}.lora_B.weight"] = np.full((q, 2), np.nan if layer == 1 else 0.0, np.float32)
     with pytest.raises(CheckpointError, match=r"layers.1.self_attn.q_proj.lora_B.weight holds NaN or infinite"):
         apply_adapter(model.transformer, tensors, "adapter")
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
+def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, variant):
+    """Routed-expert LoRA goes to peft as LoRA on the fused expert parameters (target_parameters): peft loads the
+    whole adapter and computes moe_jax's logits; moe_jax reads its own export back exactly."""
+    peft = pytest.importorskip("peft")
+    import jax
+    import torch
+
+    from moe_jax.adapters import export_peft
+    from moe_jax.lora import LoRAConfig, split_trainable
+
+    hf = make_hf_model(variant, seed=3)
+    base = save_hf_model(hf, tmp_path / "base")
+    model = moe_jax.load_model(base, backend="device")
+    config = LoRAConfig(rank=3, alpha=5.0, targets=("q_proj", "v_proj", "experts"))
+    model.attach_lora(config, seed=1)
+    _, lora_state, _ = split_trainable(model.transformer)
+    leaves, treedef = jax.tree.flatten(lora_state)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    model.set_lora_state(
+        jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)])
+    )
+    export_peft(model.transformer, config, tmp_path / "adapter", str(base))
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 9))
+    ours = model.logits(ids)
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    theirs = hf_logits(peft_model, ids)
+    assert np.abs(ours - moe_jax.load_model(base, backend="device").logits(ids)).max() > 1e-2
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    again = moe_jax.load_model(base, backend="host", adapter=tmp_path / "adapter").logits(ids)
+    np.testing.assert_allclose(again, ours, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert any("experts" in name and "lora_A" in name for name, _ in peft_model.named_parameters())
