@@ -3,13 +3,16 @@ a full queue, and a failing step that fails only its jobs."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
 import pytest
 
 import moe_jax
-from moe_jax.batch import Request, Sampling
+from moe_jax.batch import Completion, Request, Sampling
+from moe_jax.serving.generation import Generation, Mailbox, Prompt
+from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import EngineStopped, QueueFull, Scheduler, ServedJob
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
@@ -123,3 +126,32 @@ def test_a_stopped_engine_refuses_new_jobs(model):
     scheduler.stop(5)
     with pytest.raises(EngineStopped):
         scheduler.submit(Waiter(Request([1, 2], 4)).job)
+
+
+def test_each_token_reaches_the_event_loop_as_it_comes():
+    """The engine thread's tokens are handed to the connection's event loop as they come, not at the end."""
+
+    async def stream():
+        prompt = Prompt([1], None, 8, Sampling(), 0, [], frozenset())
+        generation = Generation(
+            prompt, lambda ids: "".join("abcdefgh"[i] for i in ids), Dialect(), Mailbox(asyncio.get_running_loop())
+        )
+        pieces = generation.pieces()
+        one_by_one = []
+        for token in range(3):
+            await asyncio.to_thread(generation.job.on_token, token)  # as the engine thread does
+            one_by_one.append((await anext(pieces)).text)
+
+        def rest_of_it():
+            for token in range(3, 6):
+                generation.job.on_token(token)
+            generation.job.on_finish(Completion(list(range(6)), "length", 1))
+
+        await asyncio.to_thread(rest_of_it)
+        together = [p.text async for p in pieces]
+        return one_by_one, together, generation.completion
+
+    one_by_one, together, completion = asyncio.run(stream())
+    assert one_by_one == ["a", "b", "c"]
+    assert "".join(together) == "def"  # in as few pieces as the loop's wake-ups took
+    assert completion.finish_reason == "length"

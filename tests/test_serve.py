@@ -89,7 +89,8 @@ def test_completion_text_and_token_prompts(client, offline):
 
 
 def test_streaming_chunks_add_up_to_the_whole_answer(client, offline):
-    # 60 tokens past EOS: long enough (tens of milliseconds) to come in several chunks however busy the machine
+    # how finely it is chunked depends on how busy the event loop is (tokens that came meanwhile go out as one
+    # chunk); tests/test_scheduler.py checks that tokens reach the loop one by one as they come
     ask = dict(
         model=NAME,
         messages=[{"role": "user", "content": "copy wvdkse >"}],
@@ -100,7 +101,6 @@ def test_streaming_chunks_add_up_to_the_whole_answer(client, offline):
     whole = client.chat.completions.create(**ask)
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
-    assert len([d for d in deltas if d]) > 1  # streamed piece by piece, not at the end
     assert "".join(deltas) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 60
