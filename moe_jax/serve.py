@@ -22,7 +22,7 @@ import uvicorn
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax.cli import run_cli
-from moe_jax.errors import InputError
+from moe_jax.errors import InputError, MemoryLimitError
 from moe_jax.serving.app import create_app
 from moe_jax.serving.service import Limits, Service
 
@@ -81,7 +81,13 @@ def main(argv=None):
     )
     limits = Limits(args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20))
     service = Service(model, args.served_model_name or Path(model_dir).resolve().name, limits)
-    service.start()  # compiles before the port opens: the first request does not wait for it
+    try:
+        service.start()  # compiles before the port opens: the first request does not wait for it
+    except MemoryLimitError as e:
+        raise MemoryLimitError(
+            f"{e}. The server's KV cache holds --max-batch sequences of --max-model-len tokens (here "
+            f"{service.scheduler.slots} x {service.context}): give a smaller --max-model-len or --max-batch"
+        ) from None
     # the model, JAX and the web stack are long-lived: keep the cycle collector from walking them again and
     # again between decode steps (what remains is each request's own objects)
     gc.collect()
