@@ -7,6 +7,7 @@ Three questions decide it (Fiddler's and MoE-Lightning's reasoning, made concret
      extensions, host expert GFLOP/s and weight GB/s against a plain memory copy)
   3. What throughput and device memory does each option give: device (all experts resident), offload (routed
      experts streamed), host (co-compute), auto (planner: cache + streams + host)? And so which to use.
+  4. Does the model fit in this machine's RAM, and if not, in which dtype and expert format would it?
 Predictions are the cost model's (moe_jax.cost_model) for the MoE layers alone, from a probe profile: this
 machine's (measured once and cached) or `--profile FILE`; `--bus-gbps` replaces the bus with a simulated one.
 """
@@ -22,12 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_jax.api import resolve_profile
+from host_kernels import HostKernelError
+from moe_jax.api import resolve_profile, stored_quant
 from moe_jax.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
 from moe_jax.checkpoint import open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.cost_model import Profile, layer_time
 from moe_jax.errors import InputError
+from moe_jax.memory_check import available_bytes, human_size, load_bytes
+from moe_jax.plan import host_store_dtype, make_plan
 
 OPTIONS = ("device", "offload", "host", "auto")
 
@@ -123,6 +127,25 @@ def cpu_question(profile: Profile, shape: Shape) -> dict:
     }
 
 
+def host_memory_question(checkpoint, dtype: str, available: int | None) -> dict:
+    """Question 4: the host RAM a load needs with the host backend (dense weights, experts, the kernels' packed
+    copies: what load_model counts before it allocates) in `dtype` and the other dtype, each with float, int8 and
+    int4 experts, against what this machine has; the first that fits, the asked dtype and float experts first."""
+    dtypes = [dtype, *(d for d in ("bfloat16", "float32") if d != dtype)]
+    options = []
+    for d in dtypes:
+        for quant in (None, "int8", "int4"):
+            try:
+                plan = make_plan(d, host_store_dtype(checkpoint, d), quant=stored_quant(checkpoint, quant))
+            except (InputError, HostKernelError) as e:  # a format this CPU or this store cannot take
+                options.append({"dtype": d, "quant": quant, "bytes": None, "fits": False, "why_not": str(e)})
+                continue
+            need = sum(load_bytes(checkpoint, {"float32": 4, "bfloat16": 2}[d], plan.host_kernels).values())
+            options.append({"dtype": d, "quant": quant, "bytes": need, "fits": available is None or need <= available})
+    fitting = next((o for o in options if o["fits"]), None)
+    return {"available": available, "options": options, "fits_as_asked": options[0]["fits"], "first_fitting": fitting}
+
+
 def advise(profile: Profile, shape: Shape, batches, zipf: float = 0.0, device_memory: float | None = None) -> dict:
     """The three answers at each batch size; auto decides once for all of them (the phases that will run), as
     backend="auto" does at load."""
@@ -158,7 +181,8 @@ def main(argv=None):
     if args.bus_gbps is not None and args.bus_gbps <= 0:
         raise InputError(f"--bus-gbps must be > 0, got {args.bus_gbps}")
 
-    config = open_checkpoint(args.model).config
+    checkpoint = open_checkpoint(args.model)
+    config = checkpoint.config
     shape = model_shape(config, {"float32": 4, "bfloat16": 2}[args.dtype])
     profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
@@ -166,6 +190,7 @@ def main(argv=None):
     memory = None if args.device_memory_gb is None else args.device_memory_gb * 1e9
     answer = advise(profile, shape, args.batch, args.zipf, memory)
     answer["cpu"] = cpu_question(profile, shape)
+    answer["host_memory"] = host_memory_question(checkpoint, args.dtype, available_bytes())
     _print(answer, profile, shape, memory)
     if args.json:
         args.json.write_text(json.dumps(answer, indent=1, default=float))
@@ -220,6 +245,31 @@ def _print(answer: dict, profile: Profile, shape: Shape, memory):
     print(f"   auto: {'device cache and host' if auto['use_device'] else 'host only'} ({auto['reason']})")
     if any(not p["fits"] for row in answer["rows"] for p in row["options"].values()):
         print("   (! does not fit the device memory given)")
+    _print_host_memory(answer["host_memory"])
+
+
+def _print_host_memory(memory: dict):
+    available = memory["available"]
+    print(f"\n4. does it fit in host RAM (host backend; {_amount(available)} available)?")
+
+    def name(o):
+        return f"{o['dtype']}{' + ' + o['quant'] if o['quant'] else ''}"
+
+    for o in memory["options"]:
+        state = "fits" if o["fits"] else "does not fit" if o["bytes"] is not None else f"n/a ({o['why_not']})"
+        print(f"   {name(o):>18}: {_amount(o['bytes']) if o['bytes'] is not None else '':>10} {state}")
+    asked, first = memory["options"][0], memory["first_fitting"]
+    if memory["fits_as_asked"]:
+        print(f"   -> fits as asked ({name(asked)})")
+    elif first is not None:
+        flags = f"--dtype {first['dtype']}" + (f" --quant {first['quant']}" if first["quant"] else "")
+        print(f"   -> does not fit as asked ({name(asked)}); it would with {name(first)} ({flags})")
+    else:
+        print("   -> does not fit this machine in any format (a machine with more memory, or fewer layers)")
+
+
+def _amount(n: int | None) -> str:
+    return "unknown" if n is None else human_size(n)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from moe_jax.checkpoint import is_expert_tensor
 from moe_jax.errors import MemoryLimitError
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
@@ -82,9 +82,9 @@ def check_fits(parts: dict[str, int], what: str, available: int | None = None, h
     need = sum(parts.values())
     if available is None or need <= available:
         return
-    listed = ", ".join(f"{name} {_size(size)}" for name, size in parts.items() if size)
+    listed = ", ".join(f"{name} {human_size(size)}" for name, size in parts.items() if size)
     raise MemoryLimitError(
-        f"{what} needs about {_size(need)} ({listed}) but this machine has {_size(available)} available; "
+        f"{what} needs about {human_size(need)} ({listed}) but this machine has {human_size(available)} available; "
         f"use a machine with more memory, a smaller dtype, or fewer sequences at a time{hint}"
     )
 
@@ -99,5 +99,5 @@ def quantization_hint(checkpoint, parts: dict[str, int]) -> str:
     need = sum(parts.values()) - floats + experts
     return (
         f"; with quant='int4' (infer.py / train.py --quant int4, or `moe_jax.convert --quant int4`) the host "
-        f"experts are held in {_size(experts)}, about {_size(need)} in all"
+        f"experts are held in {human_size(experts)}, about {human_size(need)} in all"
     )

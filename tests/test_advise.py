@@ -80,7 +80,7 @@ def test_advise_cli_answers_for_a_checkpoint(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    for heading in ("1. is one expert's compute", "2. can this CPU do the experts", "3. predicted"):
+    for heading in ("1. is one expert's compute", "2. can this CPU do the experts", "3. predicted", "4. does it fit"):
         assert heading in result.stdout
     answer = json.loads(out.read_text())
     assert [r["tokens"] for r in answer["rows"]] == [1, 512]
@@ -91,3 +91,19 @@ def test_advise_cli_answers_for_a_checkpoint(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "--batch" in bad.stderr
+
+
+def test_host_memory_answer_says_what_would_fit():
+    from moe_jax.advise import host_memory_question
+    from moe_jax.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(Path(__file__).resolve().parents[1] / "models" / "tiny-moe")
+    sizes = {(o["dtype"], o["quant"]): o["bytes"] for o in host_memory_question(checkpoint, "float32", None)["options"]}
+    assert sizes[("float32", None)] > sizes[("float32", "int8")] > sizes[("float32", "int4")]
+    assert sizes[("float32", None)] > sizes[("bfloat16", None)]
+    roomy = host_memory_question(checkpoint, "float32", sizes[("float32", None)])
+    assert roomy["fits_as_asked"]
+    tight = host_memory_question(checkpoint, "float32", sizes[("float32", "int4")])
+    assert not tight["fits_as_asked"]
+    assert (tight["first_fitting"]["dtype"], tight["first_fitting"]["quant"]) == ("float32", "int4")
+    assert host_memory_question(checkpoint, "float32", 1)["first_fitting"] is None
