@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from host_kernels import ExpertStore, LayerExperts, StoreError
+from moe_jax import fp8
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, is_int, read_json_file
 from moe_jax.safetensors_io import TensorSource
@@ -26,7 +27,7 @@ EXPERT_STORE_DIR = "experts"
 class Checkpoint:
     path: Path
     config: ModelConfig
-    tensors: TensorSource
+    tensors: TensorSource | fp8.BlockScaledTensors
     expert_store: ExpertStore | None  # set for converted directories
 
     @property
@@ -68,6 +69,9 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)
+    block = fp8.block_size(hf_config, config_file)
+    if block is not None:
+        tensors = fp8.BlockScaledTensors(tensors, block)
     _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
     config = ModelConfig.from_hf(hf_config, source=str(config_file))
     store = None

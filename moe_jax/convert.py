@@ -12,6 +12,7 @@ non-empty OUT is refused unless --overwrite; OUT may not be or contain the sourc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -69,6 +70,7 @@ def convert(
         for name in SIDE_FILES:
             if (checkpoint.path / name).exists():
                 shutil.copy2(checkpoint.path / name, partial / name)
+        drop_fp8_quantization(partial / "config.json")  # the converted weights are dequantized
         dense = {n: checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if not is_expert_tensor(n)}
         save_safetensors(partial / "model.safetensors", dense)
         writer = StoreWriter(partial / EXPERT_STORE_DIR, dtype, quant)
@@ -113,6 +115,14 @@ def _move_into_place(partial: Path, out_dir: Path):
     out_dir.rename(old)
     partial.rename(out_dir)
     shutil.rmtree(old)
+
+
+def drop_fp8_quantization(config_file: Path):
+    """An FP8 checkpoint's config without its quantization_config: what convert writes from it is float (or the
+    int format asked for), and a config still saying fp8 would describe weights that are not there."""
+    config = json.loads(config_file.read_text())
+    if config.pop("quantization_config", None) is not None:
+        config_file.write_text(json.dumps(config, indent=2))
 
 
 def _umask() -> int:

@@ -31,14 +31,14 @@ _DTYPES = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # block-scaled fp8 checkpoints (moe_jax/fp8.py)
 }
-# Every dtype code of the format with its element size, so a file holding tensors this reader cannot return (FP8,
+# Every dtype code of the format with its element size, so a file holding tensors this reader cannot return (e5m2,
 # unsigned wide ints) still has each entry's extent checked; asking for such a tensor is a CheckpointError.
 _ITEMSIZES = {code: dtype.itemsize for code, dtype in _DTYPES.items()} | {
     "U16": 2,
     "U32": 4,
     "U64": 8,
-    "F8_E4M3": 1,
     "F8_E5M2": 1,
 }
 # The safetensors library's own cap: a larger header is refused before it is read.
