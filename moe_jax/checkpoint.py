@@ -72,6 +72,13 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
     block = fp8.block_size(hf_config, config_file)
     if block is not None:
         tensors = fp8.BlockScaledTensors(tensors, block)
+    else:  # raw fp8 values without their scales would be a silently wrong model
+        unscaled = next((n for n in tensors.names() if tensors.dtype_code(n) == "F8_E4M3"), None)
+        if unscaled is not None:
+            raise CheckpointError(
+                f"{config_file}: the weights hold fp8 tensors ({unscaled!r}) but there is no quantization_config "
+                "saying how they are scaled"
+            )
     _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
     config = ModelConfig.from_hf(hf_config, source=str(config_file))
     store = None

@@ -132,6 +132,10 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name]["shape"])
 
+    def dtype_code(self, name: str) -> str:
+        """A tensor's dtype as the header spells it ("BF16", "F8_E4M3", ...)."""
+        return self._entries[name]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         entry = self._entries[name]
         dtype = _DTYPES.get(entry["dtype"])
@@ -182,6 +186,9 @@ class TensorSource:
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the header, without touching its data."""
         return self._where[name].shape(name)
+
+    def dtype_code(self, name: str) -> str:
+        return self._where[name].dtype_code(name)
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         f = self._where.get(name)

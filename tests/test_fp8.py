@@ -103,6 +103,11 @@ def test_bad_fp8_checkpoints_are_named(tmp_path):
         (bad / "config.json").write_text(json.dumps({**config, "quantization_config": spec}))
         with pytest.raises(CheckpointError, match=message):
             moe_jax.load_model(bad)
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(fp8_dir, unscaled)
+    (unscaled / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    with pytest.raises(CheckpointError, match="hold fp8 tensors .* but there is no quantization_config"):
+        moe_jax.load_model(unscaled)
     source = SafetensorsFile(fp8_dir / "model.safetensors")
     tensors = {k: np.asarray(source.get(k)) for k in source.keys()}
     name = next(k for k in tensors if k.endswith("q_proj.weight"))
