@@ -19,6 +19,8 @@ from pathlib import Path
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
+from moe_jax.api import DTYPES
+from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
 from moe_jax.cli import run_cli
 from moe_jax.engine import EngineStats, GenerationEngine, Request
@@ -39,8 +41,8 @@ def parse_args(argv):
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL prompts")
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")
-    p.add_argument("--backend", default="host", choices=["device", "host", "offload", "hybrid", "auto"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--backend", default="host", choices=list(BACKENDS))
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--batch-size", type=int, default=8, help="KV-cache slots generating at once")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from host_kernels import HostKernelError
-from moe_jax.api import resolve_profile, stored_quant
+from moe_jax.api import DTYPES, resolve_profile, stored_quant
 from moe_jax.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
 from moe_jax.checkpoint import open_checkpoint
 from moe_jax.cli import run_cli
@@ -140,7 +140,7 @@ def host_memory_question(checkpoint, dtype: str, available: int | None) -> dict:
             except (InputError, HostKernelError) as e:  # a format this CPU or this store cannot take
                 options.append({"dtype": d, "quant": quant, "bytes": None, "fits": False, "why_not": str(e)})
                 continue
-            need = sum(load_bytes(checkpoint, {"float32": 4, "bfloat16": 2}[d], plan.host_kernels).values())
+            need = sum(load_bytes(checkpoint, np.dtype(DTYPES[d]).itemsize, plan.host_kernels).values())
             options.append({"dtype": d, "quant": quant, "bytes": need, "fits": available is None or need <= available})
     fitting = next((o for o in options if o["fits"]), None)
     return {"available": available, "options": options, "fits_as_asked": options[0]["fits"], "first_fitting": fitting}
@@ -173,7 +173,7 @@ def main(argv=None):
     parser.add_argument("--bus-gbps", type=float, help="simulate a host->device bus of this bandwidth")
     parser.add_argument("--device-memory-gb", type=float, help="device memory for experts (default: unlimited)")
     parser.add_argument("--zipf", type=float, default=0.0, help="routing skew (0: uniform)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--json", type=Path, help="also write the answers here")
     args = parser.parse_args(argv)
     if any(b < 1 for b in args.batch):
@@ -183,7 +183,7 @@ def main(argv=None):
 
     checkpoint = open_checkpoint(args.model)
     config = checkpoint.config
-    shape = model_shape(config, {"float32": 4, "bfloat16": 2}[args.dtype])
+    shape = model_shape(config, np.dtype(DTYPES[args.dtype]).itemsize)
     profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from moe_jax.batch import Sampling
 from moe_jax.errors import InputError
 from moe_jax.serving.openai_api import new_id
-from moe_jax.serving.output_parser import Parsed
+from moe_jax.serving.output_parser import Parsed, merge
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens"}
 
@@ -148,20 +148,14 @@ def block_of(p: Parsed) -> dict:
 
 
 def message_answer(message_id: str, model: str, pieces: list[Parsed], completion, stop: str | None) -> dict:
-    blocks = []
-    for p in pieces:  # consecutive text of one kind is one block
-        if blocks and p.kind != "tool_call" and blocks[-1][0] == p.kind:
-            blocks[-1] = (p.kind, Parsed(p.kind, blocks[-1][1].text + p.text))
-        else:
-            blocks.append((p.kind, p))
-    has_calls = any(kind == "tool_call" for kind, _ in blocks)
+    blocks = merge(pieces)  # consecutive text of one kind is one block
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [block_of(p) for _, p in blocks],
-        "stop_reason": stop_reason(completion, has_calls),
+        "content": [block_of(p) for p in blocks],
+        "stop_reason": stop_reason(completion, any(p.kind == "tool_call" for p in blocks)),
         "stop_sequence": stop if completion.finish_reason == "stop" else None,
         "usage": usage(completion),
     }

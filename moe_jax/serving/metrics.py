@@ -60,13 +60,13 @@ class ServerMetrics:
     def on_step(self, rows: int):
         """Engine thread, after every decode step."""
         self.batch_size.observe(rows)
-        stats = self.service.scheduler.stats
+        scheduler = self.service.scheduler
         now = time.monotonic()
         with self._lock:
-            self._recent.append((now, stats.decode_tokens))
+            self._recent.append((now, scheduler.engine.stats.decode_tokens))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
-        if stats.steps % BACKEND_EVERY_STEPS == 0:
+        if scheduler.stats.steps % BACKEND_EVERY_STEPS == 0:
             m = self.service.model.metrics()
             with self._lock:
                 self._backend["host_busy_s"] += m.host_busy_s

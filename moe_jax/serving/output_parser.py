@@ -100,7 +100,7 @@ class OutputParser:
         if self.state == "tool":
             out.append(Parsed("content", self.dialect.tools[0] + "".join(self.tool_text)))
             self.tool_text = []
-        return _merge(out)
+        return merge(out)
 
     def _closer(self) -> tuple[str, str] | None:
         """(the marker that ends this state or starts the next one, the state it leads to): in content the
@@ -180,7 +180,8 @@ def parse_all(dialect: Dialect, prompt: str, text: str) -> tuple[str, str, list[
     return reasoning, content, [p.call for p in pieces if p.kind == "tool_call"]
 
 
-def _merge(pieces: list[Parsed]) -> list[Parsed]:
+def merge(pieces: list[Parsed]) -> list[Parsed]:
+    """Consecutive text of one kind as one piece (tool calls stay apart)."""
     merged: list[Parsed] = []
     for p in pieces:
         if merged and p.kind != "tool_call" and merged[-1].kind == p.kind:

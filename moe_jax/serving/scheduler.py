@@ -49,9 +49,6 @@ class SchedulerStats:
     running: int = 0
     waiting: int = 0
     steps: int = 0
-    step_rows: int = 0  # summed over steps: running sequences per step
-    decode_tokens: int = 0
-    decode_s: float = 0.0
     failures: int = 0
 
 
@@ -186,14 +183,9 @@ class Scheduler:
             self.stats.running, self.stats.waiting = len(batch.active), len(waiting)
 
     def _step(self, batch: Batch):
-        start = time.perf_counter()
-        before = self.engine.stats.decode_tokens
         rows = self._last_rows = len(batch.active)
         batch.step()
         self.stats.steps += 1
-        self.stats.step_rows += rows
-        self.stats.decode_tokens += self.engine.stats.decode_tokens - before
-        self.stats.decode_s += time.perf_counter() - start
         if self.on_step is not None:
             self.on_step(rows)
 
