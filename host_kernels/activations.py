@@ -1,5 +1,6 @@
-"""The SwiGLU elementwise passes of the engine: native (one AVX-512 pass, host_kernels/csrc/swiglu.c) or numpy (in
-place, at most two tile-sized temporaries), as the caller chose (host_kernels/choice.py). Both compute in float32."""
+"""The SwiGLU elementwise passes of the engine: native (one pass, AVX-512 in host_kernels/csrc/swiglu.c or AVX2 in
+csrc/avx2_swiglu.c) or numpy (in place, at most two tile-sized temporaries), as the caller chose
+(host_kernels/choice.py). All compute in float32."""
 
 from __future__ import annotations
 
@@ -10,11 +11,27 @@ from host_kernels import native
 from host_kernels.errors import KernelArgumentError
 
 NATIVE_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+CPU_FLAGS = {native.AVX512: NATIVE_CPU_FLAGS, native.AVX2: native.AVX2_CPU_FLAGS}  # each variant's, fastest first
 
 
-def status() -> tuple[bool, str]:
-    """(usable, why not) for the native passes on this machine."""
-    return native.status(NATIVE_CPU_FLAGS)
+def status(isa: str = native.AVX512) -> tuple[bool, str]:
+    """(usable, why not) for the native passes' `isa` variant on this machine."""
+    return native.status(CPU_FLAGS[isa])
+
+
+def best_isa() -> tuple[str | None, str]:
+    """(the fastest variant of the native passes this machine runs, "") or (None, why none runs)."""
+    statuses = {isa: status(isa) for isa in CPU_FLAGS}
+    for isa, (usable, _) in statuses.items():
+        if usable:
+            return isa, ""
+    return None, "; ".join(f"{isa}: {why}" for isa, (_, why) in statuses.items())
+
+
+def _native_pass(name: str, isa: str):
+    """The library function of pass `name` in variant `isa`, refused where this machine cannot run it."""
+    native.pick_isa({isa: status(isa)}, isa, "native SwiGLU pass")
+    return getattr(native.lib(), native.symbol(name, isa))
 
 
 def sigmoid(x, out=None):
@@ -42,13 +59,13 @@ def _check_arrays(shape, inputs: dict, outputs: dict):
         native.check_writable(name, array)
 
 
-def swiglu_forward(hg, hu, act, *, native_pass: bool):
+def swiglu_forward(hg, hu, act, *, isa: str | None):
     """act = silu(hg) * hu, into `act`: float32, or uint16 holding bfloat16 (a `amx.row_buffer`); a view with
-    contiguous rows. `native_pass`: the AVX-512 pass (where `status()` allows it), else numpy."""
+    contiguous rows. `isa`: the native pass's variant (native.AVX512, native.AVX2; where `status(isa)` allows it),
+    or None for numpy."""
     _check_arrays(hg.shape, inputs={"hg": hg, "hu": hu}, outputs={"act": act})
-    if native_pass:
-        native.require(status(), "native SwiGLU pass")
-        native.lib().swiglu_forward(
+    if isa is not None:
+        _native_pass("swiglu_forward", isa)(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), act.ctypes.data,
             native.row_stride(act), act.dtype == np.uint16, act.shape[0], act.shape[1],
         )  # fmt: skip
@@ -59,7 +76,7 @@ def swiglu_forward(hg, hu, act, *, native_pass: bool):
     _store(act, out)
 
 
-def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None, *, native_pass: bool):
+def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None, *, isa: str | None):
     """Given grad = dL/da for a = silu(hg) * hu (before the rows' routing weights `weight`): writes
     dh_gate = w grad hu silu'(hg), dh_up = w grad silu(hg) (float32, or bfloat16 in uint16 views), dw[i] =
     <grad_i, a_i> (a column view), and `act` = a when given. May overwrite hg and grad (the numpy path works in
@@ -74,9 +91,8 @@ def swiglu_backward(hg, hu, grad, weight, dh_gate, dh_up, dw, act=None, *, nativ
     native.check_writable("dw", dw)
     if dh_up.strides != dh_gate.strides or dh_up.dtype != dh_gate.dtype:
         raise KernelArgumentError("dh_gate and dh_up must share dtype and strides")
-    if native_pass:
-        native.require(status(), "native SwiGLU pass")
-        native.lib().swiglu_backward(
+    if isa is not None:
+        _native_pass("swiglu_backward", isa)(
             hg.ctypes.data, native.row_stride(hg), hu.ctypes.data, native.row_stride(hu), grad.ctypes.data,
             native.row_stride(grad), weight.ctypes.data, dh_gate.ctypes.data,
             dh_up.ctypes.data, native.row_stride(dh_gate), dh_gate.dtype == np.uint16, dw.ctypes.data,

@@ -20,7 +20,8 @@ K_BLOCK = 32  # k rows per AMX tile (16 pairs of bfloat16)
 N_BLOCK = 16  # columns per AMX tile
 M_BLOCK = 16  # rows per AMX tile
 REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
-PACK_ROWS_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # bf16_pack_rows's conversions
+# bf16_pack_rows's conversions, and its AVX2 variant's (avx2_gemm.c), fastest first
+PACK_ROWS_CPU_FLAGS = {native.AVX512: ("avx512f", "avx512bw", "avx512_bf16"), native.AVX2: native.AVX2_CPU_FLAGS}
 CACHE_LINE = 64
 
 
@@ -85,7 +86,9 @@ def pack_layout(w: np.ndarray) -> PackedWeight:
 def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """bfloat16 copy of `x` (float32 [m, k], rows contiguous) — or of its rows `rows` — padded for `gemm`:
     [m rounded up to 16, kp], zeros in the padding; into `out` (aligned, that shape, uint16) when given."""
-    native.require(native.status(PACK_ROWS_CPU_FLAGS), "bfloat16 row packing")
+    isa = native.pick_isa(
+        {isa: native.status(f) for isa, f in PACK_ROWS_CPU_FLAGS.items()}, None, "bfloat16 row packing"
+    )
     if x.ndim != 2 or x.dtype != np.float32 or x.strides[1] != 4 or x.strides[0] < 0:
         raise KernelArgumentError(f"pack_rows needs float32 rows with unit column stride, got {x.dtype} {x.strides}")
     m = x.shape[0] if rows is None else rows.shape[0]
@@ -105,7 +108,7 @@ def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None, out: np.nd
     if out.shape != shape or out.dtype != np.uint16 or out.ctypes.data % CACHE_LINE or not out.flags.c_contiguous:
         raise KernelArgumentError(f"pack_rows output is {out.dtype} {out.shape}, expected aligned uint16 {shape}")
     native.check_writable("pack_rows output", out)
-    native.lib().bf16_pack_rows(
+    getattr(native.lib(), native.symbol("bf16_pack_rows", isa))(
         x.ctypes.data,
         x.strides[0] // 4,
         None if rows is None else rows.ctypes.data,

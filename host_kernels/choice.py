@@ -15,23 +15,30 @@ import numpy as np
 
 from host_kernels import activations, amx, native
 from host_kernels.errors import HostKernelError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls, NumpyExpertMatmuls
+from host_kernels.expert_matmuls import (
+    AMXExpertMatmuls,
+    AVX2BF16ExpertMatmuls,
+    AVX512BF16ExpertMatmuls,
+    NumpyExpertMatmuls,
+)
 from host_kernels.fused_forward import KERNELS, best_kernel
 
 NUMPY = NumpyExpertMatmuls.name
 AMX_BF16 = AMXExpertMatmuls.name
 AVX512_BF16 = AVX512BF16ExpertMatmuls.name
-AVX512 = "avx512"
+AVX2_BF16 = AVX2BF16ExpertMatmuls.name
+AVX512, AVX2 = native.AVX512, native.AVX2  # the SwiGLU passes' variants
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """What runs the experts of one store.
 
-    gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16, AVX512_BF16 or NUMPY
+    gemm:        the engine's tiled GEMMs (training's forward and backward): AMX_BF16, AVX512_BF16, AVX2_BF16 or
+                 NUMPY
     fused:       the fused native forward (inference; hybrid's host share): a name in fused_forward.KERNELS
-                 ("amx-bf16", "avx512-bf16", "avx512-f32", "avx512-int8") or "" (none)
-    activations: the engine's SwiGLU passes: AVX512 or NUMPY
+                 ("amx-bf16", "avx512-bf16", "avx512-f32", "avx512-int8", "avx2-f32", ...) or "" (none)
+    activations: the engine's SwiGLU passes: AVX512, AVX2 or NUMPY
     why:         for each part left on numpy (or without a fused forward), the reason
     """
 
@@ -71,8 +78,8 @@ def check_choice(choice: KernelChoice, store_dtype, quant: str | None = None):
         raise HostKernelError(f"kernel choice {choice.fused or 'without a fused forward'} cannot run {held}")
     bfloat16 = np.dtype(store_dtype) == amx.BF16
     fused_kernels = {""} | {name for name, k in KERNELS.items() if np.dtype(store_dtype) in k.store_dtypes}
-    gemm_kernels = {NUMPY, AMX_BF16, AVX512_BF16} if bfloat16 else {NUMPY}
-    fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, NUMPY)
+    gemm_kernels = {NUMPY, AMX_BF16, AVX512_BF16, AVX2_BF16} if bfloat16 else {NUMPY}
+    fits = choice.fused in fused_kernels and choice.gemm in gemm_kernels and choice.activations in (AVX512, AVX2, NUMPY)
     if not fits:
         raise HostKernelError(
             f"kernel choice {choice.gemm}/{choice.fused or 'no fused forward'}/{choice.activations} cannot run a "
@@ -107,10 +114,10 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
         raise HostKernelError(f"{quant} experts: no kernel on this machine ({fused_why})")
     if not fused:
         why["fused"] = f"{np.dtype(store_dtype)} store: {fused_why}"
-    act_ok, act_why = activations.status()
-    if not act_ok:
+    act_isa, act_why = activations.best_isa()
+    if act_isa is None:
         why["activations"] = act_why
-    return KernelChoice(gemm or NUMPY, fused, AVX512 if act_ok else NUMPY, why)
+    return KernelChoice(gemm or NUMPY, fused, act_isa or NUMPY, why)
 
 
 # the CPU features the kernels are chosen by (host_kernels/csrc/, moe_jax/csrc/), in the order doctor lists them

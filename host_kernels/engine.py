@@ -25,7 +25,7 @@ import numpy as np
 
 from host_kernels import native
 from host_kernels.activations import swiglu_backward, swiglu_forward
-from host_kernels.choice import AVX512, KernelChoice, check_choice, choose_kernels
+from host_kernels.choice import NUMPY, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
 from host_kernels.expert_matmuls import expert_matmuls
 from host_kernels.fused_forward import FusedForward, pack_layer
@@ -54,7 +54,7 @@ class HostMoE:
         self.store = store
         self.kernels = kernels or choose_kernels(store.dtype, quant=store.quant)
         check_choice(self.kernels, store.dtype, store.quant)
-        self._native_swiglu = self.kernels.activations == AVX512
+        self._swiglu_isa = None if self.kernels.activations == NUMPY else self.kernels.activations
         self.pool = pool or WorkerPool(threads)
         self.last_stats: CallStats | None = None
         self._matmuls = {}
@@ -130,7 +130,7 @@ class HostMoE:
             if keep:
                 h_s[tile.rows, tile.cols] = hg
                 h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
-            swiglu_forward(hg, hu, act[tile.rows, tile.cols], native_pass=self._native_swiglu)
+            swiglu_forward(hg, hu, act[tile.rows, tile.cols], isa=self._swiglu_isa)
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
@@ -243,7 +243,7 @@ class HostMoE:
                 dh_up,
                 dw_blocks[rows, tile.block],
                 a,
-                native_pass=self._native_swiglu,
+                isa=self._swiglu_isa,
             )
 
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from host_kernels import amx, bf16_gemm
+from host_kernels import amx, bf16_gemm, native
 from host_kernels.matmul import matmul_w
 from host_kernels.store import LayerExperts, gate_up_blocks
 from host_kernels.workspace import Workspace
@@ -192,7 +192,20 @@ class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
         return bf16_gemm.gemm(a[:m], w, out, n0, n1)
 
 
-MATMULS = {cls.name: cls for cls in (NumpyExpertMatmuls, AMXExpertMatmuls, AVX512BF16ExpertMatmuls)}
+class AVX2BF16ExpertMatmuls(AVX512BF16ExpertMatmuls):
+    """The same GEMMs on AVX2 + FMA (bf16_gemm.py's AVX2 variant: the weights widened to float32 in registers) for
+    CPUs without AVX-512."""
+
+    name = "avx2-bf16"
+
+    @staticmethod
+    def _mul(a, m: int, w: amx.PackedWeight, out, n0: int, n1: int):
+        return bf16_gemm.gemm(a[:m], w, out, n0, n1, isa=native.AVX2)
+
+
+MATMULS = {
+    cls.name: cls for cls in (NumpyExpertMatmuls, AMXExpertMatmuls, AVX512BF16ExpertMatmuls, AVX2BF16ExpertMatmuls)
+}
 
 
 def expert_matmuls(w, gemm: str, workspace: Workspace | None = None):

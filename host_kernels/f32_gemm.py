@@ -1,7 +1,9 @@
-"""float32 GEMMs on AVX-512 FMA for the fused forward of float32 stores (host_kernels/csrc/f32_gemm.c), and the
-packed layout they read: column blocks of 32, each one contiguous stream [n blocks][k][32], zero-padded.
+"""float32 GEMMs for the fused forward of float32 stores, on AVX-512 FMA (host_kernels/csrc/f32_gemm.c) or AVX2 +
+FMA (csrc/avx2_gemm.c), and the packed layout both read: column blocks of 32, each one contiguous stream
+[n blocks][k][32], zero-padded.
 
-`status()` says whether this machine can run them (AVX-512 F/BW/VL and the native library) and, if not, why.
+`status(isa)` says whether this machine can run a variant (its CPU features and the native library) and, if not,
+why.
 """
 
 from __future__ import annotations
@@ -44,19 +46,25 @@ def pack(w: np.ndarray) -> PackedF32:
     return PackedF32(data, k, n)
 
 
-def gemm(a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
-    """out[:, :] = (a @ w)[:, n0:n1] for float32 rows `a` [m, k] (unit column stride); n0 a multiple of 32."""
-    native.require(status(), "float32 AVX-512 GEMM")
+def gemm(
+    a: np.ndarray, w: PackedF32, out: np.ndarray, n0: int = 0, n1: int | None = None, isa: str | None = None
+) -> np.ndarray:
+    """out[:, :] = (a @ w)[:, n0:n1] for float32 rows `a` [m, k] (unit column stride); n0 a multiple of 32. `isa`:
+    the variant (native.AVX512, native.AVX2; default: the fastest this CPU runs)."""
+    isa = native.pick_isa({name: status(name) for name in CPU_FLAGS}, isa, "float32 GEMM")
     n1 = w.n if n1 is None else n1
     m = a.shape[0]
     if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4 or a.strides[0] < 0:
         raise KernelArgumentError(f"rows are {a.dtype} {a.shape}, expected float32 [m, {w.k}] with contiguous columns")
     native.check_gemm_output(out, m, n0, n1, w.n, N_BLOCK)
-    native.lib().f32_gemm(
+    getattr(native.lib(), native.symbol("f32_gemm", isa))(
         a.ctypes.data, a.strides[0] // 4, w.data.ctypes.data, w.k, out.ctypes.data, out.strides[0] // 4, m, n0, n1
     )
     return out
 
 
-def status() -> tuple[bool, str]:
-    return native.status(NATIVE_CPU_FLAGS)
+CPU_FLAGS = {native.AVX512: NATIVE_CPU_FLAGS, native.AVX2: native.AVX2_CPU_FLAGS}  # each variant's
+
+
+def status(isa: str = native.AVX512) -> tuple[bool, str]:
+    return native.status(CPU_FLAGS[isa])

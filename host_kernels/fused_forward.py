@@ -18,12 +18,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX512BF16ExpertMatmuls
+from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
 from host_kernels.pool import check_thread_count
 from host_kernels.quant_formats import FORMATS, QuantFormat
 from host_kernels.schedule import check_expert_ids
@@ -31,8 +32,8 @@ from host_kernels.store import ExpertStore, LayerExperts, QuantizedLayerExperts,
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)
-AVX512_F32 = "avx512-f32"
-AMX_BF16, AVX512_BF16 = AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name
+AVX512_F32, AVX2_F32 = "avx512-f32", "avx2-f32"
+AMX_BF16, AVX512_BF16, AVX2_BF16 = AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name, AVX2BF16ExpertMatmuls.name
 F32 = np.dtype(np.float32)
 
 
@@ -62,24 +63,33 @@ class FusedKernel:
         return self.format.group if self.format else 0
 
 
-def _quantized_kernel(quant: QuantFormat) -> FusedKernel:
-    """int8: MOE_KERNEL_INT8_AVX512 (AVX512-BF16); int4: MOE_KERNEL_INT4_AVX512 (AVX512-VNNI)."""
-    code, status = (3, int8_gemm.status) if quant.bits == 8 else (4, int4_gemm.status)
+def _quantized_kernel(quant: QuantFormat, isa: str) -> FusedKernel:
+    """int8: MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4: MOE_KERNEL_INT4_AVX512 (AVX512-VNNI) or _AVX2."""
+    module = int8_gemm if quant.bits == 8 else int4_gemm
+    code = (3 if quant.bits == 8 else 4) + (4 if isa == native.AVX2 else 0)
     packed, pack = quant.packed_type, quant.pack
+    status = partial(module.status, isa)
     return FusedKernel(code, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)
 
 
-# load_model(quant=...) -> the kernel that reads such weights ("int4": llama.cpp Q4_0's group of 32 k-rows)
-QUANTIZED = {name: f"avx512-{name}" for name in FORMATS}
-AVX512_INT8 = QUANTIZED["int8"]
-AVX512_INT4 = {quant.group: QUANTIZED[name] for name, quant in FORMATS.items() if quant.bits == 4}  # by group
+# load_model(quant=...) -> the kernels that read such weights, fastest first ("int4": llama.cpp Q4_0's group of
+# 32 k-rows)
+QUANTIZED = {name: (f"avx512-{name}", f"avx2-{name}") for name in FORMATS}
+AVX512_INT8 = QUANTIZED["int8"][0]
+AVX512_INT4 = {quant.group: QUANTIZED[name][0] for name, quant in FORMATS.items() if quant.bits == 4}  # by group
+_F32_PACKING = (f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32)
+_BF16_PACKING = (amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16)
 KERNELS = {  # fastest first for each store dtype
-    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32),
-    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16),
-    AVX512_BF16: FusedKernel(
-        2, (amx.BF16,), bf16_gemm.status, amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16
-    ),
-    **{QUANTIZED[name]: _quantized_kernel(quant) for name, quant in FORMATS.items()},
+    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, *_F32_PACKING),
+    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, *_BF16_PACKING),
+    AVX512_BF16: FusedKernel(2, (amx.BF16,), bf16_gemm.status, *_BF16_PACKING),
+    AVX2_F32: FusedKernel(5, (F32,), partial(f32_gemm.status, native.AVX2), *_F32_PACKING),
+    AVX2_BF16: FusedKernel(6, (amx.BF16,), partial(bf16_gemm.status, native.AVX2), *_BF16_PACKING),
+    **{
+        kernel: _quantized_kernel(quant, isa)
+        for name, quant in FORMATS.items()
+        for kernel, isa in zip(QUANTIZED[name], (native.AVX512, native.AVX2), strict=True)
+    },
 }
 TOTAL_NAMES = (
     "calls", "seconds", "xla_call_seconds", "busy_seconds", "tokens", "pairs", "flops", "weight_bytes", "bytes_in",
@@ -123,7 +133,7 @@ def best_kernel(store_dtype, quant: str | None = None) -> tuple[str, str]:
     dtype = np.dtype(store_dtype)
     if quant is not None and quant not in QUANTIZED:
         raise HostKernelError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
-    wanted = [QUANTIZED[quant]] if quant else [name for name, k in KERNELS.items() if not k.quantized]
+    wanted = list(QUANTIZED[quant]) if quant else [name for name, k in KERNELS.items() if not k.quantized]
     reasons = []
     for name in wanted:
         if dtype in KERNELS[name].store_dtypes:

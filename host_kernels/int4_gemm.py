@@ -1,10 +1,11 @@
-"""GEMMs over int4 weights with a float16 scale per group of k-rows and column (host_kernels/csrc/int4_gemm.c), on
-AVX512-VNNI, and the packed layout they read: per 16-column block, per group, 64-byte rows of 8 k-rows each (byte
-4c + i: column c's k-row 8r + i in the low nibble, 8r + 4 + i in the high one, each stored as q + 8), then the
-group's 16 float16 scales. bfloat16 rows in (quantized to int8 per 32 values by the kernel, as llama.cpp does for
-its Q4_0 products: `quant.quantize_activations` is the same rule), float32 out.
+"""GEMMs over int4 weights with a float16 scale per group of k-rows and column, on AVX512-VNNI
+(host_kernels/csrc/int4_gemm.c) or AVX2 (csrc/avx2_int4_gemm.c), and the packed layout they read: per 16-column
+block, per group, 64-byte rows of 8 k-rows each (byte 4c + i: column c's k-row 8r + i in the low nibble, 8r + 4 + i
+in the high one, each stored as q + 8), then the group's 16 float16 scales. bfloat16 rows in (quantized to int8
+per 32 values by the kernel, as llama.cpp does for its Q4_0 products: `quant.quantize_activations` is the same
+rule), float32 out.
 
-`status()` says whether this machine can run them and, if not, why.
+`status(isa)` says whether this machine can run a variant and, if not, why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt4
 
 SCALE_BYTES = 2 * N_BLOCK  # a group's scales, after its nibbles
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+CPU_FLAGS = {  # each variant's (f16c: the float16 scales)
+    native.AVX512: ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    native.AVX2: (*native.AVX2_CPU_FLAGS, "f16c"),
+}
 
 
 def block_bytes(kp: int, group: int) -> int:
@@ -105,13 +109,17 @@ def unpack_numpy(w: PackedInt4) -> np.ndarray:
     return (q * np.repeat(scale, group, axis=0)[:kp])[: w.k, : w.n]
 
 
-def status() -> tuple[bool, str]:
-    return native.status(REQUIRED_CPU_FLAGS)
+def status(isa: str = native.AVX512) -> tuple[bool, str]:
+    return native.status(CPU_FLAGS[isa])
 
 
-def gemm(a: np.ndarray, w: PackedInt4, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+def gemm(
+    a: np.ndarray, w: PackedInt4, out: np.ndarray, n0: int = 0, n1: int | None = None, isa: str | None = None
+) -> np.ndarray:
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
-    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
-    if bf16_gemm.run("int4_gemm", a, w, out, n0, n1, w.group, usable=status()):
+    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride.
+    `isa`: the variant (default: the fastest this CPU runs)."""
+    statuses = {name: status(name) for name in CPU_FLAGS}
+    if bf16_gemm.run("int4_gemm", a, w, out, n0, n1, w.group, statuses=statuses, isa=isa):
         raise HostKernelError(f"int4 GEMM: out of memory for {a.shape[0]} quantized rows")
     return out

@@ -1,8 +1,9 @@
-"""GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c),
-on AVX512-BF16, and the packed layout they read: per 16-column block, the k-pairs of int8 weights (the bfloat16
-kernels' pair order), then the block's 16 scales. bfloat16 rows in, float32 out.
+"""GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c,
+on AVX512-BF16; `int8_gemm_avx2` in csrc/avx2_gemm.c, on AVX2 + FMA), and the packed layout they read: per
+16-column block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's 16 scales.
+bfloat16 rows in, float32 out.
 
-`status()` says whether this machine can run them and, if not, why.
+`status(isa)` says whether this machine can run a variant and, if not, why.
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ def unpack(w: PackedInt8) -> np.ndarray:
     return q.astype(np.float32) * scale
 
 
-def status() -> tuple[bool, str]:
-    """The same instructions as the bfloat16 kernel (the int8 weights are widened to bfloat16 in registers)."""
-    return bf16_gemm.status()
+def status(isa: str = native.AVX512) -> tuple[bool, str]:
+    """The same instructions as the bfloat16 kernel's variant (the int8 weights are widened in registers)."""
+    return bf16_gemm.status(isa)
 
 
-def gemm(a: np.ndarray, w: PackedInt8, out: np.ndarray, n0: int = 0, n1: int | None = None) -> np.ndarray:
+def gemm(
+    a: np.ndarray, w: PackedInt8, out: np.ndarray, n0: int = 0, n1: int | None = None, isa: str | None = None
+) -> np.ndarray:
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
-    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride."""
-    bf16_gemm.run("int8_gemm", a, w, out, n0, n1)
+    past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride.
+    `isa`: the variant (default: the fastest this CPU runs)."""
+    bf16_gemm.run(
+        "int8_gemm", a, w, out, n0, n1, statuses={name: status(name) for name in bf16_gemm.CPU_FLAGS}, isa=isa
+    )
     return out

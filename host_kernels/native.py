@@ -1,10 +1,11 @@
 """The host kernels' native library (host_kernels/csrc/, built by `pip install`; see setup.py), loaded with ctypes.
 
 Each part needs CPU features: the AMX GEMM needs amx_tile/amx_bf16/avx512_bf16 (amx.REQUIRED_CPU_FLAGS), the
-SwiGLU passes, the float32 GEMM and the fused forward avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS).
+SwiGLU passes, the float32 GEMM and the fused forward avx512f/avx512bw/avx512vl (activations.NATIVE_CPU_FLAGS); on
+CPUs without AVX-512, their AVX2 variants (`<name>_avx2`, AVX2_CPU_FLAGS) read the same packed weights.
 `status(flags)` says whether a part can run here and, if not, why (host_kernels/choice.py decides from it, once,
-which parts run and which fall back to numpy). ctypes calls release the GIL, so the worker pool runs them in
-parallel.
+which parts run and which fall back to numpy; `pick_isa` picks a kernel's variant). ctypes calls release the GIL,
+so the worker pool runs them in parallel.
 """
 
 from __future__ import annotations
@@ -19,18 +20,22 @@ import numpy as np
 from host_kernels.errors import KernelArgumentError
 from host_kernels.native_sources import source_hash
 
+AVX512, AVX2 = "avx512", "avx2"  # the instruction sets the kernels have variants for, fastest first
+AVX2_CPU_FLAGS = ("avx2", "fma")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_GEMM = ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None)
+_SWIGLU_FORWARD = ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None)
+_SWIGLU_BACKWARD = ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None)
+_INT4_GEMM = ([_P, _I, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int)
 SIGNATURES = {
     "native_source_hash": ([], ctypes.c_char_p),
     "amx_request_permission": ([], ctypes.c_int),
     "amx_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
-    "bf16_pack_rows": ([_P, _I, _P, _I, _I, _P, _I, _I], None),
-    "swiglu_forward": ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None),
-    "swiglu_backward": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None),
-    "f32_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
-    "bf16_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
-    "int8_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None),
-    "int4_gemm": ([_P, _I, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int),
+    **{f"bf16_pack_rows{suffix}": ([_P, _I, _P, _I, _I, _P, _I, _I], None) for suffix in ("", "_avx2")},
+    **{f"swiglu_forward{suffix}": _SWIGLU_FORWARD for suffix in ("", "_avx2")},
+    **{f"swiglu_backward{suffix}": _SWIGLU_BACKWARD for suffix in ("", "_avx2")},
+    **{f"{name}{suffix}": _GEMM for name in ("f32_gemm", "bf16_gemm", "int8_gemm") for suffix in ("", "_avx2")},
+    **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
     "int4_unpack": ([_P, _I, _I, _I, _I, _P, _I], None),
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),
     "moe_layer_free": ([_P], None),
@@ -47,6 +52,25 @@ def status(flags: tuple[str, ...]) -> tuple[bool, str]:
     """(usable, why not) for a part of the library that needs these CPU flags."""
     lacking = cpu_lacks(flags)
     return (False, lacking) if lacking else _loadable()
+
+
+def symbol(name: str, isa: str) -> str:
+    """The library's symbol for kernel `name`'s `isa` variant (the AVX-512 ones carry no suffix)."""
+    return name if isa == AVX512 else f"{name}_{isa}"
+
+
+def pick_isa(statuses: dict[str, tuple[bool, str]], isa: str | None, what: str) -> str:
+    """The instruction set `what` runs on: `isa` when given, else the first of `statuses` (isa -> status(),
+    fastest first) this machine runs; KernelArgumentError where it runs none (or not the one asked for)."""
+    if isa is not None:
+        if isa not in statuses:
+            raise KernelArgumentError(f"{what}: no {isa} variant (variants: {', '.join(statuses)})")
+        require(statuses[isa], f"{what} ({isa})")
+        return isa
+    for name, (usable, _) in statuses.items():
+        if usable:
+            return name
+    raise KernelArgumentError(f"{what} unavailable: " + "; ".join(f"{n}: {why}" for n, (_, why) in statuses.items()))
 
 
 @cache

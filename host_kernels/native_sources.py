@@ -11,11 +11,16 @@ SOURCES = (
     "int4_gemm.c",
     "f32_gemm.c",
     "swiglu.c",
+    "avx2_gemm.c",
+    "avx2_int4_gemm.c",
+    "avx2_swiglu.c",
     "runner.c",
     "moe_forward.c",
     "source_hash.c",
 )  # host_kernels._native
-HEADERS = ("simd.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "int4_gemm.h")
+HEADERS = (
+    "simd.h", "simd_avx2.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "int4_gemm.h", "avx2_kernels.h"
+)  # fmt: skip
 CSRC = Path(__file__).parent / "csrc"
 XLA_CSRC = Path(__file__).parent.parent / "moe_jax" / "csrc"
 # moe_jax._xla_ffi: XLA's FFI handlers (the experts' call goes through moe_forward.h's moe_call); .c files compile
@@ -27,11 +32,15 @@ XLA_FFI_SOURCES = (
     CSRC / "amx_gemm.c",  # compiled into both libraries: the dense handler calls its kernels
     CSRC / "bf16_gemm.c",  # (and these, on CPUs without AMX)
     CSRC / "int4_gemm.c",
+    CSRC / "avx2_gemm.c",  # (and these, on CPUs without AVX-512)
+    CSRC / "avx2_int4_gemm.c",
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
     CSRC / "amx_gemm.h",
     CSRC / "bf16_gemm.h",
     CSRC / "int4_gemm.h",
+    CSRC / "avx2_kernels.h",
+    CSRC / "simd_avx2.h",
 )
 
 

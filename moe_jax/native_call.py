@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_kernels import KernelArgumentError, amx, is_live_call, native
-from host_kernels.fused_forward import AMX_BF16, AVX512_BF16, AVX512_INT4, AVX512_INT8, KERNELS, best_kernel
+from host_kernels.fused_forward import KERNELS, best_kernel
 from host_kernels.native_sources import xla_ffi_source_hash
 
 TARGET = "moe_jax_host_experts"
@@ -36,7 +36,16 @@ DENSE_TARGET = "moe_jax_dense"
 DENSE_MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 # the dense handler's kernels (the fused forward's bfloat16 and quantized ones, host_kernels/fused_forward.py
 # KERNELS, which say how to pack for them, int4's group and whether this machine runs them) -> xla_dense.c's codes
-DENSE_CODES = {AVX512_BF16: 0, AMX_BF16: 1, AVX512_INT8: 2, **{name: 3 for name in AVX512_INT4.values()}}
+# xla_dense.c's DENSE_* by (instruction set: a kernel name's first part, bits per packed weight)
+_DENSE_CODES_BY_KIND = {
+    ("avx512", 16): 0, ("amx", 16): 1, ("avx512", 8): 2, ("avx512", 4): 3, ("avx2", 16): 4, ("avx2", 8): 5,
+    ("avx2", 4): 6,
+}  # fmt: skip
+DENSE_CODES = {
+    name: _DENSE_CODES_BY_KIND[name.split("-")[0], kernel.packed_bits]
+    for name, kernel in KERNELS.items()
+    if kernel.packed_bits < 32  # float32 weights: XLA's own products
+}
 
 
 def status() -> tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""Decode steps' dense products on AMX or AVX512-BF16 (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's
+"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's
 float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
 
 import jax
@@ -13,7 +13,7 @@ from moe_jax.layers import base_matmul
 from moe_jax.lora import LoRAConfig, LoRAParam
 from tests.hf_models import make_hf_model, save_hf_model
 
-KERNEL, WHY_NOT = native_call.dense_kernel()  # AMX, else AVX512-BF16
+KERNEL, WHY_NOT = native_call.dense_kernel()  # AMX, else AVX512-BF16, else AVX2
 pytestmark = pytest.mark.skipif(not KERNEL, reason=WHY_NOT)
 
 
@@ -35,7 +35,9 @@ def test_same_sums_as_xla(m, k, n):
     got = np.asarray(native(x, w, packed))
     xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    np.testing.assert_allclose(got, xla, rtol=1e-6, atol=1e-5)  # float32 sums, perhaps in another order
+    # float32 sums, perhaps in another order (AVX2: even and odd k-rows summed apart): within a few float32 steps
+    # of the largest sum, and no further from the exact products than XLA's
+    np.testing.assert_allclose(got, xla, rtol=1e-6, atol=4e-6 * np.abs(exact).max())
     assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.5 + 1e-6
     rounded = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))(x, w, packed)
     bf16 = np.asarray(rounded.astype(jnp.float32))

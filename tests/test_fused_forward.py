@@ -1,5 +1,6 @@
 """The fused native forward (host_kernels/csrc/moe_forward.c): the engine's forward in one call — its AMX forward bit
-for bit (bfloat16 store), its numpy forward up to float32 summation order (float32 store)."""
+for bit (bfloat16 store), its numpy forward up to float32 summation order (float32 store, AVX-512 and AVX2), a
+float64 reference with bfloat16's roundings (bfloat16 store on AVX512-BF16 and AVX2)."""
 
 import gc
 import os
@@ -12,24 +13,31 @@ import pytest
 from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
-from host_kernels.fused_forward import AVX512_BF16, FusedForward, best_kernel, pack_layer
+from host_kernels.fused_forward import (
+    AVX2_BF16,
+    AVX2_F32,
+    AVX512_BF16,
+    AVX512_F32,
+    KERNELS,
+    FusedForward,
+    best_kernel,
+    pack_layer,
+)
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, LayerExperts
+from tests.isa import kernel_variants, variants
 
 BF16 = ml_dtypes.bfloat16
 needs_amx = pytest.mark.skipif(not amx.status()[0], reason=f"needs AMX (bfloat16 store): {amx.status()[1]}")
-needs_avx512 = pytest.mark.skipif(
-    not f32_gemm.status()[0], reason=f"needs AVX-512 (float32 store): {f32_gemm.status()[1]}"
-)
-# the store the fused forward runs here: bfloat16 on AMX (bit-identical to the engine), else float32 on AVX-512
+# the store the fused forward runs here: bfloat16 on AMX (bit-identical to the engine), else float32 on AVX-512/AVX2
 NATIVE_DTYPE = BF16 if amx.status()[0] else np.float32
 needs_native = pytest.mark.skipif(
-    not (amx.status()[0] or f32_gemm.status()[0]), reason=f"needs AMX or AVX-512: {f32_gemm.status()[1]}"
+    not (amx.status()[0] or f32_gemm.status("avx2")[0]), reason=f"needs AMX or AVX2: {f32_gemm.status('avx2')[1]}"
 )
 
 
 def same_as_engine(got, expected):
-    """Bit for bit on AMX; on AVX-512 (float32) up to the summation order."""
+    """Bit for bit on AMX; with float32 weights up to the summation order."""
     if NATIVE_DTYPE == BF16:
         np.testing.assert_array_equal(got, expected)
     else:
@@ -88,12 +96,12 @@ def rounded_reference(w: LayerExperts, x, ids, weights):
     return y
 
 
-@pytest.mark.skipif(not bf16_gemm.status()[0], reason=f"needs AVX512-BF16: {bf16_gemm.status()[1]}")
+@pytest.mark.parametrize("kernel", kernel_variants(KERNELS, (AVX512_BF16, AVX2_BF16)))
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("tokens,skew", [(1, False), (5, False), (16, False), (300, True)])
-def test_avx512_bf16_kernel_matches_a_float64_reference(threads, tokens, skew):
+def test_bf16_kernels_match_a_float64_reference(kernel, threads, tokens, skew):
     store = make_store(dtype=BF16)
-    fused = FusedForward(store, lambda layer: pack_layer(store[layer], AVX512_BF16), threads, AVX512_BF16)
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads, kernel)
     rng = np.random.default_rng(tokens)
     x = (rng.standard_normal((tokens, 96)) * 2).astype(np.float32)
     ids, weights = routing(rng, tokens, 8, skew=skew)
@@ -109,13 +117,16 @@ def test_avx512_bf16_kernel_matches_a_float64_reference(threads, tokens, skew):
 
 def test_the_fastest_kernel_is_chosen_for_each_store():
     kernel, why = best_kernel(BF16)
+    avx2 = f32_gemm.status("avx2")[0]
     if amx.status()[0]:
         assert kernel == "amx-bf16"
     elif bf16_gemm.status()[0]:
         assert kernel == AVX512_BF16 and why == ""
+    elif avx2:
+        assert kernel == AVX2_BF16 and why == ""
     else:
-        assert kernel == "" and "avx512-bf16: CPU lacks" in why
-    assert best_kernel(np.float32)[0] == ("avx512-f32" if f32_gemm.status()[0] else "")
+        assert kernel == "" and "avx512-bf16: CPU lacks" in why and "avx2-bf16: CPU lacks" in why
+    assert best_kernel(np.float32)[0] == (AVX512_F32 if f32_gemm.status()[0] else AVX2_F32 if avx2 else "")
     with pytest.raises(HostKernelError, match="cannot read a float32 store"):
         FusedForward(make_store(dtype=np.float32), None, 1, AVX512_BF16)
 
@@ -167,14 +178,14 @@ def test_bad_inputs_are_refused_with_what_is_wrong():
     np.testing.assert_array_equal(fused.forward(0, x, ids % 8, np.zeros((3, 2), np.float32)), np.zeros((3, 96)))
 
 
-@needs_avx512
+@pytest.mark.parametrize("kernel", kernel_variants(KERNELS, (AVX512_F32, AVX2_F32)))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tokens,skew", [(1, False), (16, False), (300, True)])
-def test_float32_store_matches_the_engine(threads, tokens, skew):
+def test_float32_store_matches_the_engine(kernel, threads, tokens, skew):
     store = make_store(dtype=np.float32)
     engine = HostMoE(store, threads=threads)
-    fused = engine.fused_forward()
-    assert engine.kernel == "numpy" and fused is not None
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads, kernel)
+    assert engine.kernel == "numpy"
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, 96)).astype(np.float32)
     ids, weights = routing(rng, tokens, 8, skew=skew)
@@ -184,20 +195,20 @@ def test_float32_store_matches_the_engine(threads, tokens, skew):
         np.testing.assert_allclose(fused.forward(layer, x, ids, weights), expected, rtol=1e-5, atol=1e-6)
 
 
-@needs_avx512
+@pytest.mark.parametrize("isa", variants(f32_gemm.status))
 @pytest.mark.parametrize("m,k,n", [(1, 96, 200), (8, 512, 64), (9, 33, 31), (300, 200, 96)])
-def test_f32_gemm_matches_float64_products(m, k, n):
+def test_f32_gemm_matches_float64_products(m, k, n, isa):
     rng = np.random.default_rng(m + k + n)
     a, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     packed = f32_gemm.pack(w)
-    out = f32_gemm.gemm(a, packed, np.empty((m, n), np.float32))
+    out = f32_gemm.gemm(a, packed, np.empty((m, n), np.float32), isa=isa)
     np.testing.assert_allclose(out, a.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     if n > 32:  # a column range, into a strided output
         wide = np.zeros((m, n + 7), np.float32)
-        f32_gemm.gemm(a, packed, wide[:, 3 : 3 + n - 32], 32, n)
+        f32_gemm.gemm(a, packed, wide[:, 3 : 3 + n - 32], 32, n, isa=isa)
         np.testing.assert_array_equal(wide[:, 3 : 3 + n - 32], out[:, 32:])
     with pytest.raises(ValueError, match="multiple of 32"):
-        f32_gemm.gemm(a, packed, np.empty((m, n - 16), np.float32), 16, n)
+        f32_gemm.gemm(a, packed, np.empty((m, n - 16), np.float32), 16, n, isa=isa)
 
 
 def test_none_where_the_native_kernels_are_turned_off():

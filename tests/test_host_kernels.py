@@ -8,12 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from host_kernels import amx, bf16_gemm, choose_kernels
+from host_kernels import activations, amx, bf16_gemm, choose_kernels
 from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.lora import ExpertLoRA
 from host_kernels.schedule import Routing, plan_tiles
 from host_kernels.store import ExpertStore, LayerExperts
+from tests.isa import variants
 
 E, D, F, K = 6, 48, 80, 2
 
@@ -123,16 +124,19 @@ def lora_dict(lora):
 
 
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "partial"])
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "bfloat16-amx", "bfloat16-avx512"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "bfloat16-amx", "bfloat16-avx512", "bfloat16-avx2"])
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_forward_and_backward_match_references(kind, storage, with_lora, threads):
-    """float32 and bfloat16 storage on the numpy path compute in float32: tight tolerances. On AMX or AVX512-BF16
-    the inputs of every GEMM are rounded to bfloat16 too: the forward against a reference that rounds the same, the
-    gradients (whose inputs are rounded along the way) against float32 ones within bfloat16 error."""
-    gemm = {"bfloat16-amx": "amx-bf16", "bfloat16-avx512": "avx512-bf16"}.get(storage, "numpy")
-    on_amx = gemm != "numpy"  # (either bfloat16 kernel: the same roundings)
-    status = {"amx-bf16": amx.status, "avx512-bf16": bf16_gemm.status}.get(gemm, lambda: (True, ""))()
+    """float32 and bfloat16 storage on the numpy path compute in float32: tight tolerances. On AMX, AVX512-BF16 or
+    AVX2 the inputs of every GEMM are rounded to bfloat16 too: the forward against a reference that rounds the same,
+    the gradients (whose inputs are rounded along the way) against float32 ones within bfloat16 error."""
+    gemm = {"bfloat16-amx": "amx-bf16", "bfloat16-avx512": "avx512-bf16", "bfloat16-avx2": "avx2-bf16"}.get(
+        storage, "numpy"
+    )
+    on_amx = gemm != "numpy"  # (any bfloat16 kernel: the same roundings)
+    status = {"amx-bf16": amx.status, "avx512-bf16": bf16_gemm.status, "avx2-bf16": lambda: bf16_gemm.status("avx2")}
+    status = status.get(gemm, lambda: (True, ""))()
     if not status[0]:
         pytest.skip(f"{gemm} unavailable: {status[1]}")
     rng = np.random.default_rng(0)
@@ -279,13 +283,10 @@ def test_decode_size_products_match_numpy(rows):
     np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", variants(activations.status))
 @pytest.mark.parametrize("with_act", [False, True])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-def test_native_swiglu_passes_match_numpy(with_act, out_dtype):
-    from host_kernels import activations
-
-    if not activations.status()[0]:
-        pytest.skip(f"native SwiGLU passes unavailable: {activations.status()[1]}")
+def test_native_swiglu_passes_match_numpy(with_act, out_dtype, isa):
     rng = np.random.default_rng(9)
     rows, cols = 7, 37  # a masked tail in every row
     h = rng.standard_normal((rows, 2 * cols)).astype(np.float32) * 4
@@ -293,23 +294,23 @@ def test_native_swiglu_passes_match_numpy(with_act, out_dtype):
     grad = rng.standard_normal((rows, cols)).astype(np.float32)
     weight = rng.uniform(0.1, 1, rows).astype(np.float32)
 
-    def run(native_pass):
+    def run(pass_isa):
         hg, hu, g = h[:, :cols].copy(), h[:, cols:].copy(), grad.copy()  # the numpy path works in place
         # bfloat16 outputs travel as uint16 bits (what the AMX GEMM reads), widened here to compare
         out = np.float32 if out_dtype == "float32" else np.uint16
         act_f = np.empty((rows, cols), out)
-        activations.swiglu_forward(hg, hu, act_f, native_pass=native_pass)
+        activations.swiglu_forward(hg, hu, act_f, isa=pass_isa)
         dh = np.empty((rows, 2 * cols), out)
         dw = np.empty((rows, 3), np.float32)[:, 1]  # a strided column, as the engine passes
         act_b = np.empty((rows, cols), np.float32) if with_act else None
-        activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b, native_pass=native_pass)
+        activations.swiglu_backward(hg, hu, g, weight, dh[:, :cols], dh[:, cols:], dw, act_b, isa=pass_isa)
         return [widen(a) for a in (act_f, dh, dw.copy(), act_b)]
 
     def widen(a):
         return a if a is None or a.dtype == np.float32 else a.view(ml_dtypes.bfloat16).astype(np.float32)
 
-    native = run(native_pass=True)
-    reference = run(native_pass=False)
+    native = run(isa)
+    reference = run(None)
     rtol = 2e-5 if out_dtype == "float32" else 2**-8  # one bfloat16 step where float32 results straddle a rounding
     for got, expected in zip(native, reference, strict=True):
         if expected is not None:

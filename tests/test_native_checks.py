@@ -69,9 +69,9 @@ CASES = {
     "fused, no threads": "fused(threads=0)",
     "fused, absurd threads": "fused(threads=10**7)",
     "swiglu, shapes disagree": "activations.swiglu_forward(np.ones((64, 64), np.float32), np.ones((2, 2), np.float32), "
-    "np.zeros((64, 64), np.float32), native_pass=True)",
+    "np.zeros((64, 64), np.float32), isa='avx2')",
     "swiglu, read-only output": "act = np.zeros((4, 32), np.float32)\nact.flags.writeable = False\n"
-    "activations.swiglu_forward(np.ones((4, 32), np.float32), np.ones((4, 32), np.float32), act, native_pass=True)",
+    "activations.swiglu_forward(np.ones((4, 32), np.float32), np.ones((4, 32), np.float32), act, isa='avx2')",
     "engine, negative threads": "from host_kernels.engine import HostMoE\nHostMoE(store, threads=-1)",
     "engine, id out of range": "from host_kernels.engine import HostMoE\n"
     "HostMoE(store, threads=1).forward(0, x, np.array([[2**40, 2], [1, 2]]), ok_weights)",

@@ -16,24 +16,31 @@ from scipy.special import log_softmax
 import moe_jax
 from host_kernels import HostKernelError, amx, choose_kernels, int4_gemm, int8_gemm
 from host_kernels.errors import KernelArgumentError
-from host_kernels.fused_forward import AVX512_INT4, AVX512_INT8, KERNELS, QUANTIZED, FusedForward, pack_layer
+from host_kernels.fused_forward import KERNELS, QUANTIZED, FusedForward, best_kernel, pack_layer
 from host_kernels.quant import INT4_GROUPS, QuantizedInt4, quantize_activations, quantize_int4, quantize_int8
 from host_kernels.schedule import NOT_ROUTED
 from moe_jax import native_call
 from moe_jax.errors import InputError
 from moe_jax.layers import base_matmul
+from tests.isa import kernel_variants
 from tests.test_fused_forward import make_store, routing
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_kernel = pytest.mark.skipif(not int8_gemm.status()[0], reason=f"needs AVX512-BF16: {int8_gemm.status()[1]}")
-needs_int4 = pytest.mark.skipif(not int4_gemm.status()[0], reason=f"needs AVX512-VNNI: {int4_gemm.status()[1]}")
 BF16 = ml_dtypes.bfloat16
-INT4 = AVX512_INT4[32]
+
+
+def needs(quant: str):
+    """Skips where this CPU runs no kernel for `quant` experts, saying why."""
+    kernel, why = best_kernel(BF16, quant)
+    return pytest.mark.skipif(not kernel, reason=f"needs a {quant} kernel: {why}")
+
+
+needs_kernel, needs_int4 = needs("int8"), needs("int4")
 
 
 def quantizer(kernel):
     """The kernel's quantization of a float weight, and what its products see of bfloat16 rows [m, kp]."""
-    if kernel == AVX512_INT8:
+    if KERNELS[kernel].format.bits == 8:
         return quantize_int8, lambda rows: rows.astype(np.float64)
     return lambda w: quantize_int4(w, KERNELS[kernel].group), seen_by_int4
 
@@ -109,10 +116,17 @@ def bf16_rows(rng, m, k, kp):
     return rows, rows.view(BF16).astype(np.float32)
 
 
-QUANTIZED_KERNELS = [pytest.param(AVX512_INT8, marks=needs_kernel)] + [
-    pytest.param(AVX512_INT4[group], marks=needs_int4) for group in INT4_GROUPS
-]
-GEMMS = {AVX512_INT8: int8_gemm, **{name: int4_gemm for name in AVX512_INT4.values()}}
+QUANTIZED_KERNELS = kernel_variants(KERNELS, [kernel for kernels in QUANTIZED.values() for kernel in kernels])
+GEMMS = {
+    kernel: int8_gemm if KERNELS[kernel].format.bits == 8 else int4_gemm
+    for kernel in KERNELS
+    if KERNELS[kernel].quantized
+}
+
+
+def isa(kernel: str) -> str:
+    """The instruction set of a quantized kernel's GEMM (its name's first part: "avx512-int8" -> "avx512")."""
+    return kernel.split("-")[0]
 
 
 @pytest.mark.parametrize("kernel", QUANTIZED_KERNELS)
@@ -125,11 +139,11 @@ def test_kernel_matches_float64_on_the_same_quantized_weights(kernel, m, k, n):
     packed = GEMMS[kernel].pack(qw)
     rows, _ = bf16_rows(rng, m, k, packed.kp)
     expected = seen(rows.view(BF16))[:, :k] @ qw.dequantize(np.float64)
-    out = GEMMS[kernel].gemm(rows, packed, np.full((m, n), np.nan, np.float32))
+    out = GEMMS[kernel].gemm(rows, packed, np.full((m, n), np.nan, np.float32), isa=isa(kernel))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     if n > 16:
         part = np.full((m, n - 16), np.nan, np.float32)
-        np.testing.assert_array_equal(GEMMS[kernel].gemm(rows, packed, part, 16, n), out[:, 16:])
+        np.testing.assert_array_equal(GEMMS[kernel].gemm(rows, packed, part, 16, n, isa=isa(kernel)), out[:, 16:])
 
 
 @needs_kernel
@@ -238,7 +252,7 @@ def test_logits_follow_bfloat16_on_the_bundled_model(quant):
     path = ROOT / "models" / "tiny-moe"
     bf16 = moe_jax.load_model(path, dtype="bfloat16")
     quantized = moe_jax.load_model(path, dtype="bfloat16", quant=quant)
-    assert quantized.plan.host_kernels.fused == QUANTIZED[quant] and quantized.quantized_experts
+    assert quantized.plan.host_kernels.fused == best_kernel(BF16, quant)[0] and quantized.quantized_experts
     kl = agree = nll16 = nllq = tokens = predicted = 0.0
     for ids in held_out_token_ids(bf16.tokenizer):
         p = log_softmax(bf16.logits([ids])[0].astype(np.float64), axis=-1)
@@ -255,7 +269,7 @@ def test_logits_follow_bfloat16_on_the_bundled_model(quant):
     # decode steps read the dense weights quantized too (where the plan multiplies them natively): greedy tokens
     # follow bfloat16's on held-out prompts
     if quantized.plan.dense_decode:
-        assert quantized.plan.dense_decode == QUANTIZED[quant]
+        assert quantized.plan.dense_decode == best_kernel(BF16, quant)[0]
     prompts = held_out_token_ids(bf16.tokenizer, 16)
     ours, plain = quantized.generate(prompts, max_new_tokens=6), bf16.generate(prompts, max_new_tokens=6)
     same = sum(a == b for a, b in zip(ours, plain, strict=True))
@@ -278,8 +292,7 @@ def test_what_a_quantized_model_refuses():
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_refused_where_the_cpu_lacks_the_kernel(quant):
-    usable, reason = KERNELS[QUANTIZED[quant]].status()
-    if usable:
+    if best_kernel(BF16, quant)[0]:
         pytest.skip(f"this CPU has the {quant} kernel")
     with pytest.raises(HostKernelError, match=f"{quant} experts: no kernel on this machine"):
         moe_jax.load_model(ROOT / "models" / "tiny-moe", quant=quant)

@@ -32,8 +32,6 @@ static inline int64_t block_bytes(int64_t kp, int64_t group) {
     return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;
 }
 
-int64_t int4_row_bytes(int64_t kp) { return kp + kp / CHUNK * 8; }
-
 void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp) {
     const int64_t stride = int4_row_bytes(kp);
     for (int64_t i = 0; i < m; i++) {

@@ -5,8 +5,9 @@
 #define INT4_GEMM_H
 #include <stdint.h>
 
-/* bytes of one quantized activation row of kp (a multiple of 32) values */
-int64_t int4_row_bytes(int64_t kp);
+/* bytes of one quantized activation row of kp (a multiple of 32) values: kp int8 values, then per 32 of them a
+ * float32 scale and an int32 offset */
+static inline int64_t int4_row_bytes(int64_t kp) { return kp + kp / 32 * 8; }
 /* columns [c0, c1) (multiples of 32, c1 <= kp) of m bfloat16 rows (row stride lda) quantized to int8 per 32 values,
  * into the records at q (row stride int4_row_bytes(kp)) */
 void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp);

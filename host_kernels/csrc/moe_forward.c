@@ -14,22 +14,23 @@
  * would keep two threads busy unevenly is split by columns instead. Phases (gather, gate/up + SwiGLU, down,
  * combine) are separated by the runner's barrier.
  *
- * The threads and their meeting points are runner.c's.
- * Compiled for AVX-512 F/BW/VL (host_kernels/fused_forward.py checks the CPU before anything here is called; the
- * AMX GEMM lives in its own file).
+ * On CPUs without AVX-512 the same GEMMs and SwiGLU run on AVX2 + FMA (avx2_*.c) over the same packed weights.
+ *
+ * The threads and their meeting points are runner.c's. This file is compiled for no instruction set beyond the
+ * baseline: the kernels it calls are each compiled for theirs (host_kernels/fused_forward.py checks the CPU before
+ * a layer is made), and its own few loops over rows (gather conversions, routing weights, the combine) are cloned
+ * per instruction set and picked when the library loads.
  */
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-#include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amx_gemm.h"
+#include "avx2_kernels.h"
 #include "bf16_gemm.h"
 #include "int4_gemm.h"
 #include "moe_forward.h"
 #include "runner.h"
-#include "simd.h"
 
 void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
               int64_t n0, int64_t n1);
@@ -40,7 +41,42 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
 #define NOT_ROUTED (-1) /* an expert id: this pair is computed elsewhere (host_kernels/schedule.py) */
+#define SUM_BLOCK 512      /* columns of one combine step (a stack buffer) */
 static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+
+/* ------------------------------------------------------------------------------- loops over rows, per ISA */
+
+/* the row loops below are compiled for each of these and the CPU's best is picked at load (GCC's ifunc) */
+#define ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
+
+static inline uint16_t round_bf16(float v) { /* to nearest even, as every kernel rounds */
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float widen_bf16(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+ROW_LOOP static void bf16_to_f32(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t j = 0; j < n; j++) dst[j] = widen_bf16(src[j]);
+}
+
+ROW_LOOP static void f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t j = 0; j < n; j++) dst[j] = round_bf16(src[j]);
+}
+
+ROW_LOOP static void scale_row(float *row, float w, int64_t n) {
+    for (int64_t j = 0; j < n; j++) row[j] *= w;
+}
+
+ROW_LOOP static void add_row(float *sum, const float *row, int64_t n) {
+    for (int64_t j = 0; j < n; j++) sum[j] += row[j];
+}
 
 /* ------------------------------------------------------------------------------------------------ one layer */
 
@@ -48,7 +84,8 @@ typedef struct {
     int64_t experts, hidden, ffn;
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
     int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
-    int int4;                  /* the int4 kernel: its GEMMs read int8 rows (int4_quantize_rows) */
+    int avx2;                  /* the AVX2 kernels (SwiGLU and int4's row quantizer too), else AVX-512 ones */
+    int int4;                  /* an int4 kernel: its GEMMs read int8 rows (int4_quantize_rows) */
     int64_t group;             /* int4: k-rows per scale */
     int64_t weight_bits;       /* bits per packed weight: 32, 16, 8 or 4 (scales aside) */
     int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
@@ -65,17 +102,20 @@ void moe_layer_free(moe_layer *l) {
 }
 
 /* w13, w2: addresses of each expert's packed weights for `kernel` (MOE_KERNEL_BF16_*: amx.pack's layout;
- * MOE_KERNEL_F32_AVX512: f32_gemm.c's; int8: bf16_gemm.h's; int4: int4_gemm.h's). group: int4's k-rows per scale. */
+ * MOE_KERNEL_F32_*: f32_gemm.c's; int8: bf16_gemm.h's; int4: int4_gemm.h's; the AVX2 kernels read the AVX-512
+ * ones' layouts). group: int4's k-rows per scale. */
 moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
                          const uint64_t *w2, int64_t *routed, int64_t group) {
     moe_layer *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
-    l->f32 = kernel == MOE_KERNEL_F32_AVX512;
+    const int int8 = kernel == MOE_KERNEL_INT8_AVX512 || kernel == MOE_KERNEL_INT8_AVX2;
+    l->f32 = kernel == MOE_KERNEL_F32_AVX512 || kernel == MOE_KERNEL_F32_AVX2;
     l->kernel = kernel;
-    l->int4 = kernel == MOE_KERNEL_INT4_AVX512;
+    l->avx2 = kernel >= MOE_KERNEL_F32_AVX2;
+    l->int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2;
     l->group = group;
-    l->weight_bits = l->f32 ? 32 : kernel == MOE_KERNEL_INT8_AVX512 ? 8 : kernel == MOE_KERNEL_INT4_AVX512 ? 4 : 16;
+    l->weight_bits = l->f32 ? 32 : int8 ? 8 : l->int4 ? 4 : 16;
     l->row_bytes = l->f32 ? 4 : 2;
     l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
     l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
@@ -116,6 +156,15 @@ typedef struct {
     int64_t tile_count;
 } call_state;
 
+/* int4 layers: columns [c0, c1) of m bfloat16 rows quantized into their int8 records (int4_gemm.h) */
+static void quantize_rows(const moe_layer *l, const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1,
+                          char *q) {
+    if (l->avx2)
+        int4_quantize_rows_avx2(a, lda, m, c0, c1, q, lda);
+    else
+        int4_quantize_rows(a, lda, m, c0, c1, q, lda);
+}
+
 static void gather_task(void *state, int worker, int64_t task) {
     call_state *s = state;
     (void)worker;
@@ -126,22 +175,17 @@ static void gather_task(void *state, int worker, int64_t task) {
         char *dst = s->rows + i * kp * size;
         const int64_t t = s->token_of[i];
         const char *src = (const char *)s->x + t * d * (s->x_bf16 ? 2 : 4);
-        if (s->x_bf16 == !l->f32) {
+        if (s->x_bf16 == !l->f32) /* float32 inputs rounded for bfloat16 weights, or bfloat16 ones widened */
             memcpy(dst, src, d * size);
-        } else { /* float32 inputs rounded for bfloat16 weights, or bfloat16 inputs widened for float32 ones */
-            for (int64_t j = 0; j < d; j += 16) {
-                const __mmask16 k = tail_mask(d - j);
-                const __m512 v = s->x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, src + 2 * j)), 16))
-                                           : _mm512_maskz_loadu_ps(k, (const float *)src + j);
-                store16(dst, j, k, v, !l->f32);
-            }
-        }
+        else if (s->x_bf16)
+            bf16_to_f32((const uint16_t *)src, (float *)dst, d);
+        else
+            f32_to_bf16((const float *)src, (uint16_t *)dst, d);
         /* k padding (bfloat16 rows) meets the weights' zero padding: it must not be NaN */
         memset(dst + d * size, 0, (kp - d) * size);
         char *act_row = s->act + i * l->kp_ffn * size;
         memset(act_row + l->ffn * size, 0, (l->kp_ffn - l->ffn) * size);
-        if (l->int4) int4_quantize_rows((const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * int4_row_bytes(kp), kp);
+        if (l->int4) quantize_rows(l, (const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * int4_row_bytes(kp));
     }
 }
 
@@ -154,7 +198,11 @@ static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const voi
         case MOE_KERNEL_BF16_AMX: amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX512: bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_INT8_AVX512: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        default: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: quantized rows */
+        case MOE_KERNEL_INT4_AVX512: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: records */
+        case MOE_KERNEL_F32_AVX2: f32_gemm_avx2((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_BF16_AVX2: bf16_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_INT8_AVX2: int8_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        default: int4_gemm_quantized_avx2(a, kp, w, l->group, c, ldc, m, n0, n1); break;
     }
 }
 
@@ -187,11 +235,11 @@ static void gate_up_task(void *state, int worker, int64_t task) {
                     l->ffn_padded + t.c1);
     }
     char *act = s->act + r0 * l->kp_ffn * l->row_bytes;
-    swiglu_forward(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes, l->kp_ffn, !l->f32, m, width);
+    (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes,
+                                                      l->kp_ffn, !l->f32, m, width);
     if (l->int4) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
         const int64_t end = padded(t.c1, 32) < l->kp_ffn ? padded(t.c1, 32) : l->kp_ffn;
-        int4_quantize_rows((const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * int4_row_bytes(l->kp_ffn),
-                           l->kp_ffn);
+        quantize_rows(l, (const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * int4_row_bytes(l->kp_ffn));
     }
 }
 
@@ -215,14 +263,7 @@ static void down_task(void *state, int worker, int64_t task) {
             amx_gemm_4_streams((const uint16_t *)a, kp, kp, b, outs, d, m);
         }
     if (c < t.c1) expert_gemm(l, a, kp, w2, out + (c - t.c0), d, m, c, t.c1);
-    for (int64_t i = 0; i < m; i++) {
-        const __m512 w = _mm512_set1_ps(s->weight_sorted[r0 + i]);
-        float *row = out + i * d;
-        for (int64_t j = 0; j < t.c1 - t.c0; j += 16) {
-            const __mmask16 k = tail_mask(t.c1 - t.c0 - j);
-            _mm512_mask_storeu_ps(row + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row + j), w));
-        }
-    }
+    for (int64_t i = 0; i < m; i++) scale_row(out + i * d, s->weight_sorted[r0 + i], t.c1 - t.c0);
 }
 
 /* y[t] = sum over t's pairs, in slot order, of the weighted expert rows (the engine's combine, same order) */
@@ -231,14 +272,16 @@ static void combine_task(void *state, int worker, int64_t task) {
     (void)worker;
     const int64_t d = s->layer->hidden;
     const int64_t first = task * TOKEN_BLOCK, last = first + TOKEN_BLOCK < s->tokens ? first + TOKEN_BLOCK : s->tokens;
+    float sum[SUM_BLOCK];
     for (int64_t t = first; t < last; t++) {
         const int64_t *pos = s->position + t * s->top_k;
-        for (int64_t j = 0; j < d; j += 16) {
-            const __mmask16 k = tail_mask(d - j);
-            __m512 sum = _mm512_maskz_loadu_ps(k, s->out + pos[0] * d + j);
-            for (int64_t slot = 1; slot < s->top_k; slot++)
-                sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(k, s->out + pos[slot] * d + j));
-            store16((char *)s->y + t * d * (s->x_bf16 ? 2 : 4), j, k, sum, s->x_bf16);
+        char *y = (char *)s->y + t * d * (s->x_bf16 ? 2 : 4);
+        for (int64_t j = 0; j < d; j += SUM_BLOCK) {
+            const int64_t n = d - j < SUM_BLOCK ? d - j : SUM_BLOCK;
+            float *to = s->x_bf16 ? sum : (float *)y + j; /* float32 outputs are summed in place */
+            memcpy(to, s->out + pos[0] * d + j, n * 4);
+            for (int64_t slot = 1; slot < s->top_k; slot++) add_row(to, s->out + pos[slot] * d + j, n);
+            if (s->x_bf16) f32_to_bf16(sum, (uint16_t *)y + j, n);
         }
     }
 }

@@ -1,9 +1,11 @@
 /* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 64), W a bfloat16 weight
  * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
- * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout); or W
+ * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout) or,
+ * without AVX-512, by AVX2 (avx2_gemm.c, the same layout again); or W
  * int8 with a scale per column (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for
  * `quant="int8"`, whose weights a decode step reads at half the bytes, or int4 with a scale per group of `group`
- * k-rows (host_kernels/int4_gemm.py's layout: [n blocks, kp * 8 + groups * 32] u8) for `quant="int4"`. The
+ * k-rows (host_kernels/int4_gemm.py's layout: [n blocks, kp * 8 + groups * 32] u8) for `quant="int4"`, each on
+ * its AVX-512 kernel or its AVX2 one. The
  * attributes `kernel` (s64, DENSE_* below) and `group` (s64: int4's k-rows per scale, else 0) say which, as the
  * execution plan chose (moe_jax/plan.py).
  *
@@ -25,6 +27,7 @@
 #include <string.h>
 
 #include "amx_gemm.h"
+#include "avx2_kernels.h"
 #include "bf16_gemm.h"
 #include "ffi_common.h"
 #include "int4_gemm.h"
@@ -32,7 +35,17 @@
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
 #define MAX_ROWS 64
 #define GROUP_BLOCKS 4 /* 16-column blocks per task */
-enum { DENSE_AVX512_BF16 = 0, DENSE_AMX_BF16 = 1, DENSE_AVX512_INT8 = 2, DENSE_AVX512_INT4 = 3 }; /* native_call.py's */
+enum { /* native_call.py's */
+    DENSE_AVX512_BF16 = 0,
+    DENSE_AMX_BF16 = 1,
+    DENSE_AVX512_INT8 = 2,
+    DENSE_AVX512_INT4 = 3,
+    DENSE_AVX2_BF16 = 4,
+    DENSE_AVX2_INT8 = 5,
+    DENSE_AVX2_INT4 = 6
+};
+static int is_int8(int64_t kernel) { return kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX2_INT8; }
+static int is_int4(int64_t kernel) { return kernel == DENSE_AVX512_INT4 || kernel == DENSE_AVX2_INT4; }
 
 /* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
  * finds nothing left), so the last of the caller and its helpers to let go frees it. */
@@ -57,6 +70,12 @@ static void run_group(const dense_call *c, int64_t g) {
         int8_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX512_INT4) {
         int4_gemm_quantized(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_BF16) {
+        bf16_gemm_avx2(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_INT8) {
+        int8_gemm_avx2(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_INT4) {
+        int4_gemm_quantized_avx2(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
     } else if (n1 - n0 == GROUP_BLOCKS * 16) {
         const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
                                 amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
@@ -106,9 +125,9 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
         frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 2 ||
         ffi_s64_attr(frame, "kernel", &kernel) || ffi_s64_attr(frame, "group", &group))
         return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has s64 attributes kernel, group");
-    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX512_INT4)
+    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX2_INT4)
         return ffi_error(api, "moe_jax_dense: unknown kernel");
-    if (kernel == DENSE_AVX512_INT4 ? group != 32 && group != 64 && group != 128 : group != 0)
+    if (is_int4(kernel) ? group != 32 && group != 64 && group != 128 : group != 0)
         return ffi_error(api, "moe_jax_dense: `group` must be 32, 64 or 128 for int4, 0 otherwise");
     const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
     if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
@@ -116,10 +135,10 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = (k + 31) / 32 * 32; /* packings pad k so */
     if (m < 1 || m > MAX_ROWS || y->dims[0] != m)
         return ffi_error(api, "moe_jax_dense: x and y of the same 1-64 rows expected");
-    if (kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX512_INT4) {
+    if (is_int8(kernel) || is_int4(kernel)) {
         /* int8: [n blocks, kp * 16 + 64] u8, int8 k-pairs then 16 float32 scales; int4: [n blocks, kp * 8 +
          * groups * 32] u8, per group its nibbles then 16 float16 scales */
-        const int64_t block_bytes = kernel == DENSE_AVX512_INT8 ? kp * 16 + 64 : kp * 8 + (kp + group - 1) / group * 32;
+        const int64_t block_bytes = is_int8(kernel) ? kp * 16 + 64 : kp * 8 + (kp + group - 1) / group * 32;
         if (w->dtype != XLA_FFI_DataType_U8 || w->rank != 2 || w->dims[0] != (n + 15) / 16 || w->dims[1] != block_bytes)
             return ffi_error(api, "moe_jax_dense: a packed weight of x's k and y's n expected (quantized: "
                                   "[n blocks, block bytes] u8)");
@@ -130,7 +149,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     }
     const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     const size_t head = (sizeof(dense_call) + 63) / 64 * 64, x_bytes = (size_t)padded_rows * kp * 2;
-    const size_t q_bytes = kernel == DENSE_AVX512_INT4 ? (size_t)(m * int4_row_bytes(kp)) : 0;
+    const size_t q_bytes = is_int4(kernel) ? (size_t)(m * int4_row_bytes(kp)) : 0;
     dense_call *c = aligned_alloc(64, (head + x_bytes + q_bytes + 63) / 64 * 64);
     if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
     const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
@@ -139,6 +158,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     if (kernel == DENSE_AVX512_INT4) int4_quantize_rows(c->x, kp, m, 0, kp, c->x_q, kp); /* once, for every task */
+    if (kernel == DENSE_AVX2_INT4) int4_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
     c->kernel = (int)kernel, c->int4_group = group;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);

@@ -1,0 +1,149 @@
+/* GEMMs over int4 weights on AVX2 (VPMADDUBSW + VPMADDWD in place of AVX512-VNNI's VPDPBUSD, as llama.cpp's Q4_0
+ * products do on these CPUs), for the fused expert forward (moe_forward.c) and host_kernels/int4_gemm.py on CPUs
+ * without AVX512-VNNI. Weights in int4_gemm.c's packed layout, activations in its quantized row records
+ * (int4_gemm.h), which `int4_quantize_rows_avx2` writes bit for bit as `int4_quantize_rows` does: the integer
+ * sums are exact in both, so both kernels compute the same products and differ only in float32 summation order.
+ *
+ * Per 64-byte row of a 16-column block (8 k-rows: byte 4c + i holds column c's k-row 8r + i in its low nibble and
+ * 8r + 4 + i in its high one), each 32-byte half (8 columns): the nibbles masked out, multiplied by the row's four
+ * matching int8 activations and summed in pairs (maddubs: at most 2 x 15 x 128 per 16-bit lane), the low and high
+ * nibbles' pair sums added (at most 7,680: no saturation), then the pairs summed to one int32 per column (madd).
+ * Register blocking: one row x two blocks (decode: two weight streams) or two rows x one block.
+ * Only this file is compiled for avx2 + f16c (the float16 scales); its callers check the CPU first.
+ */
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "avx2_kernels.h"
+#include "int4_gemm.h"
+#include "simd_avx2.h"
+
+#define CHUNK 32           /* activations' quantization block, in k */
+#define SCALE_BYTES 32     /* 16 float16 scales per group and block */
+#define PREFETCH_BYTES 2048
+
+static inline int64_t block_bytes(int64_t kp, int64_t group) {
+    return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;
+}
+
+void int4_quantize_rows_avx2(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp) {
+    const int64_t stride = int4_row_bytes(kp);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *row = a + i * lda;
+        int8_t *values = (int8_t *)(q + i * stride);
+        float *scales = (float *)(q + i * stride + kp);
+        int32_t *offsets = (int32_t *)(scales + kp / CHUNK);
+        for (int64_t c = c0; c < c1; c += CHUNK) {
+            __m256 x[4];
+            __m256 absmax = _mm256_setzero_ps();
+            for (int h = 0; h < 4; h++) {
+                x[h] = widen_bf16x8(row + c + 8 * h);
+                absmax = _mm256_max_ps(absmax, _mm256_and_ps(x[h], magnitude));
+            }
+            const float d = hmax8(absmax) / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+            __m256i v[4], sum = _mm256_setzero_si256();
+            for (int h = 0; h < 4; h++) { /* to nearest, as int4_quantize_rows; within [-127, 127] */
+                v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(x[h], _mm256_set1_ps(inverse)));
+                sum = _mm256_add_epi32(sum, v[h]);
+            }
+            /* packs interleave the 128-bit lanes: 32-bit groups come out as 0 4 1 5 2 6 3 7; the permute undoes it */
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i *)(values + c),
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            scales[c / CHUNK] = d;
+            offsets[c / CHUNK] = -8 * hsum8_epi32(sum);
+        }
+    }
+}
+
+/* c rows [0, rows) x `blocks` blocks of 16 columns (the last one's first `cols` stored), from quantized rows q
+ * (row stride int4_row_bytes(kp)) and the weight blocks at b; rows and blocks are constants at each call site */
+static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, int64_t group,
+                                                             float *c, int64_t ldc, const int rows, const int blocks,
+                                                             int cols) {
+    enum { MAX_ROWS = 2, MAX_BLOCKS = 2 };
+    const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MAX_ROWS][MAX_BLOCKS][2];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < kp; g0 += group) {
+        const int64_t g1 = g0 + group < kp ? g0 + group : kp;
+        const char *gb = b + g0 / group * (group * 8 + SCALE_BYTES); /* this group in block 0 */
+        for (int64_t c0 = g0; c0 < g1; c0 += CHUNK) {
+            __m256i sums[MAX_ROWS][MAX_BLOCKS][2];
+            for (int i = 0; i < rows; i++) {
+                const int32_t *offsets = (const int32_t *)(q + i * q_stride + kp + kp / CHUNK * 4);
+                for (int j = 0; j < blocks; j++) sums[i][j][0] = sums[i][j][1] = _mm256_set1_epi32(offsets[c0 / CHUNK]);
+            }
+            for (int64_t r = 0; r < CHUNK / 8; r++) { /* 8 k-rows per 64-byte row: two quads */
+                __m256i x0[MAX_ROWS], x1[MAX_ROWS];
+                for (int i = 0; i < rows; i++) {
+                    const int32_t *quads = (const int32_t *)(q + i * q_stride + c0 + r * 8);
+                    x0[i] = _mm256_set1_epi32(quads[0]), x1[i] = _mm256_set1_epi32(quads[1]);
+                }
+                for (int j = 0; j < blocks; j++) {
+                    const char *row = gb + j * stride + (c0 - g0) * 8 + r * 64;
+                    _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 32 * h));
+                        const __m256i lo = _mm256_and_si256(v, low4);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        for (int i = 0; i < rows; i++) {
+                            const __m256i pairs =
+                                _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[i]), _mm256_maddubs_epi16(hi, x1[i]));
+                            sums[i][j][h] = _mm256_add_epi32(sums[i][j][h], _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                }
+            }
+            for (int j = 0; j < blocks; j++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 weight_scale = _mm256_cvtph_ps(
+                        _mm_loadu_si128((const __m128i *)(gb + j * stride + (g1 - g0) * 8 + 16 * h)));
+                    for (int i = 0; i < rows; i++) {
+                        const __m256 row_scale = _mm256_set1_ps(((const float *)(q + i * q_stride + kp))[c0 / CHUNK]);
+                        acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][j][h]),
+                                                       _mm256_mul_ps(weight_scale, row_scale), acc[i][j][h]);
+                    }
+                }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++)
+            for (int h = 0; h < 2; h++)
+                store8(c + i * ldc + j * 16 + 8 * h, acc[i][j][h], j == blocks - 1 ? cols - 8 * h : 8);
+}
+
+#define BLOCK_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
+
+void int4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c,
+                              int64_t ldc, int64_t m, int64_t n0, int64_t n1) {
+    const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
+    const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else two rows x one block */
+    int blocks;
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
+        const int64_t width = n1 - nb * 16; /* columns left from this block on */
+        blocks = wide && width > 16 ? 2 : 1;
+        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
+        const char *b = (const char *)b_packed + nb * stride;
+        for (int64_t r0 = 0; r0 < m; r0 += 2) {
+            if (blocks == 2) BLOCK_CASE(1, 2);
+            else if (m - r0 == 1) BLOCK_CASE(1, 1);
+            else BLOCK_CASE(2, 1);
+        }
+    }
+}
+
+int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                   int64_t m, int64_t n0, int64_t n1, int64_t group) {
+    char *q = malloc((size_t)(m * int4_row_bytes(kp)));
+    if (!q) return 1;
+    int4_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
+    int4_gemm_quantized_avx2(q, kp, b_packed, group, c, ldc, m, n0, n1);
+    free(q);
+    return 0;
+}
