@@ -175,11 +175,11 @@ static void gather_task(void *state, int worker, int64_t task) {
         char *dst = s->rows + i * kp * size;
         const int64_t t = s->token_of[i];
         const char *src = (const char *)s->x + t * d * (s->x_bf16 ? 2 : 4);
-        if (s->x_bf16 == !l->f32) /* float32 inputs rounded for bfloat16 weights, or bfloat16 ones widened */
+        if (s->x_bf16 == !l->f32)
             memcpy(dst, src, d * size);
-        else if (s->x_bf16)
+        else if (s->x_bf16) /* bfloat16 inputs widened for float32 weights */
             bf16_to_f32((const uint16_t *)src, (float *)dst, d);
-        else
+        else /* float32 inputs rounded for bfloat16 weights */
             f32_to_bf16((const float *)src, (uint16_t *)dst, d);
         /* k padding (bfloat16 rows) meets the weights' zero padding: it must not be NaN */
         memset(dst + d * size, 0, (kp - d) * size);
