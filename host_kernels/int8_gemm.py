@@ -1,7 +1,8 @@
 """GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c,
-on AVX512-BF16; `int8_gemm_avx2` in csrc/avx2_gemm.c, on AVX2 + FMA), and the packed layout they read: per
-16-column block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's 16 scales.
-bfloat16 rows in, float32 out.
+on AVX512-BF16: the weights widened to bfloat16; `int8_gemm_avx2` in csrc/avx2_quantized_gemm.c, on AVX2: integer
+products with the rows quantized to int8 per 32 values, `quant.quantize_activations`' rule), and the packed layout
+they read: per 16-column block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's
+16 scales. bfloat16 rows in, float32 out.
 
 `status(isa)` says whether this machine can run a variant and, if not, why.
 """
@@ -14,7 +15,7 @@ import numpy as np
 
 from host_kernels import bf16_gemm, native
 from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
-from host_kernels.errors import KernelArgumentError
+from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt8
 
 SCALE_BYTES = 4 * N_BLOCK  # a block's scales, after its weights
@@ -72,7 +73,7 @@ def unpack(w: PackedInt8) -> np.ndarray:
 
 
 def status(isa: str = native.AVX512) -> tuple[bool, str]:
-    """The same instructions as the bfloat16 kernel's variant (the int8 weights are widened in registers)."""
+    """The same instructions as the bfloat16 kernel's variant."""
     return bf16_gemm.status(isa)
 
 
@@ -82,7 +83,7 @@ def gemm(
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
     past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride.
     `isa`: the variant (default: the fastest this CPU runs)."""
-    bf16_gemm.run(
-        "int8_gemm", a, w, out, n0, n1, statuses={name: status(name) for name in bf16_gemm.CPU_FLAGS}, isa=isa
-    )
+    statuses = {name: status(name) for name in bf16_gemm.CPU_FLAGS}
+    if bf16_gemm.run("int8_gemm", a, w, out, n0, n1, statuses=statuses, isa=isa):
+        raise HostKernelError(f"int8 GEMM: out of memory for {a.shape[0]} quantized rows")
     return out

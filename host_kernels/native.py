@@ -35,6 +35,7 @@ SIGNATURES = {
     **{f"swiglu_forward{suffix}": _SWIGLU_FORWARD for suffix in ("", "_avx2")},
     **{f"swiglu_backward{suffix}": _SWIGLU_BACKWARD for suffix in ("", "_avx2")},
     **{f"{name}{suffix}": _GEMM for name in ("f32_gemm", "bf16_gemm", "int8_gemm") for suffix in ("", "_avx2")},
+    "int8_gemm_avx2": (_GEMM[0], ctypes.c_int),  # quantizes its rows first: non-zero where memory ran out
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
     "int4_unpack": ([_P, _I, _I, _I, _I, _P, _I], None),
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),

@@ -12,7 +12,7 @@ SOURCES = (
     "f32_gemm.c",
     "swiglu.c",
     "avx2_gemm.c",
-    "avx2_int4_gemm.c",
+    "avx2_quantized_gemm.c",
     "avx2_swiglu.c",
     "runner.c",
     "moe_forward.c",
@@ -33,7 +33,7 @@ XLA_FFI_SOURCES = (
     CSRC / "bf16_gemm.c",  # (and these, on CPUs without AMX)
     CSRC / "int4_gemm.c",
     CSRC / "avx2_gemm.c",  # (and these, on CPUs without AVX-512)
-    CSRC / "avx2_int4_gemm.c",
+    CSRC / "avx2_quantized_gemm.c",
     XLA_CSRC / "ffi_common.h",
     CSRC / "moe_forward.h",
     CSRC / "amx_gemm.h",

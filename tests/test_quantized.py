@@ -39,14 +39,15 @@ needs_kernel, needs_int4 = needs("int8"), needs("int4")
 
 
 def quantizer(kernel):
-    """The kernel's quantization of a float weight, and what its products see of bfloat16 rows [m, kp]."""
+    """The kernel's quantization of a float weight, and what its products see of bfloat16 rows [m, kp]: the rows
+    themselves (AVX512-BF16's int8 kernel), or int8 per 32 values (the int4 kernels, AVX2's int8 one)."""
     if KERNELS[kernel].format.bits == 8:
-        return quantize_int8, lambda rows: rows.astype(np.float64)
+        return quantize_int8, seen_by_int4 if kernel.startswith("avx2") else lambda rows: rows.astype(np.float64)
     return lambda w: quantize_int4(w, KERNELS[kernel].group), seen_by_int4
 
 
 def seen_by_int4(rows_kp):
-    """bfloat16 rows [m, kp] as the int4 kernel multiplies them: int8 per 32 values (quantize_activations)."""
+    """bfloat16 rows [m, kp] as the integer kernels multiply them: int8 per 32 values (quantize_activations)."""
     q, d = quantize_activations(np.asarray(rows_kp, np.float32))
     m, kp = q.shape
     return (q.astype(np.float64).reshape(m, kp // 32, 32) * d[..., None].astype(np.float64)).reshape(m, kp)

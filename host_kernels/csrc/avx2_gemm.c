@@ -1,16 +1,15 @@
-/* float32, bfloat16 and int8 GEMMs on AVX2 + FMA, for CPUs without AVX-512 (AMD Zen 1-3, Intel Haswell to Alder
- * Lake): the fused expert forward there (moe_forward.c) and host_kernels/f32_gemm.py, bf16_gemm.py, int8_gemm.py.
+/* float32 and bfloat16 GEMMs on AVX2 + FMA, for CPUs without AVX-512 (AMD Zen 1-3, Intel Haswell to Alder Lake):
+ * the fused expert forward there (moe_forward.c) and host_kernels/f32_gemm.py, bf16_gemm.py.
  * They read the same packed weights as the AVX-512 kernels (f32_gemm.c, bf16_gemm.c), so a store has one packing
  * whichever instruction set runs it. Only this file (and the other avx2_*.c) is compiled for avx2; its callers check
  * the CPU first.
  *
  * - f32_gemm_avx2: float32 weights in column blocks of 32, [n blocks][k][32]; up to 3 rows x 32 columns of C in 12
  *   accumulators.
- * - bf16_gemm_avx2, int8_gemm_avx2: weights in the bfloat16 kernels' k-pair layout (per 16-column block, k-pair rows
- *   holding (B[2r, c], B[2r + 1, c]) for its 16 columns; int8: then the block's 16 float32 scales). AVX2 has no
- *   bfloat16 products: a k-pair row is split into its even and odd k-rows as float32 in registers (a shift and an
- *   and for bfloat16; a sign extension, shifts and conversions for int8, exact), and the A row's matching pair is
- *   broadcast once per row and split the same way; two FMAs per 8 columns and row, into separate sums for the
+ * - bf16_gemm_avx2: weights in the AMX kernel's k-pair layout (per 16-column block, k-pair rows holding
+ *   (B[2r, c], B[2r + 1, c]) for its 16 columns). AVX2 has no bfloat16 products: a k-pair row is split into its
+ *   even and odd k-rows as float32 in registers (a shift and an and), and the A row's matching pair is broadcast
+ *   once per row and split the same way; two FMAs per 8 columns and row, into separate sums for the
  *   even and odd k-rows (half the length of each float32 sum: its rounding error stays that of XLA's blocked
  *   sums). A decode step (m = 1) reads two column blocks side by side (two weight streams); larger m computes
  *   2 rows x 1 block at a time.
@@ -69,37 +68,20 @@ void f32_gemm_avx2(const float *a, int64_t lda, const float *b_packed, int64_t k
     }
 }
 
-/* ------------------------------------------------------------------------------------- bfloat16 and int8 */
+/* ------------------------------------------------------------------------------------------------ bfloat16 */
 
 enum { MAX_ROWS = 2, MAX_BLOCKS = 2 };
 
-/* bytes of one 16-column block of packed B, and of one k-pair row in it */
-static inline int64_t block_bytes(int64_t kp, const int int8) { return int8 ? kp * 16 + 64 : kp * 32; }
-
-/* columns [8h, 8h + 8) of one k-pair row as float32: its even k-row in *even, its odd one in *odd */
-static inline __attribute__((always_inline)) void split_pairs(const char *row, int h, const int int8, __m256 *even,
-                                                              __m256 *odd) {
-    if (!int8) { /* 8 x (bfloat16 even, bfloat16 odd): the low half moved up, the high half kept */
-        const __m256i v = _mm256_load_si256((const __m256i *)(row + 32 * h));
-        *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-        return;
-    }
-    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * h))); /* 8 x (even, odd) */
-    *even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-    *odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
-}
-
 /* c rows [0, rows) x `blocks` 16-column blocks (the last one's first `cols` stored) = A @ B over all kp / 2
- * k-pairs; rows, blocks and int8 are constants at each call site, so the accumulators stay in registers */
+ * k-pairs; rows and blocks are constants at each call site, so the accumulators stay in registers */
 static inline __attribute__((always_inline)) void pair_rows(const uint16_t *a, int64_t lda, const char *b, int64_t kp,
                                                             float *c, int64_t ldc, const int rows, const int blocks,
-                                                            int cols, const int int8) {
+                                                            int cols) {
     __m256 acc[MAX_ROWS][MAX_BLOCKS][2][2]; /* [row][block][half][even, odd k-rows] */
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++)
             for (int h = 0; h < 2; h++) acc[i][j][h][0] = acc[i][j][h][1] = _mm256_setzero_ps();
-    const int64_t stride = block_bytes(kp, int8), row_bytes = int8 ? 32 : 64;
+    const int64_t stride = kp * 32; /* bytes of one block; a k-pair row is 64 */
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t r = 0; r < kp / 2; r++) {
         __m256 x_even[MAX_ROWS], x_odd[MAX_ROWS];
@@ -109,11 +91,12 @@ static inline __attribute__((always_inline)) void pair_rows(const uint16_t *a, i
             x_odd[i] = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
         }
         for (int j = 0; j < blocks; j++) {
-            const char *row = b + j * stride + r * row_bytes;
+            const char *row = b + j * stride + r * 64;
             _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
-            for (int h = 0; h < 2; h++) {
-                __m256 even, odd;
-                split_pairs(row, h, int8, &even, &odd);
+            for (int h = 0; h < 2; h++) { /* 8 x (even, odd): the low half moved up, the high half kept */
+                const __m256i v = _mm256_load_si256((const __m256i *)(row + 32 * h));
+                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
                 for (int i = 0; i < rows; i++) {
                     acc[i][j][h][0] = _mm256_fmadd_ps(x_even[i], even, acc[i][j][h][0]);
                     acc[i][j][h][1] = _mm256_fmadd_ps(x_odd[i], odd, acc[i][j][h][1]);
@@ -122,30 +105,24 @@ static inline __attribute__((always_inline)) void pair_rows(const uint16_t *a, i
         }
     }
     for (int j = 0; j < blocks; j++)
-        for (int h = 0; h < 2; h++) {
-            const __m256 scale =
-                int8 ? _mm256_loadu_ps((const float *)(b + j * stride + kp * 16) + 8 * h) : _mm256_set1_ps(1);
-            const int64_t count = j == blocks - 1 ? cols - 8 * h : 8;
-            for (int i = 0; i < rows; i++) {
-                const __m256 sum = _mm256_add_ps(acc[i][j][h][0], acc[i][j][h][1]);
-                store8(c + i * ldc + j * 16 + 8 * h, _mm256_mul_ps(sum, scale), count);
-            }
-        }
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < rows; i++)
+                store8(c + i * ldc + j * 16 + 8 * h, _mm256_add_ps(acc[i][j][h][0], acc[i][j][h][1]),
+                       j == blocks - 1 ? cols - 8 * h : 8);
 }
 
-#define PAIR_CASE(R, B) pair_rows(a + r0 * lda, lda, b, kp, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, int8)
+#define PAIR_CASE(R, B) pair_rows(a + r0 * lda, lda, b, kp, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
 
 /* Columns [n0, n1) of C, written to c (column n0 of row 0; row stride ldc floats); n0 a multiple of 16 */
-static inline __attribute__((always_inline)) void pair_gemm(const uint16_t *a, int64_t lda, const char *b_packed,
-                                                            int64_t kp, float *c, int64_t ldc, int64_t m, int64_t n0,
-                                                            int64_t n1, const int int8) {
+void bf16_gemm_avx2(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                    int64_t m, int64_t n0, int64_t n1) {
     const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else 2 rows x 1 block */
     int blocks;
     for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
         const int64_t width = n1 - nb * 16; /* columns left from this block on */
         blocks = wide && width > 16 ? 2 : 1;
         const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = b_packed + nb * block_bytes(kp, int8);
+        const char *b = (const char *)b_packed + nb * kp * 32;
         for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
             if (blocks == 2) PAIR_CASE(1, 2);
             else if (m - r0 == 1) PAIR_CASE(1, 1);
@@ -154,15 +131,6 @@ static inline __attribute__((always_inline)) void pair_gemm(const uint16_t *a, i
     }
 }
 
-void bf16_gemm_avx2(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
-                    int64_t m, int64_t n0, int64_t n1) {
-    pair_gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 0);
-}
-
-void int8_gemm_avx2(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
-                    int64_t m, int64_t n0, int64_t n1) {
-    pair_gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
-}
 
 void bf16_pack_rows_avx2(const float *src, int64_t lds, const int64_t *rows, int64_t m, int64_t k, uint16_t *dst,
                          int64_t kp, int64_t mp) {

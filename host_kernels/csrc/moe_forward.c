@@ -7,7 +7,7 @@
  * packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c); int8 weights with a scale per column
  * (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers) or int4 ones with a scale per group of k-rows
  * (int4_gemm.c on AVX512-VNNI, whose int8 activation rows are made once: the inputs as they are gathered, the
- * SwiGLU outputs by the tile that computes them), quantized from either.
+ * SwiGLU outputs by the tile that computes them, as AVX2's int8 kernel's are), quantized from either.
  *
  * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
  * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts
@@ -85,7 +85,7 @@ typedef struct {
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
     int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
     int avx2;                  /* the AVX2 kernels (SwiGLU and int4's row quantizer too), else AVX-512 ones */
-    int int4;                  /* an int4 kernel: its GEMMs read int8 rows (int4_quantize_rows) */
+    int records;               /* its GEMMs read quantized row records (int4 kernels, AVX2's int8; quantize_rows) */
     int64_t group;             /* int4: k-rows per scale */
     int64_t weight_bits;       /* bits per packed weight: 32, 16, 8 or 4 (scales aside) */
     int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
@@ -113,9 +113,10 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
     l->f32 = kernel == MOE_KERNEL_F32_AVX512 || kernel == MOE_KERNEL_F32_AVX2;
     l->kernel = kernel;
     l->avx2 = kernel >= MOE_KERNEL_F32_AVX2;
-    l->int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2;
+    const int int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2;
+    l->records = int4 || kernel == MOE_KERNEL_INT8_AVX2;
     l->group = group;
-    l->weight_bits = l->f32 ? 32 : int8 ? 8 : l->int4 ? 4 : 16;
+    l->weight_bits = l->f32 ? 32 : int8 ? 8 : int4 ? 4 : 16;
     l->row_bytes = l->f32 ? 4 : 2;
     l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
     l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
@@ -149,17 +150,24 @@ typedef struct {
     float *weight_sorted;   /* [pairs] */
     char *rows;             /* [pairs + 16, kp_hidden] inputs in sorted order, bfloat16 or float32 (row_bytes) */
     char *act;              /* [pairs + 16, kp_ffn] SwiGLU outputs, the same */
-    char *rows_q, *act_q;   /* int4 layers: both quantized to int8 (int4_row_bytes a row) */
+    char *rows_q, *act_q;   /* layers whose GEMMs read records: both quantized (record_bytes a row) */
     float *out;             /* [pairs, hidden] weighted expert outputs */
     void *y;
     tile *tiles;
     int64_t tile_count;
 } call_state;
 
-/* int4 layers: columns [c0, c1) of m bfloat16 rows quantized into their int8 records (int4_gemm.h) */
+/* Bytes of one quantized row record of kp values, for a layer whose GEMMs read records */
+static int64_t record_bytes(const moe_layer *l, int64_t kp) {
+    return l->kernel == MOE_KERNEL_INT8_AVX2 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
+}
+
+/* Columns [c0, c1) of m bfloat16 rows (row stride lda, also the records' kp) quantized into their records */
 static void quantize_rows(const moe_layer *l, const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1,
                           char *q) {
-    if (l->avx2)
+    if (l->kernel == MOE_KERNEL_INT8_AVX2)
+        int8_quantize_rows_avx2(a, lda, m, c0, c1, q, lda);
+    else if (l->avx2)
         int4_quantize_rows_avx2(a, lda, m, c0, c1, q, lda);
     else
         int4_quantize_rows(a, lda, m, c0, c1, q, lda);
@@ -185,11 +193,11 @@ static void gather_task(void *state, int worker, int64_t task) {
         memset(dst + d * size, 0, (kp - d) * size);
         char *act_row = s->act + i * l->kp_ffn * size;
         memset(act_row + l->ffn * size, 0, (l->kp_ffn - l->ffn) * size);
-        if (l->int4) quantize_rows(l, (const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * int4_row_bytes(kp));
+        if (l->records) quantize_rows(l, (const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * record_bytes(l, kp));
     }
 }
 
-/* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride; int4: their quantized records)
+/* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride; or their quantized records)
  * times packed weight w. */
 static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                         int64_t n0, int64_t n1) {
@@ -201,15 +209,15 @@ static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const voi
         case MOE_KERNEL_INT4_AVX512: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: records */
         case MOE_KERNEL_F32_AVX2: f32_gemm_avx2((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX2: bf16_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_INT8_AVX2: int8_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_INT8_AVX2: int8_gemm_quantized_avx2(a, kp, w, c, ldc, m, n0, n1); break;
         default: int4_gemm_quantized_avx2(a, kp, w, l->group, c, ldc, m, n0, n1); break;
     }
 }
 
-/* Where the GEMMs read row r0 of the gathered inputs or SwiGLU outputs (row stride kp): those rows, or for an int4
- * layer their quantized records. */
+/* Where the GEMMs read row r0 of the gathered inputs or SwiGLU outputs (row stride kp): those rows, or (a layer
+ * that reads records) their quantized records. */
 static const char *gemm_rows(const moe_layer *l, const char *rows, const char *rows_q, int64_t kp, int64_t r0) {
-    return l->int4 ? rows_q + r0 * int4_row_bytes(kp) : rows + r0 * kp * l->row_bytes;
+    return l->records ? rows_q + r0 * record_bytes(l, kp) : rows + r0 * kp * l->row_bytes;
 }
 
 static void gate_up_task(void *state, int worker, int64_t task) {
@@ -237,9 +245,9 @@ static void gate_up_task(void *state, int worker, int64_t task) {
     char *act = s->act + r0 * l->kp_ffn * l->row_bytes;
     (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes,
                                                       l->kp_ffn, !l->f32, m, width);
-    if (l->int4) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
+    if (l->records) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
         const int64_t end = padded(t.c1, 32) < l->kp_ffn ? padded(t.c1, 32) : l->kp_ffn;
-        quantize_rows(l, (const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * int4_row_bytes(l->kp_ffn));
+        quantize_rows(l, (const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * record_bytes(l, l->kp_ffn));
     }
 }
 
@@ -332,9 +340,9 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     char *rows = runner_reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
     char *act = runner_reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
     float *out = runner_reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
-    char *rows_q = l->int4 ? runner_reserve(&r->rows_q, (size_t)(pairs + 16) * int4_row_bytes(l->kp_hidden)) : NULL;
-    char *act_q = l->int4 ? runner_reserve(&r->act_q, (size_t)(pairs + 16) * int4_row_bytes(l->kp_ffn)) : NULL;
-    if (!index || !rows || !act || !out || (l->int4 && (!rows_q || !act_q)))
+    char *rows_q = l->records ? runner_reserve(&r->rows_q, (size_t)(pairs + 16) * record_bytes(l, l->kp_hidden)) : NULL;
+    char *act_q = l->records ? runner_reserve(&r->act_q, (size_t)(pairs + 16) * record_bytes(l, l->kp_ffn)) : NULL;
+    if (!index || !rows || !act || !out || (l->records && (!rows_q || !act_q)))
         return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
     int64_t *token_of = fill + experts + 1, *position = token_of + pairs;

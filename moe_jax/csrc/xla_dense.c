@@ -46,6 +46,11 @@ enum { /* native_call.py's */
 };
 static int is_int8(int64_t kernel) { return kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX2_INT8; }
 static int is_int4(int64_t kernel) { return kernel == DENSE_AVX512_INT4 || kernel == DENSE_AVX2_INT4; }
+/* the kernels that read x as quantized row records (x_q), and a record's bytes */
+static int reads_records(int64_t kernel) { return is_int4(kernel) || kernel == DENSE_AVX2_INT8; }
+static int64_t record_bytes(int64_t kernel, int64_t kp) {
+    return kernel == DENSE_AVX2_INT8 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
+}
 
 /* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
  * finds nothing left), so the last of the caller and its helpers to let go frees it. */
@@ -58,7 +63,7 @@ typedef struct {
     const void *w;
     float *y;
     uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
-    char *x_q;   /* int4: x quantized to int8 (int4_row_bytes a row), after x */
+    char *x_q;   /* int4, AVX2's int8: x's quantized row records (record_bytes a row), after x */
 } dense_call;
 
 static void run_group(const dense_call *c, int64_t g) {
@@ -73,7 +78,7 @@ static void run_group(const dense_call *c, int64_t g) {
     } else if (c->kernel == DENSE_AVX2_BF16) {
         bf16_gemm_avx2(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX2_INT8) {
-        int8_gemm_avx2(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+        int8_gemm_quantized_avx2(c->x_q, c->kp, c->w, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX2_INT4) {
         int4_gemm_quantized_avx2(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
     } else if (n1 - n0 == GROUP_BLOCKS * 16) {
@@ -149,7 +154,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     }
     const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     const size_t head = (sizeof(dense_call) + 63) / 64 * 64, x_bytes = (size_t)padded_rows * kp * 2;
-    const size_t q_bytes = is_int4(kernel) ? (size_t)(m * int4_row_bytes(kp)) : 0;
+    const size_t q_bytes = reads_records(kernel) ? (size_t)(m * record_bytes(kernel, kp)) : 0;
     dense_call *c = aligned_alloc(64, (head + x_bytes + q_bytes + 63) / 64 * 64);
     if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
     const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
@@ -159,6 +164,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
     if (kernel == DENSE_AVX512_INT4) int4_quantize_rows(c->x, kp, m, 0, kp, c->x_q, kp); /* once, for every task */
     if (kernel == DENSE_AVX2_INT4) int4_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
+    if (kernel == DENSE_AVX2_INT8) int8_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
     c->kernel = (int)kernel, c->int4_group = group;
     atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);

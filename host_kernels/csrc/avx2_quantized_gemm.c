@@ -1,6 +1,9 @@
-/* GEMMs over int4 weights on AVX2 (VPMADDUBSW + VPMADDWD in place of AVX512-VNNI's VPDPBUSD, as llama.cpp's Q4_0
- * products do on these CPUs), for the fused expert forward (moe_forward.c) and host_kernels/int4_gemm.py on CPUs
- * without AVX512-VNNI. Weights in int4_gemm.c's packed layout, activations in its quantized row records
+/* GEMMs over int8 and int4 weights on AVX2's integer products, for the fused expert forward (moe_forward.c), XLA's
+ * dense handler and host_kernels/int8_gemm.py, int4_gemm.py on CPUs without AVX-512. Both quantize their bfloat16
+ * rows to int8 per 32 values first, as llama.cpp does for its Q8_0 and Q4_0 products (quant.quantize_activations
+ * is the same rule), so each 32-value chunk's products are exact integer sums, scaled once in float32.
+ *
+ * int4 (VPMADDUBSW + VPMADDWD in place of AVX512-VNNI's VPDPBUSD, as llama.cpp's Q4_0 products do on these CPUs): Weights in int4_gemm.c's packed layout, activations in its quantized row records
  * (int4_gemm.h), which `int4_quantize_rows_avx2` writes bit for bit as `int4_quantize_rows` does: the integer
  * sums are exact in both, so both kernels compute the same products and differ only in float32 summation order.
  *
@@ -8,6 +11,12 @@
  * 8r + 4 + i in its high one), each 32-byte half (8 columns): the nibbles masked out, multiplied by the row's four
  * matching int8 activations and summed in pairs (maddubs: at most 2 x 15 x 128 per 16-bit lane), the low and high
  * nibbles' pair sums added (at most 7,680: no saturation), then the pairs summed to one int32 per column (madd).
+ *
+ * int8 (bf16_gemm.c's int8 layout: per 16-column block, k-pair rows of 32 bytes, then 16 float32 scales): each
+ * half row (8 columns' pairs) sign-extended to 16 bits and multiplied by the activations' matching pair with
+ * VPMADDWD, one int32 per column (3 instructions per 8 columns and k-pair where widening to float32 took 8). Its
+ * rows' records hold the int8 values widened to int16, so a pair is one broadcast load (int8_row_bytes_avx2).
+ *
  * Register blocking: one row x two blocks (decode: two weight streams) or two rows x one block.
  * Only this file is compiled for avx2 + f16c (the float16 scales); its callers check the CPU first.
  */
@@ -28,33 +37,59 @@ static inline int64_t block_bytes(int64_t kp, int64_t group) {
     return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;
 }
 
+int64_t int8_row_bytes_avx2(int64_t kp) { return kp * 2 + kp / CHUNK * 4; }
+
+/* 32 bfloat16 values quantized to nearest of d = max |x| / 127 (as int4_quantize_rows): the values in v (int32,
+ * within [-127, 127]), d returned, their sum in *sum */
+static inline float quantize_chunk(const uint16_t *x, __m256i v[4], int32_t *sum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 f[4], absmax = _mm256_setzero_ps();
+    for (int h = 0; h < 4; h++) {
+        f[h] = widen_bf16x8(x + 8 * h);
+        absmax = _mm256_max_ps(absmax, _mm256_and_ps(f[h], magnitude));
+    }
+    const float d = hmax8(absmax) / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+    __m256i total = _mm256_setzero_si256();
+    for (int h = 0; h < 4; h++) {
+        v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(f[h], _mm256_set1_ps(inverse)));
+        total = _mm256_add_epi32(total, v[h]);
+    }
+    *sum = hsum8_epi32(total);
+    return d;
+}
+
 void int4_quantize_rows_avx2(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp) {
     const int64_t stride = int4_row_bytes(kp);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t i = 0; i < m; i++) {
-        const uint16_t *row = a + i * lda;
         int8_t *values = (int8_t *)(q + i * stride);
         float *scales = (float *)(q + i * stride + kp);
         int32_t *offsets = (int32_t *)(scales + kp / CHUNK);
         for (int64_t c = c0; c < c1; c += CHUNK) {
-            __m256 x[4];
-            __m256 absmax = _mm256_setzero_ps();
-            for (int h = 0; h < 4; h++) {
-                x[h] = widen_bf16x8(row + c + 8 * h);
-                absmax = _mm256_max_ps(absmax, _mm256_and_ps(x[h], magnitude));
-            }
-            const float d = hmax8(absmax) / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
-            __m256i v[4], sum = _mm256_setzero_si256();
-            for (int h = 0; h < 4; h++) { /* to nearest, as int4_quantize_rows; within [-127, 127] */
-                v[h] = _mm256_cvtps_epi32(_mm256_mul_ps(x[h], _mm256_set1_ps(inverse)));
-                sum = _mm256_add_epi32(sum, v[h]);
-            }
+            __m256i v[4];
+            int32_t sum;
+            scales[c / CHUNK] = quantize_chunk(a + i * lda + c, v, &sum);
+            offsets[c / CHUNK] = -8 * sum;
             /* packs interleave the 128-bit lanes: 32-bit groups come out as 0 4 1 5 2 6 3 7; the permute undoes it */
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
             _mm256_storeu_si256((__m256i *)(values + c),
                                 _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-            scales[c / CHUNK] = d;
-            offsets[c / CHUNK] = -8 * hsum8_epi32(sum);
+        }
+    }
+}
+
+void int8_quantize_rows_avx2(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp) {
+    const int64_t stride = int8_row_bytes_avx2(kp);
+    for (int64_t i = 0; i < m; i++) {
+        int16_t *values = (int16_t *)(q + i * stride);
+        float *scales = (float *)(values + kp);
+        for (int64_t c = c0; c < c1; c += CHUNK) {
+            __m256i v[4];
+            int32_t sum;
+            scales[c / CHUNK] = quantize_chunk(a + i * lda + c, v, &sum);
+            const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* packs' lane interleave, undone */
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_si256((__m256i *)(values + c + 16 * h),
+                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi32(v[2 * h], v[2 * h + 1]), order));
         }
     }
 }
@@ -144,6 +179,81 @@ int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int6
     if (!q) return 1;
     int4_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
     int4_gemm_quantized_avx2(q, kp, b_packed, group, c, ldc, m, n0, n1);
+    free(q);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------- int8 */
+
+/* c rows [0, rows) x `blocks` blocks (the last one's first `cols` stored) from int8 row records q (row stride
+ * int8_row_bytes_avx2(kp)) and int8 weight blocks at b (block stride kp * 16 + 64) */
+static inline __attribute__((always_inline)) void int8_block_rows(const char *q, int64_t kp, const char *b, float *c,
+                                                                  int64_t ldc, const int rows, const int blocks,
+                                                                  int cols) {
+    enum { MAX_ROWS = 2, MAX_BLOCKS = 2 };
+    const int64_t stride = kp * 16 + 64, q_stride = int8_row_bytes_avx2(kp);
+    __m256 acc[MAX_ROWS][MAX_BLOCKS][2];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < kp; c0 += CHUNK) {
+        __m256i sums[MAX_ROWS][MAX_BLOCKS][2];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < blocks; j++) sums[i][j][0] = sums[i][j][1] = _mm256_setzero_si256();
+        for (int64_t r = c0 / 2; r < (c0 + CHUNK) / 2; r++) { /* the chunk's k-pairs */
+            __m256i x[MAX_ROWS];
+            for (int i = 0; i < rows; i++) x[i] = _mm256_set1_epi32(((const int32_t *)(q + i * q_stride))[r]);
+            for (int j = 0; j < blocks; j++) {
+                const char *row = b + j * stride + r * 32;
+                _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * h)));
+                    for (int i = 0; i < rows; i++)
+                        sums[i][j][h] = _mm256_add_epi32(sums[i][j][h], _mm256_madd_epi16(w, x[i]));
+                }
+            }
+        }
+        for (int i = 0; i < rows; i++) {
+            const __m256 row_scale = _mm256_set1_ps(((const float *)(q + i * q_stride + kp * 2))[c0 / CHUNK]);
+            for (int j = 0; j < blocks; j++)
+                for (int h = 0; h < 2; h++)
+                    acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][j][h]), row_scale, acc[i][j][h]);
+        }
+    }
+    for (int j = 0; j < blocks; j++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 scale = _mm256_loadu_ps((const float *)(b + j * stride + kp * 16) + 8 * h);
+            for (int i = 0; i < rows; i++)
+                store8(c + i * ldc + j * 16 + 8 * h, _mm256_mul_ps(acc[i][j][h], scale),
+                       j == blocks - 1 ? cols - 8 * h : 8);
+        }
+}
+
+#define INT8_CASE(R, B) int8_block_rows(q + r0 * q_stride, kp, b, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
+
+void int8_gemm_quantized_avx2(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                              int64_t n0, int64_t n1) {
+    const int64_t q_stride = int8_row_bytes_avx2(kp);
+    const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else two rows x one block */
+    int blocks;
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
+        const int64_t width = n1 - nb * 16; /* columns left from this block on */
+        blocks = wide && width > 16 ? 2 : 1;
+        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
+        const char *b = (const char *)b_packed + nb * (kp * 16 + 64);
+        for (int64_t r0 = 0; r0 < m; r0 += 2) {
+            if (blocks == 2) INT8_CASE(1, 2);
+            else if (m - r0 == 1) INT8_CASE(1, 1);
+            else INT8_CASE(2, 1);
+        }
+    }
+}
+
+int int8_gemm_avx2(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                   int64_t m, int64_t n0, int64_t n1) {
+    char *q = malloc((size_t)(m * int8_row_bytes_avx2(kp)));
+    if (!q) return 1;
+    int8_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
+    int8_gemm_quantized_avx2(q, kp, b_packed, c, ldc, m, n0, n1);
     free(q);
     return 0;
 }
