@@ -5,7 +5,7 @@
  * the CPU first.
  *
  * - f32_gemm_avx2: float32 weights in column blocks of 32, [n blocks][k][32]; up to 3 rows x 32 columns of C in 12
- *   accumulators.
+ *   accumulators, or for a decode step's one row two blocks side by side (two weight streams).
  * - bf16_gemm_avx2: weights in the AMX kernel's k-pair layout (per 16-column block, k-pair rows holding
  *   (B[2r, c], B[2r + 1, c]) for its 16 columns). AVX2 has no bfloat16 products: a k-pair row is split into its
  *   even and odd k-rows as float32 in registers (a shift and an and), and the A row's matching pair is broadcast
@@ -29,40 +29,50 @@
 
 /* ------------------------------------------------------------------------------------------------- float32 */
 
-/* c rows [0, rows) x 32 columns (the first `width` stored) = a @ one packed block b; `rows` is a constant at each
- * call site, so the accumulators stay in registers */
+/* c rows [0, rows) x `blocks` blocks of 32 columns (the first `width` stored) = a @ the packed blocks at b; rows
+ * and blocks are constants at each call site, so the accumulators stay in registers */
 static inline __attribute__((always_inline)) void f32_rows(const float *a, int64_t lda, const float *b, int64_t k,
-                                                           float *c, int64_t ldc, const int rows, int64_t width) {
-    __m256 acc[F32_ROWS][4];
+                                                           float *c, int64_t ldc, const int rows, const int blocks,
+                                                           int64_t width) {
+    enum { VECTORS = 8 }; /* at most 2 blocks of 4 */
+    __m256 acc[F32_ROWS][VECTORS];
     for (int i = 0; i < rows; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < 4 * blocks; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
-        const float *row = b + kk * 32;
-        _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)row + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        __m256 w[4];
-        for (int j = 0; j < 4; j++) w[j] = _mm256_load_ps(row + 8 * j);
+        __m256 w[VECTORS];
+        for (int block = 0; block < blocks; block++) {
+            const float *row = b + block * k * 32 + kk * 32;
+            _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            for (int j = 0; j < 4; j++) w[4 * block + j] = _mm256_load_ps(row + 8 * j);
+        }
         for (int i = 0; i < rows; i++) {
             const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+            for (int j = 0; j < 4 * blocks; j++) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
         }
     }
     for (int i = 0; i < rows; i++)
-        for (int j = 0; j < 4; j++) store8(c + i * ldc + 8 * j, acc[i][j], width - 8 * j);
+        for (int j = 0; j < 4 * blocks; j++) store8(c + i * ldc + 8 * j, acc[i][j], width - 8 * j);
 }
 
 void f32_gemm_avx2(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
                    int64_t n0, int64_t n1) {
-    for (int64_t nb = n0 / 32; nb * 32 < n1; nb++) {
+    int blocks;
+    for (int64_t nb = n0 / 32; nb * 32 < n1; nb += blocks) {
         const float *b = b_packed + nb * k * 32;
-        const int64_t width = n1 - nb * 32 < 32 ? n1 - nb * 32 : 32;
+        const int64_t width = n1 - nb * 32; /* columns left from this block on */
+        blocks = m == 1 && width > 32 ? 2 : 1;
         for (int64_t r0 = 0; r0 < m; r0 += F32_ROWS) {
             const float *a_rows = a + r0 * lda;
             float *c_rows = c + r0 * ldc + nb * 32 - n0;
+            if (blocks == 2) {
+                f32_rows(a_rows, lda, b, k, c_rows, ldc, 1, 2, width);
+                continue;
+            }
             switch (m - r0 < F32_ROWS ? (int)(m - r0) : F32_ROWS) {
-                case 1: f32_rows(a_rows, lda, b, k, c_rows, ldc, 1, width); break;
-                case 2: f32_rows(a_rows, lda, b, k, c_rows, ldc, 2, width); break;
-                default: f32_rows(a_rows, lda, b, k, c_rows, ldc, F32_ROWS, width); break;
+                case 1: f32_rows(a_rows, lda, b, k, c_rows, ldc, 1, 1, width); break;
+                case 2: f32_rows(a_rows, lda, b, k, c_rows, ldc, 2, 1, width); break;
+                default: f32_rows(a_rows, lda, b, k, c_rows, ldc, F32_ROWS, 1, width); break;
             }
         }
     }
