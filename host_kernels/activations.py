@@ -21,11 +21,7 @@ def status(isa: str = native.AVX512) -> tuple[bool, str]:
 
 def best_isa() -> tuple[str | None, str]:
     """(the fastest variant of the native passes this machine runs, "") or (None, why none runs)."""
-    statuses = {isa: status(isa) for isa in CPU_FLAGS}
-    for isa, (usable, _) in statuses.items():
-        if usable:
-            return isa, ""
-    return None, "; ".join(f"{isa}: {why}" for isa, (_, why) in statuses.items())
+    return native.best_isa(native.variant_statuses(CPU_FLAGS))
 
 
 def _native_pass(name: str, isa: str):

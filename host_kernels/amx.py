@@ -86,9 +86,7 @@ def pack_layout(w: np.ndarray) -> PackedWeight:
 def pack_rows(x: np.ndarray, kp: int, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """bfloat16 copy of `x` (float32 [m, k], rows contiguous) — or of its rows `rows` — padded for `gemm`:
     [m rounded up to 16, kp], zeros in the padding; into `out` (aligned, that shape, uint16) when given."""
-    isa = native.pick_isa(
-        {isa: native.status(f) for isa, f in PACK_ROWS_CPU_FLAGS.items()}, None, "bfloat16 row packing"
-    )
+    isa = native.pick_isa(native.variant_statuses(PACK_ROWS_CPU_FLAGS), None, "bfloat16 row packing")
     if x.ndim != 2 or x.dtype != np.float32 or x.strides[1] != 4 or x.strides[0] < 0:
         raise KernelArgumentError(f"pack_rows needs float32 rows with unit column stride, got {x.dtype} {x.strides}")
     m = x.shape[0] if rows is None else rows.shape[0]

@@ -29,7 +29,7 @@ def gemm(
     """out[:, :] = (a @ w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns past w.k
     are zeros up to w.kp (`amx.pack_rows` or a `amx.row_buffer` make them); `n0` a multiple of 16; `out` a float32
     [m, n1 - n0] array or view with unit column stride. `isa`: the variant (default: the fastest this CPU runs)."""
-    run("bf16_gemm", a, w, out, n0, n1, statuses={name: status(name) for name in CPU_FLAGS}, isa=isa)
+    run("bf16_gemm", a, w, out, n0, n1, statuses=native.variant_statuses(CPU_FLAGS), isa=isa)
     return out
 
 

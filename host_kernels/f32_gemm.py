@@ -51,7 +51,7 @@ def gemm(
 ) -> np.ndarray:
     """out[:, :] = (a @ w)[:, n0:n1] for float32 rows `a` [m, k] (unit column stride); n0 a multiple of 32. `isa`:
     the variant (native.AVX512, native.AVX2; default: the fastest this CPU runs)."""
-    isa = native.pick_isa({name: status(name) for name in CPU_FLAGS}, isa, "float32 GEMM")
+    isa = native.pick_isa(native.variant_statuses(CPU_FLAGS), isa, "float32 GEMM")
     n1 = w.n if n1 is None else n1
     m = a.shape[0]
     if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != w.k or a.strides[1] != 4 or a.strides[0] < 0:

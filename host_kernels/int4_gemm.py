@@ -119,7 +119,7 @@ def gemm(
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
     past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride.
     `isa`: the variant (default: the fastest this CPU runs)."""
-    statuses = {name: status(name) for name in CPU_FLAGS}
+    statuses = native.variant_statuses(CPU_FLAGS)
     if bf16_gemm.run("int4_gemm", a, w, out, n0, n1, w.group, statuses=statuses, isa=isa):
         raise HostKernelError(f"int4 GEMM: out of memory for {a.shape[0]} quantized rows")
     return out

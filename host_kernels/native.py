@@ -60,18 +60,31 @@ def symbol(name: str, isa: str) -> str:
     return name if isa == AVX512 else f"{name}_{isa}"
 
 
+def variant_statuses(cpu_flags: dict[str, tuple[str, ...]]) -> dict[str, tuple[bool, str]]:
+    """isa -> status() for a kernel whose variants need these CPU flags (isa -> flags, fastest first)."""
+    return {isa: status(flags) for isa, flags in cpu_flags.items()}
+
+
+def best_isa(statuses: dict[str, tuple[bool, str]]) -> tuple[str | None, str]:
+    """(the first of `statuses` (isa -> status(), fastest first) this machine runs, "") or (None, why none)."""
+    for name, (usable, _) in statuses.items():
+        if usable:
+            return name, ""
+    return None, "; ".join(f"{name}: {why}" for name, (_, why) in statuses.items())
+
+
 def pick_isa(statuses: dict[str, tuple[bool, str]], isa: str | None, what: str) -> str:
-    """The instruction set `what` runs on: `isa` when given, else the first of `statuses` (isa -> status(),
-    fastest first) this machine runs; KernelArgumentError where it runs none (or not the one asked for)."""
+    """The instruction set `what` runs on: `isa` when given, else `best_isa(statuses)`; KernelArgumentError where
+    this machine runs none (or not the one asked for)."""
     if isa is not None:
         if isa not in statuses:
             raise KernelArgumentError(f"{what}: no {isa} variant (variants: {', '.join(statuses)})")
         require(statuses[isa], f"{what} ({isa})")
         return isa
-    for name, (usable, _) in statuses.items():
-        if usable:
-            return name
-    raise KernelArgumentError(f"{what} unavailable: " + "; ".join(f"{n}: {why}" for n, (_, why) in statuses.items()))
+    best, why = best_isa(statuses)
+    if best is None:
+        raise KernelArgumentError(f"{what} unavailable: {why}")
+    return best
 
 
 @cache
