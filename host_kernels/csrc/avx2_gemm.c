@@ -126,21 +126,8 @@ static inline __attribute__((always_inline)) void pair_rows(const uint16_t *a, i
 /* Columns [n0, n1) of C, written to c (column n0 of row 0; row stride ldc floats); n0 a multiple of 16 */
 void bf16_gemm_avx2(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
                     int64_t m, int64_t n0, int64_t n1) {
-    const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else 2 rows x 1 block */
-    int blocks;
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
-        const int64_t width = n1 - nb * 16; /* columns left from this block on */
-        blocks = wide && width > 16 ? 2 : 1;
-        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = (const char *)b_packed + nb * kp * 32;
-        for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
-            if (blocks == 2) PAIR_CASE(1, 2);
-            else if (m - r0 == 1) PAIR_CASE(1, 1);
-            else PAIR_CASE(2, 1);
-        }
-    }
+    AVX2_TILES(m, n0, n1, b_packed, kp * 32, PAIR_CASE);
 }
-
 
 void bf16_pack_rows_avx2(const float *src, int64_t lds, const int64_t *rows, int64_t m, int64_t k, uint16_t *dst,
                          int64_t kp, int64_t mp) {

@@ -157,20 +157,8 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
 
 void int4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c,
                               int64_t ldc, int64_t m, int64_t n0, int64_t n1) {
-    const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
-    const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else two rows x one block */
-    int blocks;
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
-        const int64_t width = n1 - nb * 16; /* columns left from this block on */
-        blocks = wide && width > 16 ? 2 : 1;
-        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = (const char *)b_packed + nb * stride;
-        for (int64_t r0 = 0; r0 < m; r0 += 2) {
-            if (blocks == 2) BLOCK_CASE(1, 2);
-            else if (m - r0 == 1) BLOCK_CASE(1, 1);
-            else BLOCK_CASE(2, 1);
-        }
-    }
+    const int64_t q_stride = int4_row_bytes(kp);
+    AVX2_TILES(m, n0, n1, b_packed, block_bytes(kp, group), BLOCK_CASE);
 }
 
 int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
@@ -233,19 +221,7 @@ static inline __attribute__((always_inline)) void int8_block_rows(const char *q,
 void int8_gemm_quantized_avx2(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,
                               int64_t n0, int64_t n1) {
     const int64_t q_stride = int8_row_bytes_avx2(kp);
-    const int wide = m == 1; /* decode: one row x two blocks (two weight streams); else two rows x one block */
-    int blocks;
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += blocks) {
-        const int64_t width = n1 - nb * 16; /* columns left from this block on */
-        blocks = wide && width > 16 ? 2 : 1;
-        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = (const char *)b_packed + nb * (kp * 16 + 64);
-        for (int64_t r0 = 0; r0 < m; r0 += 2) {
-            if (blocks == 2) INT8_CASE(1, 2);
-            else if (m - r0 == 1) INT8_CASE(1, 1);
-            else INT8_CASE(2, 1);
-        }
-    }
+    AVX2_TILES(m, n0, n1, b_packed, kp * 16 + 64, INT8_CASE);
 }
 
 int int8_gemm_avx2(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,

@@ -61,4 +61,24 @@ static inline void store8_as(void *dst, int64_t j, __m256 v, int64_t count, int 
     for (int64_t i = 0; i < count; i++) out[i] = lanes[i];
 }
 
+/* The tiling the AVX2 GEMMs share over C's columns [n0, n1) (16-column blocks from n0 / 16, n0 a multiple of 16)
+ * and m rows: a decode step's one row x two blocks side by side (two weight streams), else two rows x one block.
+ * For each tile, CASE(R, B) computes rows [r0, r0 + R) x blocks [nb, nb + B), with `b` the packed weights of block
+ * nb (block_stride bytes apart) and `cols` the valid columns of the tile's last block. */
+#define AVX2_TILES(m, n0, n1, b_packed, block_stride, CASE)                                          \
+    do {                                                                                            \
+        int blocks;                                                                                 \
+        for (int64_t nb = (n0) / 16; nb * 16 < (n1); nb += blocks) {                                \
+            const int64_t width = (n1) - nb * 16; /* columns left from this block on */             \
+            blocks = (m) == 1 && width > 16 ? 2 : 1;                                                \
+            const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16); \
+            const char *b = (const char *)(b_packed) + nb * (block_stride);                         \
+            for (int64_t r0 = 0; r0 < (m); r0 += 2) {                                               \
+                if (blocks == 2) CASE(1, 2);                                                        \
+                else if ((m) - r0 == 1) CASE(1, 1);                                                 \
+                else CASE(2, 1);                                                                    \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
+
 #endif
