@@ -84,12 +84,19 @@ def pack(w: QuantizedInt4) -> PackedInt4:
 
 def unpack(w: PackedInt4) -> np.ndarray:
     """The float32 [k, n] weight a packed one holds ((stored - 8) * scale): what its products compute with. Native
-    where the kernel runs (3x numpy's speed: training's backward dequantizes every expert it meets)."""
-    if not status()[0]:
-        return unpack_numpy(w)
+    where a kernel variant runs (3x numpy's speed: training's backward dequantizes every expert it meets)."""
+    isa, _ = native.best_isa(native.variant_statuses(CPU_FLAGS))
+    return unpack_numpy(w) if isa is None else unpack_native(w, isa)
+
+
+def unpack_native(w: PackedInt4, isa: str) -> np.ndarray:
+    """`unpack` on the native variant `isa` (refused where this CPU cannot run it)."""
+    native.pick_isa(native.variant_statuses(CPU_FLAGS), isa, "int4 unpack")
     blocks = w.data.shape[0]
     out = np.empty((w.k, blocks * N_BLOCK), np.float32)
-    native.lib().int4_unpack(w.data.ctypes.data, w.kp, w.group, blocks, w.k, out.ctypes.data, blocks * N_BLOCK)
+    getattr(native.lib(), native.symbol("int4_unpack", isa))(
+        w.data.ctypes.data, w.kp, w.group, blocks, w.k, out.ctypes.data, blocks * N_BLOCK
+    )
     return out[:, : w.n]
 
 

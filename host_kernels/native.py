@@ -37,7 +37,7 @@ SIGNATURES = {
     **{f"{name}{suffix}": _GEMM for name in ("f32_gemm", "bf16_gemm", "int8_gemm") for suffix in ("", "_avx2")},
     "int8_gemm_avx2": (_GEMM[0], ctypes.c_int),  # quantizes its rows first: non-zero where memory ran out
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
-    "int4_unpack": ([_P, _I, _I, _I, _I, _P, _I], None),
+    **{f"int4_unpack{suffix}": ([_P, _I, _I, _I, _I, _P, _I], None) for suffix in ("", "_avx2")},
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),

@@ -22,7 +22,7 @@ from host_kernels.schedule import NOT_ROUTED
 from moe_jax import native_call
 from moe_jax.errors import InputError
 from moe_jax.layers import base_matmul
-from tests.isa import kernel_variants
+from tests.isa import kernel_variants, variants
 from tests.test_fused_forward import make_store, routing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +159,15 @@ def test_kernel_refuses_bad_arguments():
         int8_gemm.PackedInt8(packed.data[:, :-64], packed.k, packed.n)
     with pytest.raises(KernelArgumentError, match="one \\[k, n\\] weight"):
         int8_gemm.pack(quantize_int8(np.ones((2, 40, 20), np.float32)))
+
+
+@pytest.mark.parametrize("isa", variants(int4_gemm.status))
+@pytest.mark.parametrize("k, n, group", [(45, 17, 32), (200, 130, 64), (300, 40, 128), (96, 1, 32)])
+def test_native_int4_unpack_equals_numpys(isa, k, n, group):
+    # training's backward on int4 experts reads the weights through it
+    rng = np.random.default_rng(k + n)
+    packed = int4_gemm.pack(quantize_int4(rng.standard_normal((k, n)).astype(np.float32), group))
+    np.testing.assert_array_equal(int4_gemm.unpack_native(packed, isa), int4_gemm.unpack_numpy(packed))
 
 
 @needs_int4

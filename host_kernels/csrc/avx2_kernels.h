@@ -26,6 +26,8 @@ int int8_gemm_avx2(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
 void int4_quantize_rows_avx2(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1, char *q, int64_t kp);
 void int4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c,
                               int64_t ldc, int64_t m, int64_t n0, int64_t n1);
+void int4_unpack_avx2(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
+                      int64_t ldo);
 int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
                    int64_t m, int64_t n0, int64_t n1, int64_t group);
 

@@ -171,6 +171,33 @@ int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int6
     return 0;
 }
 
+void int4_unpack_avx2(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
+                      int64_t ldo) {
+    const int64_t stride = block_bytes(kp, group);
+    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const char *block = (const char *)b_packed + nb * stride;
+        for (int64_t g0 = 0; g0 < k; g0 += group) {
+            const int64_t g1 = g0 + group < kp ? g0 + group : kp;
+            const char *gb = block + g0 / group * (group * 8 + SCALE_BYTES);
+            for (int h = 0; h < 2; h++) { /* columns [8h, 8h + 8) of the block */
+                const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + (g1 - g0) * 8 + 16 * h)));
+                for (int64_t r = g0; r < g1 && r < k; r += 8) {
+                    /* lane c: column c's 4 bytes, k-rows r..r+3 in the low nibbles, r+4..r+7 in the high ones */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + (r - g0) * 8 + 32 * h));
+                    for (int i = 0; i < 8 && r + i < k; i++) {
+                        const __m256i shift = _mm256_set1_epi32(8 * (i & 3) + 4 * (i >> 2));
+                        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, shift), low4);
+                        const __m256 w = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), eight), scale);
+                        _mm256_storeu_ps(out + (r + i) * ldo + nb * 16 + 8 * h, w);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------------- int8 */
 
 /* c rows [0, rows) x `blocks` blocks (the last one's first `cols` stored) from int8 row records q (row stride
