@@ -75,8 +75,6 @@ def _quantized_kernel(quant: QuantFormat, isa: str) -> FusedKernel:
 # load_model(quant=...) -> the kernels that read such weights, fastest first ("int4": llama.cpp Q4_0's group of
 # 32 k-rows)
 QUANTIZED = {name: (f"avx512-{name}", f"avx2-{name}") for name in FORMATS}
-AVX512_INT8 = QUANTIZED["int8"][0]
-AVX512_INT4 = {quant.group: QUANTIZED[name][0] for name, quant in FORMATS.items() if quant.bits == 4}  # by group
 _F32_PACKING = (f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32)
 _BF16_PACKING = (amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16)
 KERNELS = {  # fastest first for each store dtype
