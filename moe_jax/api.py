@@ -143,8 +143,8 @@ class Model:
         }
 
     def kv_bytes_per_sequence(self, max_len: int) -> int:
-        c = self.config
-        return 2 * c.num_layers * max_len * c.num_kv_heads * c.head_dim * np.dtype(DTYPES[self.dtype]).itemsize
+        values = sum(heads * dim for heads, dim in self.config.kv_cache_dims)
+        return self.config.num_layers * max_len * values * np.dtype(DTYPES[self.dtype]).itemsize
 
     def kv_slots(self, max_len: int) -> int | None:
         """How many sequences of `max_len` tokens the KV budget holds (None: no limit)."""
@@ -228,9 +228,10 @@ class Model:
         c = self.config
         kv_bytes = batch * self.kv_bytes_per_sequence(length)
         check_fits({"KV cache": kv_bytes}, f"a KV cache of {batch} sequences x {length} tokens")
-        shape = (batch, c.num_kv_heads, length, c.head_dim)  # kv-head-major: see layers.Attention
+        # per layer two arrays [batch, heads, length, dim], head-major: see layers.Attention (and mla.MLAttention)
+        shapes = [(batch, heads, length, dim) for heads, dim in c.kv_cache_dims]
         dtype = DTYPES[self.dtype]
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
+        return [tuple(jnp.zeros(shape, dtype) for shape in shapes) for _ in range(c.num_layers)]
 
     def generation_steps(self):
         """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
@@ -282,6 +283,7 @@ def load_model(
     xla_ffi: bool | None = None,
     host_kernels=None,
     quant: str | None = None,
+    mla_decode: str = "absorbed",
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -304,7 +306,9 @@ def load_model(
     GEMMs (expert LoRA, training's backward) dequantize them expert by expert, so LoRA trains on the quantized
     base. A bfloat16 model's decode steps then read their dense weights quantized too, where they multiply them
     natively (a quantized copy beside the bfloat16 weights, which prefill and training use). Only the host
-    backend runs quantized experts. The resulting plan is `Model.plan` (moe_jax/plan.py).
+    backend runs quantized experts. `mla_decode` (DeepSeek's latent attention): "absorbed" decode steps read the
+    compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/mla.py). The
+    resulting plan is `Model.plan` (moe_jax/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -322,7 +326,8 @@ def load_model(
             f"{'may compute some on the device' if kind.host_engine else 'runs none on the host'}"
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
-    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant)
+    mla_decode = mla_decode if checkpoint.config.mla is not None else ""
+    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode)
     parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""
     check_fits(parts, f"loading {checkpoint.path}", hint=hint)

@@ -18,6 +18,7 @@ from host_kernels import ExpertStore, LayerExperts, StoreError
 from moe_jax import fp8
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, is_int, read_json_file
+from moe_jax.hf_config import read_hf_config
 from moe_jax.safetensors_io import TensorSource
 
 EXPERT_STORE_DIR = "experts"
@@ -80,7 +81,7 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
                 "saying how they are scaled"
             )
     _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
-    config = ModelConfig.from_hf(hf_config, source=str(config_file))
+    config = read_hf_config(hf_config, source=str(config_file))
     store = None
     if (path / EXPERT_STORE_DIR).exists():
         try:
@@ -124,7 +125,7 @@ def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
 
 
 def moe_prefix(config: ModelConfig, layer: int) -> str:
-    return f"model.layers.{layer}.{'block_sparse_moe' if config.model_type == 'mixtral' else 'mlp'}"
+    return f"model.layers.{layer}.{config.moe_module}"
 
 
 def hf_expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
@@ -179,12 +180,15 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         "k_proj.bias": (kv,),
         "v_proj.bias": (kv,),
         "o_proj.bias": (d,),
-        "q_norm.weight": (hd,),
-        "k_norm.weight": (hd,),
+        "q_norm.weight": (q,) if config.qk_norm == "full" else (hd,),
+        "k_norm.weight": (kv,) if config.qk_norm == "full" else (hd,),
         "gate.weight": (config.num_experts, d),
+        "gate.e_score_correction_bias": (config.num_experts,),
         "shared_expert_gate.weight": (1, d),
     }
-    if ".shared_expert." in name:
+    if config.mla is not None:
+        table.update(_mla_shapes(config))
+    if f".{config.shared_expert_module}." in name:
         width = config.shared_expert_intermediate_size
     else:
         width = config.dense_intermediate_size
@@ -193,3 +197,20 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         if name.endswith(suffix):
             return shape
     return None
+
+
+def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    mla, d, h = config.mla, config.hidden_size, config.num_heads
+    latent = mla.kv_lora_rank + mla.rope_dim
+    return {
+        "q_proj.weight": (h * mla.qk_dim, d),
+        "q_a_proj.weight": (mla.q_lora_rank, d),
+        "q_a_proj.bias": (mla.q_lora_rank,),
+        "q_a_layernorm.weight": (mla.q_lora_rank,),
+        "q_b_proj.weight": (h * mla.qk_dim, mla.q_lora_rank),
+        "kv_a_proj_with_mqa.weight": (latent, d),
+        "kv_a_proj_with_mqa.bias": (latent,),
+        "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "kv_b_proj.weight": (h * (mla.nope_dim + mla.v_dim), mla.kv_lora_rank),
+        "o_proj.weight": (d, h * mla.v_dim),
+    }

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.native_call import DENSE_MAX_ROWS, decode_attention_call, dense_call, pack_dense
+from moe_jax.rope import Rope
 
 
 class Frozen(nnx.Variable):
@@ -40,21 +41,6 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
-
-
-def rope_cos_sin(positions_bt, head_dim: int, theta: float):
-    """cos/sin tables [b, t, head_dim] in the rotate-half convention of Hugging Face's Llama family."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x, cos, sin):
-    """RoPE on the last axis of x; cos/sin (from `rope_cos_sin`) reshaped to broadcast against x."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
 # The random key for LoRA dropout while a training step is traced (None: no dropout, as at evaluation).
@@ -156,6 +142,14 @@ class Projection(nnx.Module):
         self.packed = Frozen(pack_dense(self.weight[...], kernel))
         self.dense_kernel = kernel
 
+    def merged_weight(self):
+        """W with the adapter folded in (W + scale * A @ B, float32 where an adapter is attached), for products
+        that use the weight itself rather than x @ W (MLA's absorbed decode). No dropout: inference only."""
+        w = self.weight[...]
+        if self.lora_a is None:
+            return w
+        return w.astype(jnp.float32) + self.lora_scale * (self.lora_a[...] @ self.lora_b[...])
+
     def __call__(self, x):
         w_t = None if self.weight_t is None else self.weight_t[...]
         packed = None if self.packed is None else self.packed[...]
@@ -175,7 +169,8 @@ class Projection(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention with RoPE, optional per-head q/k RMSNorm and an optional sliding window."""
+    """Causal grouped-query attention with RoPE, optional q/k RMSNorm (per head, or over the whole projection as
+    OLMoE), optional q/k/v clipping and an optional sliding window."""
 
     def __init__(
         self,
@@ -187,11 +182,13 @@ class Attention(nnx.Module):
         num_heads,
         num_kv_heads,
         head_dim,
-        rope_theta,
+        rope: Rope,
         eps,
         window=None,
         q_norm=None,
         k_norm=None,
+        norm_whole_projection: bool = False,
+        clip_qkv: float | None = None,
         native_decode_attention: bool = False,
     ):
         """`native_decode_attention` (the execution plan's choice, moe_jax/plan.py): a decode step's attention
@@ -200,10 +197,26 @@ class Attention(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None
+        self.norm_whole_projection = norm_whole_projection
+        self.clip_qkv = clip_qkv
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.rope_theta = rope_theta
+        self.rope = rope
         self.window = window
         self.native_decode_attention = native_decode_attention
+
+    def _projections(self, x_btd):
+        """q, k, v [b, t, heads, hd] token-major, normed and clipped as the family does."""
+        b, t, _ = x_btd.shape
+        q, k, v = self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
+        if self.q_norm is not None and self.norm_whole_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+        hd = self.head_dim
+        q, k, v = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd), v.reshape(b, t, -1, hd)
+        if self.q_norm is not None and not self.norm_whole_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def __call__(self, x_btd, positions_bt, cache=None):
         """Returns (output [b, t, d], updated cache). `cache` is (k, v), each [b, kv, s, hd], or None.
@@ -218,14 +231,12 @@ class Attention(nnx.Module):
         # RoPE token-major, then kv-head-major (queries [b, kv, t, group, hd], keys/values [b, kv, t, hd]). RoPE
         # after the transpose ran ~3x faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers
         # makes: bf16 logits moved 2.4% from transformers' (0.7% in this order)
-        q = self.q_proj(x_btd).reshape(b, t, kv, self.num_heads // kv, hd)
-        k = self.k_proj(x_btd).reshape(b, t, kv, hd)
-        v = self.v_proj(x_btd).reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions_bt, hd, self.rope_theta)
-        q = apply_rope(q, cos[:, :, None, None], sin[:, :, None, None]).transpose(0, 2, 1, 3, 4)
-        k = apply_rope(k, cos[:, :, None], sin[:, :, None]).transpose(0, 2, 1, 3)
+        q, k, v = self._projections(x_btd)
+        q = q.reshape(b, t, kv, self.num_heads // kv, hd)
+        v = v.transpose(0, 2, 1, 3)
+        cos, sin = self.rope.cos_sin(positions_bt)
+        q = self.rope.apply(q, cos[:, :, None, None], sin[:, :, None, None]).transpose(0, 2, 1, 3, 4)
+        k = self.rope.apply(k, cos[:, :, None], sin[:, :, None]).transpose(0, 2, 1, 3)
 
         if cache is None:
             out = chunked_causal_attention(q, k, v, positions_bt, self.window)
@@ -238,7 +249,7 @@ class Attention(nnx.Module):
                 key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
                 k_all = write_positions(k_cache, k, positions_bt, key_pos_bs)
                 v_all = write_positions(v_cache, v, positions_bt, key_pos_bs)
-                out = _attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
+                out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
             cache = (k_all, v_all)
         # [b, kv, t, group, hd] -> [b, t, heads * hd]
         return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
@@ -247,9 +258,9 @@ class Attention(nnx.Module):
 QUERY_CHUNK = 64
 
 
-def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, chunk: int = QUERY_CHUNK):
+def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK):
     """Self-attention of a sequence on itself, `chunk` queries at a time, each against the keys it can see.
-    Inputs and output in kv-head-major layout (`_attend`).
+    Inputs and output in kv-head-major layout (`attend`).
 
     Keys after a chunk's last query are skipped, as are keys a sliding window has left behind: this relies on
     positions increasing strictly along the sequence (true for whole sequences; the KV-cache path does not use
@@ -258,7 +269,7 @@ def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, chun
     """
     t = q_bktgd.shape[2]
     if t <= chunk:
-        return _attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window)
+        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale)
     query_ranges, key_ranges = [], []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
@@ -266,7 +277,7 @@ def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, chun
         key_ranges.append((0 if window is None else max(0, start - window + 1), stop))
     query_ranges, key_ranges = tuple(query_ranges), tuple(key_ranges)
     outs = [
-        _attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window)
+        attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window, scale)
         for q, k, v, (qa, qb), (ka, kb) in zip(
             take_ranges(q_bktgd, query_ranges, 2),
             take_ranges(k_bksd, key_ranges, 2),
@@ -329,21 +340,22 @@ def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
     return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
 
 
-def _attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window):
-    """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys/values [b, kv, s, d].
-    The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv head."""
+def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None):
+    """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys [b, kv, s, d], values
+    [b, kv, s, dv]. The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv
+    head. Scores are scaled by `scale` (default 1 / sqrt(d))."""
     b, kv, t, g, hd = q_bktgd.shape
     q = q_bktgd.reshape(b, kv, t * g, hd)
     # float32 accumulation: also the form XLA:CPU runs on its bfloat16 GEMM (see frozen_matmul)
     scores = jnp.einsum("bkmd,bksd->bkms", q, k_bksd, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5)
+    scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5 if scale is None else scale)
     allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
     if window is not None:
         allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
     scores = jnp.where(allowed[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, -1)
     out = jnp.einsum("bkms,bksd->bkmd", probs, v_bksd, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, kv, t, g, hd)
+    return out.astype(q.dtype).reshape(b, kv, t, g, v_bksd.shape[-1])
 
 
 class SwiGLU(nnx.Module):

@@ -14,6 +14,7 @@ from flax import nnx
 
 from moe_jax.config import ModelConfig
 from moe_jax.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
+from moe_jax.mla import MLAttention
 from moe_jax.moe import MoEBlock
 from moe_jax.native_call import pack_dense
 from moe_jax.plan import ExecutionPlan
@@ -100,57 +101,80 @@ def build_transformer(
     `plan` says which parts run natively."""
     eps = config.rms_norm_eps
 
-    def proj(name, bias: bool):
+    def proj(name, bias: bool = False):
         return Projection(dense(f"{name}.weight"), dense(f"{name}.bias") if bias else None)
 
     def swiglu(prefix):
-        return SwiGLU(*(proj(f"{prefix}.{p}_proj", False) for p in ("gate", "up", "down")))
+        return SwiGLU(*(proj(f"{prefix}.{p}_proj") for p in ("gate", "up", "down")))
+
+    def norm(name):
+        return RMSNorm(dense(f"{name}.weight"), eps)
 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
-        attn = Attention(
-            proj(f"{p}.self_attn.q_proj", config.qkv_bias),
-            proj(f"{p}.self_attn.k_proj", config.qkv_bias),
-            proj(f"{p}.self_attn.v_proj", config.qkv_bias),
-            proj(f"{p}.self_attn.o_proj", config.o_bias),
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            rope_theta=config.rope_theta,
-            eps=eps,
-            window=config.sliding_windows[i],
-            q_norm=dense(f"{p}.self_attn.q_norm.weight") if config.qk_norm else None,
-            k_norm=dense(f"{p}.self_attn.k_norm.weight") if config.qk_norm else None,
-            native_decode_attention=plan.decode_attention,
-        )
+        attn = _mla(config, f"{p}.self_attn", proj, norm, plan) if config.mla else _gqa(config, i, proj, dense, plan)
         if config.is_moe_layer(i):
-            moe_prefix = f"{p}.block_sparse_moe" if config.model_type == "mixtral" else f"{p}.mlp"
-            shared = swiglu(f"{moe_prefix}.shared_expert") if config.shared_expert_intermediate_size else None
+            moe_prefix = f"{p}.{config.moe_module}"
+            shared_prefix = f"{moe_prefix}.{config.shared_expert_module}"
+            shared = swiglu(shared_prefix) if config.shared_expert_intermediate_size else None
             gate_name = f"{moe_prefix}.shared_expert_gate.weight"
             mlp = MoEBlock(
                 dense(f"{moe_prefix}.gate.weight"),
                 experts_for_layer(i),
-                top_k=config.num_experts_per_tok,
-                norm_topk_prob=config.norm_topk_prob,
+                spec=config.router,
+                router_bias_e=dense(f"{moe_prefix}.gate.e_score_correction_bias") if config.router.bias else None,
                 shared=shared,
                 shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
             )
         else:
             mlp = swiglu(f"{p}.mlp")
-        layers.append(
-            DecoderLayer(
-                attn,
-                mlp,
-                RMSNorm(dense(f"{p}.input_layernorm.weight"), eps),
-                RMSNorm(dense(f"{p}.post_attention_layernorm.weight"), eps),
-            )
-        )
+        layers.append(DecoderLayer(attn, mlp, norm(f"{p}.input_layernorm"), norm(f"{p}.post_attention_layernorm")))
     tied = config.tie_word_embeddings or not has("lm_head.weight")
     return Transformer(
         config,
         dense("model.embed_tokens.weight"),
         layers,
-        RMSNorm(dense("model.norm.weight"), eps),
+        norm("model.norm"),
         None if tied else dense("lm_head.weight"),
+    )
+
+
+def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> Attention:
+    p = f"model.layers.{layer}.self_attn"
+    return Attention(
+        proj(f"{p}.q_proj", config.qkv_bias),
+        proj(f"{p}.k_proj", config.qkv_bias),
+        proj(f"{p}.v_proj", config.qkv_bias),
+        proj(f"{p}.o_proj", config.o_bias),
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rope=config.rope,
+        eps=config.rms_norm_eps,
+        window=config.sliding_windows[layer],
+        q_norm=dense(f"{p}.q_norm.weight") if config.qk_norm else None,
+        k_norm=dense(f"{p}.k_norm.weight") if config.qk_norm else None,
+        norm_whole_projection=config.qk_norm == "full",
+        clip_qkv=config.clip_qkv,
+        native_decode_attention=plan.decode_attention,
+    )
+
+
+def _mla(config: ModelConfig, p: str, proj, norm, plan: ExecutionPlan) -> MLAttention:
+    low_rank_q = config.mla.q_lora_rank > 0
+    return MLAttention(
+        q_proj=None if low_rank_q else proj(f"{p}.q_proj"),
+        q_a_proj=proj(f"{p}.q_a_proj", config.qkv_bias) if low_rank_q else None,
+        q_a_layernorm=norm(f"{p}.q_a_layernorm") if low_rank_q else None,
+        q_b_proj=proj(f"{p}.q_b_proj") if low_rank_q else None,
+        kv_a_proj_with_mqa=proj(f"{p}.kv_a_proj_with_mqa", config.qkv_bias),
+        kv_a_layernorm=norm(f"{p}.kv_a_layernorm"),
+        kv_b_proj=proj(f"{p}.kv_b_proj"),
+        o_proj=proj(f"{p}.o_proj", config.o_bias),
+        num_heads=config.num_heads,
+        mla=config.mla,
+        rope=config.rope,
+        scale=config.softmax_scale,
+        absorbed_decode=plan.mla_decode != "expanded",
     )

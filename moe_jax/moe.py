@@ -11,17 +11,41 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.config import Router
 from moe_jax.layers import Frozen, SwiGLU
 
 
-def route(x_td, router_de, top_k: int, norm_topk_prob: bool):
-    """Softmax router in float32, top-k, optional renormalisation (as Hugging Face's TopKRouter)."""
-    logits = (x_td @ router_de).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights_tk, ids_tk = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
+def route(x_td, router_de, spec: Router, bias_e=None):
+    """(weights [t, k] float32, expert ids [t, k]) as each family's TopKRouter in transformers (see `Router`)."""
+    if spec.float32_logits:
+        logits = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
+    else:
+        logits = (x_td @ router_de).astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if spec.scores == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias_e is None else scores + bias_e.astype(jnp.float32)
+    if spec.groups > 1:
+        allowed = _allowed_groups(choice, spec)
+        # DeepSeek-V2 zeroes the other groups' softmax scores (and weights); V3 / GLM exclude them from the choice
+        scores = jnp.where(allowed, scores, 0.0) if spec.scores == "softmax" else scores
+        choice = jnp.where(allowed, choice, 0.0 if spec.scores == "softmax" else -jnp.inf)
+    ids_tk = jax.lax.top_k(choice, spec.top_k)[1]
+    weights_tk = jnp.take_along_axis(scores, ids_tk, axis=-1)
+    if spec.norm_topk_prob:
         weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
-    return weights_tk, ids_tk
+    return weights_tk * spec.scale if spec.scale != 1.0 else weights_tk, ids_tk
+
+
+def _allowed_groups(choice_te, spec: Router):
+    """[t, e] mask of the experts in each token's `topk_groups` best groups."""
+    t, e = choice_te.shape
+    grouped = choice_te.reshape(t, spec.groups, e // spec.groups)
+    if spec.group_score == "max":
+        group_scores = jnp.max(grouped, axis=-1)
+    else:  # "top2": the sum of each group's best two
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    best = jax.lax.top_k(group_scores, spec.topk_groups)[1]
+    chosen_tg = jnp.any(jax.nn.one_hot(best, spec.groups, dtype=jnp.bool_), axis=1)
+    return jnp.repeat(chosen_tg, e // spec.groups, axis=1)
 
 
 def sort_pairs_by_expert(ids_tk, num_experts: int):
@@ -132,22 +156,23 @@ class MoEBlock(nnx.Module):
         router_de,
         experts,
         *,
-        top_k: int,
-        norm_topk_prob: bool,
+        spec: Router,
+        router_bias_e=None,
         shared: SwiGLU | None = None,
         shared_gate_d1=None,
     ):
         self.router = Frozen(router_de)
+        self.router_bias = Frozen(router_bias_e) if router_bias_e is not None else None
         self.experts = experts
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
+        self.spec = spec
         self.shared = shared
         self.shared_gate = Frozen(shared_gate_d1) if shared_gate_d1 is not None else None
 
     def __call__(self, x_btd):
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
-        weights_tk, ids_tk = route(x_td, self.router[...], self.top_k, self.norm_topk_prob)
+        bias = None if self.router_bias is None else self.router_bias[...]
+        weights_tk, ids_tk = route(x_td, self.router[...], self.spec, bias)
         y_td = self.experts(x_td, ids_tk, weights_tk.astype(x_td.dtype))
         if self.shared is not None:
             shared_td = self.shared(x_td)

@@ -37,6 +37,8 @@ class ExecutionPlan:
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
+    # multi-head latent attention's decode steps: "absorbed" (over the compressed cache), "expanded"; "": not MLA
+    mla_decode: str = ""
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
 
     def reason(self, part: str) -> str:
@@ -60,6 +62,8 @@ class ExecutionPlan:
             called = "through XLA FFI" if self.experts_ffi else "by pure_callback"
             out.append(line("host experts called", called, "ffi"))
         out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
+        if self.mla_decode:
+            out.append(f"latent attention decode: {self.mla_decode} form")
         out.append(
             line("decode dense products", f"native ({self.dense_decode})" if self.dense_decode else "XLA", "dense")
         )
@@ -98,6 +102,7 @@ def make_plan(
     xla_ffi: bool | None = None,
     host_kernels: KernelChoice | None = None,
     quant: str | None = None,
+    mla_decode: str = "",
 ) -> ExecutionPlan:
     """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
     `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
@@ -105,7 +110,10 @@ def make_plan(
     environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
     the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
     ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
-    quantized."""
+    quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded" (moe_jax/mla.py);
+    their decode attention is XLA's (the native handler computes grouped-query attention)."""
+    if mla_decode not in ("", "absorbed", "expanded"):
+        raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
     why = {}
     xla_ffi = native if xla_ffi is None else xla_ffi
     if xla_ffi is False:
@@ -140,9 +148,15 @@ def make_plan(
         dtype=dtype,
         host_kernels=host,
         experts_ffi=experts_ffi,
-        decode_attention=native_part("attention", bf16, float32_model, native_call.decode_attention_status),
+        decode_attention=native_part(
+            "attention",
+            bf16 and not mla_decode,
+            "latent attention (the native handler computes grouped-query attention)" if mla_decode else float32_model,
+            native_call.decode_attention_status,
+        ),
         dense_decode=dense if native_part("dense", bf16, float32_model, lambda: (bool(dense), dense_why)) else "",
         argmax=native_part("argmax", True, "", native_call.argmax_status),
         transposed_weights=bf16 and jax.default_backend() == "cpu",
+        mla_decode=mla_decode,
         why=tuple(why.items()),
     )

@@ -55,9 +55,95 @@ VARIANTS = {
     ),
 }
 
+# DeepSeek / GLM / OLMoE: the families of issue 18. Kept apart from VARIANTS so the suites that run every backend
+# over every variant choose which of these they can afford (test time).
+DEEPSEEK_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+FAMILY_VARIANTS = {
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        dict(
+            **DEEPSEEK_MLA,
+            q_lora_rank=None,
+            n_routed_experts=8,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            intermediate_size=40,
+            first_k_dense_replace=1,
+            num_experts_per_tok=3,
+            num_hidden_layers=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        ),
+    ),
+    "deepseek_v2_q_lora": (
+        transformers.DeepseekV2Config,
+        dict(
+            **DEEPSEEK_MLA,
+            q_lora_rank=12,
+            n_routed_experts=6,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            intermediate_size=40,
+            topk_method="greedy",
+        ),
+    ),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            **DEEPSEEK_MLA,
+            q_lora_rank=12,
+            n_routed_experts=8,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            intermediate_size=40,
+            first_k_dense_replace=1,
+            num_experts_per_tok=3,
+            num_hidden_layers=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                mscale=1.0,
+                mscale_all_dim=0.707,
+                beta_fast=32,
+                beta_slow=1,
+            ),
+        ),
+    ),
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        dict(
+            n_routed_experts=8,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            intermediate_size=40,
+            head_dim=16,
+            first_k_dense_replace=1,
+            num_experts_per_tok=3,
+            num_hidden_layers=3,
+            n_group=2,
+            topk_group=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=1.8,
+        ),
+    ),
+    "olmoe": (
+        transformers.OlmoeConfig,
+        dict(num_experts=8, intermediate_size=16, num_experts_per_tok=3, clip_qkv=3.0, norm_topk_prob=False),
+    ),
+}
+ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
+
 
 def make_hf_model(variant: str, seed: int = 0, **overrides):
-    config_cls, extra = VARIANTS[variant]
+    config_cls, extra = ALL_VARIANTS[variant]
     torch.manual_seed(seed)
     config = config_cls(**{**BASE, **extra, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -65,6 +151,10 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+        # DeepSeek-V3 / GLM's routing correction bias is a buffer (zeros); random, it moves the expert choice
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
     return model
 
 

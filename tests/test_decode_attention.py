@@ -1,4 +1,4 @@
-"""The native decode attention (moe_jax/csrc/xla_decode_attention.c) against XLA's own path (layers._attend over
+"""The native decode attention (moe_jax/csrc/xla_decode_attention.c) against XLA's own path (layers.attend over
 the select-written cache): the same cache bits, outputs equal to bfloat16 rounding, in place when donated."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 import moe_jax
 from moe_jax import native_call
-from moe_jax.layers import _attend, write_positions
+from moe_jax.layers import attend, write_positions
 from tests.hf_models import make_hf_model, save_hf_model
 
 pytestmark = pytest.mark.skipif(
@@ -39,7 +39,7 @@ def xla_path(window):
         key_pos = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (k_cache.shape[0], k_cache.shape[2]))
         k_all = write_positions(k_cache, k_new, positions, key_pos)
         v_all = write_positions(v_cache, v_new, positions, key_pos)
-        return _attend(q[:, :, None], k_all, v_all, positions, key_pos, window)[:, :, 0], k_all, v_all
+        return attend(q[:, :, None], k_all, v_all, positions, key_pos, window)[:, :, 0], k_all, v_all
 
     return jax.jit(run)
 

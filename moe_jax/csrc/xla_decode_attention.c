@@ -8,7 +8,7 @@
  *
  * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
  * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attribute `window` (s64):
- * a sliding window's length, 0 for none. Arithmetic as the XLA path (layers._attend): q.k products summed in
+ * a sliding window's length, 0 for none. Arithmetic as the XLA path (layers.attend): q.k products summed in
  * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
  * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit).
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native_call.py registers it.

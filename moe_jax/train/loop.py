@@ -17,9 +17,9 @@ import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax.adapters import export_peft
 from moe_jax.backends.placements import read_placement_plan
-from moe_jax.config import ModelConfig
 from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
 from moe_jax.generate import generate_tokens
+from moe_jax.hf_config import read_hf_config
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from moe_jax.output_files import NewFile, create_new
@@ -63,7 +63,7 @@ def load_run_data(cfg: TrainConfig) -> RunData:
 def check_sequence_length(cfg: TrainConfig):
     """max_seq_len must fit the model's positions: beyond them RoPE extrapolates and the loss means nothing."""
     config_file = Path(cfg.model) / "config.json"
-    model_config = ModelConfig.from_hf(read_json_file(config_file, "a model directory"), source=str(config_file))
+    model_config = read_hf_config(read_json_file(config_file, "a model directory"), source=str(config_file))
     if cfg.max_seq_len > model_config.max_position_embeddings:
         raise ConfigError(
             f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
