@@ -14,6 +14,7 @@ import dataclasses
 import sys
 import typing
 
+from moe_jax.adapters import peft_unexpressible
 from moe_jax.cli import run_cli
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.loop import Trainer, load_run_data
@@ -72,6 +73,9 @@ def main(argv=None):
     native = False if args.no_native else None
     trainer = Trainer(cfg, data, progress=not args.no_progress, verify=args.verify, native=native)
     print(f"plan: {trainer.model.plan.summary()}", file=sys.stderr)
+    not_for_peft = peft_unexpressible(trainer.lora_config, trainer.model.config)
+    if not_for_peft:  # said before the run, not after hours of it
+        print(f"note: the adapter will be in moe_jax's format only: {not_for_peft}", file=sys.stderr)
     summary = trainer.run(resume=args.resume)
     first, last = summary["first"], summary["last"]
     if "exact_match" in first and "exact_match" in last:
@@ -81,7 +85,8 @@ def main(argv=None):
         )
     if "eval_loss" in last:
         print(f"held-out loss: {first.get('eval_loss', float('nan')):.4f} -> {last['eval_loss']:.4f}")
-    print(f"wrote {cfg.out}/adapter (PEFT), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png")
+    adapter_format = "moe_jax format only" if summary["not_for_peft"] else "PEFT"
+    print(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png")
 
 
 if __name__ == "__main__":

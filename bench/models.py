@@ -7,6 +7,11 @@ qwen3-30b-a3b   Qwen3-30B-A3B's real layer dims cut to 2 layers and a 32k vocab:
                 768, top-8, 32 query / 4 KV heads of 128 (~1.2B parameters, stored in bfloat16: 2.4 GB). Each
                 expert sees few rows even at prefill (512 tokens x top-8 / 128 experts = 32): the regime the tiny
                 model hides.
+deepseek-v2-lite
+                DeepSeek-V2-Lite's real dims cut to 4 layers (the first dense, as in the model) and a 32k vocab:
+                hidden 2048, 64 routed experts of ffn 1408 + 2 shared, top-6, latent attention with kv_lora_rank
+                512 and 16 heads of 128 + 64 (no query compression), YaRN rope as released (~1.8B parameters,
+                stored in bfloat16: 3.6 GB).
 """
 
 from __future__ import annotations
@@ -40,10 +45,42 @@ QWEN3_30B_A3B_LAYERS = dict(
     decoder_sparse_step=1,
     max_position_embeddings=4096,
 )
+DEEPSEEK_V2_LITE_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    topk_method="greedy",
+    norm_topk_prob=False,
+    max_position_embeddings=163840,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+        beta_fast=32,
+        beta_slow=1,
+    ),
+)
 # name -> (transformers config class, its settings, dtype the checkpoint is stored in)
 SHAPES = {
     "bench": ("MixtralConfig", "MixtralForCausalLM", BENCH_SHAPE, "float32"),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B_LAYERS, "bfloat16"),
+    "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE_LAYERS, "bfloat16"),
 }
 _selected = "bench"
 

@@ -2,11 +2,11 @@
 
     python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick] [--sides moe_jax-host-bfloat16,...]
 
-Same Mixtral-shaped bench model (bench/models.py), same random token batches, LoRA r=8 alpha=16 on q/k/v/o,
-AdamW, each side in float32 and in bfloat16 (base weights and activations; adapters and optimizer state stay
-float32 on both sides, as peft keeps them by default), and moe_jax also on int8 and int4 experts (bfloat16
-otherwise: LoRA on a quantized base). Each side runs in its own process (so
-peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
+Same bench model (bench/models.py; --shape), same random token batches, LoRA r=8 alpha=16 on the attention
+projections (q/k/v/o; DeepSeek: the latent attention's), AdamW, each side in float32 and in bfloat16 (base weights
+and activations; adapters and optimizer state stay float32 on both sides, as peft keeps them by default), and
+moe_jax also on int8 and int4 experts (bfloat16 otherwise: LoRA on a quantized base). Each side runs in its own
+process (so peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
 against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
 """
 
@@ -48,7 +48,7 @@ def run_moe_jax(backend, dtype, batch, seq, steps, quant=None):
     from moe_jax.objective import lora_value_and_grad
 
     model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, quant=quant)
-    model.attach_lora(LoRAConfig(rank=8, alpha=16))
+    model.attach_lora(LoRAConfig(rank=8, alpha=16, targets=("attention",)))  # q/k/v/o, or the latent attention's
     value_and_grad, lora_state = lora_value_and_grad(model)
     tx = optax.adamw(1e-4)
     opt_state = tx.init(lora_state)
@@ -79,10 +79,12 @@ def run_transformers(dtype, batch, seq, steps):
     import torch
     import transformers
 
+    from moe_jax.hf_config import read_hf_config
+    from moe_jax.lora import attention_targets
+
+    targets = attention_targets(read_hf_config(json.loads((bench_model_dir() / "config.json").read_text())))
     model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype))
-    model = peft.get_peft_model(
-        model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    )
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(targets)))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     times, losses = [], []
@@ -166,7 +168,7 @@ def main():
     for r in rows:
         r["vs_transformers"] = r["tokens_per_s"] / ref
     print(machine_info())
-    print_table(f"LoRA fine-tuning, batch {args.batch} x {args.seq}, r=8 on q/k/v/o", rows)
+    print_table(f"LoRA fine-tuning, batch {args.batch} x {args.seq}, r=8 on the attention projections", rows)
     write_json(
         f"train-{args.shape}" if args.shape != "bench" else "train",
         {"shape": args.shape, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows, "raw": raw},

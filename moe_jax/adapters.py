@@ -23,7 +23,7 @@ from flax import nnx
 
 from moe_jax.errors import CheckpointError, ConfigError, is_finite_number, is_int, read_json_file
 from moe_jax.layers import Projection
-from moe_jax.lora import EXPERTS_TARGET, LoRAConfig
+from moe_jax.lora import EXPERTS_TARGET, MLP_TARGETS, LoRAConfig
 from moe_jax.moe import MoEBlock
 from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
 
@@ -33,16 +33,16 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 EXPERT_WEIGHTS = "moe_jax_expert_lora.safetensors"
 
 
-def hf_module_name(path, model_type: str) -> str:
+def hf_module_name(path, config) -> str:
     """Our module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name."""
     parts = []
     for p in path:
         if p == "layers":
             parts.append("model.layers")
         elif p == "shared":
-            parts.append("shared_expert")
-        elif p == "mlp" and model_type == "mixtral":
-            parts.append("block_sparse_moe")
+            parts.append(config.shared_expert_module)
+        elif p == "mlp":
+            parts.append(config.moe_module)
         else:
             parts.append(str(p))
     return ".".join(parts)
@@ -52,7 +52,7 @@ def lora_modules(transformer):
     """(hf name, Projection) for every projection with an adapter, and (hf name, experts) for expert adapters."""
     projections, experts = [], []
     for path, module in nnx.iter_modules(transformer):
-        name = hf_module_name(path, transformer.config.model_type)
+        name = hf_module_name(path, transformer.config)
         if isinstance(module, Projection) and module.lora_a is not None:
             projections.append((name, module))
         elif isinstance(module, MoEBlock) and getattr(module.experts, "lora", None) is not None:
@@ -60,8 +60,29 @@ def lora_modules(transformer):
     return projections, experts
 
 
-def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
-    """Writes the adapter in PEFT format (atomically: a temporary directory renamed into place)."""
+# Families whose MoE layout transformers 5 fused (its conversion pattern "qwen2_moe"): peft (>= 0.18, loading onto
+# transformers 5) rewrites the targets gate_proj / up_proj / down_proj of these to the routed experts' fused
+# parameters, as adapters trained on transformers 4's per-expert modules meant them. An adapter on their dense or
+# shared-expert MLPs therefore cannot be written for peft: peft would put it on the experts, silently.
+PEFT_REMAPS_MLP_TARGETS = ("qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+
+
+def peft_unexpressible(lora_config: LoRAConfig, model_config) -> str:
+    """Why peft cannot load this adapter as trained ("" where it can)."""
+    mlp = [t for t in lora_config.targets if t in MLP_TARGETS]
+    if mlp and model_config.model_type in PEFT_REMAPS_MLP_TARGETS:
+        return (
+            f"peft maps the targets {', '.join(mlp)} of a {model_config.model_type} model to its routed experts, "
+            "so it cannot hold adapters on the dense or shared-expert MLPs"
+        )
+    return ""
+
+
+def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str) -> str:
+    """Writes the adapter in PEFT format (atomically: a temporary directory renamed into place). Where peft cannot
+    express it (`peft_unexpressible`), in moe_jax's format only, which moe_jax reads back and peft refuses to load
+    (no adapter_config.json) rather than mislay; returns why ("" for a PEFT adapter)."""
+    not_for_peft = peft_unexpressible(lora_config, transformer.config)
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -95,11 +116,16 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str):
         expert_tensors = {f"{name}.{key}": value for name, lora in arrays.items() for key, value in lora.items()}
         save_safetensors(tmp / EXPERT_WEIGHTS, expert_tensors)
     save_safetensors(tmp / PEFT_WEIGHTS, tensors)
-    (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
-    (tmp / MOE_JAX_CONFIG).write_text(json.dumps({"targets": list(lora_config.targets)}, indent=1))
+    ours = {"targets": list(lora_config.targets)}
+    if not_for_peft:
+        ours.update(not_for_peft=not_for_peft, lora_config=config)
+    else:
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+    (tmp / MOE_JAX_CONFIG).write_text(json.dumps(ours, indent=1))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+    return not_for_peft
 
 
 def peft_expert_tensors(name: str, lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -133,12 +159,16 @@ def read_adapter(adapter_dir) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     """(LoRA config, tensors by name) of a PEFT-format directory (as exported, or by peft itself)."""
     adapter_dir = Path(adapter_dir)
     config_file = adapter_dir / PEFT_CONFIG
-    config = read_json_file(config_file, "an adapter directory")
-    targets = None
+    targets, extra = None, None
     ours = (adapter_dir / MOE_JAX_CONFIG).exists()
     if ours:
         extra = read_json_file(adapter_dir / MOE_JAX_CONFIG, "an adapter directory")
         targets = extra.get("targets") if isinstance(extra, dict) else extra
+    if not config_file.exists() and isinstance(extra, dict) and "lora_config" in extra:
+        config_file = adapter_dir / MOE_JAX_CONFIG  # moe_jax's format only (export_peft)
+        config = extra["lora_config"]
+    else:
+        config = read_json_file(config_file, "an adapter directory")
     if ours:  # the expert settings it wrote for peft describe the tensors moe_jax reads from its own file
         config = {k: v for k, v in config.items() if k not in ("target_parameters", "rank_pattern", "alpha_pattern")}
     lora_config = adapter_config(config, config_file, targets)

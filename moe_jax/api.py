@@ -6,6 +6,7 @@ Everything outside the package (the CLIs, tests, user scripts) goes through this
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import trim_heap
-from moe_jax.adapters import apply_adapter, read_adapter
+from moe_jax.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.checkpoint import Checkpoint, open_checkpoint
@@ -23,7 +24,7 @@ from moe_jax.cost_model import Profile
 from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.generate import generate
-from moe_jax.lora import LoRAConfig, attach_lora
+from moe_jax.lora import LoRAConfig, attach_lora, resolve_targets
 from moe_jax.memory_check import check_fits, load_bytes, quantization_hint
 from moe_jax.model import Transformer, build_transformer
 from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
@@ -75,7 +76,9 @@ class Model:
         return self.plan.host_kernels is not None and self.plan.host_kernels.quantized
 
     def attach_lora(self, config: LoRAConfig, seed: int = 0):
-        """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules."""
+        """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules (`attention` expanded to this
+        family's projections; a target this model does not have is refused)."""
+        config = dataclasses.replace(config, targets=resolve_targets(config.targets, self.config))
         transformer = self.transformer
         attach_lora(transformer, config, seed)
         self._set_transformer(transformer)
@@ -371,9 +374,11 @@ def stored_quant(checkpoint, quant: str | None) -> str | None:
 def resolve_adapter_dir(path) -> Path:
     """A train.py run directory points at its exported adapter; a PEFT directory is itself."""
     path = Path(path)
-    if not (path / "adapter_config.json").exists() and (path / "adapter" / "adapter_config.json").exists():
-        return path / "adapter"
-    return path
+
+    def is_adapter(d: Path) -> bool:
+        return (d / PEFT_CONFIG).exists() or (d / MOE_JAX_CONFIG).exists()
+
+    return path / "adapter" if not is_adapter(path) and is_adapter(path / "adapter") else path
 
 
 def resolve_profile(profile, config, dtype):

@@ -2,8 +2,10 @@
 
 Initialisation follows peft's default (A: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
 B: zeros), so a fresh adapter leaves the model's outputs unchanged and a run can be reproduced in peft.
-Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention), gate_proj up_proj
-down_proj (dense and shared-expert MLPs), and `experts` for the routed experts' gate/up/down.
+Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention; DeepSeek's latent
+attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj), gate_proj up_proj down_proj (dense
+and shared-expert MLPs), `experts` for the routed experts' gate/up/down, and `attention` for every attention
+projection of the model's family.
 """
 
 from __future__ import annotations
@@ -20,9 +22,38 @@ from moe_jax.layers import LoRAParam, Projection
 from moe_jax.moe import MoEBlock
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERTS_TARGET = "experts"
-KNOWN_TARGETS = (*ATTENTION_TARGETS, *MLP_TARGETS, EXPERTS_TARGET)
+ATTENTION_ALIAS = "attention"
+KNOWN_TARGETS = tuple(dict.fromkeys((*ATTENTION_TARGETS, *MLA_TARGETS, *MLP_TARGETS, EXPERTS_TARGET, ATTENTION_ALIAS)))
+
+
+def attention_targets(model_config) -> tuple[str, ...]:
+    """The attention projections of a model of this config (what the `attention` target stands for)."""
+    if model_config.mla is None:
+        return ATTENTION_TARGETS
+    query = ("q_a_proj", "q_b_proj") if model_config.mla.q_lora_rank else ("q_proj",)
+    return (*query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def resolve_targets(targets, model_config) -> tuple[str, ...]:
+    """`targets` with `attention` expanded, each checked to name modules this model has (a target that matched
+    nothing would train nothing there, silently)."""
+    attention = attention_targets(model_config)
+    resolved = []
+    for t in targets:
+        resolved += attention if t == ATTENTION_ALIAS else [t]
+    resolved = tuple(dict.fromkeys(resolved))
+    has_mlps = bool(model_config.dense_layers) or model_config.shared_expert_intermediate_size > 0
+    available = (*attention, *(MLP_TARGETS if has_mlps else ()), EXPERTS_TARGET)
+    missing = [t for t in resolved if t not in available]
+    if missing:
+        raise ConfigError(
+            f"LoRA target(s) {missing} name no module of this {model_config.model_type} model; its targets: "
+            f"{', '.join(available)} ({ATTENTION_ALIAS!r} = {', '.join(attention)})"
+        )
+    return resolved
 
 
 @dataclass(frozen=True)

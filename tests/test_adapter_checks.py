@@ -97,7 +97,7 @@ def test_adapter_with_non_finite_weights_is_refused(tmp_path):
         apply_adapter(model.transformer, tensors, "adapter")
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe"])
 def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, variant):
     """Routed-expert LoRA goes to peft as LoRA on the fused expert parameters (target_parameters): peft loads the
     whole adapter and computes moe_jax's logits; moe_jax reads its own export back exactly."""
@@ -111,8 +111,9 @@ def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, varia
     hf = make_hf_model(variant, seed=3)
     base = save_hf_model(hf, tmp_path / "base")
     model = moe_jax.load_model(base, backend="device")
-    config = LoRAConfig(rank=3, alpha=5.0, targets=("q_proj", "v_proj", "experts"))
-    model.attach_lora(config, seed=1)
+    attention = ("q_proj", "v_proj") if model.config.mla is None else ("attention",)
+    model.attach_lora(LoRAConfig(rank=3, alpha=5.0, targets=(*attention, "experts")), seed=1)
+    config = model.lora_config  # "attention" resolved to the family's projections
     _, lora_state, _ = split_trainable(model.transformer)
     leaves, treedef = jax.tree.flatten(lora_state)
     keys = jax.random.split(jax.random.key(7), len(leaves))
@@ -130,3 +131,45 @@ def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, varia
     np.testing.assert_allclose(again, ours, atol=1e-5, rtol=0)
     with torch.no_grad():
         assert any("experts" in name and "lora_A" in name for name, _ in peft_model.named_parameters())
+
+
+def test_mlp_adapters_peft_would_mislay_are_exported_in_moe_jax_format_only(tmp_path):
+    """peft maps gate/up/down_proj targets of DeepSeek-style families to the routed experts: an adapter on the
+    shared and dense MLPs is written for moe_jax alone (no adapter_config.json, so peft refuses it rather than
+    loading it onto the experts), and moe_jax reads it back exactly."""
+    peft = pytest.importorskip("peft")
+    import jax
+
+    from moe_jax.adapters import PEFT_CONFIG, export_peft
+    from moe_jax.lora import LoRAConfig, split_trainable
+
+    hf = make_hf_model("deepseek_v3", seed=3)
+    base = save_hf_model(hf, tmp_path / "base")
+    model = moe_jax.load_model(base, backend="device")
+    model.attach_lora(LoRAConfig(rank=3, alpha=5.0, targets=("attention", "gate_proj", "up_proj", "down_proj")))
+    _, lora_state, _ = split_trainable(model.transformer)
+    leaves, treedef = jax.tree.flatten(lora_state)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    model.set_lora_state(
+        jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)])
+    )
+    why = export_peft(model.transformer, model.lora_config, tmp_path / "adapter", str(base))
+    assert "maps the targets gate_proj, up_proj, down_proj of a deepseek_v3 model to its routed experts" in why
+    assert not (tmp_path / "adapter" / PEFT_CONFIG).exists()
+    with pytest.raises(ValueError):
+        peft.PeftModel.from_pretrained(hf, tmp_path / "adapter")
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 9))
+    ours = model.logits(ids)
+    assert np.abs(ours - moe_jax.load_model(base, backend="device").logits(ids)).max() > 1e-2
+    again = moe_jax.load_model(base, backend="host", adapter=tmp_path / "adapter").logits(ids)
+    np.testing.assert_allclose(again, ours, atol=1e-5, rtol=0)
+
+
+def test_a_target_the_family_lacks_is_refused(tmp_path):
+    from moe_jax.errors import ConfigError
+    from moe_jax.lora import LoRAConfig
+
+    model = moe_jax.load_model(save_hf_model(make_hf_model("deepseek_v2", seed=1), tmp_path), backend="device")
+    message = r"\['k_proj'\] name no module of this deepseek_v2 model.*'attention' = q_proj"
+    with pytest.raises(ConfigError, match=message):
+        model.attach_lora(LoRAConfig(targets=("q_proj", "k_proj")))

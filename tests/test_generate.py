@@ -7,7 +7,7 @@ import moe_jax
 from tests.hf_models import make_hf_model, save_hf_model, torch
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def pair(request, tmp_path_factory):
     hf = make_hf_model(request.param, seed=7)
     path = tmp_path_factory.mktemp(request.param)

@@ -105,8 +105,10 @@ class Trainer:
             native=native,
             placement_plan=read_placement_plan(cfg.placement_plan) if cfg.placement_plan else None,
         )
-        self.lora_config = LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout)
-        self.model.attach_lora(self.lora_config, seed=cfg.seed)
+        self.model.attach_lora(
+            LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout), seed=cfg.seed
+        )
+        self.lora_config = self.model.lora_config  # the targets resolved for this model's family
         self.value_and_grad, self.lora_state = lora_value_and_grad(self.model)
         self.tx = make_optimizer(cfg)
         self.opt_state = self.tx.init(self.lora_state)
@@ -264,11 +266,17 @@ class Trainer:
 
     def finish(self) -> dict:
         self.model.set_lora_state(self.lora_state)
-        export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
+        self.not_for_peft = export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
         plot_losses(self.history, self.out / "loss.png")
         evaluated = [h for h in self.history if "exact_match" in h or "eval_loss" in h]
         first, last = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
-        return {"first": first, "last": last, "steps": self.cfg.max_steps, "out": str(self.out)}
+        return {
+            "first": first,
+            "last": last,
+            "steps": self.cfg.max_steps,
+            "out": str(self.out),
+            "not_for_peft": self.not_for_peft,
+        }
 
 
 def _postfix(record: dict) -> dict:
