@@ -9,11 +9,16 @@ from moe_jax.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, ModelConfig, 
 from moe_jax.errors import ConfigError, is_finite_number, is_int
 from moe_jax.rope import KINDS, Rope, yarn_mscale
 
+# model types that are a supported architecture under another name: Kimi-K2's config says "kimi_k2" and
+# DeepseekV3ForCausalLM (its remote code is DeepSeek-V3's)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
 
 def read_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
     if not isinstance(hf, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
+    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -154,13 +159,13 @@ def _deepseek(read: _Fields, num_layers: int) -> dict:
         router = _grouped_sigmoid_router(read)
     else:
         method = read.choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
-        grouped = method == "group_limited_greedy"
+        groups, topk_groups = _groups(read, required=True) if method == "group_limited_greedy" else (1, 1)
         router = Router(
             top_k=read.int("num_experts_per_tok"),
             # transformers' DeepSeek-V2 router never renormalises (V2 configs say norm_topk_prob: false)
             norm_topk_prob=False,
-            groups=read.int("n_group") if grouped else 1,
-            topk_groups=read.int("topk_group") if grouped else 1,
+            groups=groups,
+            topk_groups=topk_groups,
             scale=read.positive("routed_scaling_factor", 1.0),
             float32_logits=True,
         )
@@ -192,14 +197,21 @@ _FAMILIES = {
 }
 
 
-def _grouped_sigmoid_router(read: _Fields) -> Router:
-    """DeepSeek-V3 / GLM-4.5: sigmoid scores, correction bias for the choice, groups scored by their best two."""
-    num_experts, groups = _num_experts(read), read.int("n_group", 1)
+def _groups(read: _Fields, required: bool = False) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router, checked against the expert count."""
+    default = _MISSING if required else 1
+    num_experts, groups = _num_experts(read), read.int("n_group", default)
     if num_experts % groups:
         raise read.bad("n_group", groups, f"a divisor of the {num_experts} routed experts")
-    topk_groups = read.int("topk_group", 1)
+    topk_groups = read.int("topk_group", default)
     if topk_groups > groups:
         raise read.bad("topk_group", topk_groups, f"at most n_group = {groups}")
+    return groups, topk_groups
+
+
+def _grouped_sigmoid_router(read: _Fields) -> Router:
+    """DeepSeek-V3 / GLM-4.5: sigmoid scores, correction bias for the choice, groups scored by their best two."""
+    groups, topk_groups = _groups(read)
     return Router(
         top_k=read.int("num_experts_per_tok"),
         scores="sigmoid",

@@ -14,9 +14,10 @@ from host_kernels.errors import HostKernelError
 from moe_jax.lora import LoRAConfig, split_trainable
 from tests.hf_models import VARIANTS, make_hf_model, save_hf_model
 
-# of issue 18's families, the one with most new parts (latent attention, grouped sigmoid routing with a correction
-# bias, shared experts, a dense first layer); each variant here costs ~20 s
-CHECKPOINTS = [*sorted(VARIANTS), "deepseek_v3"]
+# Each variant here costs ~60 s. qwen2_moe_norm_topk differs from qwen2_moe in routing only (parity tests cover
+# it); of issue 18's families, the one with most new parts: latent attention, grouped sigmoid routing with a
+# correction bias, shared experts, a dense first layer (as qwen2_moe_norm_topk's)
+CHECKPOINTS = [v for v in sorted(VARIANTS) if v != "qwen2_moe_norm_topk"] + ["deepseek_v3"]
 
 BACKENDS = ["device", "host", "offload", "hybrid"]
 

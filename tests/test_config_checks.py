@@ -177,3 +177,42 @@ def test_train_max_seq_len_beyond_the_model_positions(checkpoint_dir, tmp_path):
     with pytest.raises(ConfigError, match="max_seq_len 257 exceeds the model's max_position_embeddings 256"):
         check_sequence_length(cfg)
     check_sequence_length(TrainConfig(model=str(checkpoint_dir), max_seq_len=256))
+
+
+def test_kimi_k2_reads_as_deepseek_v3():
+    hf = {
+        **{k: v for k, v in QWEN3.items() if k not in ("model_type", "num_experts", "head_dim")},
+        "model_type": "kimi_k2",
+        "n_routed_experts": 16,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": 8,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "first_k_dense_replace": 1,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    }  # fmt: skip
+    config = read_hf_config(hf)
+    assert config.model_type == "deepseek_v3" and config.mla.kv_lora_rank == 16 and config.dense_layers == (0,)
+    assert config.rope.kind == "yarn" and config.rope.interleave and config.router.scores == "sigmoid"
+    # DeepSeek's YaRN: 1 / sqrt(8 + 4) grows by mscale(factor, mscale_all_dim)^2 = (0.1 ln 32 + 1)^2
+    assert config.softmax_scale == pytest.approx(12**-0.5 * (0.1 * np.log(32) + 1) ** 2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_group": 3}, "n_group = 3 must be a divisor of the 16 routed experts"),
+        ({"topk_group": 5, "n_group": 4}, "topk_group = 5 must be at most n_group = 4"),
+        ({"qk_rope_head_dim": 5}, "qk_rope_head_dim = 5 must be even"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),
+        ({"rope_scaling": {"type": "linear"}}, "missing key 'factor'"),
+    ],
+)
+def test_bad_deepseek_values_are_named(change, message):
+    hf = {**{k: v for k, v in QWEN3.items() if k != "model_type"}, "model_type": "deepseek_v3", "n_routed_experts": 16}
+    with pytest.raises(ConfigError, match=message):
+        read_hf_config({**hf, **change}, source="m/config.json")

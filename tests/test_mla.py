@@ -1,9 +1,10 @@
 """DeepSeek's latent attention in generation: the KV cache holds the compressed latent, and the absorbed decode
 (moe_jax/mla.py) gives the expanded form's tokens, with continuous batching and the anchor cache."""
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import moe_jax
 from moe_jax.anchor_cache import AnchorCache
@@ -34,27 +35,33 @@ def test_cache_holds_latent_and_rotary_key_per_token(checkpoint):
     assert per_token < expanded
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_absorbed_decode_gives_the_expanded_forms_tokens(checkpoint, dtype):
-    absorbed = moe_jax.load_model(checkpoint, backend="host", dtype=dtype)
-    expanded = moe_jax.load_model(checkpoint, backend="host", dtype=dtype, mla_decode="expanded")
-    assert (absorbed.plan.mla_decode, expanded.plan.mla_decode) == ("absorbed", "expanded")
-    assert not absorbed.plan.decode_attention and "latent attention" in absorbed.plan.reason("attention")
-    assert absorbed.generate(PROMPTS, max_new_tokens=10) == expanded.generate(PROMPTS, max_new_tokens=10)
+def test_absorbed_decode_gives_the_expanded_forms_tokens(checkpoint):
+    # bfloat16 on the V3 variant only (test time); its rounding differs between the forms, its tokens do not here
+    for dtype in ("float32", "bfloat16") if "deepseek_v3" in str(checkpoint) else ("float32",):
+        absorbed = moe_jax.load_model(checkpoint, backend="host", dtype=dtype)
+        expanded = moe_jax.load_model(checkpoint, backend="host", dtype=dtype, mla_decode="expanded")
+        assert (absorbed.plan.mla_decode, expanded.plan.mla_decode) == ("absorbed", "expanded")
+        assert not absorbed.plan.decode_attention and "latent attention" in absorbed.plan.reason("attention")
+        assert absorbed.generate(PROMPTS, max_new_tokens=10) == expanded.generate(PROMPTS, max_new_tokens=10)
+
+
+def jitted_steps(model):
+    """(jitted transformer call over (state, tokens, positions, caches), its state, the model)."""
+    graphdef, state = nnx.split(model.transformer)
+    return jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args)), state, model
 
 
 def test_absorbed_decode_logits_equal_the_expanded_forms(checkpoint):
     """A prefill over the cache, then decode steps in each form: logits equal to float32 rounding."""
     tokens = np.array([PROMPTS[0] + [11, 12, 13], PROMPTS[3][:8]], dtype=np.int32)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
     logits = {}
     for form in ("absorbed", "expanded"):
-        transformer = moe_jax.load_model(checkpoint, backend="device", mla_decode=form).transformer
-        caches = moe_jax.load_model(checkpoint, backend="device").new_caches(2, 12)
-        positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-        _, caches = transformer(jnp.asarray(tokens[:, :5]), jnp.asarray(positions[:, :5]), caches)
+        run, state, model = jitted_steps(moe_jax.load_model(checkpoint, backend="device", mla_decode=form))
+        _, caches = run(state, tokens[:, :5], positions[:, :5], model.new_caches(2, 12))
         steps = []
         for t in range(5, 8):
-            step, caches = transformer(jnp.asarray(tokens[:, t : t + 1]), jnp.asarray(positions[:, t : t + 1]), caches)
+            step, caches = run(state, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
             steps.append(np.asarray(step))
         logits[form] = np.concatenate(steps, axis=1)
     np.testing.assert_allclose(logits["absorbed"], logits["expanded"], atol=1e-5, rtol=0)
