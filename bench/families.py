@@ -1,14 +1,16 @@
 """DeepSeek-class models against transformers on torch CPU: a DeepSeek-V2-Lite-shaped model, side by side.
 
-    python bench/families.py [--dtypes float32,bfloat16] [--rounds 2] [--quick]
+    python bench/families.py [--dtypes float32,bfloat16] [--rounds 2] [--step-seq 512 --steps 3] [--quick]
 
 The model: DeepSeek-V2-Lite's real dims cut to 4 layers (bench/models.py, shape deepseek-v2-lite: hidden 2048,
 64 routed experts of 1408 + 2 shared, top-6, latent attention with kv_lora_rank 512 and 16 heads of 128 + 64).
-Per dtype, tokens/s of: a forward (prefill) of one 512-token prompt, a LoRA training step (batch 1 x 512, r=8 on
-the latent attention's projections, AdamW), and decode at batch 1 and 16 (32-token prompts, 32 new tokens, end to
-end), for moe_jax's host backend and for transformers (+ peft for the step). Each side and dtype runs in its own
-process (two ~1.8B-parameter models at once do not fit in 24 GB), the sides alternating A B A B over --rounds;
-the table holds medians and moe_jax / transformers. Writes bench/results/families.json.
+Per dtype, tokens/s of: a forward (prefill) of one 512-token prompt; a LoRA training step (batch 1 x --step-seq,
+r=8 on the latent attention's projections, AdamW; median of --steps after two warm-up steps); decode at batch 1
+and 16 (32-token prompts, 32 new tokens, end to end). For moe_jax's host backend and for transformers (+ peft for
+the step). Each side and dtype runs in its own process (two ~1.8B-parameter models at once do not fit in 24 GB),
+the sides alternating A B A B over --rounds; the table holds medians and moe_jax / transformers. Writes
+bench/results/families.json. (transformers' bfloat16 step on a CPU without AVX512-BF16 or AMX takes minutes:
+--step-seq 128 --steps 1 keeps a run near 20 minutes there.)
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ def run_side(side: str, dtype: str, args) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"{side} {dtype} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    seq, steps = (128, 2) if args.quick else (SEQ, 3)
-    result.update(train_child(side, dtype, seq, steps))
+    result.update(train_child(side, dtype, args.step_seq, args.steps))
     return result
 
 
@@ -83,11 +84,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=2, help="A B A B rounds per dtype (medians in the table)")
+    parser.add_argument("--step-seq", type=int, default=SEQ, help="tokens of the LoRA step's one row")
+    parser.add_argument("--steps", type=int, default=3, help="timed LoRA steps (after two warm-up steps)")
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 128-token prefill and step, one round")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     use_shape(SHAPE)
     new_tokens, prefill = (8, 128) if args.quick else (NEW, PREFILL)
+    if args.quick:
+        args.step_seq, args.steps = 128, 2
     if args.child:
         print(json.dumps(infer_child(args.child, args.dtypes, new_tokens, prefill)))
         return
@@ -112,11 +117,12 @@ def main():
             rows.append(row)
     print(machine_info())
     print_table(
-        f"{SHAPE} (4 layers), tokens/s: prefill 1 x {prefill}, LoRA step 1 x {128 if args.quick else SEQ}, decode of "
+        f"{SHAPE} (4 layers), tokens/s: prefill 1 x {prefill}, LoRA step 1 x {args.step_seq}, decode of "
         f"{PROMPT}-token prompts with {new_tokens} new tokens end to end; x: moe_jax / transformers",
         rows,
     )
-    write_json("families", {"shape": SHAPE, "rounds": rounds, "rows": rows, "raw": raw})
+    settings = {"new_tokens": new_tokens, "prefill": prefill, "step_seq": args.step_seq, "steps": args.steps}
+    write_json("families", {"shape": SHAPE, "rounds": rounds, **settings, "rows": rows, "raw": raw})
 
 
 if __name__ == "__main__":
