@@ -73,6 +73,16 @@ def device_reference(checkpoint):
     return ids, logits, tokens, lora_loss_grad(model, tokens)
 
 
+@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe", "deepseek_v2"])
+def test_more_families_logits_agree_on_every_backend(variant, tmp_path):
+    """Issue 18's other families outside the full matrix above (test time): logits of every backend."""
+    path = save_hf_model(make_hf_model(variant, seed=11), tmp_path)
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 11))
+    reference = load(path, "device").logits(ids)
+    for backend in BACKENDS[1:]:
+        np.testing.assert_allclose(load(path, backend).logits(ids), reference, atol=1e-5, err_msg=backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 def test_logits_agree_with_the_device_backend(checkpoint, device_reference, backend):
     ids, reference, _, _ = device_reference

@@ -30,6 +30,14 @@ def test_greedy_matches_transformers(pair):
         assert model.generate([prompt], max_new_tokens=8) == [hf_greedy(hf, prompt, 8)]
 
 
+@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe"])
+def test_greedy_matches_transformers_for_more_families(variant, tmp_path):
+    """The other issue-18 families, greedy only (the fixture's four cover batching and sampling)."""
+    hf = make_hf_model(variant, seed=7)
+    model = moe_jax.load_model(save_hf_model(hf, tmp_path), backend="host")
+    assert model.generate(PROMPTS, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
 def test_batch_equals_alone(pair):
     _, model = pair
     alone = [model.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
