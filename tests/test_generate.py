@@ -33,7 +33,8 @@ def test_greedy_matches_transformers(pair):
 @pytest.mark.parametrize("variant", ["glm4_moe", "olmoe"])
 def test_greedy_matches_transformers_for_more_families(variant, tmp_path):
     """The other issue-18 families, greedy only (the fixture's four cover batching and sampling)."""
-    hf = make_hf_model(variant, seed=7)
+    # OLMoE's default pad token is 1, which transformers' generate would mask out of the prompt [1, 2, ...]
+    hf = make_hf_model(variant, seed=7, pad_token_id=0)
     model = moe_jax.load_model(save_hf_model(hf, tmp_path), backend="host")
     assert model.generate(PROMPTS, max_new_tokens=8) == [hf_greedy(hf, p, 8) for p in PROMPTS]
 
