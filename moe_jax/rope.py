@@ -72,13 +72,12 @@ class Rope:
     def apply(self, x, cos, sin):
         """x rotated on its first `dim` last-axis entries; cos/sin (from `cos_sin`) reshaped to broadcast."""
         rot, rest = x[..., : self.dim], x[..., self.dim :]
-        if self.interleave:
-            half = self.dim // 2
+        half = self.dim // 2
+        if self.interleave:  # pair i is (x[2i], x[2i+1]); the output holds the pairs' firsts, then their seconds
             even, odd = rot[..., 0::2], rot[..., 1::2]
             c, s = cos[..., :half].astype(x.dtype), sin[..., :half].astype(x.dtype)
             rotated = jnp.concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
         else:
-            half = self.dim // 2
             turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
             rotated = rot * cos.astype(x.dtype) + turned * sin.astype(x.dtype)
         return rotated if rest.shape[-1] == 0 else jnp.concatenate([rotated, rest], axis=-1)
