@@ -85,7 +85,7 @@ def main(argv=None):
         )
     if "eval_loss" in last:
         print(f"held-out loss: {first.get('eval_loss', float('nan')):.4f} -> {last['eval_loss']:.4f}")
-    adapter_format = "moe_jax format only" if summary["not_for_peft"] else "PEFT"
+    adapter_format = "moe_jax format only" if not_for_peft else "PEFT"
     print(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png")
 
 

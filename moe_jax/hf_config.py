@@ -241,8 +241,7 @@ def _dense_width(read: _Fields, dense_layers, width: int) -> int:
 
 def _rope_params(read: _Fields) -> dict:
     """transformers 5 writes `rope_parameters`; older configs `rope_scaling` (with `type`) beside `rope_theta`."""
-    params = read.object("rope_parameters") or read.object("rope_scaling")
-    return params
+    return read.object("rope_parameters") or read.object("rope_scaling")
 
 
 def _rope(read: _Fields, head_dim: int, interleave: bool = False, partial_default: float = 1.0) -> Rope:

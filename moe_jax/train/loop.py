@@ -266,17 +266,11 @@ class Trainer:
 
     def finish(self) -> dict:
         self.model.set_lora_state(self.lora_state)
-        self.not_for_peft = export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
+        export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
         plot_losses(self.history, self.out / "loss.png")
         evaluated = [h for h in self.history if "exact_match" in h or "eval_loss" in h]
         first, last = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
-        return {
-            "first": first,
-            "last": last,
-            "steps": self.cfg.max_steps,
-            "out": str(self.out),
-            "not_for_peft": self.not_for_peft,
-        }
+        return {"first": first, "last": last, "steps": self.cfg.max_steps, "out": str(self.out)}
 
 
 def _postfix(record: dict) -> dict:
