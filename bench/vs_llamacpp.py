@@ -94,20 +94,27 @@ def gguf(tools, source: Path, kind: str) -> Path:
     if kind == "q4_0":
         subprocess.run([str(tools["quantize"]), str(gguf(tools, source, "f32")), str(path), "q4_0"], check=True)
     else:
-        args = [str(source), "--outtype", kind, "--outfile", str(path)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(tools["convert"].parent / d) for d in ("", "gguf-py"))}
-        subprocess.run([sys.executable, "-c", CONVERT, str(tools["convert"]), *args], check=True, env=env)
+        convert_with_llama_cpp(tools["convert"], source, kind, path)
     return path
 
 
-# llama.cpp's converter, run with one change: its Qwen MoE classes take the vocabulary from tokenizer.model (as its
-# Llama classes do) instead of insisting on a Hugging Face BPE tokenizer it knows by hash. Only the vocabulary's
+def convert_with_llama_cpp(converter: Path, source: Path, kind: str, out: Path, quiet: bool = False):
+    """llama.cpp's convert_hf_to_gguf.py (`converter`) on a checkpoint directory with a sentencepiece tokenizer
+    (with_tokenizer's), writing `out` of GGUF type `kind`."""
+    args = [str(source), "--outtype", kind, "--outfile", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(converter.parent / d) for d in ("", "gguf-py"))}
+    subprocess.run([sys.executable, "-c", CONVERT, str(converter), *args], check=True, env=env, capture_output=quiet)
+
+
+# llama.cpp's converter, run with one change: the model classes that want a Hugging Face BPE tokenizer (known to it
+# by hash) take the vocabulary from tokenizer.model instead, as its Llama classes do. Only the vocabulary's
 # metadata differs; the weights and the compute graph are the converter's own.
 CONVERT = """
 import runpy, sys
-from conversion import qwen
-for name in ("Qwen2MoeModel", "Qwen3MoeModel"):
-    getattr(qwen, name).set_vocab = lambda self: self._set_vocab_sentencepiece()
+from conversion import base, glm, qwen
+base.TextModel._set_vocab_gpt2 = base.TextModel._set_vocab_sentencepiece
+for cls in (qwen.Qwen2MoeModel, qwen.Qwen3MoeModel, glm.Glm4MoeModel):
+    cls.set_vocab = lambda self: self._set_vocab_sentencepiece()
 script = sys.argv.pop(1)
 runpy.run_path(script, run_name="__main__")
 """

@@ -2,7 +2,8 @@
 
 What the rest of the project uses, importable from here:
 - the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `QuantizedLayerExperts` and
-  `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`), `StoreWriter`,
+  `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`; `pack_int4_layer`
+  for weights quantized elsewhere), `StoreWriter`,
   `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
 - the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
   `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
@@ -25,6 +26,7 @@ from host_kernels.store import (
     QuantizedLayerExperts,
     StoreWriter,
     file_sha256,
+    pack_int4_layer,
     quantize_layer,
     quantized_expert_bytes,
     release_pages,
@@ -50,6 +52,7 @@ __all__ = [
     "file_sha256",
     "is_live_call",
     "library_status",
+    "pack_int4_layer",
     "quantize_layer",
     "quantized_expert_bytes",
     "release_pages",

@@ -30,6 +30,7 @@ import numpy as np
 
 from host_kernels.amx import N_BLOCK, padded
 from host_kernels.errors import KernelArgumentError, StoreError
+from host_kernels.quant import QuantizedInt4
 from host_kernels.quant_formats import FORMATS, QuantFormat
 
 LAYOUT_VERSION = 1
@@ -86,10 +87,16 @@ class LayerExperts:
 def gate_up_blocks(w: LayerExperts, e: int, block: int, dtype) -> np.ndarray:
     """Expert e's w13 [d, 2 fp] with the gate columns at [0, f) and the up columns at [fp, fp + f), fp = f rounded
     up to `block`: both halves start on a block boundary of the packed layout (zeros between)."""
-    f, fp = w.ffn, padded(w.ffn, block)
-    w13 = np.zeros((w.hidden, 2 * fp), dtype)
-    w13[:, :f], w13[:, fp : fp + f] = w.w13[e][:, :f], w.w13[e][:, f:]
-    return w13
+    return gate_up_columns(w.w13[e], w.ffn, block, dtype)
+
+
+def gate_up_columns(w13: np.ndarray, ffn: int, block: int, dtype=None) -> np.ndarray:
+    """gate_up_blocks' layout for any array whose last axis holds the gate's `ffn` columns then the up's (one
+    expert's weights, an int4 weight's codes or scales)."""
+    fp = padded(ffn, block)
+    out = np.zeros((*w13.shape[:-1], 2 * fp), dtype or w13.dtype)
+    out[..., :ffn], out[..., fp : fp + ffn] = w13[..., :ffn], w13[..., ffn:]
+    return out
 
 
 @dataclass(frozen=True)
@@ -170,16 +177,37 @@ def quantize_layer(w: LayerExperts, quant: str, name: str = "layer") -> Quantize
                 row, col = (int(i) for i in bad[0])
                 value = array[row, col]
                 raise StoreError(f"{name} expert {e} {matrix} [{row}, {col}] is {value}: it cannot be quantized")
-    packed = []
-    for e in range(w.num_experts):
+
+    def quantized(e: int):
         try:
-            w13 = fmt.pack(gate_up_blocks(w, e, N_BLOCK, np.float32)).data
-            packed.append((w13, fmt.pack(w.w2[e].astype(np.float32)).data))
+            return fmt.quantize(gate_up_blocks(w, e, N_BLOCK, np.float32)), fmt.quantize(w.w2[e].astype(np.float32))
         except KernelArgumentError as err:  # weights too large for the format's scales
             raise StoreError(f"{name} expert {e}: {err}") from None
-    return QuantizedLayerExperts(
-        quant, np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), w.hidden, w.ffn
+
+    return pack_layer(quant, (quantized(e) for e in range(w.num_experts)), w.hidden, w.ffn)
+
+
+def pack_layer(quant: str, experts, hidden: int, ffn: int) -> QuantizedLayerExperts:
+    """A layer from its experts' quantized weights, (w13 in gate_up_blocks' column layout, w2) per expert, each
+    packed for `quant`'s kernel (quantize_layer's, or weights quantized elsewhere: a GGUF file's Q4_0)."""
+    fmt = FORMATS[quant]
+    packed = [(fmt.pack_quantized(w13).data, fmt.pack_quantized(w2).data) for w13, w2 in experts]
+    return QuantizedLayerExperts(quant, np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), hidden, ffn)
+
+
+def pack_int4_layer(w13_q, w13_scale, w2_q, w2_scale, group: int = 32) -> QuantizedLayerExperts:
+    """Experts already quantized as int4 (codes int8 [e, k, n] in [-8, 7], float16 scales [e, k / group, n]; w13's
+    columns the gate's then the up's, as LayerExperts'), packed as they are: no requantization, so weights
+    quantized elsewhere by the same rule (llama.cpp's Q4_0) arrive bit for bit."""
+    experts, hidden, ffn = w13_q.shape[0], w13_q.shape[1], w2_q.shape[1]
+    quantized = (
+        (
+            QuantizedInt4(gate_up_columns(w13_q[e], ffn, N_BLOCK), gate_up_columns(w13_scale[e], ffn, N_BLOCK), group),
+            QuantizedInt4(np.ascontiguousarray(w2_q[e]), np.ascontiguousarray(w2_scale[e]), group),
+        )
+        for e in range(experts)
     )
+    return pack_layer("int4" if group == 32 else f"int4-g{group}", quantized, hidden, ffn)
 
 
 class ExpertStore:
@@ -360,11 +388,20 @@ class StoreWriter:
         experts = LayerExperts(w13.astype(STORAGE_DTYPES[self.dtype]), w2.astype(STORAGE_DTYPES[self.dtype]))
         experts.validate(f"layer {layer}")
         if self.quant is not None:
-            quantized = quantize_layer(experts, self.quant, f"layer {layer}")
-            sizes = {"hidden": quantized.hidden, "ffn": quantized.ffn}
-            if any(self.manifest.setdefault(key, v) != v for key, v in sizes.items()):
-                raise StoreError(f"layer {layer}: sizes {sizes} differ from the store's earlier layers")
-            w13, w2 = quantized.w13_packed, quantized.w2_packed
+            self.add_quantized_layer(layer, quantize_layer(experts, self.quant, f"layer {layer}"))
+        else:
+            self._write_layer(layer, w13, w2)
+
+    def add_quantized_layer(self, layer: int, quantized: QuantizedLayerExperts):
+        """A layer already quantized in this store's format (pack_layer's)."""
+        if quantized.quant != self.quant:
+            raise StoreError(f"layer {layer}: {quantized.quant} experts in a {self.quant} store")
+        sizes = {"hidden": quantized.hidden, "ffn": quantized.ffn}
+        if any(self.manifest.setdefault(key, v) != v for key, v in sizes.items()):
+            raise StoreError(f"layer {layer}: sizes {sizes} differ from the store's earlier layers")
+        self._write_layer(layer, quantized.w13_packed, quantized.w2_packed)
+
+    def _write_layer(self, layer: int, w13: np.ndarray, w2: np.ndarray):
         entry = {}
         for name, array in (("w13", w13), ("w2", w2)):
             file = f"layer{layer:04d}.{name}.bin"

@@ -18,6 +18,7 @@ from host_kernels import ExpertStore, LayerExperts, StoreError
 from moe_jax import fp8
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, is_int, read_json_file
+from moe_jax.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.hf_config import read_hf_config
 from moe_jax.safetensors_io import TensorSource
 
@@ -28,7 +29,7 @@ EXPERT_STORE_DIR = "experts"
 class Checkpoint:
     path: Path
     config: ModelConfig
-    tensors: TensorSource | fp8.BlockScaledTensors
+    tensors: TensorSource | fp8.BlockScaledTensors | GGUFFile
     expert_store: ExpertStore | None  # set for converted directories
 
     @property
@@ -63,10 +64,13 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
     """Opens a checkpoint directory, checking its config, every weight file's header and its layer count;
     `verify=True` also checks a converted store's SHA-256 checksums (minutes for a large model)."""
     path = Path(path)
+    if is_gguf_file(path):
+        gguf_file = GGUFFile(path)
+        return Checkpoint(path, gguf_file.config, gguf_file, None)
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory)")
+        raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory or a .gguf file)")
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)

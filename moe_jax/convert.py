@@ -1,5 +1,5 @@
-"""`python -m moe_jax.convert --hf DIR --out DIR [--quant int8|int4]`: a Hugging Face checkpoint into the converted
-format.
+"""`python -m moe_jax.convert --hf DIR | --gguf FILE --out DIR [--quant int8|int4|none]`: a Hugging Face checkpoint
+or a GGUF file into the converted format.
 
 The converted directory holds config.json and tokenizer files as they were, the non-expert tensors in one
 `model.safetensors` (Hugging Face names and layout), and the routed experts in an `experts/` store in the host
@@ -7,6 +7,12 @@ kernels' layout (with --quant, quantized and packed for their kernel), memory-ma
 into a directory of its own next to OUT (`OUT.partial-XXXX`), its store checksums verified, and renamed into
 place at the end, so an interrupted conversion never leaves a directory that looks finished. An existing
 non-empty OUT is refused unless --overwrite; OUT may not be or contain the source, nor lie inside it.
+
+From a GGUF file (llama.cpp's format), config.json and the tokenizer files are written from its metadata, the dense
+weights dequantized to float32 (every GGUF type's values are exact there), and the experts kept as close to their
+stored format as moe_jax's formats allow unless --quant says otherwise: Q4_0 experts are repacked as int4 value for
+value (the same format), Q8_0 and the other 6- and 8-bit types requantized to int8 (a scale per output column:
+llama.cpp's Q8_0 has one per 32 values, which int8 cannot hold), 2- to 5-bit types to int4, float types kept float.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError
+from moe_jax.gguf_checkpoint import GGUFFile
+from moe_jax.gguf_tokenizer import tokenizer_files
 from moe_jax.safetensors_io import save_safetensors
+
+GGUF_CLOSEST = "closest"  # convert's default `quant`: a GGUF file's own format where moe_jax has it, else floats
 
 SIDE_FILES = (
     "config.json",
@@ -40,21 +50,32 @@ SIDE_FILES = (
 
 
 def convert(
-    hf_dir, out_dir, dtype: str | None = None, progress: bool = True, overwrite: bool = False, quant: str | None = None
+    source,
+    out_dir,
+    dtype: str | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    quant: str | None = GGUF_CLOSEST,
 ) -> Path:
-    """Writes the converted checkpoint of `hf_dir` to `out_dir` and returns it. `out_dir` must not exist or be
-    empty, unless `overwrite` (then it is replaced, only once the new one is complete and verified). `quant` (a
-    host_kernels.QUANTIZED name): the experts are stored quantized, packed for their kernel (`dtype` is then the
-    one their products take rows in); the dense weights stay as they are."""
+    """Writes the converted checkpoint of `source` (a Hugging Face directory or a .gguf file) to `out_dir` and
+    returns it. `out_dir` must not exist or be empty, unless `overwrite` (then it is replaced, only once the new one
+    is complete and verified). `quant` (a host_kernels.QUANTIZED name): the experts are stored quantized, packed for
+    their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are. None:
+    float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc)."""
+    checkpoint = open_checkpoint(source)
+    gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
+    if quant == GGUF_CLOSEST:
+        quant = gguf_file.closest_quant() if gguf_file is not None else None
     if quant is not None and quant not in QUANTIZED:
         raise InputError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
-    checkpoint = open_checkpoint(hf_dir)
     if checkpoint.is_converted:
-        raise CheckpointError(f"{hf_dir}: already a converted directory")
+        raise CheckpointError(f"{source}: already a converted directory")
     out_dir = Path(out_dir)
     check_destination(checkpoint.path, out_dir, overwrite)
     config = checkpoint.config
-    if dtype is None:  # keep the checkpoint's precision
+    if dtype is None and gguf_file is not None:
+        dtype = "float32" if gguf_file.experts_type() == "F32" else "bfloat16"
+    elif dtype is None:  # keep the checkpoint's precision
         sample = next((checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if is_expert_tensor(n)), None)
         dtype = "bfloat16" if sample is not None and sample.dtype == ml_dtypes.bfloat16 else "float32"
     storage = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
@@ -67,23 +88,34 @@ def convert(
         raise InputError(f"{out_dir}: cannot write there ({e.strerror or e})") from None
     try:
         partial.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should be like any new directory
-        for name in SIDE_FILES:
-            if (checkpoint.path / name).exists():
-                shutil.copy2(checkpoint.path / name, partial / name)
-        drop_fp8_quantization(partial / "config.json")  # the converted weights are dequantized
+        if gguf_file is not None:
+            write_gguf_side_files(gguf_file, partial)
+        else:
+            for name in SIDE_FILES:
+                if (checkpoint.path / name).exists():
+                    shutil.copy2(checkpoint.path / name, partial / name)
+            drop_fp8_quantization(partial / "config.json")  # the converted weights are dequantized
         dense = {n: checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if not is_expert_tensor(n)}
         save_safetensors(partial / "model.safetensors", dense)
         writer = StoreWriter(partial / EXPERT_STORE_DIR, dtype, quant)
         desc = f"converting experts{f' to {quant}' if quant else ''}"
+        repacked = 0
         for layer in tqdm(config.moe_layers, desc=desc, unit="layer", disable=not progress):
-            stacked = checkpoint.layer_experts(layer, storage)
+            exact = gguf_file.q4_0_layer(layer) if gguf_file is not None and quant == "int4" else None
             try:
-                writer.add_layer(layer, stacked.w13, stacked.w2)
+                if exact is not None:
+                    writer.add_quantized_layer(layer, exact)
+                    repacked += 1
+                else:
+                    stacked = checkpoint.layer_experts(layer, storage)
+                    writer.add_layer(layer, stacked.w13, stacked.w2)
             except StoreError as e:  # a weight that cannot be quantized, named
                 raise CheckpointError(f"{checkpoint.path}: {e}") from None
         writer.close()
         ExpertStore.open(partial / EXPERT_STORE_DIR, verify=True)  # what landed on disk is what was written
         _move_into_place(partial, out_dir)
+        if gguf_file is not None and progress:
+            print(gguf_summary(gguf_file, quant, repacked, len(config.moe_layers)), file=sys.stderr)
     except OSError as e:
         raise InputError(f"{out_dir}: writing the converted checkpoint failed ({e}); nothing was left behind") from e
     finally:
@@ -117,6 +149,21 @@ def _move_into_place(partial: Path, out_dir: Path):
     shutil.rmtree(old)
 
 
+def write_gguf_side_files(gguf_file: GGUFFile, directory: Path):
+    """config.json and, when the file has a tokenizer, tokenizer.json / tokenizer_config.json from its metadata."""
+    (directory / "config.json").write_text(json.dumps(gguf_file.hf_config, indent=2))
+    for name, text in (tokenizer_files(gguf_file) or {}).items():
+        (directory / name).write_text(text)
+
+
+def gguf_summary(gguf_file: GGUFFile, quant: str | None, repacked: int, layers: int) -> str:
+    stored = gguf_file.experts_type()
+    if quant is None:
+        return f"experts: {stored} in the GGUF file, stored as floats"
+    how = f"{repacked} of {layers} layers repacked from Q4_0 value for value" if repacked else "requantized"
+    return f"experts: {stored} in the GGUF file, stored {quant} ({how})"
+
+
 def drop_fp8_quantization(config_file: Path):
     """An FP8 checkpoint's config without its quantization_config: what convert writes from it is float (or the
     int format asked for), and a config still saying fp8 would describe weights that are not there."""
@@ -133,20 +180,25 @@ def _umask() -> int:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m moe_jax.convert", description=__doc__.splitlines()[0])
-    parser.add_argument("--hf", required=True, type=Path, help="Hugging Face checkpoint directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", type=Path, help="Hugging Face checkpoint directory")
+    source.add_argument("--gguf", type=Path, help="GGUF file (llama.cpp's format; config and tokenizer from its metadata)")
     parser.add_argument("--out", required=True, type=Path, help="directory to write (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="expert storage dtype (default: as stored)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is done)")
     parser.add_argument(
         "--quant",
-        choices=list(QUANTIZED),
+        choices=[*QUANTIZED, "none"],
         help="store the experts quantized: int8 (a scale per output column) or int4 (a scale per group of 32 k-rows, "
         "llama.cpp's Q4_0 rule; int4-g64 / int4-g128: groups of 64 / 128), packed for their kernel and memory-mapped "
-        "as they are when loaded (int4: 0.28x the bfloat16 experts' bytes)",
+        "as they are when loaded (int4: 0.28x the bfloat16 experts' bytes); none: floats. Default: floats from a "
+        "Hugging Face checkpoint, the format closest to a GGUF file's (Q4_0 -> int4 exactly)",
     )
     args = parser.parse_args(argv)
-    out = convert(args.hf, args.out, args.dtype, overwrite=args.overwrite, quant=args.quant)
-    print(f"converted {args.hf} -> {out} (expert store checksums verified)")
+    source = args.hf or args.gguf
+    quant = None if args.quant == "none" else (args.quant or GGUF_CLOSEST)
+    out = convert(source, args.out, args.dtype, overwrite=args.overwrite, quant=quant)
+    print(f"converted {source} -> {out} (expert store checksums verified)")
 
 
 if __name__ == "__main__":

@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from moe_jax.errors import CheckpointError, read_json_file
+from moe_jax.gguf_checkpoint import GGUFFile, is_gguf_file
+from moe_jax.gguf_tokenizer import tokenizer_files
 
 
 class Tokenizer:
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
+        """The tokenizer of a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file (from its
+        metadata)."""
         self.path = Path(path)
-        try:
-            self._tok = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
-        except Exception as e:  # the tokenizers library raises bare Exceptions on parse errors
-            raise CheckpointError(f"{self.path / 'tokenizer.json'}: unreadable tokenizer ({e})") from e
-        settings = {}
-        config_file = self.path / "tokenizer_config.json"
-        if config_file.exists():
-            settings = read_json_file(config_file, "a tokenizer directory")
+        if is_gguf_file(self.path):
+            files = tokenizer_files(GGUFFile(self.path))
+            if files is None:
+                raise CheckpointError(f"{self.path}: the GGUF file holds no tokenizer")
+            self._tok = HFTokenizer.from_str(files["tokenizer.json"])
+            settings = json.loads(files["tokenizer_config.json"])
+        else:
+            try:
+                self._tok = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
+            except Exception as e:  # the tokenizers library raises bare Exceptions on parse errors
+                raise CheckpointError(f"{self.path / 'tokenizer.json'}: unreadable tokenizer ({e})") from e
+            settings = {}
+            config_file = self.path / "tokenizer_config.json"
+            if config_file.exists():
+                settings = read_json_file(config_file, "a tokenizer directory")
         self.chat_template = settings.get("chat_template")
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
@@ -61,4 +73,6 @@ def _token_text(value):
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:
+    if is_gguf_file(path):
+        return Tokenizer(path) if GGUFFile(path).field("tokenizer.ggml.model") is not None else None
     return Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None

@@ -1,0 +1,216 @@
+"""A GGUF file's Hugging Face `config.json`, built from its metadata (`{arch}.*` keys, as llama.cpp's converter
+writes them) and its tensors' shapes, with llama.cpp's meaning where the two differ: a file means what llama.cpp
+computes from it.
+
+Sizes a file's metadata may omit or state for another purpose (expert, shared-expert and dense widths, which layers
+are dense, MLA's head dims) are read off the tensors. Routing follows llama.cpp's graph per architecture: Qwen2-MoE
+and OLMoE never renormalise the chosen experts' weights, Qwen3-MoE always does, DeepSeek and GLM as the metadata
+says; deepseek2 with a sigmoid gating function is DeepSeek-V3 (bias-corrected, grouped by their best two), without
+one DeepSeek-V2 (llama.cpp reads a missing gating function as softmax). A YaRN file holds one mscale
+(`yarn_log_multiplier` = 0.1 * mscale_all_dim) and llama.cpp takes mscale equal to it, as in every DeepSeek release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+
+from moe_jax.errors import CheckpointError
+
+# llama.cpp architecture -> model_type (deepseek2 is decided by its gating function: model_type())
+ARCHITECTURES = {
+    "llama": "mixtral",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "glm4moe": "glm4_moe",
+    "deepseek2": "deepseek_v2",
+}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the tensors say: the expert count, which layers are MoE, and the widths of each kind of MLP."""
+
+    experts: int
+    moe_layers: list[int]
+    dense_layers: list[int]
+    expert_ffn: int
+    dense_ffn: int
+    shared_ffn: int
+
+    @classmethod
+    def of(cls, file, layers: int) -> _Layout:
+        moe = [i for i in range(layers) if file.layer_has(i, "ffn_gate_inp")]
+        dense = [i for i in range(layers) if i not in moe]
+        width = lambda name: file.tensor_shape(name)[-1] if name in file.tensors else 0  # noqa: E731
+        return cls(
+            experts=_int(file, "expert_count"),
+            moe_layers=moe,
+            dense_layers=dense,
+            expert_ffn=width(f"blk.{moe[0]}.ffn_down_exps.weight") if moe else 0,
+            dense_ffn=width(f"blk.{dense[0]}.ffn_down.weight") if dense else 0,
+            shared_ffn=width(f"blk.{moe[0]}.ffn_down_shexp.weight") if moe else 0,
+        )
+
+
+def model_type(file) -> str:
+    if file.arch != "deepseek2":
+        return ARCHITECTURES[file.arch]
+    sigmoid = int(file.arch_field("expert_gating_func", 0)) == int(gguf.ExpertGatingFuncType.SIGMOID)
+    return "deepseek_v3" if sigmoid else "deepseek_v2"
+
+
+def hf_config(file) -> dict:
+    """config.json for a gguf_checkpoint.GGUFFile."""
+    f = file.arch_field
+    # glm4moe counts its multi-token-prediction layers among the blocks
+    layers = _int(file, "block_count") - int(f("nextn_predict_layers", 0) or 0)
+    kind = model_type(file)
+    config = {
+        "model_type": kind,
+        "num_hidden_layers": layers,
+        "hidden_size": _int(file, "embedding_length"),
+        "num_attention_heads": _int(file, "attention.head_count"),
+        "num_key_value_heads": int(f("attention.head_count_kv", _int(file, "attention.head_count"))),
+        "rms_norm_eps": float(f("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(f("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "vocab_size": file.tensor_shape("token_embd.weight")[0],
+        "rope_theta": float(f("rope.freq_base", 10000.0)),
+        "num_experts_per_tok": _int(file, "expert_used_count"),
+        **_rope_scaling(file),
+    }
+    for key in ("bos", "eos"):
+        if file.field(f"tokenizer.ggml.{key}_token_id") is not None:
+            config[f"{key}_token_id"] = int(file.field(f"tokenizer.ggml.{key}_token_id"))
+    if f("attention.key_length") is not None and not kind.startswith("deepseek"):  # deepseek2's is MLA's latent
+        config["head_dim"] = int(f("attention.key_length"))
+    config.update(_FAMILIES[kind](file, _Layout.of(file, layers), config))
+    return config
+
+
+def _mixtral(file, layout: _Layout, config: dict) -> dict:
+    return {"num_local_experts": layout.experts, "intermediate_size": layout.expert_ffn}
+
+
+def _qwen(file, layout: _Layout, config: dict) -> dict:
+    qwen2 = config["model_type"] == "qwen2_moe"
+    return {
+        "num_experts": layout.experts,
+        "moe_intermediate_size": layout.expert_ffn,
+        "intermediate_size": layout.dense_ffn,
+        "mlp_only_layers": layout.dense_layers,
+        "norm_topk_prob": not qwen2,
+        **({"shared_expert_intermediate_size": layout.shared_ffn} if qwen2 else {}),
+        # Qwen's q/k/v biases are its `qkv_bias`; its attention_bias is the output projection's
+        "qkv_bias": "blk.0.attn_q.bias" in file.tensors,
+        "attention_bias": "blk.0.attn_output.bias" in file.tensors,
+    }
+
+
+def _olmoe(file, layout: _Layout, config: dict) -> dict:
+    clip = file.arch_field("attention.clamp_kqv")
+    return {
+        "num_experts": layout.experts,
+        "intermediate_size": layout.expert_ffn,
+        "norm_topk_prob": False,
+        "clip_qkv": float(clip) if clip else None,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+    }
+
+
+def _glm4_moe(file, layout: _Layout, config: dict) -> dict:
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return {
+        **_grouped_experts(file, layout),
+        "head_dim": head_dim,
+        "partial_rotary_factor": int(file.arch_field("rope.dimension_count", head_dim)) / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "num_nextn_predict_layers": 0,  # not read: moe_jax runs the main layers
+    }
+
+
+def _deepseek(file, layout: _Layout, config: dict) -> dict:
+    f = file.arch_field
+    rope_dim = _int(file, "rope.dimension_count")
+    k_b, v_b = file.tensor_shape("blk.0.attn_k_b.weight"), file.tensor_shape("blk.0.attn_v_b.weight")
+    if k_b is not None and v_b is not None:  # [heads, rank, nope] and [heads, v, rank]
+        nope, v_dim = k_b[2], v_b[1]
+    elif f("attention.key_length_mla") is not None:  # a file with kv_b whole
+        nope, v_dim = int(f("attention.key_length_mla")) - rope_dim, int(f("attention.value_length_mla"))
+    else:
+        raise CheckpointError(f"{file.path}: neither attn_k_b / attn_v_b nor key_length_mla give MLA's head sizes")
+    groups = _grouped_experts(file, layout)
+    if config["model_type"] == "deepseek_v2":
+        groups["topk_method"] = "group_limited_greedy" if groups["n_group"] > 1 else "greedy"
+    return {
+        **groups,
+        "num_key_value_heads": config["num_attention_heads"],  # llama.cpp writes MLA as one shared latent head
+        "kv_lora_rank": _int(file, "attention.kv_lora_rank"),
+        "q_lora_rank": int(f("attention.q_lora_rank", 0) or 0),  # 0: queries projected directly
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v_dim,
+        "rope_interleave": True,  # ggml's deepseek2 rotates interleaved pairs
+        "attention_bias": "blk.0.attn_q_a.bias" in file.tensors or "blk.0.attn_kv_a_mqa.bias" in file.tensors,
+    }
+
+
+def _grouped_experts(file, layout: _Layout) -> dict:
+    """DeepSeek / GLM: leading dense layers, shared experts of the routed width, group-limited routing."""
+    f = file.arch_field
+    first_dense = layout.moe_layers[0] if layout.moe_layers else len(layout.dense_layers)
+    if layout.dense_layers != list(range(first_dense)):
+        raise CheckpointError(f"{file.path}: dense layers {layout.dense_layers} are not the leading ones")
+    groups = int(f("expert_group_count", 1) or 1)
+    return {
+        "n_routed_experts": layout.experts,
+        "moe_intermediate_size": layout.expert_ffn,
+        "intermediate_size": layout.dense_ffn,
+        "first_k_dense_replace": first_dense,
+        "n_shared_experts": layout.shared_ffn // layout.expert_ffn if layout.expert_ffn else 0,
+        "n_group": groups,
+        "topk_group": int(f("expert_group_used_count", groups) or groups),
+        "routed_scaling_factor": float(f("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(f("expert_weights_norm", False)),
+    }
+
+
+_FAMILIES = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen,
+    "qwen3_moe": _qwen,
+    "olmoe": _olmoe,
+    "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+
+
+def _rope_scaling(file) -> dict:
+    f = file.arch_field
+    kind, factor = f("rope.scaling.type"), f("rope.scaling.factor")
+    if kind in (None, "none") or not factor:
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise CheckpointError(f"{file.path}: rope scaling {kind!r} is not supported (linear or yarn)")
+    params = {"rope_type": kind, "factor": float(factor)}
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = _int(file, "rope.scaling.original_context_length")
+        for key in ("beta_fast", "beta_slow"):
+            if f(f"rope.scaling.yarn_{key}") is not None:
+                params[key] = float(f(f"rope.scaling.yarn_{key}"))
+        log_mul = f("rope.scaling.yarn_log_multiplier")
+        if log_mul:
+            params["mscale"] = params["mscale_all_dim"] = float(log_mul) / 0.1
+    return {"rope_scaling": params}
+
+
+def _int(file, key: str) -> int:
+    value = file.arch_field(key)
+    if value is None:
+        raise CheckpointError(f"{file.path}: GGUF metadata has no {file.arch}.{key}")
+    return int(value)
