@@ -182,7 +182,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m moe_jax.convert", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", type=Path, help="Hugging Face checkpoint directory")
-    source.add_argument("--gguf", type=Path, help="GGUF file (llama.cpp's format; config and tokenizer from its metadata)")
+    source.add_argument("--gguf", type=Path, help="GGUF file (llama.cpp's; config and tokenizer from its metadata)")
     parser.add_argument("--out", required=True, type=Path, help="directory to write (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="expert storage dtype (default: as stored)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is done)")

@@ -62,7 +62,10 @@ QUANTIZED = {
     "Q8_0": ("qwen3_moe", dict(moe_intermediate_size=32)),
     "Q4_0": ("mixtral", dict(intermediate_size=64)),
     # K-quants' blocks are 256 wide
-    "Q6_K": ("qwen3_moe", dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2)),
+    "Q6_K": (
+        "qwen3_moe",
+        dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 
