@@ -37,7 +37,7 @@ DEFAULT_ADAPTER = ROOT / "runs" / "default" / "adapter"  # written by `python tr
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="Hugging Face or converted directory (default: the bundled model)")
+    p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL prompts")
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")

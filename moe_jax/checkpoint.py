@@ -96,6 +96,14 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
     return Checkpoint(path, config, tensors, store)
 
 
+def read_config(path) -> ModelConfig:
+    """The model config of a checkpoint directory (its config.json) or a .gguf file (its metadata), alone."""
+    if is_gguf_file(path):
+        return GGUFFile(path).config
+    config_file = Path(path) / "config.json"
+    return read_hf_config(read_json_file(config_file, "a model directory"), source=str(config_file))
+
+
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 

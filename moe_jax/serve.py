@@ -34,7 +34,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="Hugging Face or converted directory (default: the bundled model)")
+    p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))

@@ -73,6 +73,7 @@ def _token_text(value):
 
 
 def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory or .gguf file; None when it has none."""
     if is_gguf_file(path):
         return Tokenizer(path) if GGUFFile(path).field("tokenizer.ggml.model") is not None else None
-    return Tokenizer(path) if (Path(path) / "tokenizer.json").exists() else None
+    return Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None

@@ -244,3 +244,29 @@ def test_llama_cpps_converter_files_give_transformers_logits(variant, tmp_path):
     out = tmp_path / "model.gguf"
     convert_with_llama_cpp(Path(LLAMA_CPP) / "convert_hf_to_gguf.py", source, "f32", out, quiet=True)
     np.testing.assert_allclose(logits(out), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_infer_generates_from_a_gguf_file_with_its_tokenizer_and_template(tmp_path):
+    """infer.py --model FILE.gguf: tokenizer and chat template from the file, greedy tokens equal to generating with
+    the converted directory's."""
+    import infer as infer_cli
+
+    tokenizer = _bpe_tokenizer()
+    hf = make_hf_model("qwen3_moe", vocab_size=tokenizer.get_vocab_size())
+    path = write_gguf(hf, tmp_path / "model.gguf", tokenizer=_tokenizer_metadata(tokenizer))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "The quick brown fox"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+    )
+    convert(path, tmp_path / "converted", progress=False, quant=None)
+    outputs = {}
+    for name, model in (("gguf", path), ("converted", tmp_path / "converted")):
+        out = tmp_path / f"{name}.jsonl"
+        args = ["--model", model, "--prompts", prompts, "--out", out, "--max-new-tokens", "5", "--temperature", "0"]
+        assert infer_cli.main([str(a) for a in args]) in (None, 0)
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        outputs[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+    assert len(outputs["gguf"]) == 2 and outputs["gguf"] == outputs["converted"]

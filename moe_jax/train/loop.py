@@ -17,9 +17,9 @@ import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax.adapters import export_peft
 from moe_jax.backends.placements import read_placement_plan
-from moe_jax.errors import ConfigError, InputError, MoeJaxError, read_json_file
+from moe_jax.checkpoint import read_config
+from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.generate import generate_tokens
-from moe_jax.hf_config import read_hf_config
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from moe_jax.output_files import NewFile, create_new
@@ -45,9 +45,9 @@ class RunData:
 def load_run_data(cfg: TrainConfig) -> RunData:
     """Everything about the data is read and checked before the model is loaded or anything compiles."""
     check_sequence_length(cfg)
-    tokenizer = load_tokenizer(Path(cfg.model)) if Path(cfg.model).is_dir() else None
+    tokenizer = load_tokenizer(Path(cfg.model))
     if tokenizer is None:
-        raise InputError(f"{cfg.model}: no tokenizer.json (needed to tokenise the training data)")
+        raise InputError(f"{cfg.model}: no tokenizer (needed to tokenise the training data)")
     stats = DataStats()
     train = load_examples(cfg.data, tokenizer, cfg.max_seq_len, cfg.long_examples, cfg.skip_bad_lines, stats)
     if cfg.eval_data:
@@ -62,12 +62,11 @@ def load_run_data(cfg: TrainConfig) -> RunData:
 
 def check_sequence_length(cfg: TrainConfig):
     """max_seq_len must fit the model's positions: beyond them RoPE extrapolates and the loss means nothing."""
-    config_file = Path(cfg.model) / "config.json"
-    model_config = read_hf_config(read_json_file(config_file, "a model directory"), source=str(config_file))
+    model_config = read_config(cfg.model)
     if cfg.max_seq_len > model_config.max_position_embeddings:
         raise ConfigError(
             f"max_seq_len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings} ({config_file})"
+            f"{model_config.max_position_embeddings} ({cfg.model})"
         )
 
 
