@@ -14,7 +14,9 @@ repacks them as they are, which `python -m moe_jax.convert --gguf F` does.
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from pathlib import Path
 
 import gguf
@@ -76,7 +78,8 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: no such GGUF file")
         try:
             self.reader = gguf.GGUFReader(str(self.path), "r")
-        except (ValueError, OSError, KeyError, IndexError) as e:  # the reader's own errors for a damaged file
+        except (ValueError, OSError, KeyError, IndexError, TypeError, UnicodeDecodeError, struct.error) as e:
+            # what the reader raises on a damaged or hostile file
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.field("general.architecture")
@@ -100,10 +103,18 @@ class GGUFFile:
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
 
-    def tensor_shape(self, gguf_name: str) -> tuple[int, ...] | None:
-        """A tensor's numpy shape (GGUF lists dimensions innermost first)."""
+    def tensor_shape(self, gguf_name: str, required: bool = True, ndim: int | None = None) -> tuple[int, ...] | None:
+        """A tensor's numpy shape (GGUF lists dimensions innermost first); a missing one (or one of another rank
+        than `ndim`) is a CheckpointError, or None when not `required`."""
         tensor = self.tensors.get(gguf_name)
-        return None if tensor is None else tuple(int(n) for n in reversed(tensor.shape))
+        if tensor is None:
+            if required:
+                raise CheckpointError(f"{self.path}: the file has no tensor {gguf_name!r}")
+            return None
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if ndim is not None and len(shape) != ndim:
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} has shape {shape}, expected {ndim} dimensions")
+        return shape
 
     def layer_has(self, layer: int, name: str) -> bool:
         return f"blk.{layer}.{name}.weight" in self.tensors
@@ -149,9 +160,9 @@ class GGUFFile:
             shape = self.tensor_shape(key)
             return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
         if kind == "kv_b":
-            heads, rank, nope = self.tensor_shape(f"blk.{key}.attn_k_b.weight")
-            return heads * (nope + self.tensor_shape(f"blk.{key}.attn_v_b.weight")[1]), rank
-        experts, hidden, ffn = self.tensor_shape(f"blk.{key}.ffn_down_exps.weight")
+            heads, rank, nope = self.tensor_shape(f"blk.{key}.attn_k_b.weight", ndim=3)
+            return heads * (nope + self.tensor_shape(f"blk.{key}.attn_v_b.weight", ndim=3)[1]), rank
+        experts, hidden, ffn = self.tensor_shape(f"blk.{key}.ffn_down_exps.weight", ndim=3)
         return (experts, hidden, ffn) if kind == "down" else (experts, 2 * ffn, hidden)
 
     def release_pages(self):
@@ -181,6 +192,7 @@ class GGUFFile:
         return self._names[name]
 
     def _tensor(self, gguf_name: str) -> np.ndarray:
+        shape = self.tensor_shape(gguf_name)  # refuses a missing tensor by name
         tensor = self.tensors[gguf_name]
         try:
             array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
@@ -189,7 +201,9 @@ class GGUFFile:
                 f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}, which the gguf package cannot "
                 "dequantize"
             ) from None
-        array = array.reshape(self.tensor_shape(gguf_name))
+        if array.size != math.prod(shape):
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} holds {array.size} values for shape {shape}")
+        array = array.reshape(shape)
         if self.arch == "llama" and re.search(r"\.attn_[qk]\.weight$", gguf_name):
             heads = self.config.num_heads if ".attn_q." in gguf_name else self.config.num_kv_heads
             array = _unpermute_rotary_rows(array, heads)
@@ -223,7 +237,8 @@ class GGUFFile:
         """Layer `layer`'s experts repacked, value for value, as int4 experts, when all of them are stored Q4_0;
         None otherwise."""
         parts = ["ffn_gate_up_exps"] if self.layer_has(layer, "ffn_gate_up_exps") else ["ffn_gate_exps", "ffn_up_exps"]
-        tensors = [self.tensors[f"blk.{layer}.{p}.weight"] for p in [*parts, "ffn_down_exps"]]
+        names = [f"blk.{layer}.{p}.weight" for p in [*parts, "ffn_down_exps"]]
+        tensors = [self.tensors[n] for n in names if self.tensor_shape(n, ndim=3)]
         if any(t.tensor_type != gguf.GGMLQuantizationType.Q4_0 for t in tensors):
             return None
         # codes [e, out, in] and scales [e, out, in / 32] -> the store's [e, k = in, n = out]

@@ -77,7 +77,7 @@ def hf_config(file) -> dict:
         "rms_norm_eps": float(f("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(f("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in file.tensors,
-        "vocab_size": file.tensor_shape("token_embd.weight")[0],
+        "vocab_size": file.tensor_shape("token_embd.weight", ndim=2)[0],
         "rope_theta": float(f("rope.freq_base", 10000.0)),
         "num_experts_per_tok": _int(file, "expert_used_count"),
         **_rope_scaling(file),
@@ -136,7 +136,8 @@ def _glm4_moe(file, layout: _Layout, config: dict) -> dict:
 def _deepseek(file, layout: _Layout, config: dict) -> dict:
     f = file.arch_field
     rope_dim = _int(file, "rope.dimension_count")
-    k_b, v_b = file.tensor_shape("blk.0.attn_k_b.weight"), file.tensor_shape("blk.0.attn_v_b.weight")
+    k_b = file.tensor_shape("blk.0.attn_k_b.weight", required=False, ndim=3)
+    v_b = file.tensor_shape("blk.0.attn_v_b.weight", required=False, ndim=3)
     if k_b is not None and v_b is not None:  # [heads, rank, nope] and [heads, v, rank]
         nope, v_dim = k_b[2], v_b[1]
     elif f("attention.key_length_mla") is not None:  # a file with kv_b whole
