@@ -25,8 +25,9 @@ from moe_jax.backends.placements import check_placement_plan_flag, read_placemen
 from moe_jax.cli import run_cli
 from moe_jax.engine import EngineStats, GenerationEngine, Request
 from moe_jax.errors import InputError
-from moe_jax.output_files import NewFile, check_writable_dir, write_text
+from moe_jax.output_files import NewFile, check_writable_dir, create_new, write_text
 from moe_jax.prompts import prompt_token_ids, read_jsonl
+from moe_jax.run_log import GenerationMonitor, RunLog
 from moe_jax.sampling import check_sampling
 
 ROOT = Path(__file__).resolve().parent
@@ -41,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL prompts")
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")
+    p.add_argument("--metrics", type=Path, help="JSONL of the run's figures, one record per finished prompt")
+    p.add_argument("--tensorboard", type=Path, help="directory for TensorBoard event files of the same figures")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--batch-size", type=int, default=8, help="KV-cache slots generating at once")
@@ -150,10 +153,13 @@ def load_prompts(args, model):
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
-    if args.out is not None:  # an unwritable --out fails now, not after generating everything
-        check_writable_dir(args.out.parent, "--out's directory")
-        if args.out.is_dir():
-            raise InputError(f"--out {args.out} is a directory; give a file path")
+    for flag, path in (("--out", args.out), ("--metrics", args.metrics)):  # unwritable: refused now, not at the end
+        if path is not None:
+            check_writable_dir(path.parent, f"{flag}'s directory")
+            if path.is_dir():
+                raise InputError(f"{flag} {path} is a directory; give a file path")
+    if args.metrics is not None and args.out is not None and args.metrics.resolve() == args.out.resolve():
+        raise InputError(f"--metrics and --out are the same file {args.out}")
     if args.model is None:  # the bundled default, with the adapter train.py wrote for it if there is one
         args.model = DEFAULT_MODEL
         if args.adapter is None and DEFAULT_ADAPTER.exists():
@@ -189,12 +195,16 @@ def main(argv=None):
         stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
     bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr)
     stats, results = EngineStats(), []
+    monitor = GenerationMonitor(
+        model, RunLog(create_new(args.metrics) if args.metrics else None, args.tensorboard), cache
+    )
     # each finished record is written at once (in finishing order) to a file of this run's own, so a failure
     # part-way keeps what was done as OUT.partial; at the end the records are written in input order to OUT
     progress = NewFile(args.out.with_name(args.out.name + ".partial")) if args.out else None
 
     def finished(record):
         results.append(record)
+        monitor.finish(record["completion_tokens"])
         bar.update(1)
         if progress is not None:
             progress.write(json.dumps(record) + "\n")
@@ -231,9 +241,10 @@ def main(argv=None):
         raise
     finally:
         bar.close()
+        monitor.close()
     if progress is not None:
         progress.discard()
-    print_summary(args, model, stats, cache, truncated, rejected)
+    print_summary(args, model, monitor.total.summary(), stats, cache, truncated, rejected)
 
 
 def fit_split_to_wave(model, engine, prompts: int):
@@ -269,8 +280,7 @@ def write_results(out, results):
         print(f"{r.get('prompt')!r} -> {r['completion']!r}  [{r['finish_reason']}]")
 
 
-def print_summary(args, model, st, cache, truncated, rejected):
-    metrics = model.metrics().summary()
+def print_summary(args, model, metrics, st, cache, truncated, rejected):
     lines = [
         f"backend={args.backend}: prefill {st.prefill_tokens / max(st.prefill_s, 1e-9):,.0f} tok/s, "
         f"decode {st.decode_tokens / max(st.decode_s, 1e-9):,.0f} tok/s (compilation included); host busy "
@@ -297,8 +307,9 @@ def print_summary(args, model, st, cache, truncated, rejected):
             f"anchor cache: {c['prompt_tokens']} prompt tokens, {c['prefilled_tokens']} prefilled, {c['hits']} hits, "
             f"{c['bytes_held'] / 2**20:.1f} MiB held, {c['evictions']} evictions"
         )
-    if args.out:
-        lines.append(f"wrote {args.out}")
+    written = [str(path) for path in (args.out, args.metrics, args.tensorboard) if path]
+    if written:
+        lines.append(f"wrote {', '.join(written)}")
     print("\n".join(lines), file=sys.stderr)
 
 

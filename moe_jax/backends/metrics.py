@@ -26,6 +26,14 @@ class BackendMetrics:
     host_calls: int = 0
     tokens_per_expert: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> counts
 
+    def merged(self, other: BackendMetrics) -> BackendMetrics:
+        """The two periods' figures together."""
+        sums = {f: getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__ if f != "tokens_per_expert"}
+        counts = {layer: c.copy() for layer, c in self.tokens_per_expert.items()}
+        for layer, c in other.tokens_per_expert.items():
+            _add_counts(counts, layer, c)
+        return BackendMetrics(**sums, tokens_per_expert=counts)
+
     @property
     def host_gflops(self) -> float:
         return self.host_flops / self.host_wall_s / 1e9 if self.host_wall_s else 0.0

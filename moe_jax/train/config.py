@@ -60,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     host_threads: int | None = None
     device_budget_mb: float = 0.0  # offload/auto: device memory for expert weights (0: the backend's default)
+    tensorboard: str | None = None  # directory for TensorBoard event files: every step's figures as scalars
 
     def validate(self):
         def positive(name):

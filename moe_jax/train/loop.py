@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -23,6 +22,7 @@ from moe_jax.generate import generate_tokens
 from moe_jax.lora import LoRAConfig
 from moe_jax.objective import lora_value_and_grad
 from moe_jax.output_files import NewFile, create_new
+from moe_jax.run_log import ExpertCounts, RunLog, backend_figures
 from moe_jax.tokenizer import load_tokenizer
 from moe_jax.train.checkpoints import Checkpoints
 from moe_jax.train.config import TrainConfig
@@ -70,7 +70,7 @@ def check_sequence_length(cfg: TrainConfig):
         )
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     if cfg.schedule == "constant":
         decay = optax.constant_schedule(cfg.learning_rate)
     elif cfg.schedule == "linear":
@@ -78,7 +78,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     else:
         decay = optax.cosine_decay_schedule(cfg.learning_rate, max(1, cfg.max_steps - cfg.warmup_steps))
     warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps) if cfg.warmup_steps else None
-    schedule = optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps]) if warmup else decay
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg)
     adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if cfg.max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
@@ -222,8 +226,10 @@ class Trainer:
             self.history = [{"step": 0, **self.evaluate()}]
         # rewritten from the checkpoint's history: steps after it (before a kill) are run again
         metrics_file = create_new(self.out / "metrics.jsonl")  # replaces a link there, never writes through it
+        log = RunLog(metrics_file, Path(cfg.tensorboard) if cfg.tensorboard else None)
         for record in self.history:
-            metrics_file.write(json.dumps(record) + "\n")
+            log.write(record)
+        schedule, counts = learning_rate_schedule(cfg), ExpertCounts()
         bar = tqdm(
             range(start, cfg.max_steps),
             initial=start,
@@ -239,27 +245,27 @@ class Trainer:
                 t0 = time.perf_counter()
                 loss, targets = self.step(step)
                 elapsed = time.perf_counter() - t0
-                backend = self.model.metrics().summary()
+                backend = self.model.metrics()
+                counts.add(backend)
                 record = {
                     "step": step + 1,
                     "loss": loss,
+                    "lr": float(schedule(step)),
                     "tokens_per_s": cfg.batch_size * cfg.grad_accum * cfg.max_seq_len / elapsed,
                     "target_tokens": targets,
-                    "host_busy_s": backend["host_busy_s"],
-                    "device_wait_s": backend["device_wait_s"],
-                    "host_gflops": backend["host_gflops"],
-                    "host_weight_gbps": backend["host_weight_gbps"],
+                    **backend_figures(backend, elapsed),
                 }
-                if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.max_steps:
+                evaluated = (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.max_steps
+                if evaluated:
                     record.update(self.evaluate())
-                self.history.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                    self.model.metrics()  # the evaluation's generation is not the next step's figures
+                self.history.append(record)  # (the checkpoints' history: without the expert counts)
+                log.write({**record, "tokens_per_expert": counts.take()} if evaluated else record)
                 bar.set_postfix(_postfix(record), refresh=False)
                 if (step + 1) % cfg.checkpoint_interval == 0 or step + 1 == cfg.max_steps:
                     self.save(step + 1)
         finally:
-            metrics_file.close()
+            log.close()
             bar.close()
         return self.finish()
 

@@ -1,10 +1,10 @@
 """The run directory: a new run never mixes with an old one, and a resumed run is the same run.
 
-train.py writes checkpoints/, metrics.jsonl, adapter/ and loss.png into --out. A new run into a directory that
-holds any of them is refused (orbax would keep the old run's checkpoints, skipping their steps, and a later
---resume would restore the old state), unless --overwrite, which removes exactly those entries first. The data
-files' content is fingerprinted at the first start and recorded in every checkpoint, so --resume with a changed
-data file is refused like a changed setting.
+train.py writes checkpoints/, metrics.jsonl, adapter/ and loss.png into --out (moe_jax.report its report.html).
+A new run into a directory that holds any of them is refused (orbax would keep the old run's checkpoints,
+skipping their steps, and a later --resume would restore the old state), unless --overwrite, which removes exactly
+those entries first. The data files' content is fingerprinted at the first start and recorded in every
+checkpoint, so --resume with a changed data file is refused like a changed setting.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from host_kernels import file_sha256
 from moe_jax.errors import InputError
 from moe_jax.output_files import check_writable_dir
 
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "adapter", "loss.png")
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "adapter", "loss.png", "report.html")  # report.html: moe_jax.report
 
 
 def prepare_run_dir(out, resume: bool, overwrite: bool) -> Path:
