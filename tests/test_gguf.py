@@ -115,6 +115,16 @@ def test_q4_0_experts_convert_to_int4_value_for_value(tmp_path):
     assert np.abs(converted - reference).max() < 0.1  # the int4 kernels quantize their activations to int8
 
 
+def test_q8_0_experts_convert_to_int8_within_its_error(tmp_path):
+    """Q8_0's scale per 32 weights does not fit int8's one per output column: requantized, said so, close."""
+    hf = make_hf_model("qwen3_moe", moe_intermediate_size=32)
+    path = write_gguf(hf, tmp_path / "model.gguf", dense="F32", experts="Q8_0")
+    out = convert(path, tmp_path / "converted", progress=False)
+    assert json.loads((out / "experts" / "manifest.json").read_text())["quant"] == "int8"
+    reference = hf_logits(dequantized_model(hf, experts="Q8_0"), IDS)
+    assert np.abs(logits(out, backend="host") - reference).max() < 0.05
+
+
 def test_convert_cli_writes_config_tokenizer_and_float_experts_on_request(tmp_path, capsys):
     hf = make_hf_model("qwen2_moe")
     path = write_gguf(hf, tmp_path / "model.gguf", tokenizer=_tokenizer_metadata(_bpe_tokenizer()))
@@ -270,3 +280,47 @@ def test_infer_generates_from_a_gguf_file_with_its_tokenizer_and_template(tmp_pa
         records = [json.loads(line) for line in out.read_text().splitlines()]
         outputs[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in records]
     assert len(outputs["gguf"]) == 2 and outputs["gguf"] == outputs["converted"]
+
+
+def test_sentencepiece_vocabularies_tokenize_as_sentencepiece_does(tmp_path):
+    """A "llama" (SentencePiece) vocabulary as llama.cpp's converter writes it (pieces, scores, types: normal,
+    unknown, control, byte) tokenizes as the SentencePiece model it came from, byte fallback included."""
+    spm = pytest.importorskip("sentencepiece")
+    text = tmp_path / "text.txt"
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnop"), size=rng.integers(2, 8))) for _ in range(2000)]
+    text.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)))
+    spm.SentencePieceTrainer.train(  # normalised as Llama's and Mistral's are: not at all (spaces kept)
+        input=str(text),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=300,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+    )
+    processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    pieces = [processor.id_to_piece(i) for i in range(processor.vocab_size())]
+
+    def kind(i):  # llama.cpp's SentencePieceTokenTypes
+        if processor.is_unknown(i):
+            return 2
+        if processor.is_control(i):
+            return 3
+        return 6 if processor.is_byte(i) else 1
+
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": pieces,
+        "tokenizer.ggml.scores": [processor.get_score(i) for i in range(len(pieces))],
+        "tokenizer.ggml.token_type": [kind(i) for i in range(len(pieces))],
+        "tokenizer.ggml.bos_token_id": processor.bos_id(),
+        "tokenizer.ggml.eos_token_id": processor.eos_id(),
+        "tokenizer.ggml.unknown_token_id": processor.unk_id(),
+    }
+    hf = make_hf_model("mixtral", vocab_size=len(pieces))
+    tokenizer = load_tokenizer(write_gguf(hf, tmp_path / "model.gguf", tokenizer=metadata))
+    for sample in ["abc defg hij", "  two  spaces", "unseen QRSTUV ünï", words[7] + " " + words[8]]:
+        assert tokenizer.encode(sample, add_special_tokens=False) == processor.encode(sample), sample
+        assert tokenizer.decode(processor.encode(sample)) == processor.decode(processor.encode(sample))
+    assert tokenizer.encode("abc")[0] == processor.bos_id()  # llama vocabularies add BOS
