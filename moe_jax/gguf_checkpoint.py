@@ -62,6 +62,7 @@ _GLOBAL_NAMES = {
 }
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
+_PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 
 
 def is_gguf_file(path) -> bool:
@@ -89,7 +90,16 @@ class GGUFFile:
                 f"{self.path}: GGUF architecture {kind} is not supported; supported: "
                 f"{', '.join(ARCHITECTURES)} (llama with experts: Mixtral)"
             )
-        self.hf_config = hf_config(self)
+        per_expert = next((n for n in self.tensors if _PER_EXPERT.fullmatch(n)), None)
+        if per_expert is not None:
+            raise CheckpointError(
+                f"{self.path}: experts stored one tensor each ({per_expert!r}), llama.cpp's layout before April "
+                "2024; convert the model again with a current llama.cpp (stacked ffn_*_exps tensors)"
+            )
+        try:
+            self.hf_config = hf_config(self)
+        except (TypeError, ValueError) as e:  # a metadata value of the wrong type (a string where a count goes)
+            raise CheckpointError(f"{self.path}: unreadable GGUF metadata ({e})") from None
         self.config = read_hf_config(self.hf_config, source=f"{self.path} (its metadata)")
         self._names = self._hf_names()
 

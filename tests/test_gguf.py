@@ -219,6 +219,19 @@ def test_a_gguf_file_moe_jax_cannot_run_is_refused_by_name(tmp_path):
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with pytest.raises(CheckpointError, match=r"dense.gguf: GGUF architecture 'llama' without experts"):
         moe_jax.load_model(dense)
+    old = tmp_path / "old.gguf"
+    writer = gguf.GGUFWriter(str(old), "llama")
+    writer.add_expert_count(2)
+    writer.add_tensor("blk.0.ffn_gate.1.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match=r"old.gguf: experts stored one tensor each .* current llama.cpp"):
+        moe_jax.load_model(old)
+    typed = tmp_path / "typed.gguf"
+    writer = gguf.GGUFWriter(str(typed), "qwen3moe")
+    writer.add_string("qwen3moe.block_count", "two")
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match=r"typed.gguf: unreadable GGUF metadata"):
+        moe_jax.load_model(typed)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
     with pytest.raises(CheckpointError, match="broken.gguf: not a readable GGUF file"):
