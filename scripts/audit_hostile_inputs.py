@@ -1,6 +1,6 @@
 """Hostile-input audit of the CLIs: malformed checkpoints, configs, stores, adapters, data, prompts and flags,
-template code, kills, full and read-only disks. Each case runs the real command in a subprocess on a copy of the
-bundled model and is judged by what a user would see:
+template code, kills, full and read-only disks, damaged GGUF files. Each case runs the real command in a
+subprocess on a copy of the bundled model (or a tiny GGUF file) and is judged by what a user would see:
 
   clean   a non-zero exit with a one-line `error:` message (or, where the input is fine, a zero exit)
   CRASH   death by a signal;  TRACEBACK  a Python traceback;  ACCEPTED  a bad input that exited 0;
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.gguf_files writes the GGUF cases' files
 MODEL = ROOT / "models" / "tiny-moe"
 PY = sys.executable
 
@@ -467,6 +468,64 @@ def disk_cases():
     yield Case("disk", "infer onto a read-only disk", read_only(infer_into))
 
 
+def gguf_file(work: Path, template: str | None = None, edit=None) -> Path:
+    """A tiny Qwen3-MoE GGUF file with a byte-level tokenizer (as llama.cpp's converter writes one); `edit` changes
+    its bytes after."""
+    from tokenizers import pre_tokenizers
+
+    from tests.gguf_files import write_gguf
+    from tests.hf_models import make_hf_model
+
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<|im_start|>", "<|im_end|>"]
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * (len(tokens) - 2) + [3, 3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+        "tokenizer.chat_template": template
+        or "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}",
+    }
+    path = write_gguf(make_hf_model("qwen3_moe", vocab_size=len(tokens)), work / "model.gguf", tokenizer=metadata)
+    if edit is not None:
+        path.write_bytes(edit(path.read_bytes()))
+    return path
+
+
+def gguf_cases():
+    chat = [{"messages": [{"role": "user", "content": "hi"}]}]
+    yield Case("gguf", "a good file", lambda w: (infer(gguf_file(w), prompts=chat, work=w), True, None))
+    broken = {
+        "truncated in the header": lambda b: b[:40],
+        "truncated in the tensors": lambda b: b[: len(b) * 2 // 3],
+        "tensor count huge": lambda b: b[:8] + struct.pack("<Q", 2**62) + b[16:],
+        "not GGUF at all": lambda b: b"PK\x03\x04" + b[4:],
+    }
+    for name, edit in broken.items():
+        yield Case("gguf", name, lambda w, e=edit: (infer(gguf_file(w, edit=e), prompts=chat, work=w), False, None))
+
+    def hostile_template(w):
+        template = "{{ cycler.__init__.__globals__.os.system('touch " + str(w / "SENTINEL") + "') }}"
+
+        def check(work, result):
+            return "code ran: the sentinel file exists" if (work / "SENTINEL").exists() else ""
+
+        return infer(gguf_file(w, template=template), prompts=chat, work=w), False, check
+
+    yield Case("gguf", "chat template that runs a command", hostile_template)
+
+    def convert_truncated(w):
+        def check(work, result):
+            left = [p.name for p in work.iterdir() if p.name.startswith("out")]
+            return f"left behind: {left}" if left else ""
+
+        source = gguf_file(w, edit=lambda b: b[: len(b) * 2 // 3])
+        return [PY, "-m", "moe_jax.convert", "--gguf", str(source), "--out", str(w / "out")], False, check
+
+    yield Case("gguf", "convert a truncated file", convert_truncated)
+
+
 def judge(argv, expect_ok, check, work) -> tuple[str, str]:
     detail = ""
     if argv is not None:
@@ -494,7 +553,7 @@ def main(argv=None):
     p.add_argument("--only", help="run the cases whose category or name contains this")
     args = p.parse_args(argv)
     groups = (checkpoint_cases, config_cases, template_cases, store_cases, adapter_cases, data_cases, flag_cases,
-              kill_cases, disk_cases)  # fmt: skip
+              kill_cases, disk_cases, gguf_cases)  # fmt: skip
     report = []
     for case in (c for group in groups for c in group()):
         if args.only and args.only not in f"{case.category} {case.name}":
