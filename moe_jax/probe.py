@@ -179,7 +179,7 @@ def cached_profile(d: int, f: int):
         print(f"measuring this machine for backend='auto' (once; kept in {path}) ...", file=sys.stderr)
         profile = measure(d, f, QUICK_ROWS, 5, None)
         cache.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes measuring at once both land
         partial.write_text(json.dumps(profile, indent=1))
         partial.replace(path)
     return Profile.load(path)
