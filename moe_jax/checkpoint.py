@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host_kernels import ExpertStore, LayerExperts, StoreError
+from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
 from moe_jax import fp8
 from moe_jax.config import ModelConfig
 from moe_jax.errors import CheckpointError, is_int, read_json_file
@@ -57,7 +57,22 @@ class Checkpoint:
             if stored.w13.dtype == dtype:
                 return stored
             return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
+        if isinstance(self.tensors, GGUFFile):
+            return self.tensors.layer_experts(layer, dtype)
         return stack_hf_experts(self.tensors, self.config, layer, dtype)
+
+    def quantized_layer(self, layer: int, quant: str, dtype: np.dtype) -> tuple[QuantizedLayerExperts, bool]:
+        """One MoE layer's experts in `quant`'s format, and whether they arrived as they were stored: a GGUF file's
+        Q4_0 experts are int4 already (repacked value for value); others are read as float in `dtype` and
+        quantized. A weight that cannot be quantized is a CheckpointError naming layer, expert and position."""
+        if isinstance(self.tensors, GGUFFile) and quant == "int4":
+            repacked = self.tensors.q4_0_layer(layer)
+            if repacked is not None:
+                return repacked, True
+        try:
+            return quantize_layer(self.layer_experts(layer, dtype), quant, f"{self.path}: layer {layer}"), False
+        except StoreError as e:
+            raise CheckpointError(str(e)) from None
 
 
 def open_checkpoint(path, verify: bool = False) -> Checkpoint:

@@ -101,15 +101,15 @@ def convert(
         desc = f"converting experts{f' to {quant}' if quant else ''}"
         repacked = 0
         for layer in tqdm(config.moe_layers, desc=desc, unit="layer", disable=not progress):
-            exact = gguf_file.q4_0_layer(layer) if gguf_file is not None and quant == "int4" else None
             try:
-                if exact is not None:
-                    writer.add_quantized_layer(layer, exact)
-                    repacked += 1
-                else:
+                if quant is None:
                     stacked = checkpoint.layer_experts(layer, storage)
                     writer.add_layer(layer, stacked.w13, stacked.w2)
-            except StoreError as e:  # a weight that cannot be quantized, named
+                    continue
+                quantized, as_stored = checkpoint.quantized_layer(layer, quant, storage)
+                writer.add_quantized_layer(layer, quantized)
+                repacked += as_stored
+            except StoreError as e:  # weights the store cannot take, named
                 raise CheckpointError(f"{checkpoint.path}: {e}") from None
         writer.close()
         ExpertStore.open(partial / EXPERT_STORE_DIR, verify=True)  # what landed on disk is what was written

@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from host_kernels import QuantizedLayerExperts, pack_int4_layer
+from host_kernels import LayerExperts, QuantizedLayerExperts, pack_int4_layer
 from moe_jax.errors import CheckpointError
 from moe_jax.gguf_config import ARCHITECTURES, hf_config
 from moe_jax.hf_config import read_hf_config
@@ -220,6 +220,31 @@ class GGUFFile:
         if not np.isfinite(array).all():
             raise CheckpointError(f"{self.path}: tensor {gguf_name!r} holds NaN or infinite values")
         return array
+
+    def layer_experts(self, layer: int, dtype) -> LayerExperts:
+        """One MoE layer's experts straight into the kernel layout (w13 [e, d, 2f], w2 [e, f, d]) in `dtype`,
+        dequantized expert by expert: no float32 copy of the whole layer (a real model's is gigabytes)."""
+        experts, hidden, ffn = self.tensor_shape(f"blk.{layer}.ffn_down_exps.weight", ndim=3)
+        w13, w2 = np.empty((experts, hidden, 2 * ffn), dtype), np.empty((experts, ffn, hidden), dtype)
+        fused = self.layer_has(layer, "ffn_gate_up_exps")
+        for e in range(experts):
+            if fused:
+                w13[e] = self._expert(f"blk.{layer}.ffn_gate_up_exps.weight", e, (2 * ffn, hidden)).T
+            else:
+                w13[e, :, :ffn] = self._expert(f"blk.{layer}.ffn_gate_exps.weight", e, (ffn, hidden)).T
+                w13[e, :, ffn:] = self._expert(f"blk.{layer}.ffn_up_exps.weight", e, (ffn, hidden)).T
+            w2[e] = self._expert(f"blk.{layer}.ffn_down_exps.weight", e, (hidden, ffn)).T
+        return LayerExperts(w13, w2)
+
+    def _expert(self, gguf_name: str, expert: int, shape: tuple[int, int]) -> np.ndarray:
+        """Expert `expert`'s [out, in] slice of a stacked expert tensor, dequantized and checked."""
+        tensor = self.tensors[gguf_name]
+        if self.tensor_shape(gguf_name, ndim=3)[1:] != shape:
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} has shape {self.tensor_shape(gguf_name)}")
+        array = np.asarray(gguf.quants.dequantize(tensor.data[expert], tensor.tensor_type), np.float32)
+        if array.size != math.prod(shape) or not np.isfinite(array).all():
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} expert {expert}: damaged or not finite")
+        return array.reshape(shape)
 
     def _kv_b(self, layer: int) -> np.ndarray:
         """MLA's kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's k_b [heads, rank, nope] (stored

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from host_kernels import ExpertStore, HostMoE, quantize_layer, trim_heap
+from host_kernels import ExpertStore, HostMoE, trim_heap
 from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime
@@ -179,14 +179,13 @@ class HostPlacement(ExpertPlacement):
         storage = host_store_dtype(self.checkpoint, self.dtype.name)
         layers = {}
         for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
-            layer = self.checkpoint.layer_experts(i, storage)
             if quant:
-                layers[i] = quantize_layer(layer, quant, f"{self.checkpoint.path}: layer {i}")
+                layers[i], _ = self.checkpoint.quantized_layer(i, quant, storage)
                 if store is not None:
                     store.release_pages(i)  # a converted float store's pages: read once, not needed again
                 trim_heap()  # the float layer and the quantization's temporaries
             else:
-                layers[i] = layer
+                layers[i] = self.checkpoint.layer_experts(i, storage)
         return ExpertStore(layers, dtype=storage)
 
     def experts_for_layer(self, layer: int):
