@@ -213,25 +213,31 @@ def test_transformers_reads_the_test_files_as_the_original_model(variant, tmp_pa
     np.testing.assert_allclose(hf_logits(loaded, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
 
 
-def test_a_gguf_file_moe_jax_cannot_run_is_refused_by_name(tmp_path):
-    dense = tmp_path / "dense.gguf"
-    writer = gguf.GGUFWriter(str(dense), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+def _bare_gguf(path: Path, arch: str, numbers: dict[str, int | str], tensors: dict[str, np.ndarray]) -> Path:
+    """A GGUF file holding only the given metadata (`{arch}.KEY`) and tensors."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in numbers.items():
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(f"{arch}.{key}", value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+def test_a_gguf_file_moe_jax_cannot_run_is_refused_by_name(tmp_path):
+    embeddings = {"token_embd.weight": np.zeros((8, 4), np.float32)}
+    dense = _bare_gguf(tmp_path / "dense.gguf", "llama", {"block_count": 1}, embeddings)
     with pytest.raises(CheckpointError, match=r"dense.gguf: GGUF architecture 'llama' without experts"):
         moe_jax.load_model(dense)
-    old = tmp_path / "old.gguf"
-    writer = gguf.GGUFWriter(str(old), "llama")
-    writer.add_expert_count(2)
-    writer.add_tensor("blk.0.ffn_gate.1.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    old = _bare_gguf(
+        tmp_path / "old.gguf",
+        "llama",
+        {"expert_count": 2},
+        {"blk.0.ffn_gate.1.weight": embeddings["token_embd.weight"]},
+    )
     with pytest.raises(CheckpointError, match=r"old.gguf: experts stored one tensor each .* current llama.cpp"):
         moe_jax.load_model(old)
-    typed = tmp_path / "typed.gguf"
-    writer = gguf.GGUFWriter(str(typed), "qwen3moe")
-    writer.add_string("qwen3moe.block_count", "two")
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    typed = _bare_gguf(tmp_path / "typed.gguf", "qwen3moe", {"block_count": "two"}, {})
     with pytest.raises(CheckpointError, match=r"typed.gguf: unreadable GGUF metadata"):
         moe_jax.load_model(typed)
     broken = tmp_path / "broken.gguf"
