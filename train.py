@@ -86,7 +86,9 @@ def main(argv=None):
     if "eval_loss" in last:
         print(f"held-out loss: {first.get('eval_loss', float('nan')):.4f} -> {last['eval_loss']:.4f}")
     adapter_format = "moe_jax format only" if not_for_peft else "PEFT"
-    print(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png")
+    tensorboard = f", TensorBoard events in {cfg.tensorboard}" if cfg.tensorboard else ""
+    print(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png{tensorboard}")
+    print(f"report: python -m moe_jax.report {cfg.out}")
 
 
 if __name__ == "__main__":
