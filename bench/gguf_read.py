@@ -1,7 +1,7 @@
 """GGUF files on a bench model: how long reading llama.cpp's format takes, by path, beside loading a converted
 directory, and the decode speed of what each path gives.
 
-    python bench/gguf.py [--shape bench|qwen3-30b-a3b] [--tokens 32]
+    python bench/gguf_read.py [--shape bench|qwen3-30b-a3b] [--tokens 32]
 
 The shape's checkpoint (bench/models.py) is written as GGUF files the way llama.cpp's converter lays them out
 (tests/gguf_files.py): Q4_0 experts with Q8_0 dense weights (llama.cpp's plain 4-bit file), and Q8_0 throughout.
@@ -9,7 +9,7 @@ Timed once each (they are minutes on the real shape): `convert --gguf` of the Q4
 value for value), of the Q8_0 file (requantized to int8 through float), `load_model` of the Q4_0 file with
 quant="int4" (the same repack), `load_model` of the Q8_0 file as bfloat16 (every expert dequantized), and of the
 converted directory; then greedy decode tokens/s at batch 1 of the int4 model loaded both ways (the same weights:
-their logits are compared). Writes bench/results/gguf[-SHAPE].json.
+their logits are compared; medians of 3 interleaved rounds). Writes bench/results/gguf[-SHAPE].json.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 
 import moe_jax  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
+from bench.infer import engine_runner  # noqa: E402
 from bench.models import SHAPES, add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from moe_jax.convert import convert  # noqa: E402
 from tests.gguf_files import write_gguf  # noqa: E402
@@ -50,13 +51,6 @@ def seconds(fn):
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
-
-
-def decode_tokens_per_s(model, tokens: int) -> float:
-    prompt = [list(range(1, 17))]
-    model.generate(prompt, max_new_tokens=2)  # compile
-    _, elapsed = seconds(lambda: model.generate(prompt, max_new_tokens=tokens))
-    return tokens / elapsed
 
 
 def main():
@@ -88,10 +82,15 @@ def main():
         )
         ids = np.arange(1, 33)[None]
         same = float(np.abs(at_load.logits(ids) - converted.logits(ids)).max())
-        speed = {
-            "decode b1 tok/s, Q4_0 file loaded": decode_tokens_per_s(at_load, args.tokens),
-            "decode b1 tok/s, converted directory": decode_tokens_per_s(converted, args.tokens),
+        runners = {
+            "decode b1 tok/s, Q4_0 file loaded": engine_runner(at_load, 1, args.tokens),
+            "decode b1 tok/s, converted directory": engine_runner(converted, 1, args.tokens),
         }
+        rounds = {name: [] for name in runners}
+        for _ in range(3):  # A B A B: the machine's drift falls on both
+            for name, run in runners.items():
+                rounds[name].append(run()["decode_tok_s"])
+        speed = {name: sorted(values)[1] for name, values in rounds.items()}
         sizes = {name: path.stat().st_size / 2**30 for name, path in files.items()}
         shutil.rmtree(tmp / "int4")
     print_table(f"GGUF on shape {args.shape} ({len(layers)} MoE layers; files written in {write_s:.0f} s)", rows)
