@@ -33,7 +33,7 @@ from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.gguf_checkpoint import GGUFFile
+from moe_jax.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.gguf_tokenizer import tokenizer_files
 from moe_jax.safetensors_io import save_safetensors
 
@@ -195,6 +195,8 @@ def main(argv=None):
         "Hugging Face checkpoint, the format closest to a GGUF file's (Q4_0 -> int4 exactly)",
     )
     args = parser.parse_args(argv)
+    if args.gguf is not None and not is_gguf_file(args.gguf):
+        raise InputError(f"--gguf {args.gguf}: expected a .gguf file (a checkpoint directory goes with --hf)")
     source = args.hf or args.gguf
     quant = None if args.quant == "none" else (args.quant or GGUF_CLOSEST)
     out = convert(source, args.out, args.dtype, overwrite=args.overwrite, quant=quant)

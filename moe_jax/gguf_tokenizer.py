@@ -47,12 +47,14 @@ def tokenizer_files(file) -> dict[str, str] | None:
         return None
     tokens = list(file.field("tokenizer.ggml.tokens") or [])
     types = list(file.field("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(file, tokens)
-    elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(file, tokens)
-    else:
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(f"{file.path}: tokenizer.ggml.model {kind!r} is not supported (gpt2 or llama)")
+    try:
+        tokenizer = _byte_level_bpe(file, tokens) if kind == "gpt2" else _sentencepiece_bpe(file, tokens)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the tokenizers library raises bare Exceptions (a merge of unknown tokens, ...)
+        raise CheckpointError(f"{file.path}: its tokenizer metadata does not make a tokenizer ({e})") from None
     user_defined = [i for i, t in enumerate(types) if t == _USER_DEFINED]
     tokenizer.add_tokens([AddedToken(tokens[i], normalized=False) for i in user_defined])
     control = [i for i, t in enumerate(types) if t == _CONTROL]

@@ -199,6 +199,12 @@ def test_tokenizer_and_chat_template_come_back_from_the_metadata(tmp_path):
     assert tokenizer.chat_template == TEMPLATE
     assert tokenizer.eos_token == "<|im_end|>" and not tokenizer.add_bos
     assert set(tokenizer.template_special_tokens()) == {"<|im_start|>", "<|im_end|>"}
+    broken = {**_tokenizer_metadata(original), "tokenizer.ggml.merges": ["no such"]}
+    with pytest.raises(CheckpointError, match="broken.gguf: its tokenizer metadata does not make a tokenizer"):
+        load_tokenizer(write_gguf(hf, tmp_path / "broken.gguf", tokenizer=broken))
+    unknown = {**_tokenizer_metadata(original), "tokenizer.ggml.pre": "made-up"}
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre 'made-up' is not one moe_jax reproduces"):
+        load_tokenizer(write_gguf(hf, tmp_path / "unknown.gguf", tokenizer=unknown))
 
 
 @pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe"])
