@@ -87,7 +87,7 @@ def hf_config(file) -> dict:
             config[f"{key}_token_id"] = int(file.field(f"tokenizer.ggml.{key}_token_id"))
     if f("attention.key_length") is not None and not kind.startswith("deepseek"):  # deepseek2's is MLA's latent
         config["head_dim"] = int(f("attention.key_length"))
-    config.update(_FAMILIES[kind](file, _Layout.of(file, layers), config))
+    config.update(_READERS[file.arch](file, _Layout.of(file, layers), config))
     return config
 
 
@@ -180,14 +180,14 @@ def _grouped_experts(file, layout: _Layout) -> dict:
     }
 
 
-_FAMILIES = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen,
-    "qwen3_moe": _qwen,
+# by llama.cpp architecture: what each reads beyond the common keys
+_READERS = {
+    "llama": _mixtral,
+    "qwen2moe": _qwen,
+    "qwen3moe": _qwen,
     "olmoe": _olmoe,
-    "glm4_moe": _glm4_moe,
-    "deepseek_v2": _deepseek,
-    "deepseek_v3": _deepseek,
+    "glm4moe": _glm4_moe,
+    "deepseek2": _deepseek,
 }
 
 
