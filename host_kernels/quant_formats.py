@@ -53,3 +53,4 @@ INT8 = QuantFormat(
     "int8", 8, 0, int8_gemm.PackedInt8, quantize_int8, int8_gemm.pack, int8_gemm.block_bytes, int8_gemm.unpack
 )
 FORMATS = {f.name: f for f in (INT8, *(_int4(group) for group in INT4_GROUPS))}
+INT4_BY_GROUP = {f.group: f.name for f in FORMATS.values() if f.bits == 4}  # k-rows per scale -> format name

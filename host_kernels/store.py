@@ -31,7 +31,7 @@ import numpy as np
 from host_kernels.amx import N_BLOCK, padded
 from host_kernels.errors import KernelArgumentError, StoreError
 from host_kernels.quant import QuantizedInt4
-from host_kernels.quant_formats import FORMATS, QuantFormat
+from host_kernels.quant_formats import FORMATS, INT4_BY_GROUP, QuantFormat
 
 LAYOUT_VERSION = 1
 QUANTIZED_LAYOUT_VERSION = 2
@@ -207,7 +207,7 @@ def pack_int4_layer(w13_q, w13_scale, w2_q, w2_scale, group: int = 32) -> Quanti
         )
         for e in range(experts)
     )
-    return pack_layer("int4" if group == 32 else f"int4-g{group}", quantized, hidden, ffn)
+    return pack_layer(INT4_BY_GROUP[group], quantized, hidden, ffn)
 
 
 class ExpertStore:

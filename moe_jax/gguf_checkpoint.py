@@ -108,7 +108,10 @@ class GGUFFile:
         field = self.reader.fields.get(key)
         if field is None:
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except UnicodeDecodeError:  # a string value that is not UTF-8 (a damaged file)
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is not UTF-8 text") from None
 
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
@@ -185,13 +188,9 @@ class GGUFFile:
             array = self._tensor(key).reshape(self.shape(name))
         elif kind == "kv_b":
             array = self._kv_b(key)
-        elif kind == "down":
-            array = self._tensor(f"blk.{key}.ffn_down_exps.weight")
-        elif self.layer_has(key, "ffn_gate_up_exps"):
-            array = self._tensor(f"blk.{key}.ffn_gate_up_exps.weight")
-        else:
-            parts = (self._tensor(f"blk.{key}.ffn_{p}_exps.weight") for p in ("gate", "up"))
-            array = np.concatenate(list(parts), axis=1)
+        else:  # the routed experts, in transformers 5's fused layout: gate_up [e, 2f, d], down [e, d, f]
+            experts = self.layer_experts(key, np.float32)
+            array = (experts.w2 if kind == "down" else experts.w13).transpose(0, 2, 1)
         if shape is not None and tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
         return array
@@ -202,49 +201,53 @@ class GGUFFile:
         return self._names[name]
 
     def _tensor(self, gguf_name: str) -> np.ndarray:
-        shape = self.tensor_shape(gguf_name)  # refuses a missing tensor by name
-        tensor = self.tensors[gguf_name]
-        try:
-            array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-        except NotImplementedError:
-            raise CheckpointError(
-                f"{self.path}: tensor {gguf_name!r} is {tensor.tensor_type.name}, which the gguf package cannot "
-                "dequantize"
-            ) from None
-        if array.size != math.prod(shape):
-            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} holds {array.size} values for shape {shape}")
-        array = array.reshape(shape)
+        shape = self.tensor_shape(gguf_name)  # first: a missing tensor refused by name
+        array = self._dequantized(gguf_name, self.tensors[gguf_name].data, shape)
         if self.arch == "llama" and re.search(r"\.attn_[qk]\.weight$", gguf_name):
             heads = self.config.num_heads if ".attn_q." in gguf_name else self.config.num_kv_heads
             array = _unpermute_rotary_rows(array, heads)
-        if not np.isfinite(array).all():
-            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} holds NaN or infinite values")
         return array
+
+    def _dequantized(self, gguf_name: str, data: np.ndarray, shape: tuple[int, ...], what: str = "") -> np.ndarray:
+        """`data` (all of a tensor's blocks, or one expert's) as float32 of `shape`, refused by name when its type
+        cannot be dequantized, its size does not match or a value is not finite."""
+        kind = self.tensors[gguf_name].tensor_type
+        where = f"{self.path}: tensor {gguf_name!r}{what}"
+        try:
+            array = np.asarray(gguf.quants.dequantize(data, kind), np.float32)
+        except NotImplementedError:
+            raise CheckpointError(f"{where} is {kind.name}, which the gguf package cannot dequantize") from None
+        if array.size != math.prod(shape):
+            raise CheckpointError(f"{where} holds {array.size} values for shape {shape}")
+        if not np.isfinite(array).all():
+            raise CheckpointError(f"{where} holds NaN or infinite values")
+        return array.reshape(shape)
 
     def layer_experts(self, layer: int, dtype) -> LayerExperts:
         """One MoE layer's experts straight into the kernel layout (w13 [e, d, 2f], w2 [e, f, d]) in `dtype`,
         dequantized expert by expert: no float32 copy of the whole layer (a real model's is gigabytes)."""
-        experts, hidden, ffn = self.tensor_shape(f"blk.{layer}.ffn_down_exps.weight", ndim=3)
+        gate_up, down = self._expert_tensors(layer)
+        experts, hidden, ffn = self.tensor_shape(down, ndim=3)
         w13, w2 = np.empty((experts, hidden, 2 * ffn), dtype), np.empty((experts, ffn, hidden), dtype)
-        fused = self.layer_has(layer, "ffn_gate_up_exps")
+        width = 2 * ffn // len(gate_up)  # one fused tensor, or the gate's then the up's
         for e in range(experts):
-            if fused:
-                w13[e] = self._expert(f"blk.{layer}.ffn_gate_up_exps.weight", e, (2 * ffn, hidden)).T
-            else:
-                w13[e, :, :ffn] = self._expert(f"blk.{layer}.ffn_gate_exps.weight", e, (ffn, hidden)).T
-                w13[e, :, ffn:] = self._expert(f"blk.{layer}.ffn_up_exps.weight", e, (ffn, hidden)).T
-            w2[e] = self._expert(f"blk.{layer}.ffn_down_exps.weight", e, (hidden, ffn)).T
+            for i, name in enumerate(gate_up):
+                w13[e, :, i * width : (i + 1) * width] = self._expert(name, e, (width, hidden)).T
+            w2[e] = self._expert(down, e, (hidden, ffn)).T
         return LayerExperts(w13, w2)
+
+    def _expert_tensors(self, layer: int) -> tuple[list[str], str]:
+        """The GGUF names of a layer's stacked experts: ([gate_up] or [gate, up], down)."""
+        fused = self.layer_has(layer, "ffn_gate_up_exps")
+        gate_up = ["ffn_gate_up_exps"] if fused else ["ffn_gate_exps", "ffn_up_exps"]
+        return [f"blk.{layer}.{p}.weight" for p in gate_up], f"blk.{layer}.ffn_down_exps.weight"
 
     def _expert(self, gguf_name: str, expert: int, shape: tuple[int, int]) -> np.ndarray:
         """Expert `expert`'s [out, in] slice of a stacked expert tensor, dequantized and checked."""
-        tensor = self.tensors[gguf_name]
-        if self.tensor_shape(gguf_name, ndim=3)[1:] != shape:
-            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} has shape {self.tensor_shape(gguf_name)}")
-        array = np.asarray(gguf.quants.dequantize(tensor.data[expert], tensor.tensor_type), np.float32)
-        if array.size != math.prod(shape) or not np.isfinite(array).all():
-            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} expert {expert}: damaged or not finite")
-        return array.reshape(shape)
+        stacked = self.tensor_shape(gguf_name, ndim=3)
+        if stacked[1:] != shape:
+            raise CheckpointError(f"{self.path}: tensor {gguf_name!r} has shape {stacked}, expected [e, *{shape}]")
+        return self._dequantized(gguf_name, self.tensors[gguf_name].data[expert], shape, f" expert {expert}")
 
     def _kv_b(self, layer: int) -> np.ndarray:
         """MLA's kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's k_b [heads, rank, nope] (stored
@@ -257,8 +260,8 @@ class GGUFFile:
 
     def experts_type(self) -> str:
         """The GGML type of the first MoE layer's down-projection experts ("Q4_0", "Q6_K", "F32", ...)."""
-        layer = self.config.moe_layers[0]
-        return self.tensors[f"blk.{layer}.ffn_down_exps.weight"].tensor_type.name
+        _, down = self._expert_tensors(self.config.moe_layers[0])
+        return self.tensors[down].tensor_type.name
 
     def closest_quant(self) -> str | None:
         """The expert format of moe_jax closest to this file's: None for float types, int4 for Q4_0 (the same
@@ -271,9 +274,11 @@ class GGUFFile:
     def q4_0_layer(self, layer: int) -> QuantizedLayerExperts | None:
         """Layer `layer`'s experts repacked, value for value, as int4 experts, when all of them are stored Q4_0;
         None otherwise."""
-        parts = ["ffn_gate_up_exps"] if self.layer_has(layer, "ffn_gate_up_exps") else ["ffn_gate_exps", "ffn_up_exps"]
-        names = [f"blk.{layer}.{p}.weight" for p in [*parts, "ffn_down_exps"]]
-        tensors = [self.tensors[n] for n in names if self.tensor_shape(n, ndim=3)]
+        gate_up, down = self._expert_tensors(layer)
+        names = [*gate_up, down]
+        for name in names:
+            self.tensor_shape(name, ndim=3)  # present and stacked, or refused by name
+        tensors = [self.tensors[name] for name in names]
         if any(t.tensor_type != gguf.GGMLQuantizationType.Q4_0 for t in tensors):
             return None
         # codes [e, out, in] and scales [e, out, in / 32] -> the store's [e, k = in, n = out]

@@ -13,12 +13,12 @@ from moe_jax.gguf_tokenizer import tokenizer_files
 
 
 class Tokenizer:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, gguf_files: dict[str, str] | None = None):
         """The tokenizer of a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file (from its
-        metadata)."""
+        metadata; `gguf_files`: gguf_tokenizer.tokenizer_files of it, when already made)."""
         self.path = Path(path)
         if is_gguf_file(self.path):
-            files = tokenizer_files(GGUFFile(self.path))
+            files = gguf_files or tokenizer_files(GGUFFile(self.path))
             if files is None:
                 raise CheckpointError(f"{self.path}: the GGUF file holds no tokenizer")
             self._tok = HFTokenizer.from_str(files["tokenizer.json"])
@@ -75,5 +75,6 @@ def _token_text(value):
 def load_tokenizer(path: Path) -> Tokenizer | None:
     """The tokenizer of a checkpoint directory or .gguf file; None when it has none."""
     if is_gguf_file(path):
-        return Tokenizer(path) if GGUFFile(path).field("tokenizer.ggml.model") is not None else None
+        files = tokenizer_files(GGUFFile(path))
+        return Tokenizer(path, files) if files is not None else None
     return Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None

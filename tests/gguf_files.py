@@ -7,6 +7,8 @@ what the file holds after quantization: the reference a GGUF reader must reprodu
 
 from __future__ import annotations
 
+import copy
+
 import gguf
 import numpy as np
 import torch
@@ -118,8 +120,6 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 def dequantized_model(model, dense: str = "F32", experts: str | None = None):
     """A copy of `model` whose weights are what write_gguf(model, dense=, experts=) stores after quantization."""
-    import copy
-
     copy_ = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in copy_.named_parameters():
