@@ -18,17 +18,17 @@ from pathlib import Path
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
-from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.api import DTYPES
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
 from moe_jax.cli import run_cli
-from moe_jax.engine import EngineStats, GenerationEngine, Request
 from moe_jax.errors import InputError
+from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
+from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
+from moe_jax.generation.engine import EngineStats, GenerationEngine, Request
+from moe_jax.generation.sampling import check_sampling
 from moe_jax.output_files import NewFile, check_writable_dir, create_new, write_text
-from moe_jax.prompts import prompt_token_ids, read_jsonl
 from moe_jax.run_log import GenerationMonitor, RunLog
-from moe_jax.sampling import check_sampling
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_MODEL = ROOT / "models" / "tiny-moe"

@@ -1,11 +1,12 @@
-"""Builds the native libraries; everything else is declared in pyproject.toml.
+"""Builds the native library; everything else is declared in pyproject.toml.
 
-- host_kernels._native: the host kernels (host_kernels/csrc/), plain C loaded with ctypes (no Python C API).
-- moe_jax._xla_ffi: XLA's FFI handlers (moe_jax/csrc/): the fused expert forward and the bfloat16 decode attention,
-  called from inside jitted steps, compiled against the C API header jaxlib ships (a build requirement, pyproject.toml).
-Both are built in place by `pip install -e .` and both are optional: where one cannot be built, the code runs the
-path without it (numpy kernels; a Python callback) and its status() says why. Each build records the hash of its
-sources, so a library left from older sources is refused rather than called.
+host_kernels._native: every native source (host_kernels/csrc/), plain C loaded with ctypes (no Python C API): the
+host kernels, and XLA's FFI handlers (the fused expert forward, the decode attention, the dense decode products,
+argmax), which jitted steps on XLA:CPU call directly, compiled against the C API header jaxlib ships (a build
+requirement, pyproject.toml). Optional: where it cannot be built, the code runs without it (numpy kernels; a Python
+callback) and says why (`python -m moe_jax.doctor`); where jaxlib's header is missing, it is built without the
+handlers. The build records the hash of its sources, so a library left from older sources is refused rather than
+called.
 """
 
 import importlib.util
@@ -15,7 +16,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 sys.path.insert(0, str(Path(__file__).parent / "host_kernels"))
-from native_sources import SOURCES, XLA_FFI_SOURCES, source_hash, xla_ffi_source_hash  # noqa: E402
+from native_sources import SOURCES, XLA_FFI_SOURCES, source_hash  # noqa: E402
 
 
 def xla_ffi_include() -> str | None:
@@ -27,28 +28,18 @@ def xla_ffi_include() -> str | None:
     return str(include) if (include / "xla" / "ffi" / "api" / "c_api.h").exists() else None
 
 
-extensions = [
-    Extension(
-        "host_kernels._native",
-        sources=[f"host_kernels/csrc/{name}" for name in SOURCES],
-        extra_compile_args=["-O3"],
-        define_macros=[("NATIVE_SOURCE_HASH", f'"{source_hash()}"')],
-        optional=True,
-    )
-]
 include = xla_ffi_include()
-if include is not None:
-    extensions.append(
-        Extension(
-            "moe_jax._xla_ffi",
-            sources=[str(path.relative_to(Path(__file__).parent)) for path in XLA_FFI_SOURCES if path.suffix == ".c"],
-            include_dirs=[include, "host_kernels/csrc"],
-            extra_compile_args=["-O3"],
-            define_macros=[("XLA_FFI_SOURCE_HASH", f'"{xla_ffi_source_hash()}"')],
-            optional=True,
-        )
+if include is None:
+    print(
+        "moe_jax: jaxlib's headers not found; building the native library without the XLA FFI handlers", file=sys.stderr
     )
-else:
-    print("moe_jax: jaxlib's headers not found; building without the XLA FFI handler", file=sys.stderr)
-
-setup(ext_modules=extensions)
+sources = SOURCES + (XLA_FFI_SOURCES if include else ())
+native = Extension(
+    "host_kernels._native",
+    sources=[f"host_kernels/csrc/{name}" for name in sources],
+    include_dirs=[include] if include else [],
+    extra_compile_args=["-O3"],
+    define_macros=[("NATIVE_SOURCE_HASH", f'"{source_hash()}"')],
+    optional=True,
+)
+setup(ext_modules=[native])

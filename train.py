@@ -14,8 +14,8 @@ import dataclasses
 import sys
 import typing
 
-from moe_jax.adapters import peft_unexpressible
 from moe_jax.cli import run_cli
+from moe_jax.formats.adapters import peft_unexpressible
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.loop import Trainer, load_run_data
 from moe_jax.train.run_dir import prepare_run_dir

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import moe_jax  # noqa: E402
 from bench.common import print_table, timed, write_json  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
-from moe_jax.lora import LoRAConfig  # noqa: E402
-from moe_jax.objective import lora_value_and_grad  # noqa: E402
+from moe_jax.model.lora import LoRAConfig  # noqa: E402
+from moe_jax.train.objective import lora_value_and_grad  # noqa: E402
 
 
 def main():

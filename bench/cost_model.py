@@ -24,10 +24,10 @@ import numpy as np  # noqa: E402
 
 from bench.common import print_table, timed, write_json  # noqa: E402
 from bench.host_kernels import make_routing  # noqa: E402
-from host_kernels.engine import HostMoE  # noqa: E402
+from host_kernels.host_moe import HostMoE  # noqa: E402
 from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
-from moe_jax.cost_model import Profile, layer_time  # noqa: E402
-from moe_jax.moe import DeviceExperts  # noqa: E402
+from moe_jax.model.moe import DeviceExperts  # noqa: E402
+from moe_jax.planning.cost_model import Profile, layer_time  # noqa: E402
 
 ROUTINGS = 4  # routing draws per point
 
@@ -38,7 +38,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.profile is None:
-        from moe_jax import probe
+        from moe_jax.planning import probe
 
         args.profile = Path(tempfile.gettempdir()) / "moe_jax_probe.json"
         probe.main(["--out", str(args.profile)] + (["--quick"] if args.quick else []))

@@ -27,7 +27,7 @@ reexec_with_native_blas_if_asked(sys.argv)
 import numpy as np  # noqa: E402
 
 from host_kernels import amx  # noqa: E402
-from host_kernels.engine import HostMoE  # noqa: E402
+from host_kernels.host_moe import HostMoE  # noqa: E402
 from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def jax_layer(layer: LayerExperts):
     import jax
     import jax.numpy as jnp
 
-    from moe_jax.moe import DeviceExperts
+    from moe_jax.model.moe import DeviceExperts
 
     experts = DeviceExperts(jnp.asarray(layer.w13), jnp.asarray(layer.w2))
     forward = jax.jit(lambda x, ids, w: experts(x, ids, w))

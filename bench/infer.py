@@ -34,10 +34,10 @@ from bench.agent_traces import ANCHORS, TRACE, requests  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from host_kernels import choose_kernels  # noqa: E402
-from moe_jax.anchor_cache import AnchorCache  # noqa: E402
 from moe_jax.api import DTYPES  # noqa: E402
-from moe_jax.engine import GenerationEngine, Request  # noqa: E402
 from moe_jax.errors import MemoryLimitError  # noqa: E402
+from moe_jax.generation.anchor_cache import AnchorCache  # noqa: E402
+from moe_jax.generation.engine import GenerationEngine, Request  # noqa: E402
 
 PROMPT, NEW = 32, 64
 PREFILL = 512  # the prefill row's prompt length

@@ -31,7 +31,7 @@ CHILD = """
 import json, resource, sys
 import numpy as np
 import jax, moe_jax
-from moe_jax.engine import GenerationEngine, Request
+from moe_jax.generation.engine import GenerationEngine, Request
 path, batch, prompt, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 model = moe_jax.load_model(path, backend="host", dtype="bfloat16")

@@ -4,7 +4,8 @@
 
 Sweeps bus bandwidth (4-64 GB/s), tokens per step (1-8192) and routing skew (Zipf 0-2), with the measured host
 and device expert timings of a probe profile (runs the probe first when none is given). For each point it plays
-out the planner's placement and the static ones (all-host, all-offload, hybrid splits) with moe_jax.simulate and
+out the planner's placement and the static ones (all-host, all-offload, hybrid splits) with
+moe_jax.planning.simulate and
 reports planner / best static. `--fast-device N` divides the profile's device times by N (a stand-in for an
 accelerator on a machine without one). Writes bench/results/planner_sim.json.
 """
@@ -20,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_json  # noqa: E402
-from moe_jax.cost_model import Profile  # noqa: E402
-from moe_jax.simulate import summarise, sweep  # noqa: E402
+from moe_jax.planning.cost_model import Profile  # noqa: E402
+from moe_jax.planning.simulate import summarise, sweep  # noqa: E402
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
     parser.add_argument("--fast-device", type=float, default=1.0, help="divide device times by this")
     args = parser.parse_args()
     if args.profile is None:
-        from moe_jax import probe
+        from moe_jax.planning import probe
 
         args.profile = Path(tempfile.gettempdir()) / "moe_jax_probe.json"
         probe.main(["--out", str(args.profile)])

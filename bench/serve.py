@@ -35,7 +35,7 @@ from bench.agent_traces import TRACE, chat_requests, write_chat_tokenizer  # noq
 from bench.common import RESULTS, machine_info, print_table  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
 from moe_jax import load_model  # noqa: E402
-from moe_jax.engine import GenerationEngine, Request  # noqa: E402
+from moe_jax.generation.engine import GenerationEngine, Request  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16

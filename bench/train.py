@@ -44,8 +44,8 @@ def run_moe_jax(backend, dtype, batch, seq, steps, quant=None):
     import optax
 
     import moe_jax
-    from moe_jax.lora import LoRAConfig
-    from moe_jax.objective import lora_value_and_grad
+    from moe_jax.model.lora import LoRAConfig
+    from moe_jax.train.objective import lora_value_and_grad
 
     model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, quant=quant)
     model.attach_lora(LoRAConfig(rank=8, alpha=16, targets=("attention",)))  # q/k/v/o, or the latent attention's
@@ -79,8 +79,8 @@ def run_transformers(dtype, batch, seq, steps):
     import torch
     import transformers
 
-    from moe_jax.hf_config import read_hf_config
-    from moe_jax.lora import attention_targets
+    from moe_jax.formats.hf_config import read_hf_config
+    from moe_jax.model.lora import attention_targets
 
     targets = attention_targets(read_hf_config(json.loads((bench_model_dir() / "config.json").read_text())))
     model = transformers.AutoModelForCausalLM.from_pretrained(bench_model_dir(), dtype=getattr(torch, dtype))

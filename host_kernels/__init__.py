@@ -14,9 +14,9 @@ The native library's own wrappers (amx, f32_gemm, native) serve the engine and m
 """
 
 from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
-from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
 from host_kernels.fused_forward import QUANTIZED, is_live_call
+from host_kernels.host_moe import HostMoE
 from host_kernels.lora import ExpertLoRA
 from host_kernels.native import trim_heap
 from host_kernels.pool import MAX_THREADS, default_threads

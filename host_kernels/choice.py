@@ -1,5 +1,5 @@
 """Which host kernels compute a store's experts, decided once: from the store's dtype, this CPU, the native
-library, and the caller's choice. The engine (host_kernels/engine.py) takes the decision as given; nothing below
+library, and the caller's choice. The engine (host_kernels/host_moe.py) takes the decision as given; nothing below
 it checks the CPU again per call. A new kernel (say, int8 on VNNI) is one more case here.
 
 `native=None` means the library default: native wherever it runs, unless MOE_JAX_HOST_KERNEL=numpy is set (the
@@ -120,7 +120,7 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
     return KernelChoice(gemm or NUMPY, fused, act_isa or NUMPY, why)
 
 
-# the CPU features the kernels are chosen by (host_kernels/csrc/, moe_jax/csrc/), in the order doctor lists them
+# the CPU features the kernels are chosen by (host_kernels/csrc/), in the order doctor lists them
 KERNEL_CPU_FLAGS = (
     "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
     "amx_int8",

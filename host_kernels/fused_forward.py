@@ -7,8 +7,8 @@ engine's AMX forward); for a float32 store on AVX-512, over float32 weights pack
 function as the engine's numpy path up to float32 summation order). Two ways in:
 - `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
 - `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
-  device buffers directly (moe_jax/native_call.py), so a jitted decode step never enters Python.
-Expert LoRA and backward passes stay on the engine (host_kernels/engine.py).
+  device buffers directly (moe_jax/native/ffi.py), so a jitted decode step never enters Python.
+Expert LoRA and backward passes stay on the engine (host_kernels/host_moe.py).
 """
 
 from __future__ import annotations

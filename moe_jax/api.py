@@ -15,21 +15,21 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import trim_heap
-from moe_jax.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.metrics import BackendMetrics
-from moe_jax.checkpoint import Checkpoint, open_checkpoint
-from moe_jax.config import ModelConfig
-from moe_jax.cost_model import Profile
-from moe_jax.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.generate import generate
-from moe_jax.lora import LoRAConfig, attach_lora, resolve_targets
-from moe_jax.memory_check import check_fits, load_bytes, quantization_hint
-from moe_jax.model import Transformer, build_transformer
-from moe_jax.plan import ExecutionPlan, host_store_dtype, make_plan
-from moe_jax.probe import cached_profile
-from moe_jax.tokenizer import Tokenizer, load_tokenizer
+from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
+from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
+from moe_jax.formats.tokenizer import Tokenizer, load_tokenizer
+from moe_jax.generation.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
+from moe_jax.generation.generate import generate
+from moe_jax.model.config import ModelConfig
+from moe_jax.model.lora import LoRAConfig, attach_lora, resolve_targets
+from moe_jax.model.transformer import Transformer, build_transformer
+from moe_jax.planning.cost_model import Profile
+from moe_jax.planning.memory_check import check_fits, load_bytes, quantization_hint
+from moe_jax.planning.plan import ExecutionPlan, host_store_dtype, make_plan
+from moe_jax.planning.probe import cached_profile
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -47,7 +47,7 @@ class Model:
         plan: ExecutionPlan,
     ):
         self.config: ModelConfig = transformer.config
-        self.plan = plan  # where each part runs (moe_jax/plan.py), decided at load
+        self.plan = plan  # where each part runs (moe_jax/planning/plan.py), decided at load
         self.tokenizer = tokenizer
         self.placement = placement
         self.backend = placement.name
@@ -310,8 +310,8 @@ def load_model(
     base. A bfloat16 model's decode steps then read their dense weights quantized too, where they multiply them
     natively (a quantized copy beside the bfloat16 weights, which prefill and training use). Only the host
     backend runs quantized experts. `mla_decode` (DeepSeek's latent attention): "absorbed" decode steps read the
-    compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/mla.py). The
-    resulting plan is `Model.plan` (moe_jax/plan.py).
+    compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/model/mla.py). The
+    resulting plan is `Model.plan` (moe_jax/planning/plan.py).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

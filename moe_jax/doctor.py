@@ -1,7 +1,7 @@
 """`python -m moe_jax.doctor`: what this machine supports and what a model loaded here would run, and why.
 
 Prints the CPU's kernel-relevant features, the two native libraries' state, the platform jax runs on, and the
-execution plan (moe_jax/plan.py) for a host-placement model in float32, in bfloat16, and in bfloat16 with int8
+execution plan (moe_jax/planning/plan.py) for a host-placement model in float32, in bfloat16, and in bfloat16 with int8
 and with int4 experts (or why this machine cannot run those). `--json FILE` also writes it as JSON (for a bug
 report). Exit code 0; nothing here changes state.
 """
@@ -20,9 +20,9 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels import HostKernelError, cpu_features, default_threads, library_status
-from moe_jax import native_call
 from moe_jax.cli import run_cli
-from moe_jax.plan import make_plan
+from moe_jax.native import ffi as native_ffi
+from moe_jax.planning.plan import make_plan
 
 STORE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -41,7 +41,7 @@ def report(native: bool | None = None) -> dict:
     """Everything doctor prints, as plain data."""
     host_ok, host_why = library_status()
     unavailable = {}
-    ffi_ok, ffi_why = native_call.status()
+    ffi_ok, ffi_why = native_ffi.status()
     plans = {dtype: make_plan(dtype, store, native) for dtype, store in STORE_DTYPES.items()}
     for quant in ("int8", "int4"):
         try:
@@ -59,9 +59,9 @@ def report(native: bool | None = None) -> dict:
         },
         "native_libraries": {
             "host_kernels._native": host_why or "ok",
-            "moe_jax._xla_ffi": ffi_why or "ok",
+            "xla_ffi_handlers": ffi_why or "ok",
         },
-        "usable": {"host_kernels._native": host_ok, "moe_jax._xla_ffi": ffi_ok},
+        "usable": {"host_kernels._native": host_ok, "xla_ffi_handlers": ffi_ok},
         "plans": {dtype: {"lines": p.lines(), **_plan_data(p)} for dtype, p in plans.items()},
         "unavailable": unavailable,
     }

@@ -287,7 +287,7 @@ def q_proj_adapter(fill: float = 0.0, a_in: int = 128) -> dict:
 
 def adapter_cases():
     def adapter(w, config, tensors=None):
-        from moe_jax.safetensors_io import save_safetensors
+        from moe_jax.formats.safetensors_io import save_safetensors
 
         path = w / "adapter"
         path.mkdir(exist_ok=True)

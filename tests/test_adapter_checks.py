@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.adapters import adapter_config
 from moe_jax.errors import CheckpointError
+from moe_jax.formats.adapters import adapter_config
 from tests.hf_models import hf_logits, make_hf_model, save_hf_model
 
 GOOD = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -54,7 +54,7 @@ def test_adapter_config_that_is_not_an_object():
 
 
 def test_moe_jax_targets_file_is_checked_too(tmp_path):
-    from moe_jax.adapters import read_adapter
+    from moe_jax.formats.adapters import read_adapter
 
     (tmp_path / "adapter_config.json").write_text(json.dumps(GOOD))
     (tmp_path / "moe_jax_adapter.json").write_text(json.dumps({"targets": "experts"}))
@@ -82,8 +82,8 @@ def test_rank_stabilised_lora_gives_peft_logits(tmp_path):
 
 
 def test_adapter_with_non_finite_weights_is_refused(tmp_path):
-    from moe_jax.adapters import apply_adapter
-    from moe_jax.lora import LoRAConfig
+    from moe_jax.formats.adapters import apply_adapter
+    from moe_jax.model.lora import LoRAConfig
 
     model = moe_jax.load_model(save_hf_model(make_hf_model("mixtral", seed=1), tmp_path / "base"), backend="device")
     model.attach_lora(LoRAConfig(rank=2, alpha=4.0, targets=("q_proj",)))
@@ -105,8 +105,8 @@ def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, varia
     import jax
     import torch
 
-    from moe_jax.adapters import export_peft
-    from moe_jax.lora import LoRAConfig, split_trainable
+    from moe_jax.formats.adapters import export_peft
+    from moe_jax.model.lora import LoRAConfig, split_trainable
 
     hf = make_hf_model(variant, seed=3)
     base = save_hf_model(hf, tmp_path / "base")
@@ -140,8 +140,8 @@ def test_mlp_adapters_peft_would_mislay_are_exported_in_moe_jax_format_only(tmp_
     peft = pytest.importorskip("peft")
     import jax
 
-    from moe_jax.adapters import PEFT_CONFIG, export_peft
-    from moe_jax.lora import LoRAConfig, split_trainable
+    from moe_jax.formats.adapters import PEFT_CONFIG, export_peft
+    from moe_jax.model.lora import LoRAConfig, split_trainable
 
     hf = make_hf_model("deepseek_v3", seed=3)
     base = save_hf_model(hf, tmp_path / "base")
@@ -167,7 +167,7 @@ def test_mlp_adapters_peft_would_mislay_are_exported_in_moe_jax_format_only(tmp_
 
 def test_a_target_the_family_lacks_is_refused(tmp_path):
     from moe_jax.errors import ConfigError
-    from moe_jax.lora import LoRAConfig
+    from moe_jax.model.lora import LoRAConfig
 
     model = moe_jax.load_model(save_hf_model(make_hf_model("deepseek_v2", seed=1), tmp_path), backend="device")
     message = r"\['k_proj'\] name no module of this deepseek_v2 model.*'attention' = q_proj"

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_jax.advise import Shape, advise
-from moe_jax.cost_model import Profile
+from moe_jax.planning.advise import Shape, advise
+from moe_jax.planning.cost_model import Profile
 
 ROWS = np.array([1.0, 64.0, 1024.0, 4096.0])
 SHAPE = Shape(layers=4, experts=8, top_k=2, expert_params=3 * 512 * 1408, itemsize=2)
@@ -94,8 +94,8 @@ def test_advise_cli_answers_for_a_checkpoint(tmp_path):
 
 
 def test_host_memory_answer_says_what_would_fit():
-    from moe_jax.advise import host_memory_question
-    from moe_jax.checkpoint import open_checkpoint
+    from moe_jax.formats.checkpoint import open_checkpoint
+    from moe_jax.planning.advise import host_memory_question
 
     checkpoint = open_checkpoint(Path(__file__).resolve().parents[1] / "models" / "tiny-moe")
     sizes = {(o["dtype"], o["quant"]): o["bytes"] for o in host_memory_question(checkpoint, "float32", None)["options"]}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from host_kernels import amx, choose_kernels
-from host_kernels.engine import HostMoE
+from host_kernels.host_moe import HostMoE
 from host_kernels.store import ExpertStore, LayerExperts
 
 pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"AMX unavailable: {amx.status()[1]}")

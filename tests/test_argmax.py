@@ -1,4 +1,4 @@
-"""The native argmax a greedy decode step ends with (moe_jax/csrc/xla_argmax.c): numpy's answer on every row."""
+"""The native argmax a greedy decode step ends with (host_kernels/csrc/xla_argmax.c): numpy's answer on every row."""
 
 import functools
 
@@ -6,14 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from moe_jax import native_call
+from moe_jax.native import argmax as native_argmax
 
-pytestmark = pytest.mark.skipif(not native_call.argmax_status()[0], reason=native_call.argmax_status()[1])
+pytestmark = pytest.mark.skipif(not native_argmax.status()[0], reason=native_argmax.status()[1])
 
 
 def native(logits):
-    f = jax.jit(functools.partial(native_call.argmax_tokens, native=True))
-    assert native_call.ARGMAX_TARGET in f.lower(logits).as_text()
+    f = jax.jit(functools.partial(native_argmax.argmax_tokens, native=True))
+    assert native_argmax.TARGET in f.lower(logits).as_text()
     return np.asarray(f(logits))[:, 0]
 
 
@@ -35,6 +35,6 @@ def test_first_maximum_of_each_row(vocab):
 
 def test_turned_off_it_is_jax_argmax():
     logits = np.random.default_rng(0).standard_normal((4, 50)).astype(np.float32)
-    f = jax.jit(functools.partial(native_call.argmax_tokens, native=False))
-    assert native_call.ARGMAX_TARGET not in f.lower(logits).as_text()
+    f = jax.jit(functools.partial(native_argmax.argmax_tokens, native=False))
+    assert native_argmax.TARGET not in f.lower(logits).as_text()
     np.testing.assert_array_equal(np.asarray(f(logits))[:, 0], np.argmax(logits, axis=-1))

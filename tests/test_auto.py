@@ -10,8 +10,8 @@ from flax import nnx
 import moe_jax
 from moe_jax.backends import offload
 from moe_jax.backends.placements import hybrid_layers
-from moe_jax.cost_model import Profile
-from moe_jax.engine import GenerationEngine, Request
+from moe_jax.generation.engine import GenerationEngine, Request
+from moe_jax.planning.cost_model import Profile
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_backends import lora_loss_grad
 
@@ -194,8 +194,8 @@ def test_auto_keeps_every_expert_on_the_host_where_the_device_is_this_cpu(checkp
 def test_training_steps_use_the_cache_as_refreshed_between_them(checkpoint, reference):
     """The objective reads the frozen weights at each call: after the cache changes (values only, or resized by a
     memory split) the next step computes with it, and the loss and gradients stay those of the device backend."""
-    from moe_jax.lora import LoRAConfig
-    from moe_jax.objective import lora_value_and_grad
+    from moe_jax.model.lora import LoRAConfig
+    from moe_jax.train.objective import lora_value_and_grad
 
     tokens = np.random.default_rng(5).integers(0, 96, size=(2, 12)).astype(np.int32)
     mask = np.ones_like(tokens)
@@ -292,8 +292,8 @@ def test_advisor_and_auto_agree(checkpoint, reference, kind):
     """The advisor asked about auto's phases predicts what the auto backend builds: the device cache exactly
     where the advisor's auto beats its host prediction by WORTH_IT somewhere, and auto never recommended
     where it is host layers alone."""
-    from moe_jax.advise import advise
-    from moe_jax.auto_choice import PHASES, WORTH_IT, model_shape
+    from moe_jax.planning.advise import advise
+    from moe_jax.planning.auto_choice import PHASES, WORTH_IT, model_shape
 
     config = reference.config
     if kind in ("bus", "host", "mixed"):

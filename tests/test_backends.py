@@ -11,7 +11,7 @@ from flax import nnx
 import moe_jax
 from host_kernels import choose_kernels
 from host_kernels.errors import HostKernelError
-from moe_jax.lora import LoRAConfig, split_trainable
+from moe_jax.model.lora import LoRAConfig, split_trainable
 from tests.hf_models import VARIANTS, make_hf_model, save_hf_model
 
 # Each variant here costs ~60 s. qwen2_moe_norm_topk differs from qwen2_moe in routing only (parity tests cover

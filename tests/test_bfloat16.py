@@ -9,8 +9,8 @@ import pytest
 
 import moe_jax
 from host_kernels import choose_kernels
-from moe_jax.lora import LoRAConfig
-from moe_jax.objective import lora_value_and_grad
+from moe_jax.model.lora import LoRAConfig
+from moe_jax.train.objective import lora_value_and_grad
 from tests.hf_models import hf_logits, make_hf_model, save_hf_model, torch
 
 
@@ -79,7 +79,7 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path):
 def test_transposed_copy_changes_where_the_backward_reads_not_what_it_computes(out_dtype):
     import jax.numpy as jnp
 
-    from moe_jax.layers import frozen_matmul
+    from moe_jax.model.layers import frozen_matmul
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
@@ -101,7 +101,7 @@ def test_one_row_product_equals_its_row_of_a_two_row_product():
     """Batch-1 decode takes the padded path of frozen_matmul (XLA:CPU's one-row bfloat16 product is slow)."""
     import jax.numpy as jnp
 
-    from moe_jax.layers import frozen_matmul
+    from moe_jax.model.layers import frozen_matmul
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 1, 64)), jnp.bfloat16)

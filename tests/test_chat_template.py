@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_jax.chat_template import render_template
 from moe_jax.errors import InputError
+from moe_jax.formats.chat_template import render_template
 
 ROOT = Path(__file__).resolve().parents[1]
 

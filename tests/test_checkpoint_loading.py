@@ -86,7 +86,7 @@ def test_misshapen_tensor(mixtral, tmp_path):
 
 
 def test_missing_tensor(mixtral, tmp_path):
-    from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
+    from moe_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
 
     path = copy_checkpoint(mixtral[1], tmp_path / "m")
     f = SafetensorsFile(path / "model.safetensors")

@@ -9,8 +9,8 @@ import pytest
 import moe_jax
 from host_kernels import choose_kernels
 from moe_jax.errors import CheckpointError, ConfigError, MemoryLimitError
-from moe_jax.hf_config import read_hf_config
-from moe_jax.memory_check import check_fits, load_bytes
+from moe_jax.formats.hf_config import read_hf_config
+from moe_jax.planning.memory_check import check_fits, load_bytes
 from tests.hf_models import make_hf_model, save_hf_model
 
 QWEN3 = dict(
@@ -101,7 +101,7 @@ def test_layer_count_must_match_the_weights(checkpoint_dir, tmp_path, layers, fo
 
 
 def test_load_that_does_not_fit_is_refused_before_allocating(checkpoint_dir, monkeypatch):
-    import moe_jax.memory_check as memory_check
+    import moe_jax.planning.memory_check as memory_check
 
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 1000)  # 1000 bytes free
     built = []
@@ -114,8 +114,8 @@ def test_load_that_does_not_fit_is_refused_before_allocating(checkpoint_dir, mon
 
 
 def test_a_load_that_int4_would_fit_says_so(checkpoint_dir, monkeypatch):
-    import moe_jax.memory_check as memory_check
-    from moe_jax.checkpoint import open_checkpoint
+    import moe_jax.planning.memory_check as memory_check
+    from moe_jax.formats.checkpoint import open_checkpoint
 
     parts = load_bytes(open_checkpoint(checkpoint_dir), 4, choose_kernels(np.float32))
     monkeypatch.setattr(memory_check, "available_bytes", lambda: sum(parts.values()) - 1)  # one byte short
@@ -128,7 +128,7 @@ def test_a_load_that_int4_would_fit_says_so(checkpoint_dir, monkeypatch):
 
 
 def test_load_estimate_counts_each_part(checkpoint_dir):
-    from moe_jax.checkpoint import open_checkpoint
+    from moe_jax.formats.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(checkpoint_dir)
     c = checkpoint.config
@@ -156,12 +156,14 @@ def test_kv_cache_is_sized_by_the_prompts_not_the_batch_size(checkpoint_dir, mon
     sizes = []
     new_caches = model.new_caches
     monkeypatch.setattr(model, "new_caches", lambda batch, length: sizes.append(batch) or new_caches(batch, length))
-    model.engine(64, 16).run([moe_jax.engine.Request([1, 2], 2, 0), moe_jax.engine.Request([3], 2, 1)])
+    model.engine(64, 16).run(
+        [moe_jax.generation.engine.Request([1, 2], 2, 0), moe_jax.generation.engine.Request([3], 2, 1)]
+    )
     assert sizes == [2]
 
 
 def test_kv_cache_that_does_not_fit_is_refused(checkpoint_dir, monkeypatch):
-    import moe_jax.memory_check as memory_check
+    import moe_jax.planning.memory_check as memory_check
 
     model = moe_jax.load_model(checkpoint_dir, backend="device")
     monkeypatch.setattr(memory_check, "available_bytes", lambda: 1000)

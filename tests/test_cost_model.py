@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from moe_jax.cost_model import Profile, layer_time, plan_layer
+from moe_jax.planning.cost_model import Profile, layer_time, plan_layer
 
 ROWS = [1, 16, 256, 1024]
 

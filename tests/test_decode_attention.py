@@ -1,4 +1,4 @@
-"""The native decode attention (moe_jax/csrc/xla_decode_attention.c) against XLA's own path (layers.attend over
+"""The native decode attention (host_kernels/csrc/xla_decode_attention.c) against XLA's own path (layers.attend over
 the select-written cache): the same cache bits, outputs equal to bfloat16 rounding, in place when donated."""
 
 import jax
@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax import native_call
-from moe_jax.layers import attend, write_positions
+from moe_jax.model.layers import attend, write_positions
+from moe_jax.native import decode_attention as native_attention
 from tests.hf_models import make_hf_model, save_hf_model
 
-pytestmark = pytest.mark.skipif(
-    not native_call.decode_attention_status()[0], reason=f"not here: {native_call.decode_attention_status()[1]}"
-)
+pytestmark = pytest.mark.skipif(not native_attention.status()[0], reason=f"not here: {native_attention.status()[1]}")
 
 
 def inputs(b, kv, g, s, d, seed=0):
@@ -46,7 +44,7 @@ def xla_path(window):
 
 def native_path(window, donate=False):
     def run(q, k_new, v_new, positions, k_cache, v_cache):
-        return native_call.decode_attention_call(q, k_new, v_new, positions, k_cache, v_cache, window)
+        return native_attention.decode_attention_call(q, k_new, v_new, positions, k_cache, v_cache, window)
 
     return jax.jit(run, donate_argnums=(4, 5) if donate else ())
 

@@ -1,4 +1,4 @@
-"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (moe_jax/csrc/xla_dense.c via layers.base_matmul): XLA's
+"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (host_kernels/csrc/xla_dense.c via layers.base_matmul): XLA's
 float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
 
 import jax
@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax import native_call
-from moe_jax.layers import base_matmul
-from moe_jax.lora import LoRAConfig, LoRAParam
+from moe_jax.model.layers import base_matmul
+from moe_jax.model.lora import LoRAConfig, LoRAParam
+from moe_jax.native import dense as native_dense
 from tests.hf_models import make_hf_model, save_hf_model
 
-KERNEL, WHY_NOT = native_call.dense_kernel()  # AMX, else AVX512-BF16, else AVX2
+KERNEL, WHY_NOT = native_dense.dense_kernel()  # AMX, else AVX512-BF16, else AVX2
 pytestmark = pytest.mark.skipif(not KERNEL, reason=WHY_NOT)
 
 
@@ -21,7 +21,7 @@ def operands(m, k, n, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    return x, w, native_call.pack_dense(w, KERNEL)
+    return x, w, native_dense.pack_dense(w, KERNEL)
 
 
 SHAPES = [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 80), (64, 512, 512), (33, 96, 200)]
@@ -31,7 +31,7 @@ SHAPES = [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 
 def test_same_sums_as_xla(m, k, n):
     x, w, packed = operands(m, k, n)
     native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=KERNEL))
-    assert native_call.DENSE_TARGET in native.lower(x, w, packed).as_text()
+    assert native_dense.TARGET in native.lower(x, w, packed).as_text()
     got = np.asarray(native(x, w, packed))
     xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
@@ -51,16 +51,16 @@ def test_other_shapes_stay_in_xla(shape):
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
     f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))
-    assert native_call.DENSE_TARGET not in f.lower(x, w, native_call.pack_dense(w, KERNEL)).as_text()
+    assert native_dense.TARGET not in f.lower(x, w, native_dense.pack_dense(w, KERNEL)).as_text()
 
 
 def test_bad_operands_are_named():
     x, w, packed = operands(65, 64, 32)
     with pytest.raises(Exception, match="1-64 rows"):
-        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 32, KERNEL))
+        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 32, KERNEL))
     x, w, packed = operands(4, 64, 32)
     with pytest.raises(Exception, match="packed weight of x's k and y's n"):
-        jax.block_until_ready(native_call.dense_call(x[:, 0], packed, 48, KERNEL))
+        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 48, KERNEL))
 
 
 def with_lora(model):
@@ -83,6 +83,6 @@ def test_generation_packs_once_and_gives_the_same_tokens(tmp_path):
     _, decode, _ = model.generation_steps()
     caches, tokens = model.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
-    assert hlo.count(f"@{native_call.DENSE_TARGET}(") == 4 * model.config.num_layers + 1  # q, k, v, o; head
+    assert hlo.count(f"@{native_dense.TARGET}(") == 4 * model.config.num_layers + 1  # q, k, v, o; head
     plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16", xla_ffi=False))
     assert plain.generate(prompts, max_new_tokens=6) == packed and "head_packed" not in plain.state

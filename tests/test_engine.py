@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.anchor_cache import AnchorCache
-from moe_jax.engine import GenerationEngine, Request
+from moe_jax.generation.anchor_cache import AnchorCache
+from moe_jax.generation.engine import GenerationEngine, Request
 from tests.hf_models import make_hf_model, save_hf_model
 
 ANCHOR = 7  # token id that ends a "message" in these synthetic conversations
 
 
-# bfloat16 too: its decode steps take the native attention (moe_jax/csrc/xla_decode_attention.c) where built, and
+# bfloat16 too: its decode steps take the native attention (host_kernels/csrc/xla_decode_attention.c) where built, and
 # its prefills XLA's, so cached, batched and alone runs mix the two paths differently
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def model(tmp_path_factory, request):
@@ -126,7 +126,7 @@ def test_generate_through_the_engine_matches_alone_in_batch(model):
 
 
 def test_chunked_prefill_of_long_prompts(model, monkeypatch):
-    import moe_jax.engine as engine_module
+    import moe_jax.generation.engine as engine_module
 
     rng = np.random.default_rng(3)
     requests = [Request(rng.integers(8, 96, size=n).tolist(), 4) for n in (70, 5, 33)]
@@ -144,7 +144,7 @@ def test_request_that_does_not_fit_the_cache_is_refused(model):
 def test_generation_pauses_the_cycle_collector_and_restores_it(model):
     import gc
 
-    from moe_jax.engine import gc_paused
+    from moe_jax.generation.engine import gc_paused
 
     seen = []
     engine = GenerationEngine(model, 1, 32)
@@ -164,7 +164,7 @@ def test_prefill_cache_writes_are_exact(dtype):
     # write_positions moves a prefill's entries into the cache with a one-hot product: bit-exact, every dtype
     import jax.numpy as jnp
 
-    from moe_jax.layers import write_positions
+    from moe_jax.model.layers import write_positions
 
     rng = np.random.default_rng(4)
     cache = jnp.asarray(rng.standard_normal((2, 3, 20, 8)), dtype)

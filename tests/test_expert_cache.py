@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moe_jax.errors import InputError
-from moe_jax.expert_cache import ExpertCache
+from moe_jax.planning.expert_cache import ExpertCache
 
 EXPERT_BYTES = 1000
 

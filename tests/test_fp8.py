@@ -13,7 +13,7 @@ import pytest
 import moe_jax
 from moe_jax import convert
 from moe_jax.errors import CheckpointError
-from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
+from moe_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
 from tests.hf_models import make_hf_model, save_hf_model
 
 BLOCK = (16, 8)  # small blocks, so that the tiny models' weights span several, with ragged edges

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
-from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import (
     AVX2_BF16,
@@ -23,6 +22,7 @@ from host_kernels.fused_forward import (
     best_kernel,
     pack_layer,
 )
+from host_kernels.host_moe import HostMoE
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, LayerExperts
 from tests.isa import kernel_variants, variants

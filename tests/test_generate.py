@@ -60,7 +60,7 @@ def test_bad_sampling_settings(pair, kwargs, message):
 
 
 def test_sampling_top_p_keeps_nucleus():
-    from moe_jax.sampling import sample
+    from moe_jax.generation.sampling import sample
 
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
     rng = np.random.default_rng(0)
@@ -69,7 +69,7 @@ def test_sampling_top_p_keeps_nucleus():
 
 
 def test_sampler_edge_settings():
-    from moe_jax.sampling import sample
+    from moe_jax.generation.sampling import sample
 
     logits = np.array([[0.5, 3.0, -1.0, 2.9]], np.float32)
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ from host_kernels import ExpertStore
 from moe_jax.convert import convert
 from moe_jax.convert import main as convert_main
 from moe_jax.errors import CheckpointError
-from moe_jax.tokenizer import load_tokenizer
+from moe_jax.formats.tokenizer import load_tokenizer
 from tests.gguf_files import Q, dequantize, dequantized_model, quantize_q6_k, write_gguf
 from tests.hf_models import hf_logits, make_hf_model, save_hf_model
 
@@ -141,7 +141,7 @@ def test_convert_cli_writes_config_tokenizer_and_float_experts_on_request(tmp_pa
 def _bpe_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from moe_jax.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from moe_jax.formats.gguf_tokenizer import PRE_TOKENIZER_SPLITS
 
     tokenizer = Tokenizer(models.BPE())
     split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"][0]), behavior="isolated")

@@ -10,7 +10,8 @@ import pytest
 
 import moe_jax
 from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
-from moe_jax import native_call
+from moe_jax.native import ffi as native_ffi
+from moe_jax.native import host_experts as native_experts
 from tests.hf_models import make_hf_model, save_hf_model
 
 needs_amx = pytest.mark.skipif(not amx.status()[0], reason=f"needs AMX (bfloat16 experts): {amx.status()[1]}")
@@ -42,7 +43,7 @@ def host_model(path, path_taken: str, dtype=NATIVE_DTYPE):
 
 def test_ffi_handler_is_built_here():
     # the install builds it (setup.py, jaxlib's headers); CI must exercise this path, not only the fallbacks
-    assert native_call.status() == (True, "")
+    assert native_ffi.status() == (True, "")
 
 
 @needs_amx
@@ -132,7 +133,7 @@ def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint):
 
     @jax.jit
     def step(x, ids, weights):
-        return native_call.host_experts_call(address, x, ids, weights)
+        return native_experts.host_experts_call(address, x, ids, weights)
 
     x = jnp.ones((2, model.config.hidden_size), NATIVE_DTYPE)
     weights = jnp.ones((2, 2), NATIVE_DTYPE)

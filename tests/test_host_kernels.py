@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from host_kernels import activations, amx, bf16_gemm, choose_kernels
-from host_kernels.engine import HostMoE
 from host_kernels.errors import HostKernelError
+from host_kernels.host_moe import HostMoE
 from host_kernels.lora import ExpertLoRA
 from host_kernels.schedule import Routing, plan_tiles
 from host_kernels.store import ExpertStore, LayerExperts
@@ -187,7 +187,7 @@ def test_forward_and_backward_match_references(kind, storage, with_lora, threads
 
 
 def test_matches_pure_jax_ragged_dot_layer():
-    from moe_jax.moe import DeviceExperts
+    from moe_jax.model.moe import DeviceExperts
 
     rng = np.random.default_rng(1)
     layer = make_layer(rng)

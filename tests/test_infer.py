@@ -105,7 +105,7 @@ def test_adapter_for_another_base_is_refused(tmp_path):
     )
     import numpy as np
 
-    from moe_jax.safetensors_io import save_safetensors
+    from moe_jax.formats.safetensors_io import save_safetensors
 
     save_safetensors(
         adapter / "adapter_model.safetensors",
@@ -206,7 +206,7 @@ def test_links_at_out_and_its_partial_are_replaced_not_followed(tmp_path):
 
 def test_a_failure_part_way_keeps_the_finished_records(tmp_path, monkeypatch, capsys):
     import infer as infer_cli
-    from moe_jax.engine import GenerationEngine
+    from moe_jax.generation.engine import GenerationEngine
 
     original = GenerationEngine.run
 

@@ -1,5 +1,5 @@
 """DeepSeek's latent attention in generation: the KV cache holds the compressed latent, and the absorbed decode
-(moe_jax/mla.py) gives the expanded form's tokens, with continuous batching and the anchor cache."""
+(moe_jax/model/mla.py) gives the expanded form's tokens, with continuous batching and the anchor cache."""
 
 import jax
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax.anchor_cache import AnchorCache
-from moe_jax.engine import GenerationEngine, Request
+from moe_jax.generation.anchor_cache import AnchorCache
+from moe_jax.generation.engine import GenerationEngine, Request
 from tests.hf_models import make_hf_model, save_hf_model
 
 PROMPTS = [[5, 17, 33, 2, 9], [40, 41], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [60] * 9]

@@ -72,10 +72,10 @@ CASES = {
     "np.zeros((64, 64), np.float32), isa='avx2')",
     "swiglu, read-only output": "act = np.zeros((4, 32), np.float32)\nact.flags.writeable = False\n"
     "activations.swiglu_forward(np.ones((4, 32), np.float32), np.ones((4, 32), np.float32), act, isa='avx2')",
-    "engine, negative threads": "from host_kernels.engine import HostMoE\nHostMoE(store, threads=-1)",
-    "engine, id out of range": "from host_kernels.engine import HostMoE\n"
+    "engine, negative threads": "from host_kernels.host_moe import HostMoE\nHostMoE(store, threads=-1)",
+    "engine, id out of range": "from host_kernels.host_moe import HostMoE\n"
     "HostMoE(store, threads=1).forward(0, x, np.array([[2**40, 2], [1, 2]]), ok_weights)",
-    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.native_call import "
+    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.native.ffi import "
     "host_experts_call\nhost_experts_call(0xdeadbeef, jnp.ones((2, 32)), jnp.zeros((2, 2), jnp.int32), "
     "jnp.ones((2, 2)))",
 }

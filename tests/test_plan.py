@@ -1,4 +1,4 @@
-"""The execution plan (moe_jax/plan.py): decided once at load from the machine and explicit choices, the
+"""The execution plan (moe_jax/planning/plan.py): decided once at load from the machine and explicit choices, the
 environment only a default; the model runs what it says, and every plan computes the same function."""
 
 import json
@@ -10,8 +10,12 @@ import pytest
 import moe_jax
 from host_kernels import HostKernelError, HostMoE, KernelChoice, choose_kernels
 from host_kernels.store import ExpertStore, LayerExperts
-from moe_jax import doctor, native_call
-from moe_jax.plan import make_plan
+from moe_jax import doctor
+from moe_jax.native import argmax as native_argmax
+from moe_jax.native import decode_attention as native_attention
+from moe_jax.native import dense as native_dense
+from moe_jax.native import ffi as native_ffi
+from moe_jax.planning.plan import make_plan
 from tests.hf_models import make_hf_model, save_hf_model
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -26,11 +30,11 @@ def test_default_plan_follows_this_machine():
     for dtype, store in (("float32", np.float32), ("bfloat16", BF16)):
         plan = make_plan(dtype, store)
         assert plan.host_kernels == choose_kernels(store)
-        assert plan.experts_ffi == (bool(plan.host_kernels.fused) and native_call.status()[0])
-        assert plan.argmax == native_call.argmax_status()[0]
+        assert plan.experts_ffi == (bool(plan.host_kernels.fused) and native_ffi.status()[0])
+        assert plan.argmax == native_argmax.status()[0]
         bf16 = dtype == "bfloat16"
-        assert plan.decode_attention == (bf16 and native_call.decode_attention_status()[0])
-        assert plan.dense_decode == (native_call.dense_kernel()[0] if bf16 else "")
+        assert plan.decode_attention == (bf16 and native_attention.status()[0])
+        assert plan.dense_decode == (native_dense.dense_kernel()[0] if bf16 else "")
         for part, native in (("attention", plan.decode_attention), ("dense", plan.dense_decode)):
             assert bool(plan.reason(part)) != native  # every part not native says why
     assert make_plan("float32").host_kernels is None  # no host engine: no host kernels

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from moe_jax.probe import QUICK_ROWS
+from moe_jax.planning.probe import QUICK_ROWS
 
 
 def test_probe_writes_a_complete_profile(tmp_path):

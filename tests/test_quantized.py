@@ -19,9 +19,9 @@ from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import KERNELS, QUANTIZED, FusedForward, best_kernel, pack_layer
 from host_kernels.quant import INT4_GROUPS, QuantizedInt4, quantize_activations, quantize_int4, quantize_int8
 from host_kernels.schedule import NOT_ROUTED
-from moe_jax import native_call
 from moe_jax.errors import InputError
-from moe_jax.layers import base_matmul
+from moe_jax.model.layers import base_matmul
+from moe_jax.native import dense as native_dense
 from tests.isa import kernel_variants, variants
 from tests.test_fused_forward import make_store, routing
 
@@ -230,9 +230,9 @@ def test_decode_dense_products_on_quantized_weights(kernel, m, k, n):
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    packed = native_call.pack_dense(w, kernel)
+    packed = native_dense.pack_dense(w, kernel)
     product = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=kernel))
-    assert native_call.DENSE_TARGET in product.lower(x, w, packed).as_text()
+    assert native_dense.TARGET in product.lower(x, w, packed).as_text()
     quantize, seen = quantizer(kernel)
     dequantized = quantize(np.asarray(w, np.float32)).dequantize(np.float64)
     rows = np.zeros((m, amx.padded(k, 32)), BF16)

@@ -25,9 +25,9 @@ from host_kernels import (
 from host_kernels.fused_forward import FusedForward, pack_layer
 from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.lora import LoRAConfig
-from moe_jax.objective import lora_value_and_grad
-from moe_jax.safetensors_io import SafetensorsFile, save_safetensors
+from moe_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
+from moe_jax.model.lora import LoRAConfig
+from moe_jax.train.objective import lora_value_and_grad
 from tests.test_bfloat16 import nnx_flat, relative_error
 
 ROOT = Path(__file__).resolve().parents[1]

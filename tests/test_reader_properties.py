@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from host_kernels.errors import StoreError
 from host_kernels.store import ExpertStore, StoreWriter
-from moe_jax.adapters import adapter_config
 from moe_jax.errors import CheckpointError, ConfigError, InputError
-from moe_jax.hf_config import read_hf_config
-from moe_jax.safetensors_io import _ITEMSIZES, SafetensorsFile
-from moe_jax.tokenizer import load_tokenizer
+from moe_jax.formats.adapters import adapter_config
+from moe_jax.formats.hf_config import read_hf_config
+from moe_jax.formats.safetensors_io import _ITEMSIZES, SafetensorsFile
+from moe_jax.formats.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -250,7 +250,7 @@ RECORDS = [
 @PROPERTY
 @given(st.data(), st.lists(st.sampled_from(RECORDS), min_size=1, max_size=3), st.booleans())
 def test_jsonl_readers(tokenizer, data, records, skip_bad_lines):
-    from moe_jax.prompts import prompt_token_ids, read_jsonl
+    from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
     from moe_jax.train.data import load_examples
 
     lines = []

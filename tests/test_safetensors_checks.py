@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_jax.errors import CheckpointError
-from moe_jax.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, TensorSource, save_safetensors
+from moe_jax.formats.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, TensorSource, save_safetensors
 
 
 def write_raw(path, header, data: bytes = b"", header_len: int | None = None):

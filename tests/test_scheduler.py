@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import moe_jax
-from moe_jax.batch import Completion, Request, Sampling
+from moe_jax.generation.batch import Completion, Request, Sampling
 from moe_jax.serving.generation import Generation, Mailbox, Prompt
 from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import EngineStopped, QueueFull, Scheduler, ServedJob

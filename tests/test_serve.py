@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import moe_jax  # noqa: E402
-from moe_jax.prompts import render_chat  # noqa: E402
+from moe_jax.formats.prompts import render_chat  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

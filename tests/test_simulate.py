@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.cost_model import Profile, best_placement
-from moe_jax.simulate import simulate_layer, static_placements, summarise, sweep
+from moe_jax.planning.cost_model import Profile, best_placement
+from moe_jax.planning.simulate import simulate_layer, static_placements, summarise, sweep
 
 MEASURED = Profile.load(Path(__file__).parent / "data" / "probe_2core_cpu.json")
 ROWS = np.array([1.0, 16.0, 256.0, 1024.0])

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.adapters import lora_modules
-from moe_jax.safetensors_io import SafetensorsFile
+from moe_jax.formats.adapters import lora_modules
+from moe_jax.formats.safetensors_io import SafetensorsFile
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.loop import Trainer, load_run_data
 from tests.hf_models import make_hf_model, save_hf_model, torch, transformers
@@ -295,7 +295,7 @@ def test_lora_dropout_is_seeded_and_changes_training(tmp_path):
     ],
 )
 def test_data_formats_mask_only_targets(record, targets):
-    from moe_jax.tokenizer import load_tokenizer
+    from moe_jax.formats.tokenizer import load_tokenizer
     from moe_jax.train.data import encode_record
 
     tok = load_tokenizer(MODEL)

@@ -1,5 +1,5 @@
 /* The AMX GEMMs of amx_gemm.c, for the fused expert forward (moe_forward.c) and XLA's dense handler
- * (moe_jax/csrc/xla_dense.c), and where a column block starts in a weight packed for them. */
+ * (host_kernels/csrc/xla_dense.c), and where a column block starts in a weight packed for them. */
 #ifndef AMX_GEMM_H
 #define AMX_GEMM_H
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* The AVX512-BF16 GEMMs of bf16_gemm.c, for the fused expert forward (moe_forward.c) and XLA's dense handler
- * (moe_jax/csrc/xla_dense.c) on CPUs without AMX. Callers check the CPU's avx512_bf16 first. */
+ * (host_kernels/csrc/xla_dense.c) on CPUs without AMX. Callers check the CPU's avx512_bf16 first. */
 #ifndef BF16_GEMM_H
 #define BF16_GEMM_H
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* GEMMs over int4 weights on AVX512-VNNI (VPDPBUSD: 64 products of unsigned x signed bytes per instruction), for
- * the fused expert forward (moe_forward.c), XLA's dense handler (moe_jax/csrc/xla_dense.c) and
+ * the fused expert forward (moe_forward.c), XLA's dense handler (host_kernels/csrc/xla_dense.c) and
  * host_kernels/int4_gemm.py. Only this file is compiled for avx512vnni; its callers check the CPU first.
  *
  * Weights: int4 in groups of `group` k-rows (32, 64 or 128) with a float16 scale per group and column, llama.cpp's

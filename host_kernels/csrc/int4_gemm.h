@@ -1,5 +1,5 @@
 /* GEMMs over int4 weights with a float16 scale per group of k-rows on AVX512-VNNI (int4_gemm.c), for the fused
- * expert forward (moe_forward.c) and XLA's dense handler (moe_jax/csrc/xla_dense.c). Callers check the CPU's
+ * expert forward (moe_forward.c) and XLA's dense handler (host_kernels/csrc/xla_dense.c). Callers check the CPU's
  * avx512_vnni first. */
 #ifndef INT4_GEMM_H
 #define INT4_GEMM_H

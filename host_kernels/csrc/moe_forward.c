@@ -1,6 +1,6 @@
 /* The fused forward of one MoE layer's routed experts on the host, for inference: routing, the gather of each
  * expert's rows, the gate/up GEMM, SwiGLU, the down GEMM, the routing weights and the combine, in one call without
- * Python. The numpy engine (host_kernels/engine.py) makes ~10 Python and ctypes calls per expert and wakes its pool
+ * Python. The numpy engine (host_kernels/host_moe.py) makes ~10 Python and ctypes calls per expert and wakes its pool
  * twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1: 1.1 ms a layer
  * call, of which ~0.2 ms of weight reading). GEMMs: AMX for bfloat16 weights (amx_gemm.c; the arithmetic is the
  * engine's AMX path step for step, so both give the same bits) or, on CPUs without AMX, AVX512-BF16 over the same

@@ -1,5 +1,5 @@
 /* The one entry point of the fused host expert forward (moe_forward.c) that other libraries call: XLA's FFI
- * handler (moe_jax/csrc/xla_host_experts.c) receives the address of a `moe_call` and calls through it, so it
+ * handler (host_kernels/csrc/xla_host_experts.c) receives the address of a `moe_call` and calls through it, so it
  * needs neither this library's symbols nor its private structs.
  */
 #ifndef MOE_FORWARD_H

@@ -12,8 +12,8 @@ auto     hybrid layers whose device cache follows the routing and whose planner 
 from __future__ import annotations
 
 from moe_jax.backends.placements import PLACEMENTS, ExpertPlacement, PlacementOptions
-from moe_jax.checkpoint import Checkpoint
-from moe_jax.plan import ExecutionPlan
+from moe_jax.formats.checkpoint import Checkpoint
+from moe_jax.planning.plan import ExecutionPlan
 
 BACKENDS = tuple(PLACEMENTS)
 

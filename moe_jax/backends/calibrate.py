@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.auto_choice import PHASES
 from moe_jax.backends.hybrid import HybridExperts, host_path, hybrid_experts
+from moe_jax.planning.auto_choice import PHASES
 
 REPEATS = 5  # timed calls of each path per phase, interleaved; medians compared
 

@@ -3,7 +3,7 @@
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
 second callback. Where the kernel choice has a fused native forward (a bfloat16 store on AMX or a float32 one on
 AVX-512; no expert LoRA), the forward callbacks use it, and a forward that is not being differentiated calls it
-directly instead, through XLA's FFI where the execution plan says so (moe_jax/plan.py, moe_jax/native_call.py).
+directly instead, through XLA's FFI where the execution plan says so (moe_jax/planning/plan.py, moe_jax/native/ffi.py).
 Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
 (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import ExpertLoRA, HostMoE
-from moe_jax import native_call
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
+from moe_jax.native import host_experts as native_experts
 
 
 class HostRuntime:
@@ -222,7 +222,7 @@ def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, w
     runs; under differentiation the rules below apply instead)."""
     if runtime.experts_ffi and not lora:
         address = runtime.fused.call_address(layer)
-        return native_call.host_experts_call(address, x_td, ids_tk, weights_tk)
+        return native_experts.host_experts_call(address, x_td, ids_tk, weights_tk)
     return jax.pure_callback(  # runtime.forward uses the fused forward where it can (_run_forward)
         functools.partial(runtime.forward, layer, scale),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),

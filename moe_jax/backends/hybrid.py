@@ -2,7 +2,8 @@
 
 Every layer holds a device expert cache: `capacity` slots of expert weights plus the id of the expert in each
 slot (num_experts marks an empty slot). The slot ids are data, not structure, so the cache can change between
-steps (the expert cache of moe_jax.expert_cache decides what it holds) without recompiling. With `backend="auto"`
+steps (the expert cache of moe_jax.planning.expert_cache decides what it holds) without recompiling. With
+`backend="auto"`
 the layer also has a planner: per call, from this call's routing, `cost_model.best_placement` picks which cached
 experts compute from the cache (at sizes where the host is faster, their rows go to the host instead) and which
 of the other experts to copy over the bus and compute on the device (in double-buffered rounds, as the offload
@@ -26,7 +27,6 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from moe_jax.auto_choice import Shape, nearest_phase
 from moe_jax.backends.host import HostRuntime, host_experts
 from moe_jax.backends.offload import (
     OffloadSpec,
@@ -35,8 +35,9 @@ from moe_jax.backends.offload import (
     streamed_backward,
     streamed_forward,
 )
-from moe_jax.cost_model import Profile, best_placement
-from moe_jax.moe import subset_experts
+from moe_jax.model.moe import subset_experts
+from moe_jax.planning.auto_choice import Shape, nearest_phase
+from moe_jax.planning.cost_model import Profile, best_placement
 
 
 class CacheSlot(nnx.Variable):

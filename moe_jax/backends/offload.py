@@ -28,8 +28,8 @@ from jax.experimental import io_callback
 from jax.sharding import SingleDeviceSharding
 
 from moe_jax.backends.metrics import MetricsRecorder
-from moe_jax.layers import Frozen
-from moe_jax.moe import subset_experts
+from moe_jax.model.layers import Frozen
+from moe_jax.model.moe import subset_experts
 
 
 def memory_sharding(kind: str) -> SingleDeviceSharding:

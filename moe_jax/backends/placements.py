@@ -19,18 +19,18 @@ from flax import nnx
 from tqdm import tqdm
 
 from host_kernels import ExpertStore, HostMoE, trim_heap
-from moe_jax.auto_choice import AutoChoice, choose_auto, model_shape
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts, HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
 from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
-from moe_jax.checkpoint import Checkpoint
-from moe_jax.cost_model import Profile
 from moe_jax.errors import InputError, is_int
-from moe_jax.expert_cache import ExpertCache
-from moe_jax.moe import DeviceExperts
-from moe_jax.plan import ExecutionPlan, host_store_dtype
+from moe_jax.formats.checkpoint import Checkpoint
+from moe_jax.model.moe import DeviceExperts
+from moe_jax.planning.auto_choice import AutoChoice, choose_auto, model_shape
+from moe_jax.planning.cost_model import Profile
+from moe_jax.planning.expert_cache import ExpertCache
+from moe_jax.planning.plan import ExecutionPlan, host_store_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +217,9 @@ class HybridPlacement(HostPlacement):
 
 
 class AutoPlacement(HostPlacement):
-    """Hybrid layers whose device cache follows the routing (moe_jax.expert_cache) and whose planner places
+    """Hybrid layers whose device cache follows the routing (moe_jax.planning.expert_cache) and whose planner places
     every expert per call (cache, stream or host) from the probe profile; plain host layers where the cost model
-    predicts no gain worth the device (moe_jax.auto_choice). By default it takes half the free device memory
+    predicts no gain worth the device (moe_jax.planning.auto_choice). By default it takes half the free device memory
     (where the device reports it), else a quarter of the experts."""
 
     name = "auto"
@@ -356,7 +356,8 @@ def check_placement_plan_flag(backend: str, plan_file) -> None:
 
 def read_placement_plan(path) -> dict[int, list[int]]:
     """A hybrid placement plan from a JSON file `{"layer": [expert ids], ...}` (what `--placement-plan` takes;
-    `moe_jax.advise` and `HybridPlacement` use the same form). Checked for form here, against the model at load."""
+    `moe_jax.planning.advise` and `HybridPlacement` use the same form). Checked for form here, against the model at
+    load."""
     path = Path(path)
     try:
         plan = json.loads(path.read_text())

@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moe_jax.batch import Sampling
 from moe_jax.errors import InputError
+from moe_jax.generation.batch import Sampling
 from moe_jax.serving.openai_api import new_id
 from moe_jax.serving.output_parser import Parsed, merge
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from moe_jax.batch import Completion, Request, Sampling
+from moe_jax.generation.batch import Completion, Request, Sampling
 from moe_jax.serving.output_parser import Dialect, OutputParser, Parsed
 from moe_jax.serving.scheduler import ServedJob
 from moe_jax.serving.text_stream import TextStream

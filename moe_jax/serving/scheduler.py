@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_jax.batch import Batch, Completion, Job, Request
-from moe_jax.engine import GenerationEngine
+from moe_jax.generation.batch import Batch, Completion, Job, Request
+from moe_jax.generation.engine import GenerationEngine
 
 log = logging.getLogger("moe_jax.serve")
 IDLE_POLL_S = 0.05  # how often an idle engine thread looks for a stop request

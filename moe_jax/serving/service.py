@@ -13,10 +13,10 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_jax.anchor_cache import AnchorCache, anchor_token_ids
-from moe_jax.batch import Completion, Sampling
 from moe_jax.errors import InputError
-from moe_jax.prompts import render_chat
+from moe_jax.formats.prompts import render_chat
+from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
+from moe_jax.generation.batch import Completion, Sampling
 from moe_jax.serving.generation import Generation, Mailbox, Prompt
 from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import Scheduler

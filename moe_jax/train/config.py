@@ -13,7 +13,7 @@ from moe_jax.api import DTYPES
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag
 from moe_jax.errors import ConfigError, InputError
-from moe_jax.lora import ATTENTION_TARGETS, KNOWN_TARGETS
+from moe_jax.model.lora import ATTENTION_TARGETS, KNOWN_TARGETS
 
 SCHEDULES = ("cosine", "linear", "constant")
 LONG_EXAMPLES = ("truncate", "drop")

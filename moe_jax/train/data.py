@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moe_jax.errors import InputError
-from moe_jax.prompts import read_jsonl, render_chat
+from moe_jax.formats.prompts import read_jsonl, render_chat
 
 
 @dataclass

@@ -14,19 +14,19 @@ import optax
 
 import moe_jax
 from host_kernels import NonFiniteError
-from moe_jax.adapters import export_peft
 from moe_jax.backends.placements import read_placement_plan
-from moe_jax.checkpoint import read_config
 from moe_jax.errors import ConfigError, InputError, MoeJaxError
-from moe_jax.generate import generate_tokens
-from moe_jax.lora import LoRAConfig
-from moe_jax.objective import lora_value_and_grad
+from moe_jax.formats.adapters import export_peft
+from moe_jax.formats.checkpoint import read_config
+from moe_jax.formats.tokenizer import load_tokenizer
+from moe_jax.generation.generate import generate_tokens
+from moe_jax.model.lora import LoRAConfig
 from moe_jax.output_files import NewFile, create_new
 from moe_jax.run_log import ExpertCounts, RunLog, backend_figures
-from moe_jax.tokenizer import load_tokenizer
 from moe_jax.train.checkpoints import Checkpoints
 from moe_jax.train.config import TrainConfig
 from moe_jax.train.data import Batches, DataStats, Example, load_examples, pack, split_held_out
+from moe_jax.train.objective import lora_value_and_grad
 from moe_jax.train.run_dir import data_fingerprint
 
 

@@ -1,0 +1,177 @@
+/* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 64), W a bfloat16 weight
+ * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
+ * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout) or,
+ * without AVX-512, by AVX2 (avx2_gemm.c, the same layout again); or W
+ * int8 with a scale per column (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for
+ * `quant="int8"`, whose weights a decode step reads at half the bytes, or int4 with a scale per group of `group`
+ * k-rows (host_kernels/int4_gemm.py's layout: [n blocks, kp * 8 + groups * 32] u8) for `quant="int4"`, each on
+ * its AVX-512 kernel or its AVX2 one. The
+ * attributes `kernel` (s64, DENSE_* below) and `group` (s64: int4's k-rows per scale, else 0) say which, as the
+ * execution plan chose (moe_jax/planning/plan.py).
+ *
+ * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
+ * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model
+ * (under the profiler). Alone, on cold weights, this call takes 40-55% of XLA's time; end to end, batch-16
+ * generation gained 0-7% (in-process A/B runs), as XLA had overlapped part of its products.
+ * This reads them as the fused experts do (amx_gemm_4_streams: four column blocks side by side, prefetched), with
+ * the work in 64-column groups shared by the calling thread and helpers from XLA's pool.
+ *
+ * Operands: x [m, k] bf16 (m <= 64: a decode step's batch), w [ceil(n / 16), ceil(k / 32), 512] u16. Result:
+ * y [m, n] f32, float32 sums of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation
+ * order). Rows go 16 at a time (an AMX tile's) through each group's weights, which stay in cache between them.
+ * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
+ */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx_gemm.h"
+#include "avx2_kernels.h"
+#include "bf16_gemm.h"
+#include "ffi_common.h"
+#include "int4_gemm.h"
+
+#define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
+#define MAX_ROWS 64
+#define GROUP_BLOCKS 4 /* 16-column blocks per task */
+enum { /* native_call.py's */
+    DENSE_AVX512_BF16 = 0,
+    DENSE_AMX_BF16 = 1,
+    DENSE_AVX512_INT8 = 2,
+    DENSE_AVX512_INT4 = 3,
+    DENSE_AVX2_BF16 = 4,
+    DENSE_AVX2_INT8 = 5,
+    DENSE_AVX2_INT4 = 6
+};
+static int is_int8(int64_t kernel) { return kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX2_INT8; }
+static int is_int4(int64_t kernel) { return kernel == DENSE_AVX512_INT4 || kernel == DENSE_AVX2_INT4; }
+/* the kernels that read x as quantized row records (x_q), and a record's bytes */
+static int reads_records(int64_t kernel) { return is_int4(kernel) || kernel == DENSE_AVX2_INT8; }
+static int64_t record_bytes(int64_t kernel, int64_t kp) {
+    return kernel == DENSE_AVX2_INT8 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
+}
+
+/* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
+ * finds nothing left), so the last of the caller and its helpers to let go frees it. */
+typedef struct {
+    _Atomic int64_t next, done;
+    _Atomic int refs;
+    int64_t m, n, kp, groups;
+    int kernel;          /* DENSE_* */
+    int64_t int4_group;  /* int4: k-rows per scale */
+    const void *w;
+    float *y;
+    uint16_t *x; /* [m rounded up to TILE_ROWS, kp], after this struct */
+    char *x_q;   /* int4, AVX2's int8: x's quantized row records (record_bytes a row), after x */
+} dense_call;
+
+static void run_group(const dense_call *c, int64_t g) {
+    const int64_t nb0 = g * GROUP_BLOCKS;
+    const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
+    if (c->kernel == DENSE_AVX512_BF16) { /* its own blocking: 6 rows x the group's 4 blocks, four weight streams */
+        bf16_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX512_INT8) {
+        int8_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX512_INT4) {
+        int4_gemm_quantized(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_BF16) {
+        bf16_gemm_avx2(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_INT8) {
+        int8_gemm_quantized_avx2(c->x_q, c->kp, c->w, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AVX2_INT4) {
+        int4_gemm_quantized_avx2(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
+    } else if (n1 - n0 == GROUP_BLOCKS * 16) {
+        const uint16_t *b[4] = {amx_block(c->w, c->kp, nb0), amx_block(c->w, c->kp, nb0 + 1),
+                                amx_block(c->w, c->kp, nb0 + 2), amx_block(c->w, c->kp, nb0 + 3)};
+        for (int64_t r = 0; r < c->m; r += TILE_ROWS) {
+            float *y = c->y + r * c->n + n0;
+            float *out[4] = {y, y + 16, y + 32, y + 48};
+            const int64_t rows = c->m - r < TILE_ROWS ? c->m - r : TILE_ROWS;
+            amx_gemm_4_streams(c->x + r * c->kp, c->kp, c->kp, b, out, c->n, rows);
+        }
+    } else { /* the last, narrower group */
+        amx_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    }
+}
+
+static void take_groups(dense_call *c) {
+    for (int64_t g; (g = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->groups;) {
+        run_group(c, g);
+        atomic_fetch_add_explicit(&c->done, 1, memory_order_release);
+    }
+}
+
+static void let_go(dense_call *c) {
+    if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) free(c);
+}
+
+static void helper(void *data) {
+    take_groups(data);
+    let_go(data);
+}
+
+static void schedule_helpers(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, dense_call *c, int count) {
+    for (int i = 0; i < count; i++) {
+        atomic_fetch_add(&c->refs, 1);
+        if (ffi_pool_schedule(api, ctx, helper, c)) { /* no pool: the caller does the work alone */
+            atomic_fetch_sub(&c->refs, 1);
+            return;
+        }
+    }
+}
+
+XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
+    const XLA_FFI_Api *api = frame->api;
+    if (ffi_answer_metadata(frame)) return NULL;
+    if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return ffi_error(api, "moe_jax_dense: not the execute stage");
+    int64_t kernel, group;
+    if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+        frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 2 ||
+        ffi_s64_attr(frame, "kernel", &kernel) || ffi_s64_attr(frame, "group", &group))
+        return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has s64 attributes kernel, group");
+    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX2_INT4)
+        return ffi_error(api, "moe_jax_dense: unknown kernel");
+    if (is_int4(kernel) ? group != 32 && group != 64 && group != 128 : group != 0)
+        return ffi_error(api, "moe_jax_dense: `group` must be 32, 64 or 128 for int4, 0 otherwise");
+    const XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
+    if (x->dtype != XLA_FFI_DataType_BF16 || x->rank != 2 || y->dtype != XLA_FFI_DataType_F32 || y->rank != 2)
+        return ffi_error(api, "moe_jax_dense: x [m, k] bf16 and y [m, n] f32 expected");
+    const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1], kp = (k + 31) / 32 * 32; /* packings pad k so */
+    if (m < 1 || m > MAX_ROWS || y->dims[0] != m)
+        return ffi_error(api, "moe_jax_dense: x and y of the same 1-64 rows expected");
+    if (is_int8(kernel) || is_int4(kernel)) {
+        /* int8: [n blocks, kp * 16 + 64] u8, int8 k-pairs then 16 float32 scales; int4: [n blocks, kp * 8 +
+         * groups * 32] u8, per group its nibbles then 16 float16 scales */
+        const int64_t block_bytes = is_int8(kernel) ? kp * 16 + 64 : kp * 8 + (kp + group - 1) / group * 32;
+        if (w->dtype != XLA_FFI_DataType_U8 || w->rank != 2 || w->dims[0] != (n + 15) / 16 || w->dims[1] != block_bytes)
+            return ffi_error(api, "moe_jax_dense: a packed weight of x's k and y's n expected (quantized: "
+                                  "[n blocks, block bytes] u8)");
+    } else if (w->dtype != XLA_FFI_DataType_U16 || w->rank != 3 || w->dims[0] != (n + 15) / 16 ||
+               w->dims[1] != kp / 32 || w->dims[2] != 512) {
+        return ffi_error(api, "moe_jax_dense: a packed weight of x's k and y's n expected ([n blocks, k blocks, 512] "
+                              "u16)");
+    }
+    const int64_t padded_rows = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    const size_t head = (sizeof(dense_call) + 63) / 64 * 64, x_bytes = (size_t)padded_rows * kp * 2;
+    const size_t q_bytes = reads_records(kernel) ? (size_t)(m * record_bytes(kernel, kp)) : 0;
+    dense_call *c = aligned_alloc(64, (head + x_bytes + q_bytes + 63) / 64 * 64);
+    if (!c) return ffi_error(api, "moe_jax_dense: out of memory");
+    const int64_t groups = (n + GROUP_BLOCKS * 16 - 1) / (GROUP_BLOCKS * 16);
+    c->x = (uint16_t *)((char *)c + head);
+    c->x_q = (char *)c + head + x_bytes;
+    memset(c->x, 0, (size_t)padded_rows * kp * 2); /* padding: zeros (they meet zero weights or unstored rows) */
+    for (int64_t r = 0; r < m; r++) memcpy(c->x + r * kp, (const uint16_t *)x->data + r * k, (size_t)k * 2);
+    if (kernel == DENSE_AVX512_INT4) int4_quantize_rows(c->x, kp, m, 0, kp, c->x_q, kp); /* once, for every task */
+    if (kernel == DENSE_AVX2_INT4) int4_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
+    if (kernel == DENSE_AVX2_INT8) int8_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
+    c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
+    c->kernel = (int)kernel, c->int4_group = group;
+    atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
+    const int threads = ffi_pool_threads(api, frame->ctx);
+    schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));
+    take_groups(c);
+    while (atomic_load_explicit(&c->done, memory_order_acquire) < groups) __builtin_ia32_pause();
+    let_go(c);
+    return NULL;
+}

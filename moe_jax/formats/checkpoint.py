@@ -1,0 +1,243 @@
+"""Reading a checkpoint directory: a Hugging Face one, or one written by `python -m moe_jax.convert`.
+
+Both kinds hold `config.json`, the non-expert tensors under their Hugging Face names in `*.safetensors`, and
+optionally `tokenizer.json`. A converted directory keeps the experts in an `experts/` store (host kernel layout,
+memory-mapped); a Hugging Face directory keeps them per expert (or fused, as transformers 5 can write), and they are
+stacked into the kernel layout one layer at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
+from moe_jax.errors import CheckpointError, is_int, read_json_file
+from moe_jax.formats import fp8
+from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
+from moe_jax.formats.hf_config import read_hf_config
+from moe_jax.formats.safetensors_io import TensorSource
+from moe_jax.model.config import ModelConfig
+
+EXPERT_STORE_DIR = "experts"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tensors: TensorSource | fp8.BlockScaledTensors | GGUFFile
+    expert_store: ExpertStore | None  # set for converted directories
+
+    @property
+    def is_converted(self) -> bool:
+        return self.expert_store is not None
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def dense(self, name: str) -> np.ndarray:
+        """A non-expert tensor by Hugging Face name, shape-checked, in `x @ W` layout (Linear weights transposed)."""
+        array = self.tensors.get(name, expected_dense_shape(self.config, name))
+        if array.ndim == 2 and "embed_tokens" not in name:
+            array = array.T
+        return array
+
+    def layer_experts(self, layer: int, dtype: np.dtype) -> LayerExperts:
+        """One MoE layer's experts in kernel layout and `dtype` (a view when converted and of that dtype)."""
+        if self.expert_store is not None:
+            stored = self.expert_store[layer]
+            if stored.quant is not None:
+                raise CheckpointError(
+                    f"{self.path}: its experts are stored {stored.quant}-quantized: they run on the host backend only"
+                )
+            if stored.w13.dtype == dtype:
+                return stored
+            return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
+        if isinstance(self.tensors, GGUFFile):
+            return self.tensors.layer_experts(layer, dtype)
+        return stack_hf_experts(self.tensors, self.config, layer, dtype)
+
+    def quantized_layer(self, layer: int, quant: str, dtype: np.dtype) -> tuple[QuantizedLayerExperts, bool]:
+        """One MoE layer's experts in `quant`'s format, and whether they arrived as they were stored: a GGUF file's
+        Q4_0 experts are int4 already (repacked value for value); others are read as float in `dtype` and
+        quantized. A weight that cannot be quantized is a CheckpointError naming layer, expert and position."""
+        if isinstance(self.tensors, GGUFFile) and quant == "int4":
+            repacked = self.tensors.q4_0_layer(layer)
+            if repacked is not None:
+                return repacked, True
+        try:
+            return quantize_layer(self.layer_experts(layer, dtype), quant, f"{self.path}: layer {layer}"), False
+        except StoreError as e:
+            raise CheckpointError(str(e)) from None
+
+
+def open_checkpoint(path, verify: bool = False) -> Checkpoint:
+    """Opens a checkpoint directory, checking its config, every weight file's header and its layer count;
+    `verify=True` also checks a converted store's SHA-256 checksums (minutes for a large model)."""
+    path = Path(path)
+    if is_gguf_file(path):
+        gguf_file = GGUFFile(path)
+        return Checkpoint(path, gguf_file.config, gguf_file, None)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a checkpoint directory or a .gguf file)")
+    config_file = path / "config.json"
+    hf_config = read_json_file(config_file, "a model directory")
+    tensors = TensorSource.open(path)
+    block = fp8.block_size(hf_config, config_file)
+    if block is not None:
+        tensors = fp8.BlockScaledTensors(tensors, block)
+    else:  # raw fp8 values without their scales would be a silently wrong model
+        unscaled = next((n for n in tensors.names() if tensors.dtype_code(n) == "F8_E4M3"), None)
+        if unscaled is not None:
+            raise CheckpointError(
+                f"{config_file}: the weights hold fp8 tensors ({unscaled!r}) but there is no quantization_config "
+                "saying how they are scaled"
+            )
+    _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
+    config = read_hf_config(hf_config, source=str(config_file))
+    store = None
+    if (path / EXPERT_STORE_DIR).exists():
+        try:
+            store = ExpertStore.open(path / EXPERT_STORE_DIR, verify=verify)
+        except StoreError as e:
+            raise CheckpointError(str(e)) from e
+        _check_store_fits(store, config, path)
+    return Checkpoint(path, config, tensors, store)
+
+
+def read_config(path) -> ModelConfig:
+    """The model config of a checkpoint directory (its config.json) or a .gguf file (its metadata), alone."""
+    if is_gguf_file(path):
+        return GGUFFile(path).config
+    config_file = Path(path) / "config.json"
+    return read_hf_config(read_json_file(config_file, "a model directory"), source=str(config_file))
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(hf_config, tensors: TensorSource, config_file: Path):
+    """The config's layer count must be the checkpoint's: extra layers would be silently ignored, missing ones
+    found only after everything before them was loaded. DeepSeek-style multi-token-prediction layers, stored
+    after the last decoder layer, are allowed. (A count that is not an integer is left to ModelConfig.from_hf.)"""
+    layers = hf_config.get("num_hidden_layers") if isinstance(hf_config, dict) else None
+    if not is_int(layers):
+        return
+    extra = hf_config.get("num_nextn_predict_layers")
+    allowed_extra = range(layers, layers + extra) if isinstance(extra, int) else range(0)
+    present = {int(m.group(1)) for name in tensors.names() if (m := _LAYER_TENSOR.match(name))}
+    missing = sum(i < layers for i in present) < layers  # counted, not as a set: `layers` may be absurd
+    if missing or any(i >= layers and i not in allowed_extra for i in present):
+        found = f"layers 0..{max(present)}" if present and present == set(range(len(present))) else None
+        found = found or (f"{len(present)} layer indices" if present else "no layers")
+        raise CheckpointError(f"{config_file}: num_hidden_layers is {layers}, but the weights hold {found}")
+
+
+def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
+    want = (config.num_experts, config.hidden_size, config.expert_intermediate_size)
+    for layer in config.moe_layers:
+        w = store[layer]
+        got = (w.num_experts, w.hidden, w.ffn)
+        if got != want:
+            raise CheckpointError(
+                f"{path / EXPERT_STORE_DIR}: layer {layer} holds {got[0]} experts of hidden {got[1]}, ffn {got[2]}; "
+                f"the config says {want[0]} of {want[1]}, {want[2]}"
+            )
+
+
+def moe_prefix(config: ModelConfig, layer: int) -> str:
+    return f"model.layers.{layer}.{config.moe_module}"
+
+
+def hf_expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) weight names of one expert in the per-expert Hugging Face layout."""
+    p = f"{moe_prefix(config, layer)}.experts.{expert}"
+    if config.model_type == "mixtral":
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def stack_hf_experts(tensors: TensorSource, config: ModelConfig, layer: int, dtype) -> LayerExperts:
+    e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    fused = f"{moe_prefix(config, layer)}.experts.gate_up_proj"
+    if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
+        gate_up = tensors.get(fused, (e, 2 * f, d))
+        down = tensors.get(f"{moe_prefix(config, layer)}.experts.down_proj", (e, d, f))
+        return LayerExperts(
+            np.ascontiguousarray(gate_up.transpose(0, 2, 1), dtype=dtype),
+            np.ascontiguousarray(down.transpose(0, 2, 1), dtype=dtype),
+        )
+    w13 = np.empty((e, d, 2 * f), dtype=dtype)
+    w2 = np.empty((e, f, d), dtype=dtype)
+    for expert in range(e):
+        gate, up, down = hf_expert_names(config, layer, expert)
+        w13[expert, :, :f] = tensors.get(gate, (f, d)).T
+        w13[expert, :, f:] = tensors.get(up, (f, d)).T
+        w2[expert] = tensors.get(down, (d, f)).T
+    return LayerExperts(w13, w2)
+
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
+
+
+def is_expert_tensor(name: str) -> bool:
+    return bool(_EXPERT_TENSOR.search(name))
+
+
+def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The Hugging Face shape of a non-expert tensor, for shape checks with a clear message."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    table = {
+        "embed_tokens.weight": (config.vocab_size, d),
+        "lm_head.weight": (config.vocab_size, d),
+        "norm.weight": (d,),
+        "layernorm.weight": (d,),
+        "q_proj.weight": (q, d),
+        "k_proj.weight": (kv, d),
+        "v_proj.weight": (kv, d),
+        "o_proj.weight": (d, q),
+        "q_proj.bias": (q,),
+        "k_proj.bias": (kv,),
+        "v_proj.bias": (kv,),
+        "o_proj.bias": (d,),
+        "q_norm.weight": (q,) if config.qk_norm == "full" else (hd,),
+        "k_norm.weight": (kv,) if config.qk_norm == "full" else (hd,),
+        "gate.weight": (config.num_experts, d),
+        "gate.e_score_correction_bias": (config.num_experts,),
+        "shared_expert_gate.weight": (1, d),
+    }
+    if config.mla is not None:
+        table.update(_mla_shapes(config))
+    if f".{config.shared_expert_module}." in name:
+        width = config.shared_expert_intermediate_size
+    else:
+        width = config.dense_intermediate_size
+    table.update({"gate_proj.weight": (width, d), "up_proj.weight": (width, d), "down_proj.weight": (d, width)})
+    for suffix, shape in sorted(table.items(), key=lambda item: -len(item[0])):  # most specific suffix first
+        if name.endswith(suffix):
+            return shape
+    return None
+
+
+def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    mla, d, h = config.mla, config.hidden_size, config.num_heads
+    latent = mla.kv_lora_rank + mla.rope_dim
+    return {
+        "q_proj.weight": (h * mla.qk_dim, d),
+        "q_a_proj.weight": (mla.q_lora_rank, d),
+        "q_a_proj.bias": (mla.q_lora_rank,),
+        "q_a_layernorm.weight": (mla.q_lora_rank,),
+        "q_b_proj.weight": (h * mla.qk_dim, mla.q_lora_rank),
+        "kv_a_proj_with_mqa.weight": (latent, d),
+        "kv_a_proj_with_mqa.bias": (latent,),
+        "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "kv_b_proj.weight": (h * (mla.nope_dim + mla.v_dim), mla.kv_lora_rank),
+        "o_proj.weight": (d, h * mla.v_dim),
+    }

@@ -1,0 +1,375 @@
+"""Reading a Hugging Face `config.json` into a ModelConfig, one reader per family, every value type- and
+range-checked: a ConfigError names the file, key and value (a model built from nonsense would compute nonsense
+silently). Defaults are transformers' own for each family, so a config that omits a key means what it means there.
+"""
+
+from __future__ import annotations
+
+from moe_jax.errors import ConfigError, is_finite_number, is_int
+from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, ModelConfig, Router
+from moe_jax.model.rope import KINDS, Rope, yarn_mscale
+
+# model types that are a supported architecture under another name: Kimi-K2's config says "kimi_k2" and
+# DeepseekV3ForCausalLM (its remote code is DeepSeek-V3's)
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def read_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    model_type = hf.get("model_type")
+    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    read = _Fields(hf, source, model_type)
+    num_layers = read.int("num_hidden_layers")
+    if num_layers > MAX_LAYERS:
+        raise ConfigError(f"{source}: num_hidden_layers = {num_layers} is beyond any real model (at most {MAX_LAYERS})")
+    num_heads = read.int("num_attention_heads")
+    hidden = read.int("hidden_size")
+    common = dict(
+        model_type=model_type,
+        vocab_size=read.int("vocab_size"),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=read.int("num_key_value_heads", num_heads),
+        rms_norm_eps=read.positive("rms_norm_eps", 1e-6),
+        tie_word_embeddings=read.bool("tie_word_embeddings", False),
+        max_position_embeddings=read.int("max_position_embeddings", 4096),
+        bos_token_id=read.token_ids("bos_token_id")[0] if read.token_ids("bos_token_id") else None,
+        eos_token_ids=read.token_ids("eos_token_id"),
+        hf_config=dict(hf),
+    )
+    family = _FAMILIES[model_type](read, num_layers)
+    return ModelConfig(**common, **family)
+
+
+def _head_dim(read: _Fields) -> int:
+    hidden, heads = read.int("hidden_size"), read.int("num_attention_heads")
+    if read.hf.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"{read.source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+    return read.int("head_dim", hidden // heads)
+
+
+def _num_experts(read: _Fields) -> int:
+    # transformers 5 writes `num_local_experts` for Mixtral, older Qwen configs `num_experts`, DeepSeek and GLM
+    # `n_routed_experts`
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if read.hf.get(key) is not None:
+            return read.int(key)
+    return read.int("num_experts")  # raises, naming the usual key
+
+
+def _mixtral(read: _Fields, num_layers: int) -> dict:
+    head_dim = _head_dim(read)
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok")),
+        expert_intermediate_size=read.int("intermediate_size"),
+        rope=_rope(read, head_dim),
+        sliding_windows=(read.window(),) * num_layers,
+    )
+
+
+def _qwen(read: _Fields, num_layers: int) -> dict:
+    head_dim = _head_dim(read)
+    dense_ffn = read.int("intermediate_size", 0, minimum=0)
+    step = read.int("decoder_sparse_step", 1)
+    mlp_only = set(read.layer_list("mlp_only_layers", num_layers))
+    dense_layers = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
+    qwen2 = read.model_type == "qwen2_moe"
+    shared_ffn = read.int("shared_expert_intermediate_size", 0, minimum=0) if qwen2 else 0
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok"), norm_topk_prob=read.bool("norm_topk_prob", False)),
+        expert_intermediate_size=read.int("moe_intermediate_size"),
+        rope=_rope(read, head_dim),
+        dense_intermediate_size=_dense_width(read, dense_layers, dense_ffn),
+        dense_layers=dense_layers,
+        shared_expert_intermediate_size=shared_ffn,
+        shared_expert_gated=shared_ffn > 0,
+        qk_norm="" if qwen2 else "head",
+        # Older Qwen2-MoE configs have no `qkv_bias` key but always carry q/k/v biases.
+        qkv_bias=read.bool("qkv_bias", qwen2) or read.bool("attention_bias", False),
+        o_bias=read.bool("attention_bias", False),
+        sliding_windows=_qwen_windows(read, num_layers),
+    )
+
+
+def _olmoe(read: _Fields, num_layers: int) -> dict:
+    head_dim = _head_dim(read)
+    clip = read.hf.get("clip_qkv")
+    bias = read.bool("attention_bias", False)
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok"), norm_topk_prob=read.bool("norm_topk_prob", False)),
+        expert_intermediate_size=read.int("intermediate_size"),
+        rope=_rope(read, head_dim),
+        qk_norm="full",
+        clip_qkv=None if clip is None else read.positive("clip_qkv"),
+        qkv_bias=bias,
+        o_bias=bias,
+    )
+
+
+def _glm4_moe(read: _Fields, num_layers: int) -> dict:
+    head_dim = _head_dim(read)
+    moe_ffn = read.int("moe_intermediate_size")
+    dense_layers = _first_dense(read, num_layers)
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=_grouped_sigmoid_router(read),
+        expert_intermediate_size=moe_ffn,
+        rope=_rope(read, head_dim, partial_default=0.5),
+        dense_intermediate_size=_dense_width(read, dense_layers, read.int("intermediate_size", 0, minimum=0)),
+        dense_layers=dense_layers,
+        shared_expert_intermediate_size=moe_ffn * read.int("n_shared_experts", 1, minimum=0),
+        qk_norm="head" if read.bool("use_qk_norm", False) else "",
+        qkv_bias=read.bool("attention_bias", False),
+    )
+
+
+def _deepseek(read: _Fields, num_layers: int) -> dict:
+    v3 = read.model_type == "deepseek_v3"
+    q_lora_rank = read.int("q_lora_rank", 0 if not v3 else 1536, minimum=0)
+    mla = MLA(
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=read.int("kv_lora_rank", 512),
+        nope_dim=read.int("qk_nope_head_dim", 128),
+        rope_dim=read.int("qk_rope_head_dim", 64),
+        v_dim=read.int("v_head_dim", 128),
+    )
+    if mla.rope_dim % 2:
+        raise read.bad("qk_rope_head_dim", mla.rope_dim, "even (rotary dimensions come in pairs)")
+    # DeepSeek-V2 rotates interleaved pairs always (complex multiplication); V3 unless rope_interleave is false
+    rope = _rope(read, mla.rope_dim, interleave=read.bool("rope_interleave", True) if v3 else True)
+    scale = mla.qk_dim**-0.5
+    params = _rope_params(read)
+    if rope.kind != "default" and params.get("mscale_all_dim"):  # DeepSeek's YaRN also sharpens the softmax
+        scale *= yarn_mscale(rope.factor, float(params["mscale_all_dim"])) ** 2
+    moe_ffn = read.int("moe_intermediate_size", 1407)
+    if v3:
+        router = _grouped_sigmoid_router(read)
+    else:
+        method = read.choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
+        groups, topk_groups = _groups(read, required=True) if method == "group_limited_greedy" else (1, 1)
+        router = Router(
+            top_k=read.int("num_experts_per_tok"),
+            # transformers' DeepSeek-V2 router never renormalises (V2 configs say norm_topk_prob: false)
+            norm_topk_prob=False,
+            groups=groups,
+            topk_groups=topk_groups,
+            scale=read.positive("routed_scaling_factor", 1.0),
+            float32_logits=True,
+        )
+    dense_layers = _first_dense(read, num_layers)
+    return dict(
+        head_dim=mla.qk_dim,
+        num_experts=_num_experts(read),
+        router=router,
+        expert_intermediate_size=moe_ffn,
+        rope=rope,
+        mla=mla,
+        dense_intermediate_size=_dense_width(read, dense_layers, read.int("intermediate_size", 0, minimum=0)),
+        dense_layers=dense_layers,
+        shared_expert_intermediate_size=moe_ffn * read.int("n_shared_experts", 2 if not v3 else 1, minimum=0),
+        qkv_bias=read.bool("attention_bias", False),  # on q_a_proj / kv_a_proj_with_mqa (MLA's input side)
+        o_bias=read.bool("attention_bias", False),
+        softmax_scale=scale,
+    )
+
+
+_FAMILIES = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen,
+    "qwen3_moe": _qwen,
+    "olmoe": _olmoe,
+    "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+}
+
+
+def _groups(read: _Fields, required: bool = False) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router, checked against the expert count."""
+    default = _MISSING if required else 1
+    num_experts, groups = _num_experts(read), read.int("n_group", default)
+    if num_experts % groups:
+        raise read.bad("n_group", groups, f"a divisor of the {num_experts} routed experts")
+    topk_groups = read.int("topk_group", default)
+    if topk_groups > groups:
+        raise read.bad("topk_group", topk_groups, f"at most n_group = {groups}")
+    return groups, topk_groups
+
+
+def _grouped_sigmoid_router(read: _Fields) -> Router:
+    """DeepSeek-V3 / GLM-4.5: sigmoid scores, correction bias for the choice, groups scored by their best two."""
+    groups, topk_groups = _groups(read)
+    return Router(
+        top_k=read.int("num_experts_per_tok"),
+        scores="sigmoid",
+        norm_topk_prob=read.bool("norm_topk_prob", True),
+        bias=True,
+        groups=groups,
+        topk_groups=topk_groups,
+        group_score="top2",
+        scale=read.positive("routed_scaling_factor", 1.0),
+        float32_logits=True,
+    )
+
+
+def _first_dense(read: _Fields, num_layers: int) -> tuple[int, ...]:
+    """DeepSeek / GLM: the first `first_k_dense_replace` layers are dense, and of the rest every
+    `moe_layer_freq`-th (DeepSeek's own code; transformers' ignores the key, which every released config sets 1)."""
+    first = read.int("first_k_dense_replace", 0, minimum=0)
+    freq = read.int("moe_layer_freq", 1)
+    return tuple(i for i in range(num_layers) if i < first or i % freq != 0)
+
+
+def _dense_width(read: _Fields, dense_layers, width: int) -> int:
+    if dense_layers and width == 0:
+        raise ConfigError(f"{read.source}: layers {list(dense_layers)} are dense but intermediate_size is 0")
+    return width
+
+
+def _rope_params(read: _Fields) -> dict:
+    """transformers 5 writes `rope_parameters`; older configs `rope_scaling` (with `type`) beside `rope_theta`."""
+    return read.object("rope_parameters") or read.object("rope_scaling")
+
+
+def _rope(read: _Fields, head_dim: int, interleave: bool = False, partial_default: float = 1.0) -> Rope:
+    params = _rope_params(read)
+    where = f"{read.source} {'rope_parameters' if read.hf.get('rope_parameters') else 'rope_scaling'}"
+    p = _Fields(params, where, read.model_type)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in KINDS:
+        raise ConfigError(f"{where}: rope_type {kind!r} is not supported; supported: {', '.join(KINDS)}")
+    theta = p.positive("rope_theta", read.positive("rope_theta", 10000.0))
+    partial = p.positive("partial_rotary_factor", read.positive("partial_rotary_factor", partial_default))
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2 or partial > 1:
+        raise p.bad("partial_rotary_factor", partial, f"a fraction of head_dim {head_dim} giving an even width")
+    max_positions = read.int("max_position_embeddings", 4096)
+    fields = dict(dim=dim, theta=theta, kind=kind, max_positions=max_positions, interleave=interleave)
+    if kind == "default":
+        return Rope(**fields)
+    original = p.int("original_max_position_embeddings", max_positions)
+    if kind == "yarn":
+        factor = p.positive("factor", max_positions / original)
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all:
+            default_attention = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+        else:
+            default_attention = yarn_mscale(factor)
+        return Rope(
+            **fields,
+            factor=factor,
+            original_max_positions=original,
+            attention_factor=p.positive("attention_factor", default_attention),
+            beta_fast=p.positive("beta_fast", 32.0),
+            beta_slow=p.positive("beta_slow", 1.0),
+            truncate=p.bool("truncate", True),
+        )
+    factor = p.positive("factor")
+    if kind == "llama3":
+        return Rope(
+            **fields,
+            factor=factor,
+            original_max_positions=original,
+            low_freq_factor=p.positive("low_freq_factor"),
+            high_freq_factor=p.positive("high_freq_factor"),
+        )
+    return Rope(**fields, factor=factor)  # linear, dynamic
+
+
+_MISSING = object()
+
+
+class _Fields:
+    """Typed, range-checked reads of a config dictionary; every failure is a ConfigError naming key and value.
+    A key that is absent or null takes the default (as transformers does); without a default it is required."""
+
+    def __init__(self, hf: dict, source: str, model_type):
+        self.hf, self.source, self.model_type = hf, source, model_type
+
+    def _get(self, key, default):
+        value = self.hf.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.source}: missing key {key!r} for model_type {self.model_type!r}")
+            return default
+        return value
+
+    def bad(self, key, value, want: str):
+        return ConfigError(f"{self.source}: {key} = {value!r} must be {want}")
+
+    def int(self, key, default=_MISSING, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        # JSON writers may spell a whole number as 2.0; anything else fractional is a mistake, not a truncation.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not is_int(value) or value < minimum:
+            raise self.bad(key, value, f"an integer >= {minimum}")
+        return value
+
+    def positive(self, key, default=_MISSING) -> float:
+        value = self._get(key, default)
+        if not is_finite_number(value) or value <= 0:
+            raise self.bad(key, value, "a finite number > 0")
+        return float(value)
+
+    def choice(self, key, options: tuple[str, ...], default) -> str:
+        value = self._get(key, default)
+        if value not in options:
+            raise self.bad(key, value, f"one of {', '.join(options)}")
+        return value
+
+    def bool(self, key, default=_MISSING) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.bad(key, value, "true or false")
+        return value
+
+    def object(self, key) -> dict:
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self.bad(key, value, "an object")
+        return value
+
+    def window(self) -> int | None:
+        """The sliding window: absent, null, 0 or false mean full attention."""
+        value = self.hf.get("sliding_window")
+        return None if value in (None, 0, False) else self.int("sliding_window")
+
+    def layer_list(self, key, num_layers: int) -> list[int]:
+        value = self._get(key, [])
+        if not isinstance(value, list) or not all(is_int(i) and 0 <= i < num_layers for i in value):
+            raise self.bad(key, value, f"a list of layer indices in [0, {num_layers})")
+        return value
+
+    def token_ids(self, key) -> tuple[int, ...]:
+        value = self._get(key, [])
+        ids = value if isinstance(value, list) else [value]
+        if not all(is_int(i) and i >= 0 for i in ids):
+            raise self.bad(key, value, "a token id or a list of token ids")
+        return tuple(ids)
+
+
+def _qwen_windows(read: _Fields, num_layers: int) -> tuple[int | None, ...]:
+    window = read.window()
+    if not read.bool("use_sliding_window", False) or window is None:
+        return (None,) * num_layers
+    layer_types = read.hf.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise read.bad("layer_types", layer_types, f"a list of {num_layers} layer types")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    max_window_layers = read.int("max_window_layers", num_layers, minimum=0)
+    return tuple(window if i >= max_window_layers else None for i in range(num_layers))

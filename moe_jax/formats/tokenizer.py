@@ -1,0 +1,80 @@
+"""The checkpoint's tokenizer (`tokenizer.json` via the `tokenizers` library) and its chat template, if any."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from moe_jax.errors import CheckpointError, read_json_file
+from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
+from moe_jax.formats.gguf_tokenizer import tokenizer_files
+
+
+class Tokenizer:
+    def __init__(self, path: Path, gguf_files: dict[str, str] | None = None):
+        """The tokenizer of a checkpoint directory (tokenizer.json, tokenizer_config.json) or a .gguf file (from its
+        metadata; `gguf_files`: gguf_tokenizer.tokenizer_files of it, when already made)."""
+        self.path = Path(path)
+        if is_gguf_file(self.path):
+            files = gguf_files or tokenizer_files(GGUFFile(self.path))
+            if files is None:
+                raise CheckpointError(f"{self.path}: the GGUF file holds no tokenizer")
+            self._tok = HFTokenizer.from_str(files["tokenizer.json"])
+            settings = json.loads(files["tokenizer_config.json"])
+        else:
+            try:
+                self._tok = HFTokenizer.from_file(str(self.path / "tokenizer.json"))
+            except Exception as e:  # the tokenizers library raises bare Exceptions on parse errors
+                raise CheckpointError(f"{self.path / 'tokenizer.json'}: unreadable tokenizer ({e})") from e
+            settings = {}
+            config_file = self.path / "tokenizer_config.json"
+            if config_file.exists():
+                settings = read_json_file(config_file, "a tokenizer directory")
+        self.chat_template = settings.get("chat_template")
+        self.bos_token = _token_text(settings.get("bos_token"))
+        self.eos_token = _token_text(settings.get("eos_token"))
+        self.add_bos = bool(settings.get("add_bos_token", False))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.token_to_id(self.bos_token) if self.bos_token else None
+        if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]  # tokenizer.json without a post-processor: tokenizer_config asks for BOS
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def special_token_ids(self) -> list[int]:
+        return [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
+
+    def template_special_tokens(self) -> list[str]:
+        """Special tokens that the chat template writes (message, tool and thinking delimiters): the natural
+        anchor points of a conversation. BOS is left out: every prompt starts with it."""
+        if not self.chat_template:
+            return []
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        return [t for t in added if t in self.chat_template and t != self.bos_token]
+
+
+def _token_text(value):
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory or .gguf file; None when it has none."""
+    if is_gguf_file(path):
+        files = tokenizer_files(GGUFFile(path))
+        return Tokenizer(path, files) if files is not None else None
+    return Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None

@@ -1,0 +1,1 @@
+"""Generation: prefill and decode steps, the continuous batch, the generation engine, sampling, the anchor cache."""

@@ -1,0 +1,283 @@
+"""The generation engine: jit-compiled prefill and decode over a KV cache of `slots` rows, continuous batching.
+
+`GenerationEngine.run` generates for a list of requests: each sequence holds a slot of the batch
+(moe_jax/generation/batch.py) until it ends, and its slot takes the next waiting prompt at once, so the batch never
+waits for
+its slowest member. New prompts are prefilled into their slots (a bucketed number of rows and tokens, so shapes
+repeat and compile once), then every step decodes one token for all slots together. With an anchor cache, a
+prompt first copies the KV of its longest cached anchor prefix into its slot and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe_jax.errors import InputError
+from moe_jax.generation.anchor_cache import AnchorCache
+from moe_jax.generation.batch import Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.native.argmax import argmax_tokens
+
+__all__ = ["Completion", "EngineStats", "GenerationEngine", "Request"]
+
+TOKEN_BUCKET = 32
+PREFILL_CHUNK = 256
+CACHE_REFRESH_STEPS = 16  # decode steps between expert cache updates (backend="auto")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    def add(self, other: EngineStats):
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class GenerationEngine:
+    def __init__(self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None):
+        self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
+        self.anchor_cache = anchor_cache
+        self.stats = EngineStats()
+
+    def slots_that_fit(self) -> int:
+        """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
+        fit = self.model.kv_slots(self.max_len)
+        if fit is None:
+            return self.slots
+        if fit < 1:
+            raise InputError(
+                f"the KV cache budget ({self.model.kv_budget_bytes} bytes) holds no {self.max_len}-token sequence "
+                f"({self.model.kv_bytes_per_sequence(self.max_len)} bytes); give the KV cache a larger share"
+            )
+        return min(self.slots, fit)
+
+    def check_fits(self, request: Request, where: str = ""):
+        if not request.tokens or len(request.tokens) + request.max_new_tokens > self.max_len:
+            raise InputError(
+                f"{where}{len(request.tokens)} prompt tokens + {request.max_new_tokens} new tokens do not fit this "
+                f"engine's {self.max_len}-token cache (or the prompt is empty)"
+            )
+
+    def run(
+        self,
+        requests: list[Request],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_ids=(),
+        should_stop: Callable[[int, list[int]], bool] | None = None,
+        on_finish: Callable[[int, Completion], None] | None = None,
+    ) -> list[Completion]:
+        """Generates for every request (request i's index is i for `should_stop` and `on_finish`) and returns
+        their completions in order."""
+        for i, r in enumerate(requests):
+            self.check_fits(r, f"request {i}: ")
+        results: list[Completion | None] = [None] * len(requests)
+        sampling, eos = Sampling(temperature, top_p, top_k), frozenset(eos_ids)
+
+        def job(i: int, request: Request) -> Job:
+            def finished(done: Completion):
+                results[i] = done
+                if on_finish is not None:
+                    on_finish(i, done)
+
+            out: list[int] = []
+
+            def on_token(token: int) -> bool:
+                out.append(token)
+                return should_stop(i, out)
+
+            return Job(request, sampling, on_token if should_stop is not None else None, finished, eos)
+
+        waiting = deque(job(i, r) for i, r in enumerate(requests))
+        slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
+        with self.batch(slots) as batch, gc_paused(), self.model.host_errors():
+            while waiting or batch.active:
+                free = len(batch.free_slots)
+                if free and waiting:
+                    batch.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
+                start = time.perf_counter()
+                batch.step()
+                self.stats.decode_s += time.perf_counter() - start
+        return results
+
+    @contextlib.contextmanager
+    def batch(self, slots: int, shrink: bool = False):
+        """A Batch of `slots` KV-cache rows over this engine's compiled steps (`shrink`: see Batch), for the
+        time of the block (its KV cache counts as the model's live KV bytes meanwhile)."""
+        model = self.model
+        model.refresh_expert_cache()
+        # the model's jitted steps for its current structure (a memory split that resizes its expert cache
+        # changes the structure; the model keeps the steps of each structure it has had)
+        self._prefill, self._decode, self._write_prefix = model.generation_steps()
+        caches = model.new_caches(slots, self.max_len)
+        model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
+        try:
+            yield Batch(self, slots, caches, shrink)
+        finally:
+            model.kv_live_bytes = 0
+
+    def decode(self, caches, host_tokens, from_host, last_tokens, positions):
+        """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for): (logits,
+        argmax tokens of every slot, caches)."""
+        if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
+            self.model.refresh_expert_cache()  # values only: the compiled step is reused
+        self.stats.decode_steps += 1
+        rows = len(host_tokens) if len(host_tokens) < len(last_tokens) else None  # None: every slot
+        return self._decode(
+            self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, rows=rows
+        )
+
+    def prefill(self, caches, admitted: list[tuple[int, Job]]):
+        """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
+        anchor cache per job, next-token logits per job)."""
+        start = time.perf_counter()
+        suffixes, reused = [], []
+        for slot, job in admitted:
+            tokens = job.request.tokens
+            n, prefix = self.anchor_cache.lookup(tokens) if self.anchor_cache else (0, [])
+            if n:
+                padded = round_up(n, TOKEN_BUCKET)
+                prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
+                caches = self.model.run_jitted(self._write_prefix, caches, np.int32(slot), prefix)
+            suffixes.append(tokens[n:])
+            reused.append(n)
+        first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
+        longest = max(len(s) for s in suffixes)
+        # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
+        # serves every length; shorter prompts use one step of their rounded-up width
+        width = min(PREFILL_CHUNK, round_up(longest, TOKEN_BUCKET))
+        rows = row_bucket(len(admitted))
+        for chunk_start in range(0, longest, width):
+            slot_ids = np.zeros(rows, np.int32)
+            tokens = np.zeros((rows, width), np.int32)
+            positions = np.zeros((rows, width), np.int32)
+            last = np.zeros(rows, np.int32)
+            for row in range(rows):
+                i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
+                suffix = suffixes[i][chunk_start : chunk_start + width]
+                slot_ids[row] = admitted[i][0]
+                tokens[row, : len(suffix)] = suffix
+                positions[row] = reused[i] + chunk_start + np.arange(width)
+                last[row] = max(len(suffix) - 1, 0)
+            step_logits, caches = self.model.run_jitted(
+                self._prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last
+            )
+            step_logits = np.asarray(step_logits)
+            for i, suffix in enumerate(suffixes):
+                if chunk_start < len(suffix) <= chunk_start + width:  # this request's last prompt token
+                    first_logits[i] = step_logits[i]
+        if self.anchor_cache is not None:
+            for slot, job in admitted:
+                self._store_anchors(caches, slot, job.request.tokens)
+        self.stats.prefill_s += time.perf_counter() - start
+        self.stats.prefill_tokens += sum(len(s) for s in suffixes)
+        return caches, reused, first_logits
+
+    def _store_anchors(self, caches, slot, tokens):
+        rows = None
+
+        def kv_of_range(start, end):
+            nonlocal rows
+            if rows is None:  # one device-to-host copy of the slot's rows, only when a segment is new
+                rows = [(np.asarray(k[slot]), np.asarray(v[slot])) for k, v in caches]
+            # the anchor cache holds token-major segments [n, kv, hd]; the engine's cache is [kv, s, hd] a row
+            return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
+
+        self.anchor_cache.store(tokens, kv_of_range)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off while generating, back on (and due) after. A full collection walks every
+    object of the process: ~240 ms with transformers and torch loaded beside a model, a stall between two decode
+    steps; a generation makes no cycles of its own (its per-step objects go with their references), so this only
+    defers others' garbage. Batch-16 bench generation in such a process: 3% more tokens/s."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _pad(array: np.ndarray, length: int) -> np.ndarray:
+    out = np.zeros((length, *array.shape[1:]), array.dtype)
+    out[: len(array)] = array
+    return out
+
+
+def put_rows(cache, slot_ids, rows):
+    """cache with rows[i] in slot slot_ids[i] (a repeated slot gets identical rows: the bucket padding). A gather
+    and a select rather than a scatter, which XLA:CPU widens to float32 for a bfloat16 cache."""
+    match = jnp.arange(cache.shape[0])[:, None] == slot_ids[None, :]
+    return jnp.where(match.any(axis=1)[:, None, None, None], rows[jnp.argmax(match, axis=1)], cache)
+
+
+def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
+    """(prefill, decode, write_prefix): the jitted steps of a model with this structure. They take the model's
+    state as its list of leaves (`Model.state_leaves`): jit flattens a list in microseconds, an nnx State (its
+    keys sorted, its variables unwrapped) in ~150 us of every decode step's dispatch. `native_argmax`: the plan's
+    choice for greedy tokens (`ExecutionPlan.argmax`)."""
+
+    def merged(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
+
+    def prefill(leaves, caches, slot_ids, tokens, positions, last):
+        rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
+        logits, rows = merged(leaves)(tokens, positions, rows, last)
+        caches = [
+            (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))
+            for (k, v), (rk, rv) in zip(caches, rows, strict=True)
+        ]
+        return logits[:, 0], caches
+
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, rows=None):
+        """One token for each of the first `rows` slots (static: a compiled step per count; None: all): the host's token
+        where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
+        each other without the host. Returns (logits [rows, vocab], argmax tokens of all slots, caches). Fewer
+        rows than slots read and write those rows' caches only (the copy of their rows costs less than
+        computing the idle ones: a server's batch is rarely full)."""
+        every = rows is None or rows == caches[0][0].shape[0]
+        tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
+        part = caches if every else [(k[:rows], v[:rows]) for k, v in caches]
+        logits, part = merged(leaves)(tokens, positions, part)
+        if not every:
+            part = [(k.at[:rows].set(pk), v.at[:rows].set(pv)) for (k, v), (pk, pv) in zip(caches, part, strict=True)]
+        logits = logits[:, 0]
+        return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
+
+    def write_prefix(caches, slot, prefix):
+        """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
+
+        def write(cache, prefix_skd):
+            return jax.lax.dynamic_update_slice(
+                cache, prefix_skd.swapaxes(0, 1)[None].astype(cache.dtype), (slot, 0, 0, 0)
+            )
+
+        return [(write(k, pk), write(v, pv)) for (k, v), (pk, pv) in zip(caches, prefix, strict=True)]
+
+    return (
+        jax.jit(prefill, donate_argnums=1),
+        jax.jit(decode, donate_argnums=1, static_argnames="rows"),
+        jax.jit(write_prefix, donate_argnums=0),
+    )

@@ -1,0 +1,151 @@
+"""Model configuration: one plain dataclass for every supported MoE architecture.
+
+Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
+grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GLM-4.5 and DeepSeek-V2/V3. Reading a Hugging Face `config.json` into it is `moe_jax.formats.hf_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from moe_jax.errors import ConfigError
+from moe_jax.model.rope import Rope
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a token picks its experts (transformers' TopKRouter of each family).
+
+    scores: softmax or sigmoid of the router logits; `bias` (DeepSeek-V3's e_score_correction_bias) shifts the
+    scores used to choose, not the weights. With groups > 1 the experts are split in `groups` equal groups, each
+    scored by its best expert (`group_score` "max") or best two ("top2"), and only the `topk_groups` best groups
+    are eligible. The chosen scores are optionally renormalised, then multiplied by `scale`.
+    """
+
+    top_k: int
+    scores: str = "softmax"
+    norm_topk_prob: bool = True
+    bias: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    scale: float = 1.0
+    float32_logits: bool = False  # DeepSeek / GLM: logits from float32 inputs (others: the model's dtype)
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention: queries through an optional low-rank `q_lora_rank` (0: one
+    projection), keys and values from a shared `kv_lora_rank` latent plus one rotary key of `rope_dim` per token."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope_dim: int  # query/key dimensions without rotary
+    rope_dim: int
+    v_dim: int
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    router: Router
+    expert_intermediate_size: int
+    rope: Rope
+    mla: MLA | None = None  # set: multi-head latent attention instead of grouped-query attention
+    # Width of the dense MLP used by layers that have no experts (Qwen `mlp_only_layers`, DeepSeek's first layers).
+    dense_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(x @ w_gate) scales the shared expert
+    # "" none, "head" one RMSNorm per head (Qwen3, GLM), "full" over all heads' projection at once (OLMoE)
+    qk_norm: str = ""
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    softmax_scale: float = 0.0  # 0: 1 / sqrt(query head dim)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    # Per-layer sliding window (None: full causal attention).
+    sliding_windows: tuple[int | None, ...] = ()
+    # Indices of layers whose MLP is dense instead of a mixture of experts.
+    dense_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
+            )
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ConfigError(f"{len(self.sliding_windows)} sliding windows given for {self.num_layers} layers")
+        if not self.softmax_scale:
+            query_dim = self.mla.qk_dim if self.mla else self.head_dim
+            object.__setattr__(self, "softmax_scale", query_dim**-0.5)
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.router.top_k
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return self.router.norm_topk_prob
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, dim) of the two arrays each layer caches per token: keys and values, or with MLA the compressed
+        latent and the rotary key (one "head" each: what the DeepSeek papers cache, not the expanded heads)."""
+        if self.mla is not None:
+            return (1, self.mla.kv_lora_rank), (1, self.mla.rope_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    @property
+    def moe_module(self) -> str:
+        """The Hugging Face name of a layer's MoE block under `model.layers.N`."""
+        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+
+    @property
+    def shared_expert_module(self) -> str:
+        """The Hugging Face name of the shared expert(s) under the MoE block."""
+        return "shared_experts" if self.model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe") else "shared_expert"
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,370 @@
+"""Dense building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Parameters are stored in `x @ W` layout ([in, out]); the checkpoint importer transposes Hugging Face's [out, in].
+Base weights are `Frozen` variables and LoRA weights `LoRAParam`, so `nnx.split(model, LoRAParam, ...)` separates
+what trains from what never changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.rope import Rope
+from moe_jax.native.decode_attention import decode_attention_call
+from moe_jax.native.dense import MAX_ROWS as DENSE_MAX_ROWS
+from moe_jax.native.dense import dense_call, pack_dense
+
+
+class Frozen(nnx.Variable):
+    """A base-model weight: read by the forward pass, never trained."""
+
+
+class LoRAParam(nnx.Param):
+    """A trainable low-rank adapter weight."""
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight, eps: float):
+        self.weight = Frozen(weight)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+# The random key for LoRA dropout while a training step is traced (None: no dropout, as at evaluation).
+# A context variable rather than an argument threaded through every module: only adapters read it.
+_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
+
+
+@contextlib.contextmanager
+def lora_dropout_key(key):
+    token = _DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEY.reset(token)
+
+
+def frozen_matmul(x, w, w_t=None, out_dtype=None):
+    """x @ w for a base weight, in `out_dtype` (default x's).
+
+    In bfloat16 the product accumulates in float32, the form XLA:CPU hands to its fast bfloat16 GEMM (1.1-1.5
+    TFLOP/s on an AMX CPU, against ~0.2 for bf16 x bf16 -> bf16 and for a transposed right operand, which it
+    widens to float32 first). The backward's input gradient g @ w.T has that transposed operand: given `w_t`
+    (w transposed, as its own array) it runs as g @ w_t instead. float32 products are the plain x @ w.
+    """
+    out_dtype = out_dtype or x.dtype
+    if x.dtype != jnp.bfloat16:
+        return (x @ w).astype(out_dtype)
+    if w_t is None:
+        if math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu":
+            # one row (batch-1 decode): XLA:CPU widens the whole weight to float32 on every call (5 GB/s of
+            # weights); with a second, zero row it takes its GEMM path (17 GB/s)
+            two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+            return _dot_f32(two, w)[:1].reshape(*x.shape[:-1], w.shape[-1]).astype(out_dtype)
+        return _dot_f32(x, w).astype(out_dtype)
+    return _frozen_matmul_t(x, w, w_t, out_dtype)
+
+
+def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = ""):
+    """`frozen_matmul`, or for a decode step's rows (x bfloat16 [b <= 64, 1, k]) of a weight packed for them
+    (`native.dense.pack_dense`) the native product (host_kernels/csrc/xla_dense.c, on `dense_kernel`: AMX or
+    AVX512-BF16) on XLA:CPU. XLA reads such small products' weights at 5-10 GB/s, evicted from cache by the experts
+    between two steps; the native call at ~20 (bench model, 16 rows, cold weights, AMX: head 197 vs 477 us, a
+    512 x 512 projection 28 vs 61 us). The float32 sums are XLA's up to summation order. Training never takes it:
+    its rows have more than one position."""
+    if packed is not None and x.dtype == jnp.bfloat16 and x.ndim == 3 and x.shape[1] == 1:
+        if x.shape[0] <= DENSE_MAX_ROWS:
+            y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
+            return y[:, None].astype(out_dtype or x.dtype)
+    return frozen_matmul(x, w, w_t, out_dtype)
+
+
+def _dot_f32(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _frozen_matmul_t(x, w, w_t, out_dtype):
+    return _dot_f32(x, w).astype(out_dtype)
+
+
+def _frozen_matmul_t_fwd(x, w, w_t, out_dtype):
+    return _frozen_matmul_t(x, w, w_t, out_dtype), (w, w_t)
+
+
+def _frozen_matmul_t_bwd(out_dtype, residuals, g):
+    w, w_t = residuals  # frozen: their cotangents are zeros that nothing reads
+    return _dot_f32(g.astype(w_t.dtype), w_t).astype(w_t.dtype), jnp.zeros_like(w), jnp.zeros_like(w_t)
+
+
+_frozen_matmul_t.defvjp(_frozen_matmul_t_fwd, _frozen_matmul_t_bwd)
+
+
+class Projection(nnx.Module):
+    """y = x @ W (+ b) (+ scale * dropout(x) @ A @ B when a LoRA adapter is attached, as peft computes it)."""
+
+    def __init__(self, weight, bias=None):
+        self.weight = Frozen(weight)
+        self.weight_t = nnx.data(None)  # W transposed, while training in bfloat16 on a CPU (`frozen_matmul`)
+        self.packed = nnx.data(None)  # W packed for decode steps' native product (`base_matmul`), once generating
+        self.dense_kernel = ""  # the kernel that multiplies it (the plan's `dense_decode`)
+        self.bias = Frozen(bias) if bias is not None else None
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
+        self.lora_scale = 0.0
+        self.lora_dropout = 0.0
+        self.lora_index = 0  # distinct per adapter, so each draws its own dropout mask
+
+    def attach_lora(self, a_ir, b_ro, scale: float, dropout: float = 0.0, index: int = 0):
+        self.lora_a = LoRAParam(a_ir)
+        self.lora_b = LoRAParam(b_ro)
+        self.lora_scale = float(scale)
+        self.lora_dropout = float(dropout)
+        self.lora_index = int(index)
+
+    def keep_transposed(self):
+        self.weight_t = Frozen(jnp.array(self.weight[...].T))
+
+    def pack_for_decode(self, kernel: str):
+        self.packed = Frozen(pack_dense(self.weight[...], kernel))
+        self.dense_kernel = kernel
+
+    def merged_weight(self):
+        """W with the adapter folded in (W + scale * A @ B, float32 where an adapter is attached), for products
+        that use the weight itself rather than x @ W (MLA's absorbed decode). No dropout: inference only."""
+        w = self.weight[...]
+        if self.lora_a is None:
+            return w
+        return w.astype(jnp.float32) + self.lora_scale * (self.lora_a[...] @ self.lora_b[...])
+
+    def __call__(self, x):
+        w_t = None if self.weight_t is None else self.weight_t[...]
+        packed = None if self.packed is None else self.packed[...]
+        y = base_matmul(x, self.weight[...], w_t, packed, dense_kernel=self.dense_kernel)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora_a is not None:
+            x_in = x
+            key = _DROPOUT_KEY.get()
+            if key is not None and self.lora_dropout > 0:
+                keep = 1.0 - self.lora_dropout
+                mask = jax.random.bernoulli(jax.random.fold_in(key, self.lora_index), keep, x.shape)
+                x_in = jnp.where(mask, x / keep, 0).astype(x.dtype)
+            a, b = self.lora_a[...], self.lora_b[...]  # float32; the update joins y in y's dtype
+            y = y + (self.lora_scale * ((x_in.astype(a.dtype) @ a) @ b)).astype(y.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with RoPE, optional q/k RMSNorm (per head, or over the whole projection as
+    OLMoE), optional q/k/v clipping and an optional sliding window."""
+
+    def __init__(
+        self,
+        q,
+        k,
+        v,
+        o,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rope: Rope,
+        eps,
+        window=None,
+        q_norm=None,
+        k_norm=None,
+        norm_whole_projection: bool = False,
+        clip_qkv: float | None = None,
+        native_decode_attention: bool = False,
+    ):
+        """`native_decode_attention` (the execution plan's choice, moe_jax/planning/plan.py): a decode step's attention
+        over the bfloat16 cache runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c). XLA's own path
+        (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on XLA:CPU."""
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
+        self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None
+        self.norm_whole_projection = norm_whole_projection
+        self.clip_qkv = clip_qkv
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope = rope
+        self.window = window
+        self.native_decode_attention = native_decode_attention
+
+    def _projections(self, x_btd):
+        """q, k, v [b, t, heads, hd] token-major, normed and clipped as the family does."""
+        b, t, _ = x_btd.shape
+        q, k, v = self.q_proj(x_btd), self.k_proj(x_btd), self.v_proj(x_btd)
+        if self.q_norm is not None and self.norm_whole_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+        hd = self.head_dim
+        q, k, v = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd), v.reshape(b, t, -1, hd)
+        if self.q_norm is not None and not self.norm_whole_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        """Returns (output [b, t, d], updated cache). `cache` is (k, v), each [b, kv, s, hd], or None.
+
+        With a cache, this step's keys and values are written at `positions_bt` and every query attends to cache
+        slots at positions up to its own: right-padded rows simply overwrite their padding later. The cache is
+        kept kv-head-major, the layout the attention products read: token-major, XLA:CPU transposed (and
+        widened) all of it before each product (bench model, batch-16 decode: ~0.17 ms a layer).
+        """
+        b, t, _ = x_btd.shape
+        kv, hd = self.num_kv_heads, self.head_dim
+        # RoPE token-major, then kv-head-major (queries [b, kv, t, group, hd], keys/values [b, kv, t, hd]). RoPE
+        # after the transpose ran ~3x faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers
+        # makes: bf16 logits moved 2.4% from transformers' (0.7% in this order)
+        q, k, v = self._projections(x_btd)
+        q = q.reshape(b, t, kv, self.num_heads // kv, hd)
+        v = v.transpose(0, 2, 1, 3)
+        cos, sin = self.rope.cos_sin(positions_bt)
+        q = self.rope.apply(q, cos[:, :, None, None], sin[:, :, None, None]).transpose(0, 2, 1, 3, 4)
+        k = self.rope.apply(k, cos[:, :, None], sin[:, :, None]).transpose(0, 2, 1, 3)
+
+        if cache is None:
+            out = chunked_causal_attention(q, k, v, positions_bt, self.window)
+        else:
+            k_cache, v_cache = cache
+            if t == 1 and self.native_decode_attention:
+                out, k_all, v_all = decode_attention_call(q[:, :, 0], k, v, positions_bt, k_cache, v_cache, self.window)
+                out = out[:, :, None]
+            else:
+                key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
+                k_all = write_positions(k_cache, k, positions_bt, key_pos_bs)
+                v_all = write_positions(v_cache, v, positions_bt, key_pos_bs)
+                out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
+            cache = (k_all, v_all)
+        # [b, kv, t, group, hd] -> [b, t, heads * hd]
+        return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
+
+
+QUERY_CHUNK = 64
+
+
+def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK):
+    """Self-attention of a sequence on itself, `chunk` queries at a time, each against the keys it can see.
+    Inputs and output in kv-head-major layout (`attend`).
+
+    Keys after a chunk's last query are skipped, as are keys a sliding window has left behind: this relies on
+    positions increasing strictly along the sequence (true for whole sequences; the KV-cache path does not use
+    this). Besides halving the work of a causal mask, the small score blocks stay in cache: about 3x faster
+    than one [t, t] block on a CPU at t = 512, forward and backward.
+    """
+    t = q_bktgd.shape[2]
+    if t <= chunk:
+        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale)
+    query_ranges, key_ranges = [], []
+    for start in range(0, t, chunk):
+        stop = min(start + chunk, t)
+        query_ranges.append((start, stop))
+        key_ranges.append((0 if window is None else max(0, start - window + 1), stop))
+    query_ranges, key_ranges = tuple(query_ranges), tuple(key_ranges)
+    outs = [
+        attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window, scale)
+        for q, k, v, (qa, qb), (ka, kb) in zip(
+            take_ranges(q_bktgd, query_ranges, 2),
+            take_ranges(k_bksd, key_ranges, 2),
+            take_ranges(v_bksd, key_ranges, 2),
+            query_ranges,
+            key_ranges,
+            strict=True,
+        )
+    ]
+    return jnp.concatenate(outs, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def take_ranges(x, ranges, axis):
+    """The slices [a, b) of x along `axis` for each (a, b) in `ranges` (which together cover the axis). Its
+    gradient is assembled segment by segment and concatenated: the default (each slice's cotangent padded to
+    full size, then all summed) makes XLA:CPU evaluate every pad for every element, and the chunked attention
+    backward spent ~40% of its time there."""
+    return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in ranges)
+
+
+def _take_ranges_fwd(x, ranges, axis):
+    return take_ranges(x, ranges, axis), None
+
+
+def _take_ranges_bwd(ranges, axis, _, cotangents):
+    cuts = sorted({c for r in ranges for c in r})
+    segments = []
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        parts = [
+            jax.lax.slice_in_dim(g, lo - a, hi - a, axis=axis)
+            for (a, b), g in zip(ranges, cotangents, strict=True)
+            if a <= lo and hi <= b
+        ]
+        segments.append(functools.reduce(jnp.add, parts))
+    return (jnp.concatenate(segments, axis=axis),)
+
+
+take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
+
+
+def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
+    """The cache with each row's new entries written at their positions (distinct within a row), by selects over
+    the cache rather than a scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to float32 and
+    back around one, twice per layer and step (bench model, batch-16 decode: 8.9 -> 8.0 ms a step)."""
+    new_bktd = new_bktd.astype(cache_bksd.dtype)
+    if new_bktd.shape[2] == 1:  # decode: one entry, broadcast along the cache
+        return jnp.where((key_pos_bs == positions_bt)[:, None, :, None], new_bktd, cache_bksd)
+    # the new entries moved to their cache positions by a one-hot product (exact: one term per position), which
+    # XLA:CPU runs as a small GEMM; as a gather, fused with the RoPE before it, it took ~4x longer
+    match_bst = key_pos_bs[:, :, None] == positions_bt[:, None, :]
+    # (HIGHEST: an accelerator's default float32 product, TF32, would round the entries)
+    moved = jnp.einsum(
+        "bst,bktd->bksd",
+        match_bst.astype(new_bktd.dtype),
+        new_bktd,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
+
+
+def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None):
+    """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys [b, kv, s, d], values
+    [b, kv, s, dv]. The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv
+    head. Scores are scaled by `scale` (default 1 / sqrt(d))."""
+    b, kv, t, g, hd = q_bktgd.shape
+    q = q_bktgd.reshape(b, kv, t * g, hd)
+    # float32 accumulation: also the form XLA:CPU runs on its bfloat16 GEMM (see frozen_matmul)
+    scores = jnp.einsum("bkmd,bksd->bkms", q, k_bksd, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, t, g, -1) * (hd**-0.5 if scale is None else scale)
+    allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
+    if window is not None:
+        allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
+    scores = jnp.where(allowed[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, -1)
+    out = jnp.einsum("bkms,bksd->bkmd", probs, v_bksd, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, kv, t, g, v_bksd.shape[-1])
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the dense and shared-expert MLP."""
+
+    def __init__(self, gate, up, down):
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,108 @@
+"""DeepSeek's multi-head latent attention (MLA), as transformers' `deepseek_v2` / `deepseek_v3` compute it.
+
+Each token's keys and values come from one compressed latent (`kv_lora_rank` values, RMS-normed) and one rotary
+key shared by all heads (`rope_dim` values): that pair is what the KV cache holds, [b, 1, s, kv_lora_rank] and
+[b, 1, s, rope_dim] per layer (576 values per token and layer for DeepSeek-V3, against 2 x 128 heads x 192).
+
+Two forms of the same function:
+- expanded (training, prefill): the latent is multiplied out to per-head keys and values by `kv_b_proj`;
+- absorbed (a decode step over the cache): `kv_b_proj`'s key half is folded into the query and its value half
+  applied after attention, so a step reads the compressed cache as is and never expands it (the DeepSeek-V2
+  paper's "absorb" trick). The plan chooses (`ExecutionPlan.mla_decode`); the two agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.config import MLA
+from moe_jax.model.layers import Projection, RMSNorm, attend, chunked_causal_attention, write_positions
+from moe_jax.model.rope import Rope
+
+
+class MLAttention(nnx.Module):
+    def __init__(
+        self,
+        *,
+        q_proj: Projection | None,
+        q_a_proj: Projection | None,
+        q_a_layernorm: RMSNorm | None,
+        q_b_proj: Projection | None,
+        kv_a_proj_with_mqa: Projection,
+        kv_a_layernorm: RMSNorm,
+        kv_b_proj: Projection,
+        o_proj: Projection,
+        num_heads: int,
+        mla: MLA,
+        rope: Rope,
+        scale: float,
+        absorbed_decode: bool = True,
+    ):
+        # attribute names are Hugging Face's module names (LoRA targets and PEFT export use them)
+        self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_proj, q_a_proj, q_a_layernorm, q_b_proj
+        self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj = kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+        self.o_proj = o_proj
+        self.num_heads, self.mla, self.rope, self.scale = num_heads, mla, rope, scale
+        self.absorbed_decode = absorbed_decode
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        """Returns (output [b, t, d], updated cache); `cache` is (latent [b, 1, s, r], rotary key [b, 1, s, p])."""
+        b, t, _ = x_btd.shape
+        m, h = self.mla, self.num_heads
+        q = self.q_proj(x_btd) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_btd)))
+        q = q.reshape(b, t, h, m.qk_dim)
+        compressed = self.kv_a_proj_with_mqa(x_btd)
+        latent_btr = self.kv_a_layernorm(compressed[..., : m.kv_lora_rank])
+        cos, sin = self.rope.cos_sin(positions_bt)
+        q_rope = self.rope.apply(q[..., m.nope_dim :], cos[:, :, None], sin[:, :, None])
+        q = jnp.concatenate([q[..., : m.nope_dim], q_rope], axis=-1)
+        k_rope_btp = self.rope.apply(compressed[..., m.kv_lora_rank :], cos, sin)
+
+        if cache is None:
+            out = self._expanded(q, latent_btr, k_rope_btp, positions_bt, positions_bt, causal_chunks=True)
+        else:
+            latent_cache, rope_cache = cache
+            key_pos_bs = jnp.broadcast_to(jnp.arange(latent_cache.shape[2]), (b, latent_cache.shape[2]))
+            latent_all = write_positions(latent_cache, latent_btr[:, None], positions_bt, key_pos_bs)
+            rope_all = write_positions(rope_cache, k_rope_btp[:, None], positions_bt, key_pos_bs)
+            latent_bsr, rope_bsp = latent_all[:, 0].astype(q.dtype), rope_all[:, 0].astype(q.dtype)
+            if t == 1 and self.absorbed_decode:
+                out = self._absorbed(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs)
+            else:
+                out = self._expanded(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, causal_chunks=False)
+            cache = (latent_all, rope_all)
+        return self.o_proj(out.reshape(b, t, h * m.v_dim)), cache
+
+    def _expanded(self, q_bthd, latent_bsr, rope_bsp, q_pos_bt, k_pos_bs, causal_chunks: bool):
+        """Attention with per-head keys and values multiplied out of the latent: [b, t, h, v_dim]."""
+        m, h = self.mla, self.num_heads
+        b, s = latent_bsr.shape[:2]
+        kv = self.kv_b_proj(latent_bsr).reshape(b, s, h, m.nope_dim + m.v_dim)
+        k_rope = jnp.broadcast_to(rope_bsp[:, :, None], (b, s, h, m.rope_dim))
+        k_bhsd = jnp.concatenate([kv[..., : m.nope_dim], k_rope], axis=-1).transpose(0, 2, 1, 3)
+        v_bhsd = kv[..., m.nope_dim :].transpose(0, 2, 1, 3)
+        q_bht1d = q_bthd.transpose(0, 2, 1, 3)[:, :, :, None]  # every head its own kv head: group of 1
+        if causal_chunks:
+            out = chunked_causal_attention(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, None, self.scale)
+        else:
+            out = attend(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, k_pos_bs, None, self.scale)
+        return out[:, :, :, 0].transpose(0, 2, 1, 3)
+
+    def _absorbed(self, q_b1hd, latent_bsr, rope_bsp, q_pos_b1, k_pos_bs):
+        """One query per row against the compressed cache: [b, 1, h, v_dim]."""
+        m, h = self.mla, self.num_heads
+        w = self.kv_b_proj.merged_weight().astype(q_b1hd.dtype).reshape(m.kv_lora_rank, h, m.nope_dim + m.v_dim)
+        w_uk_rhn, w_uv_rhv = w[..., : m.nope_dim], w[..., m.nope_dim :]
+        q = q_b1hd[:, 0]
+        f32 = jnp.float32
+        q_latent_bhr = jnp.einsum("bhn,rhn->bhr", q[..., : m.nope_dim], w_uk_rhn, preferred_element_type=f32)
+        scores = jnp.einsum("bhr,bsr->bhs", q_latent_bhr.astype(q.dtype), latent_bsr, preferred_element_type=f32)
+        scores += jnp.einsum("bhp,bsp->bhs", q[..., m.nope_dim :], rope_bsp, preferred_element_type=f32)
+        allowed = k_pos_bs <= q_pos_b1  # [b, s]
+        scores = jnp.where(allowed[:, None], scores * self.scale, jnp.finfo(f32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        context_bhr = jnp.einsum("bhs,bsr->bhr", probs, latent_bsr, preferred_element_type=f32).astype(q.dtype)
+        out = jnp.einsum("bhr,rhv->bhv", context_bhr, w_uv_rhv, preferred_element_type=f32)
+        return out.astype(q.dtype)[:, None]

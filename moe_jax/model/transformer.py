@@ -1,0 +1,180 @@
+"""The decoder-only MoE transformer as an NNX module tree, built from named weights.
+
+`build_transformer` takes a function that returns a dense weight by its Hugging Face name (already in `x @ W`
+layout) and a function that returns the expert backend of a layer, so the same tree serves every checkpoint format
+and every expert placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.config import ModelConfig
+from moe_jax.model.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
+from moe_jax.model.mla import MLAttention
+from moe_jax.model.moe import MoEBlock
+from moe_jax.native.dense import pack_dense
+from moe_jax.planning.plan import ExecutionPlan
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, attn: Attention, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = input_norm
+        self.post_attention_layernorm = post_attn_norm
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        attn_out, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, cache)
+        x_btd = x_btd + attn_out
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, embed_vd, layers: list[DecoderLayer], final_norm: RMSNorm, lm_head_dv):
+        self.config = config
+        self.embed = Frozen(embed_vd)
+        self.layers = nnx.List(layers)
+        self.norm = final_norm
+        self.lm_head = Frozen(lm_head_dv) if lm_head_dv is not None else None
+        # while training in bfloat16 on a CPU (layers.frozen_matmul): the head's transpose — lm_head.T, or for a
+        # tied head the embedding's transpose, which is then the head itself
+        self.head_copy = nnx.data(None)
+        self.head_packed = nnx.data(None)  # the head packed for decode steps' native product (layers.base_matmul)
+        self.dense_kernel = ""  # the kernel that multiplies it
+
+    def keep_transposed_weights(self):
+        """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul)."""
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Projection) and module.weight_t is None:
+                module.keep_transposed()
+        if self.head_copy is None:
+            head = self.lm_head if self.lm_head is not None else self.embed
+            self.head_copy = Frozen(jnp.array(head[...].T))
+
+    def pack_for_decode(self, kernel: str):
+        """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
+        when the model first generates, where the plan says so (`ExecutionPlan.dense_decode`)."""
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Projection) and module.packed is None:
+                module.pack_for_decode(kernel)
+        self.dense_kernel = kernel
+        if self.head_packed is None:
+            head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+            self.head_packed = Frozen(pack_dense(head, kernel))
+
+    def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
+        """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).
+
+        With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
+        just the next-token logits (the head over every prompt position: ~2 ms of a batch-16 prefill's 15 ms of XLA).
+        """
+        x = self.embed[...][tokens_bt]
+        new_caches = [] if caches is not None else None
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions_bt, None if caches is None else caches[i])
+            if new_caches is not None:
+                new_caches.append(cache)
+        if last_b is not None:
+            x = x[jnp.arange(x.shape[0]), last_b][:, None]
+        x = self.norm(x)
+        copy = None if self.head_copy is None else self.head_copy[...]
+        if self.lm_head is not None:
+            head, head_t = self.lm_head[...], copy
+        else:
+            head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
+        packed = None if self.head_packed is None else self.head_packed[...]
+        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel), new_caches
+
+
+def build_transformer(
+    config: ModelConfig,
+    dense: Callable[[str], object],
+    experts_for_layer: Callable[[int], object],
+    has: Callable[[str], bool],
+    plan: ExecutionPlan,
+) -> Transformer:
+    """Assembles the module tree. `dense(name)` returns a weight in `x @ W` layout; `has(name)` says if it exists;
+    `plan` says which parts run natively."""
+    eps = config.rms_norm_eps
+
+    def proj(name, bias: bool = False):
+        return Projection(dense(f"{name}.weight"), dense(f"{name}.bias") if bias else None)
+
+    def swiglu(prefix):
+        return SwiGLU(*(proj(f"{prefix}.{p}_proj") for p in ("gate", "up", "down")))
+
+    def norm(name):
+        return RMSNorm(dense(f"{name}.weight"), eps)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        attn = _mla(config, f"{p}.self_attn", proj, norm, plan) if config.mla else _gqa(config, i, proj, dense, plan)
+        if config.is_moe_layer(i):
+            moe_prefix = f"{p}.{config.moe_module}"
+            shared_prefix = f"{moe_prefix}.{config.shared_expert_module}"
+            shared = swiglu(shared_prefix) if config.shared_expert_intermediate_size else None
+            gate_name = f"{moe_prefix}.shared_expert_gate.weight"
+            mlp = MoEBlock(
+                dense(f"{moe_prefix}.gate.weight"),
+                experts_for_layer(i),
+                spec=config.router,
+                router_bias_e=dense(f"{moe_prefix}.gate.e_score_correction_bias") if config.router.bias else None,
+                shared=shared,
+                shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
+            )
+        else:
+            mlp = swiglu(f"{p}.mlp")
+        layers.append(DecoderLayer(attn, mlp, norm(f"{p}.input_layernorm"), norm(f"{p}.post_attention_layernorm")))
+    tied = config.tie_word_embeddings or not has("lm_head.weight")
+    return Transformer(
+        config,
+        dense("model.embed_tokens.weight"),
+        layers,
+        norm("model.norm"),
+        None if tied else dense("lm_head.weight"),
+    )
+
+
+def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> Attention:
+    p = f"model.layers.{layer}.self_attn"
+    return Attention(
+        proj(f"{p}.q_proj", config.qkv_bias),
+        proj(f"{p}.k_proj", config.qkv_bias),
+        proj(f"{p}.v_proj", config.qkv_bias),
+        proj(f"{p}.o_proj", config.o_bias),
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rope=config.rope,
+        eps=config.rms_norm_eps,
+        window=config.sliding_windows[layer],
+        q_norm=dense(f"{p}.q_norm.weight") if config.qk_norm else None,
+        k_norm=dense(f"{p}.k_norm.weight") if config.qk_norm else None,
+        norm_whole_projection=config.qk_norm == "full",
+        clip_qkv=config.clip_qkv,
+        native_decode_attention=plan.decode_attention,
+    )
+
+
+def _mla(config: ModelConfig, p: str, proj, norm, plan: ExecutionPlan) -> MLAttention:
+    low_rank_q = config.mla.q_lora_rank > 0
+    return MLAttention(
+        q_proj=None if low_rank_q else proj(f"{p}.q_proj"),
+        q_a_proj=proj(f"{p}.q_a_proj", config.qkv_bias) if low_rank_q else None,
+        q_a_layernorm=norm(f"{p}.q_a_layernorm") if low_rank_q else None,
+        q_b_proj=proj(f"{p}.q_b_proj") if low_rank_q else None,
+        kv_a_proj_with_mqa=proj(f"{p}.kv_a_proj_with_mqa", config.qkv_bias),
+        kv_a_layernorm=norm(f"{p}.kv_a_layernorm"),
+        kv_b_proj=proj(f"{p}.kv_b_proj"),
+        o_proj=proj(f"{p}.o_proj", config.o_bias),
+        num_heads=config.num_heads,
+        mla=config.mla,
+        rope=config.rope,
+        scale=config.softmax_scale,
+        absorbed_decode=plan.mla_decode != "expanded",
+    )

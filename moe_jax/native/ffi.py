@@ -1,0 +1,61 @@
+"""The XLA FFI handlers' registration: one per process, for the CPU platform.
+
+The handlers (host_kernels/csrc/xla_*.c) are built into host_kernels' native library with its kernels (one build,
+one source hash), when jaxlib's headers were there to build them. Each handler has its module beside this one:
+`host_experts` (the host's fused expert forward), `decode_attention` (a decode step's attention over a bfloat16 KV
+cache), `argmax` (a greedy step's tokens) and `dense` (a decode step's dense products over packed weights). Where
+the handlers are not built, are turned off (the execution plan, moe_jax/planning/plan.py), or the jitted step runs on
+an accelerator (they serve XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback`
+instead, and attention, products and argmax stay in XLA.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import jax
+
+from host_kernels import native
+
+# the custom-call targets, each registered under its C symbol's name
+HANDLERS = ("moe_jax_host_experts", "moe_jax_decode_attention", "moe_jax_argmax", "moe_jax_dense")
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why not): the steps run on XLA:CPU and the handlers are built from the current sources and
+    registered. Whether they are used is the execution plan's decision (moe_jax/planning/plan.py)."""
+    if jax.default_backend() != "cpu":  # the handlers are registered for XLA:CPU; an accelerator's step calls back
+        return False, f"the model runs on {jax.default_backend()}; the handlers serve XLA:CPU steps"
+    return _registered()
+
+
+@cache
+def _registered() -> tuple[bool, str]:
+    usable, reason = native.status(())
+    if not usable:
+        return False, reason
+    library = native.lib()
+    if not hasattr(library, HANDLERS[0]):
+        return False, (
+            "host_kernels' native library was built without the XLA FFI handlers (jaxlib's headers were not found; "
+            "reinstall with `pip install -e .` where jaxlib is installed)"
+        )
+    for target in HANDLERS:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+    return True, ""
+
+
+def kernel_status(cpu_flags) -> tuple[bool, str]:
+    """(usable, why not) for a handler whose kernel needs `cpu_flags`: the handlers' status, then the CPU's."""
+    usable, reason = status()
+    if not usable:
+        return usable, reason
+    lacking = native.cpu_lacks(cpu_flags)
+    return not lacking, lacking
+
+
+def require(usable_reason: tuple[bool, str], what: str):
+    """Refuses a call into a handler the status says is unusable (the status call also registers the handlers)."""
+    usable, reason = usable_reason
+    if not usable:
+        raise RuntimeError(f"native {what} unavailable: {reason}")

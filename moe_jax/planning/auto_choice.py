@@ -1,0 +1,108 @@
+"""Whether backend="auto" keeps a device expert cache (and streams) at all: the one rule that auto, the advisor and
+the simulation share.
+
+Per call, auto's planner (`cost_model.best_placement`) already sends any expert's rows to the host when that is
+faster, so a device cache can only help. But it costs device memory, a copy of the experts, and a slower layer
+path than plain host layers (a Python callback beside the device work instead of one native call): it is built
+only where the cost model predicts that it pays, by at least WORTH_IT, in one of the phases that will run
+(decode steps of a few tokens, prefill and training steps of thousands). Otherwise auto is plain host layers,
+and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_jax.planning.cost_model import Profile, layer_time, plan_layer
+
+WORTH_IT = 1.10  # auto uses the device only when predicted this much faster than the host alone
+# tokens per step of the phases a model meets: decode at batch 1 and 16, a prefill or training step
+PHASES = (1, 16, 2048)
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    experts: int
+    top_k: int
+    expert_params: int
+    itemsize: int
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.itemsize
+
+
+def model_shape(config, itemsize: int) -> Shape:
+    params = 3 * config.hidden_size * config.expert_intermediate_size
+    return Shape(len(config.moe_layers), config.num_experts, config.num_experts_per_tok, params, itemsize)
+
+
+def expected_routing(tokens: int, shape: Shape, zipf: float = 0.0) -> np.ndarray:
+    """Rows per expert for `tokens` tokens routed top-k over experts of Zipf popularity: the expected counts
+    rounded to whole rows that add up to tokens x top-k (largest remainders first), so a decode step of one
+    token is top-k experts of one row each, not every expert with a fraction of a row."""
+    popularity = 1.0 / np.arange(1, shape.experts + 1) ** zipf
+    expected = tokens * shape.top_k * popularity / popularity.sum()
+    rows = np.floor(expected)
+    short = int(round(tokens * shape.top_k - rows.sum()))
+    rows[np.argsort(-(expected - rows), stable=True)[:short]] += 1
+    return rows
+
+
+def auto_layer_seconds(profile: Profile, counts, cached: int, can_stream: bool) -> float:
+    """Predicted seconds of one auto layer: the `cached` most routed experts in the device cache, the planner
+    placing every expert per call."""
+    resident = set(np.argsort(-np.asarray(counts), stable=True)[:cached].tolist())
+    return layer_time(profile, counts, plan_layer(profile, counts, resident, can_stream)).seconds
+
+
+def nearest_phase(tokens: int) -> int:
+    """The phase a call of `tokens` tokens is closest to, on a log scale."""
+    return min(PHASES, key=lambda phase: abs(np.log(max(tokens, 1)) - np.log(phase)))
+
+
+def predicted_gain(profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int, zipf: float = 0.0):
+    """(host-only seconds, auto seconds) of one layer for a call of `tokens` tokens, as the cost model predicts."""
+    counts = expected_routing(tokens, shape, zipf)
+    host = layer_time(profile, counts, ["host"] * shape.experts).seconds
+    return host, auto_layer_seconds(profile, counts, cached, can_stream)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    use_device: bool
+    reason: str
+    host_s: dict  # phase tokens -> predicted seconds of one layer, all experts on the host
+    auto_s: dict  # the same with the device cache and streams
+
+    def summary(self) -> str:
+        return ("device cache and host" if self.use_device else "host only") + f": {self.reason}"
+
+
+def choose_auto(
+    profile: Profile | None,
+    shape: Shape,
+    cached: int,
+    can_stream: bool,
+    phases=PHASES,
+    zipf: float = 0.0,
+) -> AutoChoice:
+    """Whether auto with `cached` experts per layer in the device cache (and streams, if `can_stream`) is
+    predicted to beat host-only layers by WORTH_IT in some phase."""
+    if profile is None or not profile.device_helps:
+        why = "no probe profile" if profile is None else "the device shares the host's cores and is not faster"
+        return AutoChoice(False, why, {}, {})
+    if cached <= 0 and not can_stream:
+        return AutoChoice(False, "the device budget holds no expert", {}, {})
+    host_s, auto_s = {}, {}
+    for tokens in phases:
+        host_s[tokens], auto_s[tokens] = predicted_gain(profile, shape, cached, can_stream, tokens, zipf)
+    gains = {tokens: host_s[tokens] / max(auto_s[tokens], 1e-12) for tokens in phases}
+    best = max(gains, key=gains.get)
+    shown = ", ".join(f"{tokens} tokens {gain:.2f}x" for tokens, gain in gains.items())
+    if gains[best] >= WORTH_IT:
+        return AutoChoice(True, f"predicted gain over host {shown}", host_s, auto_s)
+    return AutoChoice(False, f"predicted gain over host {shown}, below {WORTH_IT:.2f}x", host_s, auto_s)

@@ -1,0 +1,165 @@
+"""The execution plan: where every part of a model's steps runs, decided once, at load.
+
+`make_plan` answers, from the model's dtype, whether the placement runs a host engine, the platform jax runs on,
+this CPU, the native libraries, and the caller's explicit choice (`load_model(native=...)`, the CLIs'
+`--no-native`; the environment variables MOE_JAX_XLA_FFI=0 and MOE_JAX_HOST_KERNEL=numpy only supply defaults):
+- the host experts: which kernels (host_kernels.choose_kernels), and whether a jitted step calls their fused
+  forward through XLA's FFI (moe_jax/native/ffi.py) or through a `pure_callback`;
+- a decode step's attention, its dense products and greedy argmax: the native FFI handlers or XLA;
+- training in bfloat16 on XLA:CPU: transposed copies of the frozen weights for the backward (layers.frozen_matmul).
+The model is built with these answers (`model.build_transformer`, `engine.compile_generation_steps`,
+`backends.make_placement`); no module asks the machine again. `Model.plan` holds it; `python -m moe_jax.doctor`
+prints it for each dtype on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from host_kernels import KernelChoice, choose_kernels
+from moe_jax.native import argmax as native_argmax
+from moe_jax.native import decode_attention as native_attention
+from moe_jax.native import dense as native_dense
+from moe_jax.native import ffi as native_ffi
+
+BFLOAT16 = "bfloat16"
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    platform: str  # where jax runs the jitted steps: "cpu", "gpu", ...
+    dtype: str  # the model's: "float32" or "bfloat16"
+    host_kernels: KernelChoice | None  # None: the placement runs no host engine
+    experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
+    decode_attention: bool  # native decode attention over the bfloat16 KV cache
+    # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
+    dense_decode: str
+    argmax: bool  # native greedy argmax of float32 logits
+    transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
+    # multi-head latent attention's decode steps: "absorbed" (over the compressed cache), "expanded"; "": not MLA
+    mla_decode: str = ""
+    why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
+
+    def reason(self, part: str) -> str:
+        return dict(self.why).get(part, "")
+
+    @property
+    def quant(self) -> str | None:
+        """The host experts' quantized format, or None."""
+        return self.host_kernels.quant if self.host_kernels is not None else None
+
+    def lines(self) -> list[str]:
+        """What runs each part, one line each, with the reason where a part is not native."""
+
+        def line(name, runs, part):
+            why = self.reason(part)
+            return f"{name}: {runs}" + (f" ({why})" if why else "")
+
+        out = [f"platform: {self.platform}, dtype: {self.dtype}"]
+        if self.host_kernels is not None:
+            out += [f"host {part}" for part in self.host_kernels.describe()]
+            called = "through XLA FFI" if self.experts_ffi else "by pure_callback"
+            out.append(line("host experts called", called, "ffi"))
+        out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
+        if self.mla_decode:
+            out.append(f"latent attention decode: {self.mla_decode} form")
+        out.append(
+            line("decode dense products", f"native ({self.dense_decode})" if self.dense_decode else "XLA", "dense")
+        )
+        out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
+        if self.host_kernels is not None and self.host_kernels.quantized:
+            out.append("training: LoRA on the quantized experts' base (the backward dequantizes each expert)")
+        if self.transposed_weights:
+            out.append("training: transposed copies of the frozen weights (bfloat16 backward on XLA:CPU)")
+        return out
+
+    def summary(self) -> str:
+        """The plan in one line, for the CLIs' summaries."""
+        parts = []
+        if self.host_kernels is not None:
+            fused = self.host_kernels.fused or f"engine {self.host_kernels.gemm}"
+            parts.append(f"experts {fused} via {'FFI' if self.experts_ffi else 'callback'}")
+        parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
+        parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
+        parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
+        return ", ".join(parts)
+
+
+def host_store_dtype(checkpoint, dtype: str) -> np.dtype:
+    """The dtype the host engine's experts are stored in (a quantized store's: the dtype its products take rows in):
+    a converted store's own, else the model's bfloat16 or float32 (Hugging Face experts are stacked once in host
+    RAM in it; backends.placements.HostPlacement._host_store)."""
+    if checkpoint.expert_store is not None:
+        return checkpoint.expert_store.dtype
+    return np.dtype(jax.numpy.bfloat16) if dtype == BFLOAT16 else np.dtype(np.float32)
+
+
+def make_plan(
+    dtype: str,
+    store_dtype=None,
+    native: bool | None = None,
+    xla_ffi: bool | None = None,
+    host_kernels: KernelChoice | None = None,
+    quant: str | None = None,
+    mla_decode: str = "",
+) -> ExecutionPlan:
+    """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
+    `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
+    as `native`) the XLA FFI handlers alone (the host kernels then run through callbacks). None takes the
+    environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
+    the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
+    ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
+    quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded" (moe_jax/model/mla.py);
+    their decode attention is XLA's (the native handler computes grouped-query attention)."""
+    if mla_decode not in ("", "absorbed", "expanded"):
+        raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
+    why = {}
+    xla_ffi = native if xla_ffi is None else xla_ffi
+    if xla_ffi is False:
+        ffi_on, ffi_off = False, "XLA FFI handlers turned off by the caller"
+    elif xla_ffi is None and os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
+        ffi_on, ffi_off = False, "MOE_JAX_XLA_FFI=0"
+    else:
+        ffi_on, ffi_off = native_ffi.status()
+
+    def native_part(part: str, applies: bool, not_applicable: str, status) -> bool:
+        """Whether `part` runs natively; its reason recorded where not."""
+        if not applies:
+            why[part] = not_applicable
+            return False
+        usable, reason = (ffi_on, ffi_off) if not ffi_on else status()
+        if not usable:
+            why[part] = reason
+        return usable
+
+    host = host_kernels
+    if host is None and store_dtype is not None:
+        host = choose_kernels(store_dtype, native, quant)
+    experts_ffi = host is not None and native_part(
+        "ffi", bool(host.fused), "no fused forward to call", lambda: (True, "")
+    )
+    bf16 = dtype == BFLOAT16
+    # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
+    dense, dense_why = native_dense.dense_kernel(quant)
+    float32_model = "float32 model: the kernel works on bfloat16"
+    return ExecutionPlan(
+        platform=jax.default_backend(),
+        dtype=dtype,
+        host_kernels=host,
+        experts_ffi=experts_ffi,
+        decode_attention=native_part(
+            "attention",
+            bf16 and not mla_decode,
+            "latent attention (the native handler computes grouped-query attention)" if mla_decode else float32_model,
+            native_attention.status,
+        ),
+        dense_decode=dense if native_part("dense", bf16, float32_model, lambda: (bool(dense), dense_why)) else "",
+        argmax=native_part("argmax", True, "", native_argmax.status),
+        transposed_weights=bf16 and jax.default_backend() == "cpu",
+        mla_decode=mla_decode,
+        why=tuple(why.items()),
+    )
