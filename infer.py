@@ -251,7 +251,7 @@ def fit_split_to_wave(model, engine, prompts: int):
     """--kv-fraction auto: the KV cache gets what this wave's slots need, the experts everything else."""
     slots = min(engine.slots, prompts)
     room = model.device_budget_bytes - model.placement.stream_buffer_bytes
-    model.set_memory_split(kv_bytes=min(slots * model.kv_bytes_per_sequence(engine.max_len), max(room, 0)))
+    model.set_memory_split(kv_bytes=min(slots * model.kv.bytes_per_sequence(engine.max_len), max(room, 0)))
 
 
 def result_record(number, ids, text, completion, tok, stops) -> dict:

@@ -39,7 +39,7 @@ engine = GenerationEngine(model, batch, prompt + new)
 rng = np.random.default_rng(0)
 engine.run([Request(rng.integers(16, 4096, size=prompt).tolist(), new) for _ in range(batch)])
 dense = sum(leaf.nbytes for leaf in jax.tree.leaves(model.state) if hasattr(leaf, "nbytes"))
-kv = sum(leaf.nbytes for leaf in jax.tree.leaves(model.new_caches(batch, prompt + new)))
+kv = sum(leaf.nbytes for leaf in jax.tree.leaves(model.kv.new_caches(batch, prompt + new)))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 import os
 now = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

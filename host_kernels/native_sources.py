@@ -1,5 +1,6 @@
 """The native library's sources and their hash: shared by setup.py (which compiles the hash into the library) and
-the loader (host_kernels/native.py), which refuses a library built from other sources. No imports beyond the standard library: setup.py loads this file before the package is installed."""
+the loader (host_kernels/native.py), which refuses a library built from other sources. No imports beyond the
+standard library: setup.py loads this file before the package is installed."""
 
 import hashlib
 from pathlib import Path

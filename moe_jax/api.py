@@ -21,8 +21,9 @@ from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
 from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.formats.tokenizer import Tokenizer, load_tokenizer
-from moe_jax.generation.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
+from moe_jax.generation.compiled import CompiledGeneration
 from moe_jax.generation.generate import generate
+from moe_jax.generation.kv_cache import KVCacheMemory
 from moe_jax.model.config import ModelConfig
 from moe_jax.model.lora import LoRAConfig, attach_lora, resolve_targets
 from moe_jax.model.transformer import Transformer, build_transformer
@@ -55,15 +56,14 @@ class Model:
         self.checkpoint = checkpoint
         self.lora_config: LoRAConfig | None = None
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
-        self.kv_budget_bytes: int | None = None  # None: the KV cache is not limited
-        self.kv_live_bytes = 0  # held by a running generation engine
+        self.kv = KVCacheMemory(self.config, DTYPES[dtype])
+        self.generation = CompiledGeneration(self)
         self._leaves, self._leaves_of = [], None  # state_leaves() and the state they are of
         self._set_transformer(transformer)
 
     def _set_transformer(self, transformer: Transformer):
         self.graphdef, self.state = nnx.split(transformer)
-        self._engines = {}  # compiled for the old structure
-        self._steps = getattr(self, "_steps", [])  # [(graphdef, generation steps)] of recent structures
+        self.generation.structure_changed()
         graphdef = self.graphdef
 
         def forward(state, tokens_bt, positions_bt):
@@ -129,31 +129,21 @@ class Model:
             kv_bytes = int(kv_fraction * self.device_budget_bytes)
         if not 0 <= kv_bytes <= self.device_budget_bytes:
             raise InputError(f"kv_bytes must be in [0, {self.device_budget_bytes}], got {kv_bytes}")
-        if self.kv_live_bytes > kv_bytes:
-            raise InputError(f"a running generation holds {self.kv_live_bytes} bytes of KV cache; finish it first")
+        if self.kv.live_bytes > kv_bytes:
+            raise InputError(f"a running generation holds {self.kv.live_bytes} bytes of KV cache; finish it first")
         expert_bytes = self.device_budget_bytes - kv_bytes
         self._edit(lambda transformer: self.placement.set_expert_budget(expert_bytes, transformer))
-        self.kv_budget_bytes = kv_bytes
+        self.kv.budget_bytes = kv_bytes
 
     def memory_split(self) -> dict:
         """Device bytes: the budget, the KV cache's share and use, the expert side's share and use."""
         experts = self.placement.device_expert_bytes(self.transformer)
         return {
             "budget": self.device_budget_bytes,
-            "kv_budget": self.kv_budget_bytes,
-            "kv_in_use": self.kv_live_bytes,
+            "kv_budget": self.kv.budget_bytes,
+            "kv_in_use": self.kv.live_bytes,
             "experts_in_use": experts,
         }
-
-    def kv_bytes_per_sequence(self, max_len: int) -> int:
-        values = sum(heads * dim for heads, dim in self.config.kv_cache_dims)
-        return self.config.num_layers * max_len * values * np.dtype(DTYPES[self.dtype]).itemsize
-
-    def kv_slots(self, max_len: int) -> int | None:
-        """How many sequences of `max_len` tokens the KV budget holds (None: no limit)."""
-        if self.kv_budget_bytes is None:
-            return None
-        return self.kv_budget_bytes // self.kv_bytes_per_sequence(max_len)
 
     def refresh_expert_cache(self) -> bool:
         """auto: updates the device expert cache from the routing seen since the last call (bounded churn).
@@ -227,40 +217,17 @@ class Model:
         logits = self.run_jitted(self._forward_jit, self.state, ids, positions)
         return np.asarray(logits, dtype=np.float32)
 
-    def new_caches(self, batch: int, length: int):
-        c = self.config
-        kv_bytes = batch * self.kv_bytes_per_sequence(length)
-        check_fits({"KV cache": kv_bytes}, f"a KV cache of {batch} sequences x {length} tokens")
-        # per layer two arrays [batch, heads, length, dim], head-major: see layers.Attention (and mla.MLAttention)
-        shapes = [(batch, heads, length, dim) for heads, dim in c.kv_cache_dims]
-        dtype = DTYPES[self.dtype]
-        return [tuple(jnp.zeros(shape, dtype) for shape in shapes) for _ in range(c.num_layers)]
-
-    def generation_steps(self):
-        """The jitted prefill/decode steps for the current structure, kept for the last few structures so that
-        a memory split moved back and forth does not recompile each time. Where the plan multiplies a decode
-        step's dense products natively, the dense weights are first packed for it (Transformer.pack_for_decode)."""
+    def pack_for_decode(self):
+        """Where the plan multiplies a decode step's dense products natively, packs the dense weights for it
+        (Transformer.pack_for_decode); once."""
         if self.plan.dense_decode and "head_packed" not in self.state:
             self._edit(lambda transformer: transformer.pack_for_decode(self.plan.dense_decode))
             trim_heap()  # the packing's temporaries
-        for graphdef, steps in self._steps:
-            if graphdef == self.graphdef:
-                return steps
-        steps = compile_generation_steps(self.graphdef, jax.tree.structure(self.state), self.plan.argmax)
-        self._steps = [(self.graphdef, steps), *self._steps[:3]]
-        return steps
 
     def engine(self, slots: int, max_len: int, anchor_cache=None):
-        """A generation engine over this model; engines without an anchor cache are kept and reused, so their
-        compiled steps are too (an evaluation loop does not recompile each time)."""
-        if anchor_cache is not None:
-            return GenerationEngine(self, slots, max_len, anchor_cache)
-        key = (slots, round_up(max_len, TOKEN_BUCKET))
-        if key not in self._engines:
-            self._engines[key] = GenerationEngine(self, *key)
-        engine = self._engines[key]
-        engine.stats = type(engine.stats)()
-        return engine
+        """A generation engine over this model for `slots` sequences of up to `max_len` tokens (see
+        CompiledGeneration.engine)."""
+        return self.generation.engine(slots, max_len, anchor_cache)
 
     def generate(
         self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
@@ -355,7 +322,7 @@ def load_model(
     if device_budget_bytes is not None:
         model.device_budget_bytes = int(device_budget_bytes)
         if kv_fraction is not None:
-            model.kv_budget_bytes = int(kv_fraction * device_budget_bytes)
+            model.kv.budget_bytes = int(kv_fraction * device_budget_bytes)
     if adapter is not None:
         model.load_adapter(adapter)
     return model

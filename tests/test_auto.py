@@ -140,7 +140,7 @@ def test_memory_split_changes_mid_run_keep_outputs_identical_and_within_budget(c
 
 def test_kv_budget_limits_the_slots_and_a_too_small_one_is_refused(checkpoint, reference):
     model = load_auto(checkpoint, reference.config, "host", cached_per_layer=1)
-    per_sequence = model.kv_bytes_per_sequence(32)
+    per_sequence = model.kv.bytes_per_sequence(32)
     model.set_memory_split(kv_bytes=2 * per_sequence)
     engine = GenerationEngine(model, slots=4, max_len=32)
     assert engine.slots_that_fit() == 2

@@ -154,8 +154,8 @@ def test_check_fits_names_the_parts():
 def test_kv_cache_is_sized_by_the_prompts_not_the_batch_size(checkpoint_dir, monkeypatch):
     model = moe_jax.load_model(checkpoint_dir, backend="device")
     sizes = []
-    new_caches = model.new_caches
-    monkeypatch.setattr(model, "new_caches", lambda batch, length: sizes.append(batch) or new_caches(batch, length))
+    new_caches = model.kv.new_caches
+    monkeypatch.setattr(model.kv, "new_caches", lambda batch, length: sizes.append(batch) or new_caches(batch, length))
     model.engine(64, 16).run(
         [moe_jax.generation.engine.Request([1, 2], 2, 0), moe_jax.generation.engine.Request([3], 2, 1)]
     )

@@ -1,5 +1,5 @@
-"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (host_kernels/csrc/xla_dense.c via layers.base_matmul): XLA's
-float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
+"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (host_kernels/csrc/xla_dense.c via
+layers.base_matmul): XLA's float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
 
 import jax
 import jax.numpy as jnp
@@ -80,8 +80,8 @@ def test_generation_packs_once_and_gives_the_same_tokens(tmp_path):
     model = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
     packed = model.generate(prompts, max_new_tokens=6)
     assert "head_packed" in model.state
-    _, decode, _ = model.generation_steps()
-    caches, tokens = model.new_caches(2, 16), np.zeros((2, 1), np.int32)
+    _, decode, _ = model.generation.steps()
+    caches, tokens = model.kv.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
     assert hlo.count(f"@{native_dense.TARGET}(") == 4 * model.config.num_layers + 1  # q, k, v, o; head
     plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16", xla_ffi=False))

@@ -24,12 +24,12 @@ def checkpoint(request, tmp_path_factory):
 def test_cache_holds_latent_and_rotary_key_per_token(checkpoint):
     model = moe_jax.load_model(checkpoint, backend="device")
     mla = model.config.mla
-    caches = model.new_caches(3, 20)
+    caches = model.kv.new_caches(3, 20)
     assert len(caches) == model.config.num_layers
     for latent, rope_key in caches:
         assert latent.shape == (3, 1, 20, mla.kv_lora_rank) and rope_key.shape == (3, 1, 20, mla.rope_dim)
     per_token = mla.kv_lora_rank + mla.rope_dim
-    assert model.kv_bytes_per_sequence(20) == model.config.num_layers * 20 * per_token * 4
+    assert model.kv.bytes_per_sequence(20) == model.config.num_layers * 20 * per_token * 4
     # what the expanded form would hold instead: keys and values of every head
     expanded = model.config.num_heads * (mla.qk_dim + mla.v_dim)
     assert per_token < expanded
@@ -58,7 +58,7 @@ def test_absorbed_decode_logits_equal_the_expanded_forms(checkpoint):
     logits = {}
     for form in ("absorbed", "expanded"):
         run, state, model = jitted_steps(moe_jax.load_model(checkpoint, backend="device", mla_decode=form))
-        _, caches = run(state, tokens[:, :5], positions[:, :5], model.new_caches(2, 12))
+        _, caches = run(state, tokens[:, :5], positions[:, :5], model.kv.new_caches(2, 12))
         steps = []
         for t in range(5, 8):
             step, caches = run(state, tokens[:, t : t + 1], positions[:, t : t + 1], caches)

@@ -75,7 +75,7 @@ CASES = {
     "engine, negative threads": "from host_kernels.host_moe import HostMoE\nHostMoE(store, threads=-1)",
     "engine, id out of range": "from host_kernels.host_moe import HostMoE\n"
     "HostMoE(store, threads=1).forward(0, x, np.array([[2**40, 2], [1, 2]]), ok_weights)",
-    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.native.ffi import "
+    "xla handler, unknown call address": "import jax.numpy as jnp\nfrom moe_jax.native.host_experts import "
     "host_experts_call\nhost_experts_call(0xdeadbeef, jnp.ones((2, 32)), jnp.zeros((2, 2), jnp.int32), "
     "jnp.ones((2, 2)))",
 }

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,9 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import ExpertLoRA, HostMoE
+from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
+from moe_jax.model.layers import lora_arrays
 from moe_jax.native import host_experts as native_experts
 
 
@@ -216,14 +219,22 @@ def _expert_lora(scale: float, lora: dict) -> ExpertLoRA | None:
     return ExpertLoRA(scale, **pairs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, weights_tk, lora: dict):
-    """y = routed experts of `layer` applied to x, computed by the host engine (the fused native forward where it
-    runs; under differentiation the rules below apply instead)."""
+class HostLayer(NamedTuple):
+    """A host expert call's static settings: the runtime (hashed by identity), the layer, the LoRA scale."""
+
+    runtime: HostRuntime
+    layer: int
+    scale: float
+
+
+def _forward(call: HostLayer, x_td, ids_tk, weights_tk, lora):
+    """y = routed experts of the layer applied to x, computed by the host engine: the fused native forward through
+    XLA's FFI where the plan says so, else a callback (which uses the fused forward where it can, _run_forward)."""
+    runtime, layer, scale = call
     if runtime.experts_ffi and not lora:
         address = runtime.fused.call_address(layer)
         return native_experts.host_experts_call(address, x_td, ids_tk, weights_tk)
-    return jax.pure_callback(  # runtime.forward uses the fused forward where it can (_run_forward)
+    return jax.pure_callback(
         functools.partial(runtime.forward, layer, scale),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
         x_td,
@@ -234,8 +245,10 @@ def host_experts(runtime: HostRuntime, layer: int, scale: float, x_td, ids_tk, w
     )
 
 
-def _host_experts_fwd(runtime, layer, scale, x_td, ids_tk, weights_tk, lora):
-    y, ticket = jax.pure_callback(
+def _forward_keeping(call: HostLayer, x_td, ids_tk, weights_tk, lora):
+    """Under differentiation: the forward keeps what the backward reads, under a ticket the backward redeems."""
+    runtime, layer, scale = call
+    return jax.pure_callback(
         functools.partial(runtime.forward_keeping, layer, scale),
         (jax.ShapeDtypeStruct(x_td.shape, x_td.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
         x_td,
@@ -244,19 +257,14 @@ def _host_experts_fwd(runtime, layer, scale, x_td, ids_tk, weights_tk, lora):
         lora,
         vmap_method="sequential",
     )
-    return y, (x_td, ids_tk, weights_tk, lora, ticket)
 
 
-def _host_experts_bwd(runtime, layer, scale, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora, ticket = residuals
-    shapes = (
-        jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-        jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
-        {name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in lora.items()},
-    )
-    dx, dweights, dlora = jax.pure_callback(
+def _backward(call: HostLayer, arguments, ticket, dy_td):
+    runtime, layer, scale = call
+    x_td, ids_tk, weights_tk, lora = arguments
+    return jax.pure_callback(
         functools.partial(runtime.backward, layer, scale),
-        shapes,
+        gradient_shapes(x_td, weights_tk, lora),
         x_td,
         ids_tk,
         weights_tk,
@@ -265,11 +273,9 @@ def _host_experts_bwd(runtime, layer, scale, residuals, dy_td):
         ticket,
         vmap_method="sequential",
     )
-    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
-    return dx, ids_cotangent, dweights, dlora
 
 
-host_experts.defvjp(_host_experts_fwd, _host_experts_bwd)
+host_experts = expert_function(_forward, _backward, _forward_keeping)
 
 
 class HostExperts(nnx.Module):
@@ -282,5 +288,5 @@ class HostExperts(nnx.Module):
         self.lora = nnx.data(None)  # nnx.Dict of LoRAParam: gate_a [e, d, r], gate_b [e, r, f], ... when attached
 
     def __call__(self, x_td, ids_tk, weights_tk):
-        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
-        return host_experts(self.runtime, self.layer, self.lora_scale, x_td, ids_tk.astype(jnp.int32), weights_tk, lora)
+        call = HostLayer(self.runtime, self.layer, self.lora_scale)
+        return host_experts(call, x_td, ids_tk.astype(jnp.int32), weights_tk, lora_arrays(self.lora))

@@ -18,7 +18,6 @@ routing and overlaps the same way.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -27,7 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from moe_jax.backends.host import HostRuntime, host_experts
+from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
+from moe_jax.backends.host import HostLayer, HostRuntime, host_experts
 from moe_jax.backends.offload import (
     OffloadSpec,
     SpecExperts,
@@ -35,6 +35,7 @@ from moe_jax.backends.offload import (
     streamed_backward,
     streamed_forward,
 )
+from moe_jax.model.layers import lora_arrays
 from moe_jax.model.moe import subset_experts
 from moe_jax.planning.auto_choice import Shape, nearest_phase
 from moe_jax.planning.cost_model import Profile, best_placement
@@ -155,7 +156,7 @@ def _host_ids(on_device, ids_tk):
 
 def host_path(spec: HybridSpec, x_td, ids_tk, weights_tk, lora):
     """The host backend's own call for this layer (through XLA's FFI where it can): no planner, no callbacks."""
-    return host_experts(spec.runtime, spec.layer, spec.lora_scale, x_td, ids_tk, weights_tk, lora)
+    return host_experts(HostLayer(spec.runtime, spec.layer, spec.lora_scale), x_td, ids_tk, weights_tk, lora)
 
 
 def _record_routing(spec: HybridSpec, device_counts):
@@ -164,8 +165,7 @@ def _record_routing(spec: HybridSpec, device_counts):
     io_callback(lambda counts: spec.runtime.routing.add(spec.layer, counts), None, device_counts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming):
+def _hybrid_forward(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, streaming):
     placement = _placement(spec, ids_tk, cache[2])
     if not spec.host_needed:
         return _device_part(spec, x_td, ids_tk, weights_tk, lora, cache, streaming, placement)
@@ -195,31 +195,22 @@ def hybrid_experts(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, stre
     return jax.lax.switch(branch, [host_only, device_only, both])
 
 
-def _hybrid_fwd(spec, *args):
-    return hybrid_experts(spec, *args), args
-
-
-def _hybrid_bwd(spec, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora, cache, streaming = residuals
+def _hybrid_backward(spec: HybridSpec, arguments, _kept, dy_td):
+    x_td, ids_tk, weights_tk, lora, cache, streaming = arguments
     placement = _placement(spec, ids_tk, cache[2])
-    shapes = (
-        jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
-        jax.ShapeDtypeStruct(weights_tk.shape, weights_tk.dtype),
-        {name: jax.ShapeDtypeStruct(a.shape, a.dtype) for name, a in lora.items()},
-    )
 
-    def device_grads(x, weights, lora_arrays):
-        zeros = lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_arrays))  # noqa: E731
+    def device_grads(x, weights, lora_t):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, (x, weights, lora_t))  # noqa: E731
         grads = zeros()
         if spec.capacity:
             cached = lambda x, w, lo: _cached_part(spec, x, ids_tk, w, lo, cache, placement.cache_ids)  # noqa: E731
-            grads = jax.vjp(cached, x, weights, lora_arrays)[1](dy_td)
+            grads = jax.vjp(cached, x, weights, lora_t)[1](dy_td)
         if placement.rounds is not None:
             stream_spec = _stream_spec(spec)
             rounds = placement.rounds
             streamed = jax.lax.cond(
                 placement.streamed > 0,
-                lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_arrays, *streaming, rounds, dy_td),
+                lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_t, *streaming, rounds, dy_td),
                 zeros,
             )
             grads = jax.tree.map(jnp.add, grads, streamed)
@@ -230,17 +221,15 @@ def _hybrid_bwd(spec, residuals, dy_td):
         "backward",
         None,
         (x_td, _host_ids(placement.on_device, ids_tk), weights_tk, lora, dy_td),
-        shapes,
+        gradient_shapes(x_td, weights_tk, lora),
         device_grads,
         (x_td, weights_tk, lora),
     )
     grads = [g for g in (host_grads, device_grads_) if g is not None]
-    dx, dweights, dlora = jax.tree.map(lambda *parts: sum(parts), *grads)
-    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
-    return dx, ids_cotangent, dweights, dlora, None, None
+    return jax.tree.map(lambda *parts: sum(parts), *grads)
 
 
-hybrid_experts.defvjp(_hybrid_fwd, _hybrid_bwd)
+hybrid_experts = expert_function(_hybrid_forward, _hybrid_backward)
 
 
 class HybridExperts(SpecExperts):
@@ -318,7 +307,7 @@ class HybridExperts(SpecExperts):
         return cache, streaming
 
     def __call__(self, x_td, ids_tk, weights_tk):
-        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
+        lora = lora_arrays(self.lora)
         ids_tk = ids_tk.astype(jnp.int32)
         if not self.spec.device_pays(x_td.shape[0]):  # decided when tracing: the call's token count is static
             return host_path(self.spec, x_td, ids_tk, weights_tk, lora)

@@ -27,8 +27,9 @@ from flax import nnx
 from jax.experimental import io_callback
 from jax.sharding import SingleDeviceSharding
 
+from moe_jax.backends.expert_vjp import expert_function
 from moe_jax.backends.metrics import MetricsRecorder
-from moe_jax.model.layers import Frozen
+from moe_jax.model.layers import Frozen, lora_arrays
 from moe_jax.model.moe import subset_experts
 
 
@@ -137,26 +138,18 @@ def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_hos
     return jax.lax.fori_loop(0, _used_rounds(rounds, num_experts), step, zeros)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def offload_experts(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+def _offload_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
     rounds = _rounds(spec, ids_tk, len(w13_host))
     return streamed_forward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds)
 
 
-def _offload_fwd(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
-    y = offload_experts(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
-    return y, (x_td, ids_tk, weights_tk, lora, w13_host, w2_host)
-
-
-def _offload_bwd(spec, residuals, dy_td):
-    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = residuals
+def _offload_backward(spec: OffloadSpec, arguments, _kept, dy_td):
+    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = arguments
     rounds = _rounds(spec, ids_tk, len(w13_host))
-    dx, dweights, dlora = streamed_backward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td)
-    ids_cotangent = np.zeros(ids_tk.shape, dtype=jax.dtypes.float0)
-    return dx, ids_cotangent, dweights, dlora, None, None
+    return streamed_backward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td)
 
 
-offload_experts.defvjp(_offload_fwd, _offload_bwd)
+offload_experts = expert_function(_offload_forward, _offload_backward)
 
 
 class SpecExperts(nnx.Module):
@@ -189,7 +182,7 @@ class OffloadExperts(SpecExperts):
         self.lora = nnx.data(None)
 
     def __call__(self, x_td, ids_tk, weights_tk):
-        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else {}
+        lora = lora_arrays(self.lora)
         w13 = tuple(w[...] for w in self.w13)
         w2 = tuple(w[...] for w in self.w2)
         return offload_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, w13, w2)

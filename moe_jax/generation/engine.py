@@ -59,13 +59,13 @@ class GenerationEngine:
 
     def slots_that_fit(self) -> int:
         """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
-        fit = self.model.kv_slots(self.max_len)
+        fit = self.model.kv.slots(self.max_len)
         if fit is None:
             return self.slots
         if fit < 1:
             raise InputError(
-                f"the KV cache budget ({self.model.kv_budget_bytes} bytes) holds no {self.max_len}-token sequence "
-                f"({self.model.kv_bytes_per_sequence(self.max_len)} bytes); give the KV cache a larger share"
+                f"the KV cache budget ({self.model.kv.budget_bytes} bytes) holds no {self.max_len}-token sequence "
+                f"({self.model.kv.bytes_per_sequence(self.max_len)} bytes); give the KV cache a larger share"
             )
         return min(self.slots, fit)
 
@@ -127,13 +127,9 @@ class GenerationEngine:
         model.refresh_expert_cache()
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)
-        self._prefill, self._decode, self._write_prefix = model.generation_steps()
-        caches = model.new_caches(slots, self.max_len)
-        model.kv_live_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
-        try:
+        self._prefill, self._decode, self._write_prefix = model.generation.steps()
+        with model.kv.held(model.kv.kv.new_caches(slots, self.max_len)) as caches:
             yield Batch(self, slots, caches, shrink)
-        finally:
-            model.kv_live_bytes = 0
 
     def decode(self, caches, host_tokens, from_host, last_tokens, positions):
         """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for): (logits,

@@ -30,6 +30,12 @@ class LoRAParam(nnx.Param):
     """A trainable low-rank adapter weight."""
 
 
+def lora_arrays(lora) -> dict:
+    """An expert module's LoRA parameters (an nnx.Dict, or None when none is attached) as the arrays an expert
+    function takes ({} for none)."""
+    return {name: p[...] for name, p in lora.items()} if lora is not None else {}
+
+
 def rms_norm(x, weight, eps):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

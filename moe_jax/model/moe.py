@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.model.config import Router
-from moe_jax.model.layers import Frozen, SwiGLU
+from moe_jax.model.layers import Frozen, SwiGLU, lora_arrays
 
 
 def route(x_td, router_de, spec: Router, bias_e=None):
@@ -142,7 +142,7 @@ class DeviceExperts(nnx.Module):
     def __call__(self, x_td, ids_tk, weights_tk):
         num_experts = self.w13.shape[0]
         order, token_of_pair, group_sizes = sort_pairs_by_expert(ids_tk, num_experts)
-        lora = {name: p[...] for name, p in self.lora.items()} if self.lora is not None else None
+        lora = lora_arrays(self.lora)
         out_pd = grouped_swiglu(
             x_td[token_of_pair], self.w13[...], self.w2[...], group_sizes, lora=lora, scale=self.lora_scale
         )
