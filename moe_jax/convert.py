@@ -32,9 +32,10 @@ from tqdm import tqdm
 from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.cli import run_cli
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, is_expert_tensor, open_checkpoint
+from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
+from moe_jax.formats.hf_names import is_expert_tensor
 from moe_jax.formats.safetensors_io import save_safetensors
 
 GGUF_CLOSEST = "closest"  # convert's default `quant`: a GGUF file's own format where moe_jax has it, else floats

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.errors import CheckpointError, ConfigError, is_finite_number, is_int, read_json_file
+from moe_jax.formats import hf_names
 from moe_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
 from moe_jax.model.layers import Projection
 from moe_jax.model.lora import EXPERTS_TARGET, MLP_TARGETS, LoRAConfig
@@ -33,26 +34,11 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 EXPERT_WEIGHTS = "moe_jax_expert_lora.safetensors"
 
 
-def hf_module_name(path, config) -> str:
-    """Our module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name."""
-    parts = []
-    for p in path:
-        if p == "layers":
-            parts.append("model.layers")
-        elif p == "shared":
-            parts.append(config.shared_expert_module)
-        elif p == "mlp":
-            parts.append(config.moe_module)
-        else:
-            parts.append(str(p))
-    return ".".join(parts)
-
-
 def lora_modules(transformer):
     """(hf name, Projection) for every projection with an adapter, and (hf name, experts) for expert adapters."""
     projections, experts = [], []
     for path, module in nnx.iter_modules(transformer):
-        name = hf_module_name(path, transformer.config)
+        name = hf_names.module_name(path, transformer.config)
         if isinstance(module, Projection) and module.lora_a is not None:
             projections.append((name, module))
         elif isinstance(module, MoEBlock) and getattr(module.experts, "lora", None) is not None:
@@ -132,9 +118,8 @@ def peft_expert_tensors(name: str, lora: dict[str, np.ndarray]) -> dict[str, np.
     """One MoE block's routed-expert adapters as peft's ParamWrapper tensors. peft keeps an adapter on a 3-D
     parameter [experts, out, in] as lora_A [experts * r, in] (row e * r + k) and lora_B [out, r * experts]
     (column k * experts + e), and adds scaling * B_e @ A_e to expert e's weight. moe_jax's adapters are
-    `<proj>_a` [experts, in, r] and `<proj>_b` [experts, r, out]. transformers (>= 5) names Mixtral's MoE block
-    `mlp` (`block_sparse_moe` in older checkpoints), as Qwen's."""
-    module = "base_model.model." + name.replace("block_sparse_moe", "mlp")
+    `<proj>_a` [experts, in, r] and `<proj>_b` [experts, r, out]."""
+    module = hf_names.peft_module(name)
     e, hidden, r = lora["gate_a"].shape
     ffn = lora["gate_b"].shape[2]
     a = np.concatenate([lora["gate_a"], lora["up_a"]], axis=2).transpose(0, 2, 1)  # [e, 2r, hidden]

@@ -16,7 +16,7 @@ import numpy as np
 
 from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
 from moe_jax.errors import CheckpointError, is_int, read_json_file
-from moe_jax.formats import fp8
+from moe_jax.formats import fp8, hf_names
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.hf_config import read_hf_config
 from moe_jax.formats.safetensors_io import TensorSource
@@ -151,24 +151,12 @@ def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
             )
 
 
-def moe_prefix(config: ModelConfig, layer: int) -> str:
-    return f"model.layers.{layer}.{config.moe_module}"
-
-
-def hf_expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    """(gate, up, down) weight names of one expert in the per-expert Hugging Face layout."""
-    p = f"{moe_prefix(config, layer)}.experts.{expert}"
-    if config.model_type == "mixtral":
-        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
-    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
-
-
 def stack_hf_experts(tensors: TensorSource, config: ModelConfig, layer: int, dtype) -> LayerExperts:
     e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
-    fused = f"{moe_prefix(config, layer)}.experts.gate_up_proj"
+    fused, fused_down = hf_names.fused_expert_names(config, layer)
     if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
         gate_up = tensors.get(fused, (e, 2 * f, d))
-        down = tensors.get(f"{moe_prefix(config, layer)}.experts.down_proj", (e, d, f))
+        down = tensors.get(fused_down, (e, d, f))
         return LayerExperts(
             np.ascontiguousarray(gate_up.transpose(0, 2, 1), dtype=dtype),
             np.ascontiguousarray(down.transpose(0, 2, 1), dtype=dtype),
@@ -176,18 +164,11 @@ def stack_hf_experts(tensors: TensorSource, config: ModelConfig, layer: int, dty
     w13 = np.empty((e, d, 2 * f), dtype=dtype)
     w2 = np.empty((e, f, d), dtype=dtype)
     for expert in range(e):
-        gate, up, down = hf_expert_names(config, layer, expert)
+        gate, up, down = hf_names.expert_names(config, layer, expert)
         w13[expert, :, :f] = tensors.get(gate, (f, d)).T
         w13[expert, :, f:] = tensors.get(up, (f, d)).T
         w2[expert] = tensors.get(down, (d, f)).T
     return LayerExperts(w13, w2)
-
-
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
-
-
-def is_expert_tensor(name: str) -> bool:
-    return bool(_EXPERT_TENSOR.search(name))
 
 
 def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:
@@ -215,7 +196,7 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
     }
     if config.mla is not None:
         table.update(_mla_shapes(config))
-    if f".{config.shared_expert_module}." in name:
+    if f".{hf_names.shared_expert_module(config)}." in name:
         width = config.shared_expert_intermediate_size
     else:
         width = config.dense_intermediate_size

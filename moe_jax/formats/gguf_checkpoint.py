@@ -24,6 +24,7 @@ import numpy as np
 
 from host_kernels import LayerExperts, QuantizedLayerExperts, pack_int4_layer
 from moe_jax.errors import CheckpointError
+from moe_jax.formats import hf_names
 from moe_jax.formats.gguf_config import ARCHITECTURES, hf_config
 from moe_jax.formats.hf_config import read_hf_config
 
@@ -56,9 +57,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "token_embd.weight": hf_names.EMBED,
+    "output_norm.weight": f"{hf_names.FINAL_NORM}.weight",
+    "output.weight": hf_names.LM_HEAD,
 }
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -137,7 +138,7 @@ class GGUFFile:
         """Hugging Face name -> where it comes from: ("tensor", GGUF name), or ("gate_up" | "down" | "kv_b", layer)
         for the tensors llama.cpp stores differently."""
         layers = self.config.num_layers
-        moe, shared = self.config.moe_module, self.config.shared_expert_module
+        moe, shared = hf_names.moe_module(self.config), hf_names.shared_expert_module(self.config)
         names = {}
         for name in self.tensors:
             if name in _GLOBAL_NAMES:
@@ -147,7 +148,7 @@ class GGUFFile:
             if m is None or int(m.group(1)) >= layers:  # rope_freqs (recomputed), MTP / nextn layers
                 continue
             layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
-            prefix = f"model.layers.{layer}"
+            prefix = hf_names.layer(layer)
             if part in _EXPERTS:
                 which = "down" if part == "ffn_down_exps" else "gate_up"
                 names[f"{prefix}.{moe}.experts.{which}_proj"] = (which, layer)

@@ -128,7 +128,7 @@ class GenerationEngine:
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)
         self._prefill, self._decode, self._write_prefix = model.generation.steps()
-        with model.kv.held(model.kv.kv.new_caches(slots, self.max_len)) as caches:
+        with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
             yield Batch(self, slots, caches, shrink)
 
     def decode(self, caches, host_tokens, from_host, last_tokens, positions):

@@ -137,15 +137,5 @@ class ModelConfig:
             return (1, self.mla.kv_lora_rank), (1, self.mla.rope_dim)
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
-    @property
-    def moe_module(self) -> str:
-        """The Hugging Face name of a layer's MoE block under `model.layers.N`."""
-        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
-
-    @property
-    def shared_expert_module(self) -> str:
-        """The Hugging Face name of the shared expert(s) under the MoE block."""
-        return "shared_experts" if self.model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe") else "shared_expert"
-
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

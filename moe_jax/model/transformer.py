@@ -12,6 +12,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.formats import hf_names
 from moe_jax.model.config import ModelConfig
 from moe_jax.model.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
 from moe_jax.model.mla import MLAttention
@@ -112,12 +113,13 @@ def build_transformer(
 
     layers = []
     for i in range(config.num_layers):
-        p = f"model.layers.{i}"
-        attn = _mla(config, f"{p}.self_attn", proj, norm, plan) if config.mla else _gqa(config, i, proj, dense, plan)
+        p = hf_names.layer(i)
+        attn = (
+            _mla(config, hf_names.attention(i), proj, norm, plan) if config.mla else _gqa(config, i, proj, dense, plan)
+        )
         if config.is_moe_layer(i):
-            moe_prefix = f"{p}.{config.moe_module}"
-            shared_prefix = f"{moe_prefix}.{config.shared_expert_module}"
-            shared = swiglu(shared_prefix) if config.shared_expert_intermediate_size else None
+            moe_prefix = hf_names.moe_block(config, i)
+            shared = swiglu(hf_names.shared_expert(config, i)) if config.shared_expert_intermediate_size else None
             gate_name = f"{moe_prefix}.shared_expert_gate.weight"
             mlp = MoEBlock(
                 dense(f"{moe_prefix}.gate.weight"),
@@ -128,20 +130,20 @@ def build_transformer(
                 shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
             )
         else:
-            mlp = swiglu(f"{p}.mlp")
+            mlp = swiglu(f"{p}.{hf_names.DENSE_MLP}")
         layers.append(DecoderLayer(attn, mlp, norm(f"{p}.input_layernorm"), norm(f"{p}.post_attention_layernorm")))
-    tied = config.tie_word_embeddings or not has("lm_head.weight")
+    tied = config.tie_word_embeddings or not has(hf_names.LM_HEAD)
     return Transformer(
         config,
-        dense("model.embed_tokens.weight"),
+        dense(hf_names.EMBED),
         layers,
-        norm("model.norm"),
-        None if tied else dense("lm_head.weight"),
+        norm(hf_names.FINAL_NORM),
+        None if tied else dense(hf_names.LM_HEAD),
     )
 
 
 def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> Attention:
-    p = f"model.layers.{layer}.self_attn"
+    p = hf_names.attention(layer)
     return Attention(
         proj(f"{p}.q_proj", config.qkv_bias),
         proj(f"{p}.k_proj", config.qkv_bias),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from host_kernels import KernelChoice, quantized_expert_bytes
 from moe_jax.errors import MemoryLimitError
-from moe_jax.formats.checkpoint import is_expert_tensor
+from moe_jax.formats.hf_names import is_expert_tensor
 
 
 def human_size(n: int) -> str:

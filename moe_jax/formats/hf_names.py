@@ -1,0 +1,82 @@
+"""Hugging Face's names for a checkpoint's modules and tensors, in one place: what the model is built from
+(`model.transformer.build_transformer`), what a checkpoint is checked and its experts read by (`checkpoint.py`),
+what GGUF tensors are renamed to (`gguf_checkpoint.py`) and what an exported adapter calls its modules
+(`adapters.py`)."""
+
+from __future__ import annotations
+
+import re
+
+from moe_jax.model.config import ModelConfig
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+FINAL_NORM = "model.norm"
+DENSE_MLP = "mlp"  # a dense layer's MLP under the layer
+ATTENTION = "self_attn"
+EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
+
+
+def layer(i: int) -> str:
+    return f"model.layers.{i}"
+
+
+def attention(i: int) -> str:
+    return f"{layer(i)}.{ATTENTION}"
+
+
+def moe_module(config: ModelConfig) -> str:
+    """A layer's MoE block under `model.layers.N` (older Mixtral checkpoints' name; transformers 5 says `mlp`)."""
+    return "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+
+
+def shared_expert_module(config: ModelConfig) -> str:
+    """The shared expert(s) under the MoE block."""
+    return "shared_experts" if config.model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe") else "shared_expert"
+
+
+def moe_block(config: ModelConfig, i: int) -> str:
+    return f"{layer(i)}.{moe_module(config)}"
+
+
+def shared_expert(config: ModelConfig, i: int) -> str:
+    return f"{moe_block(config, i)}.{shared_expert_module(config)}"
+
+
+def expert_names(config: ModelConfig, i: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) weight names of one expert in the per-expert layout."""
+    p = f"{moe_block(config, i)}.experts.{expert}"
+    if config.model_type == "mixtral":
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def fused_expert_names(config: ModelConfig, i: int) -> tuple[str, str]:
+    """(gate_up, down) of a layer's experts in transformers 5's fused layout."""
+    p = f"{moe_block(config, i)}.experts"
+    return f"{p}.gate_up_proj", f"{p}.down_proj"
+
+
+def is_expert_tensor(name: str) -> bool:
+    return bool(EXPERT_TENSOR.search(name))
+
+
+def module_name(path, config: ModelConfig) -> str:
+    """moe_jax's module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name."""
+    parts = []
+    for p in path:
+        if p == "layers":
+            parts.append("model.layers")
+        elif p == "shared":
+            parts.append(shared_expert_module(config))
+        elif p == "mlp":
+            parts.append(moe_module(config))
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def peft_module(name: str) -> str:
+    """A Hugging Face module name as peft's wrapped model calls it (transformers 5's names: Mixtral's MoE block is
+    `mlp` there, as Qwen's)."""
+    return "base_model.model." + name.replace("block_sparse_moe", "mlp")
