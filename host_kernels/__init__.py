@@ -5,20 +5,28 @@ What the rest of the project uses, importable from here:
   `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`; `pack_int4_layer`
   for weights quantized elsewhere), `StoreWriter`,
   `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
-- the engine: `HostMoE` (forward, forward_keeping, backward; its `fused_forward()` is the native forward, and
-  `is_live_call` says whether an address is one of its calls), `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
+- computing experts: `ExpertCompute`, the one face a caller computes through (forward, keeping pre-activations
+  or not, backward, the native forward's address for XLA's FFI handler, and `HostTotals`: what the fused forward
+  and the engine did, in one record), over `HostMoE` (the engine: tiled forward and backward; its
+  `fused_forward()` is the native forward, and `is_live_call` says whether an address is one of its calls),
+  `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
 - the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
   what it is made from: `cpu_features`, `library_status`; `QUANTIZED`, the quantized formats it can be asked for;
 - errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
-The native library's own wrappers (amx, f32_gemm, native) serve the engine and moe_jax's XLA handlers.
+- for moe_jax's XLA FFI handlers, which are built into the same native library: `xla_ffi_library` (the library,
+  or why the handlers are not there), `cpu_lacks`, the fused forward's kernel table `KERNELS` (each kernel's packing,
+  which the dense decode handler reads too) and `best_kernel`, `BF16`.
+The native library's own wrappers (amx, f32_gemm, native, ...) serve the engine; nothing outside imports them.
 """
 
+from host_kernels.amx import BF16
 from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
+from host_kernels.compute import ExpertCompute, HostTotals
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
-from host_kernels.fused_forward import QUANTIZED, is_live_call
+from host_kernels.fused_forward import KERNELS, QUANTIZED, best_kernel, is_live_call
 from host_kernels.host_moe import HostMoE
 from host_kernels.lora import ExpertLoRA
-from host_kernels.native import trim_heap
+from host_kernels.native import cpu_lacks, trim_heap, xla_ffi_library
 from host_kernels.pool import MAX_THREADS, default_threads
 from host_kernels.store import (
     ExpertStore,
@@ -33,12 +41,16 @@ from host_kernels.store import (
 )
 
 __all__ = [
+    "BF16",
+    "KERNELS",
     "MAX_THREADS",
     "QUANTIZED",
+    "ExpertCompute",
     "ExpertLoRA",
     "ExpertStore",
     "HostKernelError",
     "HostMoE",
+    "HostTotals",
     "KernelChoice",
     "KernelArgumentError",
     "LayerExperts",
@@ -46,7 +58,9 @@ __all__ = [
     "NonFiniteError",
     "StoreError",
     "StoreWriter",
+    "best_kernel",
     "choose_kernels",
+    "cpu_lacks",
     "cpu_features",
     "default_threads",
     "file_sha256",
@@ -57,4 +71,5 @@ __all__ = [
     "quantized_expert_bytes",
     "release_pages",
     "trim_heap",
+    "xla_ffi_library",
 ]

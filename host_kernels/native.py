@@ -107,6 +107,20 @@ def _loadable() -> tuple[bool, str]:
     return not reason, reason
 
 
+def xla_ffi_library(symbols: tuple[str, ...]):
+    """(the native library, "") when XLA's FFI handlers `symbols` are built into it, else (None, why not)."""
+    usable, reason = _loadable()
+    if not usable:
+        return None, reason
+    library = lib()
+    if not all(hasattr(library, symbol) for symbol in symbols):
+        return None, (
+            "host_kernels' native library was built without the XLA FFI handlers (jaxlib's headers were not found; "
+            "reinstall with `pip install -e .` where jaxlib is installed)"
+        )
+    return library, ""
+
+
 def built_from_sources(library, hash_symbol: str, source_hash_now, path: Path) -> str:
     """Why `library` must not be called ("" if it may): it carries, as `hash_symbol()`, the hash of the sources it
     was built from; `source_hash_now()` hashes the sources as they are (native_sources.py)."""

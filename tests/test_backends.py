@@ -126,14 +126,14 @@ def test_host_callback_error_surfaces_with_layer(checkpoint, monkeypatch):
     kernels = dataclasses.replace(choose_kernels(np.float32), fused="")
     model = moe_jax.load_model(checkpoint, backend="host", host_kernels=kernels)
     layer = model.config.moe_layers[-1]
-    original = model.placement.runtime.engine.forward
+    original = model.placement.runtime.compute.engine.forward
 
     def failing(index, *args, **kwargs):
         if index == layer:
             raise HostKernelError(f"layer {index}: simulated failure")
         return original(index, *args, **kwargs)
 
-    monkeypatch.setattr(model.placement.runtime.engine, "forward", failing)
+    monkeypatch.setattr(model.placement.runtime.compute.engine, "forward", failing)
     with pytest.raises(HostKernelError, match=f"layer {layer}: simulated failure"):
         model.logits(np.ones((1, 4), np.int64))
     monkeypatch.undo()
@@ -194,7 +194,7 @@ def moe_layers(checkpoint):
 def test_host_backward_uses_the_forwards_kept_activations(checkpoint):
     model = moe_jax.load_model(checkpoint, backend="host")
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, 96, size=(2, 9)))
-    engine = model.placement.runtime.engine
+    engine = model.placement.runtime.compute.engine
     original, used = engine.backward, []
 
     def spy(*args, saved=None, **kwargs):
@@ -204,4 +204,4 @@ def test_host_backward_uses_the_forwards_kept_activations(checkpoint):
     engine.backward = spy
     lora_loss_grad(model, tokens)
     assert used == [True] * len(model.config.moe_layers)
-    assert not model.placement.runtime._kept  # consumed, nothing left behind
+    assert not len(model.placement.runtime.kept)  # consumed, nothing left behind

@@ -52,7 +52,9 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path):
     save_hf_model(make_hf_model("mixtral", seed=4), tmp_path)
     loss32, grads32, _ = loss_and_grads(tmp_path, "float32")
     loss16, grads16, model = loss_and_grads(tmp_path, "bfloat16")
-    assert model.placement.runtime.engine.kernel == choose_kernels(ml_dtypes.bfloat16).gemm  # native where it runs
+    assert (
+        model.placement.runtime.compute.engine.kernel == choose_kernels(ml_dtypes.bfloat16).gemm
+    )  # native where it runs
     assert model.transformer.head_copy is not None  # the transposed copies for the fast backward are in use
     assert abs(loss16 - loss32) < 2e-2 * abs(loss32)
     assert grads16.keys() == grads32.keys() and any("experts" in k for k in grads16)
@@ -64,13 +66,13 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path):
     # the experts' own rounding (AMX against float32 GEMMs on the same bfloat16 weights) is smaller: under 1% per
     # layer call (tests/test_host_kernels.py), 1.5-8% here once the wide weights' routing has amplified it
     _, grads_numpy, numpy_model = loss_and_grads(tmp_path, "bfloat16", native=False)
-    assert numpy_model.placement.runtime.engine.kernel == "numpy"
+    assert numpy_model.placement.runtime.compute.engine.kernel == "numpy"
     for name in grads16:
         assert relative_error(grads16[name], grads_numpy[name]) < 0.12, name
 
     # without the transposed copies (both numpy): the same up to summation order, which routing amplifies here
     _, grads_plain, plain = loss_and_grads(tmp_path, "bfloat16", keep_transposed=False, native=False)
-    assert plain.transformer.head_copy is None and plain.placement.runtime.engine.kernel == "numpy"
+    assert plain.transformer.head_copy is None and plain.placement.runtime.compute.engine.kernel == "numpy"
     for name in grads16:
         assert relative_error(grads_plain[name], grads_numpy[name]) < 5e-2, name
 

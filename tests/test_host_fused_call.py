@@ -34,7 +34,7 @@ def host_model(path, path_taken: str, dtype=NATIVE_DTYPE):
     if path_taken == "engine":  # this machine's kernels, less the fused forward
         kernels = dataclasses.replace(choose_kernels(jnp.dtype(dtype)), fused="")
         model = moe_jax.load_model(path, backend="host", dtype=dtype, host_kernels=kernels)
-        assert model.placement.runtime.fused is None
+        assert model.placement.runtime.compute.fused is None
         return model
     model = moe_jax.load_model(path, backend="host", dtype=dtype, xla_ffi=path_taken == "ffi")
     assert model.plan.experts_ffi == (path_taken == "ffi")
@@ -70,7 +70,7 @@ def test_float32_paths_agree(checkpoint):
     ffi = host_model(checkpoint, "ffi", dtype="float32")
     callback = host_model(checkpoint, "callback", dtype="float32")
     engine = host_model(checkpoint, "engine", dtype="float32")
-    assert ffi.placement.runtime.fused is not None
+    assert ffi.placement.runtime.compute.fused is not None
     np.testing.assert_array_equal(callback.logits(ids), ffi.logits(ids))
     np.testing.assert_allclose(ffi.logits(ids), engine.logits(ids), rtol=1e-4, atol=1e-4)
     prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
@@ -120,7 +120,7 @@ def test_only_calls_made_by_xla_count_as_its_wait(checkpoint):
     for path_taken in ("ffi", "callback"):
         model = host_model(checkpoint, path_taken)
         model.logits(ids)
-        totals = model.placement.runtime.fused.take_totals()
+        totals = model.placement.runtime.compute.take_totals()
         assert totals.calls == len(model.config.moe_layers)
         assert (totals.xla_call_seconds > 0) == (path_taken == "ffi")
         assert totals.xla_call_seconds <= totals.seconds
@@ -128,7 +128,7 @@ def test_only_calls_made_by_xla_count_as_its_wait(checkpoint):
 
 def test_bad_expert_ids_fail_the_step_with_the_reason(checkpoint):
     model = host_model(checkpoint, "ffi")
-    fused = model.placement.runtime.fused
+    fused = model.placement.runtime.compute.fused
     address = fused.call_address(0)
 
     @jax.jit

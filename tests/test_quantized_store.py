@@ -73,7 +73,7 @@ def test_a_quantized_store_computes_what_quantizing_at_load_does(stores, quant):
     np.testing.assert_array_equal(stored.logits(ids), at_load.logits(ids))
     assert stored.generate(ids.tolist(), max_new_tokens=4) == at_load.generate(ids.tolist(), max_new_tokens=4)
     # the packed weights the kernel reads are the mapped file itself
-    layer = stored.placement.runtime.engine.store[0]
+    layer = stored.placement.runtime.compute.engine.store[0]
     assert isinstance(layer.w13_packed, np.memmap) and np.shares_memory(layer.packed(0)[0].data, layer.w13_packed)
 
 
@@ -138,7 +138,7 @@ def test_training_on_a_quantized_base_follows_the_dequantized_weights(stores, tm
     targets = ("q_proj", "v_proj", "experts")
     loss_q, grads_q, model = loss_and_grads(stores["int4 from float32"], targets)
     loss_f, grads_f, _ = loss_and_grads(reference, targets)
-    assert model.plan.quant == "int4" and model.placement.runtime.engine.kernel == "numpy"
+    assert model.plan.quant == "int4" and model.placement.runtime.compute.engine.kernel == "numpy"
     assert abs(loss_q - loss_f) < 1e-5 * abs(loss_f)
     assert grads_q.keys() == grads_f.keys() and any("experts" in k for k in grads_q)
     for name in grads_f:

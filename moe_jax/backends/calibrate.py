@@ -56,7 +56,7 @@ def host_faster_phases(layer: HybridExperts, dtype, seed: int = 0) -> tuple[froz
         timings[tokens] = (host_s, device_s)
         if host_s <= device_s:
             host_faster.add(tokens)
-    spec.runtime.fold_fused_metrics()  # calibration traffic: not routing the cache should learn from, nor metrics
+    spec.runtime.fold_host_metrics()  # calibration traffic: not routing the cache should learn from, nor metrics
     spec.runtime.routing.take()
     spec.runtime.metrics.take()
     return frozenset(host_faster), timings

@@ -27,7 +27,8 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
-from moe_jax.backends.host import HostLayer, HostRuntime, host_experts
+from moe_jax.backends.host import HostLayer, host_experts
+from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.backends.offload import (
     OffloadSpec,
     SpecExperts,
@@ -161,7 +162,7 @@ def host_path(spec: HybridSpec, x_td, ids_tk, weights_tk, lora):
 
 def _record_routing(spec: HybridSpec, device_counts):
     """Device pairs' experts into the routing the expert cache learns from (host pairs are counted where the
-    host computes them: see HostRuntime.fold_fused_metrics)."""
+    host computes them: see HostRuntime.fold_host_metrics)."""
     io_callback(lambda counts: spec.runtime.routing.add(spec.layer, counts), None, device_counts)
 
 

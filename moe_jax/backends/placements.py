@@ -18,9 +18,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from host_kernels import ExpertStore, HostMoE, trim_heap
+from host_kernels import ExpertCompute, ExpertStore, HostMoE, trim_heap
 from moe_jax.backends import calibrate as layer_calibration
-from moe_jax.backends.host import HostExperts, HostRuntime
+from moe_jax.backends.host import HostExperts
+from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
 from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
@@ -102,7 +103,7 @@ class ExpertPlacement:
 
     def take_metrics(self) -> BackendMetrics:
         if self.runtime is not None:
-            self.runtime.fold_fused_metrics()
+            self.runtime.fold_host_metrics()
         return self.metrics.take()
 
     def take_error(self) -> BaseException | None:
@@ -167,7 +168,7 @@ class HostPlacement(ExpertPlacement):
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
         engine = HostMoE(self._host_store(), threads=options.host_threads, kernels=plan.host_kernels)
-        self.runtime = HostRuntime(engine, self.metrics, experts_ffi=plan.experts_ffi)
+        self.runtime = HostRuntime(ExpertCompute(engine), self.metrics, experts_ffi=plan.experts_ffi)
 
     def _host_store(self) -> ExpertStore:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM; where the
@@ -193,7 +194,7 @@ class HostPlacement(ExpertPlacement):
 
     def _device_layer(self, layer: int):
         """The layer's experts in the model's dtype, as a device cache and the streams hold them."""
-        store_layer = self.runtime.engine.store[layer]
+        store_layer = self.runtime.compute.store[layer]
         if store_layer.w13.dtype == self.dtype:
             return store_layer
         return self.checkpoint.layer_experts(layer, self.dtype)
@@ -307,7 +308,7 @@ class AutoPlacement(HostPlacement):
     def refresh_expert_cache(self, transformer) -> bool:
         """Folds the routing seen since the last call into the cache policy and moves the device cache toward it
         (bounded churn). Returns whether any layer's cache changed."""
-        self.runtime.fold_fused_metrics()  # brings in the pairs the native forward counted
+        self.runtime.fold_host_metrics()  # brings in the pairs the native forward counted
         self.expert_cache.observe(self.runtime.routing.take())
         changed = False
         for module in hybrid_layers(transformer):

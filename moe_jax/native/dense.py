@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import amx
-from host_kernels.fused_forward import KERNELS, best_kernel
+from host_kernels import BF16, KERNELS, best_kernel
 from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
@@ -32,7 +31,7 @@ def dense_kernel(quant: str | None = None) -> tuple[str, str]:
     bfloat16 kernel the fused forward would pick (AMX tiles, else AVX512-BF16), or with `quant` the one for those
     quantized weights; or ("", why none)."""
     usable, reason = ffi.status()
-    return best_kernel(amx.BF16, quant) if usable else ("", reason)
+    return best_kernel(BF16, quant) if usable else ("", reason)
 
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:

@@ -15,7 +15,7 @@ from functools import cache
 
 import jax
 
-from host_kernels import native
+from host_kernels import cpu_lacks, xla_ffi_library
 
 # the custom-call targets, each registered under its C symbol's name
 HANDLERS = ("moe_jax_host_experts", "moe_jax_decode_attention", "moe_jax_argmax", "moe_jax_dense")
@@ -31,15 +31,9 @@ def status() -> tuple[bool, str]:
 
 @cache
 def _registered() -> tuple[bool, str]:
-    usable, reason = native.status(())
-    if not usable:
+    library, reason = xla_ffi_library(HANDLERS)
+    if library is None:
         return False, reason
-    library = native.lib()
-    if not hasattr(library, HANDLERS[0]):
-        return False, (
-            "host_kernels' native library was built without the XLA FFI handlers (jaxlib's headers were not found; "
-            "reinstall with `pip install -e .` where jaxlib is installed)"
-        )
     for target in HANDLERS:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True, ""
@@ -50,7 +44,7 @@ def kernel_status(cpu_flags) -> tuple[bool, str]:
     usable, reason = status()
     if not usable:
         return usable, reason
-    lacking = native.cpu_lacks(cpu_flags)
+    lacking = cpu_lacks(cpu_flags)
     return not lacking, lacking
 
 

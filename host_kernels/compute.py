@@ -1,0 +1,110 @@
+"""The host engine's one face for a caller that computes routed experts: `ExpertCompute`.
+
+It decides, call by call, between the two ways one layer's experts run: the fused native forward (one C call:
+routing, GEMMs, SwiGLU, combine; no Python per expert) where the kernel choice has one and the call needs nothing
+it lacks (expert LoRA, pre-activations kept for a backward), else the engine's tiled forward and backward
+(`HostMoE`, which also computes every backward). What both did is reported as one record (`HostTotals`), so a
+caller never merges two kinds of statistics.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from host_kernels.fused_forward import FusedTotals
+from host_kernels.host_moe import HostMoE
+from host_kernels.lora import PROJECTIONS, ExpertLoRA
+
+HostTotals = FusedTotals  # calls, time, flops, bytes and routed pairs since the last take, whichever path ran
+
+
+class ExpertCompute:
+    """Routed experts of any layer of `engine`'s store, forward and backward, on the fastest path for each call.
+
+    `engine` and `fused` (None where the kernel choice has no fused forward) are there to be inspected; callers
+    compute through the methods below."""
+
+    def __init__(self, engine: HostMoE):
+        self.engine = engine
+        self.fused = engine.fused_forward()
+        self._engine_totals = HostTotals(routed={})
+        self._lock = threading.Lock()
+
+    @property
+    def store(self):
+        return self.engine.store
+
+    @property
+    def keeps_activations(self) -> bool:
+        """Whether keeping a forward's pre-activations for its backward pays (else the backward recomputes them):
+        only on the numpy path; with native GEMMs the recompute (one GEMM) is faster than reading 2 x ffn floats
+        per pair back from RAM, and quantized experts' fused forward skips the dequantization the engine's forward
+        pays."""
+        return self.engine.kernel == "numpy" and not self.engine.kernels.quantized
+
+    def call_address(self, layer: int) -> int:
+        """The address of `layer`'s native forward (`moe_call`), which XLA's FFI handler calls; needs `fused`."""
+        return self.fused.call_address(layer)
+
+    def forward(self, layer: int, x, ids, weights, lora: ExpertLoRA | None = None, keep: bool = False):
+        """(y in x's dtype, pre-activations for `backward` when `keep`, else None). Without expert LoRA or kept
+        activations the fused forward computes it (on AMX the same bits as the engine's forward; in float32 the
+        same function up to summation order)."""
+        if self.fused is not None and lora is None and not keep:
+            return self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights)), None
+        args = (layer, np.asarray(x, np.float32), ids, np.asarray(weights, np.float32), lora)
+        y, saved = self.engine.forward_keeping(*args) if keep else (self.engine.forward(*args), None)
+        self._count(inputs=(x, ids, weights, *_arrays(lora)), outputs=(y,))
+        return y.astype(x.dtype), saved
+
+    def backward(self, layer: int, x, ids, weights, dy, lora: ExpertLoRA | None = None, saved=None):
+        """(dx in x's dtype, routing-weight gradients in weights' dtype, ExpertLoRA of LoRA gradients or None)."""
+        dx, dweights, dlora = self.engine.backward(
+            layer,
+            np.asarray(x, np.float32),
+            ids,
+            np.asarray(weights, np.float32),
+            np.asarray(dy, np.float32),
+            lora,
+            saved=saved,
+        )
+        self._count(inputs=(x, ids, weights, dy, *_arrays(lora)), outputs=(dx, dweights, *_arrays(dlora)))
+        return dx.astype(x.dtype), dweights.astype(weights.dtype), dlora
+
+    def take_totals(self) -> HostTotals:
+        """What both paths did since the previous take, in one record."""
+        with self._lock:
+            totals, self._engine_totals = self._engine_totals, HostTotals(routed={})
+        if self.fused is not None:
+            fused = self.fused.take_totals()
+            for name in ("calls", "seconds", "xla_call_seconds", "busy_seconds", "flops", "weight_bytes"):
+                setattr(totals, name, getattr(totals, name) + getattr(fused, name))
+            totals.bytes_in += fused.bytes_in
+            totals.bytes_out += fused.bytes_out
+            for layer, counts in fused.routed.items():
+                totals.routed[layer] = totals.routed[layer] + counts if layer in totals.routed else counts
+        return totals
+
+    def _count(self, inputs, outputs):
+        s = self.engine.last_stats
+        with self._lock:
+            t = self._engine_totals
+            t.calls += 1
+            t.seconds += s.wall_s
+            t.busy_seconds += sum(s.busy_s)
+            t.flops += s.flops
+            t.weight_bytes += s.weight_bytes
+            t.bytes_in += sum(np.asarray(a).nbytes for a in inputs)
+            t.bytes_out += sum(np.asarray(a).nbytes for a in outputs)
+            if s.kind == "forward":
+                layer = s.layer
+                t.routed[layer] = t.routed[layer] + s.tokens_per_expert if layer in t.routed else s.tokens_per_expert
+
+
+def _arrays(lora: ExpertLoRA | None) -> list[np.ndarray]:
+    """An ExpertLoRA's arrays (A and B of each adapted projection), for counting the bytes that crossed."""
+    if lora is None:
+        return []
+    return [a for name in PROJECTIONS if getattr(lora, name) is not None for a in getattr(lora, name)]
