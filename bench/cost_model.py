@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 from bench.common import print_table, timed, write_json  # noqa: E402
 from bench.host_kernels import make_routing  # noqa: E402
 from host_kernels.host_moe import HostMoE  # noqa: E402
-from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
+from host_kernels.layer_experts import LayerExperts  # noqa: E402
+from host_kernels.store import ExpertStore  # noqa: E402
 from moe_jax.model.moe import DeviceExperts  # noqa: E402
 from moe_jax.planning.cost_model import Profile, layer_time  # noqa: E402
 

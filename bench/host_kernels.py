@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 
 from host_kernels import amx  # noqa: E402
 from host_kernels.host_moe import HostMoE  # noqa: E402
-from host_kernels.store import ExpertStore, LayerExperts  # noqa: E402
+from host_kernels.layer_experts import LayerExperts  # noqa: E402
+from host_kernels.store import ExpertStore  # noqa: E402
 
 
 def timed(fn, repeats):

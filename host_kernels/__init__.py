@@ -25,20 +25,17 @@ from host_kernels.compute import ExpertCompute, HostTotals
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
 from host_kernels.fused_forward import KERNELS, QUANTIZED, best_kernel, is_live_call
 from host_kernels.host_moe import HostMoE
-from host_kernels.lora import ExpertLoRA
-from host_kernels.native import cpu_lacks, trim_heap, xla_ffi_library
-from host_kernels.pool import MAX_THREADS, default_threads
-from host_kernels.store import (
-    ExpertStore,
+from host_kernels.layer_experts import (
     LayerExperts,
     QuantizedLayerExperts,
-    StoreWriter,
-    file_sha256,
     pack_int4_layer,
     quantize_layer,
     quantized_expert_bytes,
-    release_pages,
 )
+from host_kernels.lora import ExpertLoRA
+from host_kernels.native import cpu_lacks, trim_heap, xla_ffi_library
+from host_kernels.pool import MAX_THREADS, default_threads
+from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pages
 
 __all__ = [
     "BF16",

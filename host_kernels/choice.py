@@ -74,7 +74,7 @@ def check_choice(choice: KernelChoice, store_dtype, quant: str | None = None):
     """Refuses a choice (say, one a caller built) whose kernels cannot read a store of `store_dtype` (holding
     `quant`-quantized experts, if given)."""
     if choice.quant != quant:  # the engine's GEMMs must read the weights the fused forward reads
-        held = f"{quant} experts" if quant else "float experts (quantize the store first: store.quantize_layer)"
+        held = f"{quant} experts" if quant else "float experts (quantize the store first: layer_experts.quantize_layer)"
         raise HostKernelError(f"kernel choice {choice.fused or 'without a fused forward'} cannot run {held}")
     bfloat16 = np.dtype(store_dtype) == amx.BF16
     fused_kernels = {""} | {name for name, k in KERNELS.items() if np.dtype(store_dtype) in k.store_dtypes}

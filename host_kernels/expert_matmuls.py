@@ -21,8 +21,8 @@ import threading
 import numpy as np
 
 from host_kernels import amx, bf16_gemm, native
+from host_kernels.layer_experts import LayerExperts, gate_up_blocks
 from host_kernels.matmul import matmul_w
-from host_kernels.store import LayerExperts, gate_up_blocks
 from host_kernels.workspace import Workspace
 
 

@@ -25,10 +25,11 @@ import numpy as np
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
+from host_kernels.layer_experts import LayerExperts, QuantizedLayerExperts, gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.quant_formats import FORMATS, QuantFormat
 from host_kernels.schedule import check_expert_ids
-from host_kernels.store import ExpertStore, LayerExperts, QuantizedLayerExperts, gate_up_blocks
+from host_kernels.store import ExpertStore
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # the kernels' names: the bfloat16 ones are the engine's GEMMs of the same name (expert_matmuls.py)

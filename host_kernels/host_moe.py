@@ -29,11 +29,12 @@ from host_kernels.choice import NUMPY, KernelChoice, check_choice, choose_kernel
 from host_kernels.errors import HostKernelError, NonFiniteError
 from host_kernels.expert_matmuls import expert_matmuls
 from host_kernels.fused_forward import FusedForward, pack_layer
+from host_kernels.layer_experts import LayerExperts
 from host_kernels.lora import ExpertLoRA
 from host_kernels.pool import WorkerPool
 from host_kernels.schedule import Routing, Tile, check_expert_ids, max_column_blocks, plan_tiles
 from host_kernels.stats import CallStats
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.store import ExpertStore
 from host_kernels.workspace import Workspace
 
 # An expert with at most this many rows is weight-bound: decode-sized calls run each expert as one task.

@@ -6,7 +6,8 @@ import pytest
 
 from host_kernels import amx, choose_kernels
 from host_kernels.host_moe import HostMoE
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.layer_experts import LayerExperts
+from host_kernels.store import ExpertStore
 
 pytestmark = pytest.mark.skipif(not amx.status()[0], reason=f"AMX unavailable: {amx.status()[1]}")
 

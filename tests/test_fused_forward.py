@@ -23,8 +23,9 @@ from host_kernels.fused_forward import (
     pack_layer,
 )
 from host_kernels.host_moe import HostMoE
+from host_kernels.layer_experts import LayerExperts
 from host_kernels.schedule import NOT_ROUTED
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.store import ExpertStore
 from tests.isa import kernel_variants, variants
 
 BF16 = ml_dtypes.bfloat16

@@ -11,9 +11,10 @@ import pytest
 from host_kernels import activations, amx, bf16_gemm, choose_kernels
 from host_kernels.errors import HostKernelError
 from host_kernels.host_moe import HostMoE
+from host_kernels.layer_experts import LayerExperts
 from host_kernels.lora import ExpertLoRA
 from host_kernels.schedule import Routing, plan_tiles
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.store import ExpertStore
 from tests.isa import variants
 
 E, D, F, K = 6, 48, 80, 2

@@ -19,7 +19,8 @@ import numpy as np
 from host_kernels import activations, amx, f32_gemm
 from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import AVX512_F32, FusedForward, best_kernel, pack_layer
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.store import ExpertStore
+from host_kernels.layer_experts import LayerExperts
 
 rng = np.random.default_rng(0)
 store = ExpertStore({0: LayerExperts(rng.standard_normal((4, 32, 64), np.float32),

@@ -9,7 +9,8 @@ import pytest
 
 import moe_jax
 from host_kernels import HostKernelError, HostMoE, KernelChoice, choose_kernels
-from host_kernels.store import ExpertStore, LayerExperts
+from host_kernels.layer_experts import LayerExperts
+from host_kernels.store import ExpertStore
 from moe_jax import doctor
 from moe_jax.native import argmax as native_argmax
 from moe_jax.native import decode_attention as native_attention
