@@ -325,3 +325,8 @@ def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
     bad.write_text("learning_rat = 0.1\n")
     with pytest.raises(moe_jax.ConfigError, match=r"bad.toml: unknown setting\(s\) \['learning_rat'\]"):
         TrainConfig.from_sources(str(bad), {})
+    bad.write_text("device_budget_mb = 512\n")
+    with pytest.raises(
+        moe_jax.ConfigError, match="bad.toml: the setting 'device_budget_mb' is now called 'device_memory_mb'"
+    ):
+        TrainConfig.from_sources(str(bad), {})

@@ -169,7 +169,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 256, 4096], help="tokens per step")
     parser.add_argument("--profile", type=Path, help="probe profile (default: this machine's, measured once)")
     parser.add_argument("--bus-gbps", type=float, help="simulate a host->device bus of this bandwidth")
-    parser.add_argument("--device-memory-gb", type=float, help="device memory for experts (default: unlimited)")
+    parser.add_argument("--device-memory-mb", type=float, help="device memory for experts, MiB (default: unlimited)")
     parser.add_argument("--zipf", type=float, default=0.0, help="routing skew (0: uniform)")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--json", type=Path, help="also write the answers here")
@@ -185,7 +185,7 @@ def main(argv=None):
     profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)
-    memory = None if args.device_memory_gb is None else args.device_memory_gb * 1e9
+    memory = None if args.device_memory_mb is None else args.device_memory_mb * 2**20
     answer = advise(profile, shape, args.batch, args.zipf, memory)
     answer["cpu"] = cpu_question(profile, shape)
     answer["host_memory"] = host_memory_question(checkpoint, args.dtype, available_bytes())

@@ -19,6 +19,9 @@ SCHEDULES = ("cosine", "linear", "constant")
 LONG_EXAMPLES = ("truncate", "drop")
 
 
+RENAMED = {"device_budget_mb": "device_memory_mb"}  # settings whose name changed: old -> new
+
+
 @dataclass
 class TrainConfig:
     model: str = "models/tiny-moe"
@@ -59,7 +62,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     host_threads: int | None = None
-    device_budget_mb: float = 0.0  # offload/auto: device memory for expert weights (0: the backend's default)
+    # offload/auto: device memory for expert weights, in MiB as infer.py's --device-memory-mb (0: the default)
+    device_memory_mb: float = 0.0
     tensorboard: str | None = None  # directory for TensorBoard event files: every step's figures as scalars
 
     def validate(self):
@@ -91,7 +95,7 @@ class TrainConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quant is not None and self.quant not in QUANTIZED:
             raise ConfigError(f"quant must be one of {', '.join(QUANTIZED)}, got {self.quant!r}")
-        for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_budget_mb"):
+        for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_memory_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -122,6 +126,9 @@ class TrainConfig:
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"{path}: invalid TOML ({e})") from None
             known = {f.name for f in dataclasses.fields(cls)}
+            for old, new in RENAMED.items():
+                if old in values:
+                    raise ConfigError(f"{path}: the setting {old!r} is now called {new!r}")
             unknown = sorted(set(values) - known)
             if unknown:
                 raise ConfigError(f"{path}: unknown setting(s) {unknown}")

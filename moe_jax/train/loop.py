@@ -96,7 +96,7 @@ class Trainer:
         self.cfg, self.data, self.progress = cfg, data, progress
         self.out = Path(cfg.out)
         self.data_sha256 = data_fingerprint(cfg.data, cfg.eval_data)
-        budget = int(cfg.device_budget_mb * 2**20) or None
+        budget = int(cfg.device_memory_mb * 2**20) or None
         self.model = moe_jax.load_model(
             cfg.model,
             backend=cfg.backend,
