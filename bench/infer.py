@@ -52,9 +52,10 @@ def prompts(batch, length=PROMPT):
 ROUNDS = 3  # each side runs this many times, interleaved with the others; the table has each side's median
 
 
-def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=True, quant=None):
+def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=True, quant=None, dense=True):
     """A function that runs one timed generation with moe_jax (compiled, and warmed up, before it is returned).
-    `fused=False`: the host experts without the fused native forward (the engine's tiled numpy path)."""
+    `fused=False`: the host experts without the fused native forward (the engine's tiled numpy path);
+    `dense=False`: the decode steps' dense products in XLA, whatever the plan chose (for an A/B of that choice)."""
     profile = AUTO_PROFILE if backend == "auto" else None
     kernels = None if fused else dataclasses.replace(choose_kernels(DTYPES[dtype]), fused="")
     model = moe_jax.load_model(
@@ -68,6 +69,8 @@ def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=T
     )
     if backend == "auto":
         print(f"auto {dtype}, batch {batch}: {model.placement.describe()}")
+    if not dense:  # before the first generation, which packs the weights the plan's dense kernel reads
+        model.plan = dataclasses.replace(model.plan, dense_decode="")
     return engine_runner(model, batch, new_tokens, prompt)
 
 
@@ -125,6 +128,8 @@ SIDES = {
     "host_int8": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p, quant="int8"), ROUNDS),
     "host_int4": (lambda b, n, p: ours("host", "bfloat16", b, n, prompt=p, quant="int4"), ROUNDS),
     "host_bfloat16_callback": (lambda b, n, p: ours("host", "bfloat16", b, n, xla_ffi=False, prompt=p), ROUNDS),
+    # the plan's native dense decode products against XLA's, in one run
+    "host_float32_xla_dense": (lambda b, n, p: ours("host", "float32", b, n, prompt=p, dense=False), ROUNDS),
     # bfloat16 experts on the engine's numpy path: what a CPU without AMX ran before the AVX512-BF16 kernel
     "host_bfloat16_engine": (lambda b, n, p: ours("host", "bfloat16", b, n, fused=False, prompt=p), ROUNDS),
     "device_float32": (lambda b, n, p: ours("device", "float32", b, n, prompt=p), 1),

@@ -19,7 +19,8 @@ SOURCES = (
     "source_hash.c",
 )  # the kernels
 HEADERS = (
-    "simd.h", "simd_avx2.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "int4_gemm.h", "avx2_kernels.h"
+    "simd.h", "simd_avx2.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "f32_gemm.h", "int4_gemm.h",
+    "avx2_kernels.h",
 )  # fmt: skip
 CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the

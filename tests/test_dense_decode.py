@@ -1,5 +1,6 @@
-"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 (host_kernels/csrc/xla_dense.c via
-layers.base_matmul): XLA's float32 sums of the bfloat16 products, for the shapes a decode step has, and only there."""
+"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 for bfloat16 weights, AVX-512 or AVX2 for float32 ones
+(host_kernels/csrc/xla_dense.c via layers.base_matmul): XLA's float32 sums of the products, for the shapes a decode
+step has, and only there."""
 
 import jax
 import jax.numpy as jnp
@@ -14,23 +15,29 @@ from moe_jax.native import dense as native_dense
 from tests.hf_models import make_hf_model, save_hf_model
 
 KERNEL, WHY_NOT = native_dense.dense_kernel()  # AMX, else AVX512-BF16, else AVX2
+F32_KERNEL, F32_WHY_NOT = native_dense.dense_kernel(np.float32)  # AVX-512, else AVX2
 pytestmark = pytest.mark.skipif(not KERNEL, reason=WHY_NOT)
+BOTH = [
+    pytest.param(jnp.bfloat16, KERNEL, id="bfloat16"),
+    pytest.param(jnp.float32, F32_KERNEL, id="float32", marks=pytest.mark.skipif(not F32_KERNEL, reason=F32_WHY_NOT)),
+]
 
 
-def operands(m, k, n, seed=0):
+def operands(m, k, n, seed=0, dtype=jnp.bfloat16, kernel=KERNEL):
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    return x, w, native_dense.pack_dense(w, KERNEL)
+    x = jnp.asarray(rng.standard_normal((m, 1, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    return x, w, native_dense.pack_dense(w, kernel)
 
 
 SHAPES = [(16, 512, 4096), (16, 64, 128), (5, 40, 37), (1, 96, 200), (16, 1408, 80), (64, 512, 512), (33, 96, 200)]
 
 
+@pytest.mark.parametrize("dtype, kernel", BOTH)
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_same_sums_as_xla(m, k, n):
-    x, w, packed = operands(m, k, n)
-    native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=KERNEL))
+def test_same_sums_as_xla(m, k, n, dtype, kernel):
+    x, w, packed = operands(m, k, n, dtype=dtype, kernel=kernel)
+    native = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=kernel))
     assert native_dense.TARGET in native.lower(x, w, packed).as_text()
     got = np.asarray(native(x, w, packed))
     xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
@@ -38,29 +45,38 @@ def test_same_sums_as_xla(m, k, n):
     # float32 sums, perhaps in another order (AVX2: even and odd k-rows summed apart): within a few float32 steps
     # of the largest sum, and no further from the exact products than XLA's
     np.testing.assert_allclose(got, xla, rtol=1e-6, atol=4e-6 * np.abs(exact).max())
-    assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.5 + 1e-6
-    rounded = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))(x, w, packed)
-    bf16 = np.asarray(rounded.astype(jnp.float32))
-    np.testing.assert_array_equal(bf16, got.astype(jnp.bfloat16).astype(np.float32))  # rounded once, like XLA's
+    if dtype == jnp.bfloat16:
+        assert np.abs(got - exact).max() <= np.abs(xla - exact).max() * 1.5 + 1e-6
+    else:  # one float32 FMA chain per column over k (XLA sums in blocks): within the bound of a summation in order
+        magnitude = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+        assert (np.abs(got - exact) <= k * np.finfo(np.float32).eps * magnitude + 1e-30).all()
+    rounded = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=kernel))(x, w, packed)
+    in_dtype = np.asarray(rounded.astype(jnp.float32))
+    np.testing.assert_array_equal(in_dtype, got.astype(dtype).astype(np.float32))  # rounded once, like XLA's
 
 
+@pytest.mark.parametrize("dtype, kernel", BOTH)
 @pytest.mark.parametrize("shape", [(65, 1, 64), (2, 3, 64), (4, 64)])
-def test_other_shapes_stay_in_xla(shape):
+def test_other_shapes_stay_in_xla(shape, dtype, kernel):
     # more rows than a decode batch it takes, several positions (prefill, training), no position axis: XLA's
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
-    f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=KERNEL))
-    assert native_dense.TARGET not in f.lower(x, w, native_dense.pack_dense(w, KERNEL)).as_text()
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    w = jnp.asarray(rng.standard_normal((64, 48)), dtype)
+    f = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, dense_kernel=kernel))
+    assert native_dense.TARGET not in f.lower(x, w, native_dense.pack_dense(w, kernel)).as_text()
 
 
-def test_bad_operands_are_named():
-    x, w, packed = operands(65, 64, 32)
+@pytest.mark.parametrize("dtype, kernel", BOTH)
+def test_bad_operands_are_named(dtype, kernel):
+    x, w, packed = operands(65, 64, 32, dtype=dtype, kernel=kernel)
     with pytest.raises(Exception, match="1-64 rows"):
-        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 32, KERNEL))
-    x, w, packed = operands(4, 64, 32)
+        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 32, kernel))
+    x, w, packed = operands(4, 64, 32, dtype=dtype, kernel=kernel)
     with pytest.raises(Exception, match="packed weight of x's k and y's n"):
-        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 48, KERNEL))
+        jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 48, kernel))
+    other = jnp.float32 if dtype == jnp.bfloat16 else jnp.bfloat16
+    with pytest.raises(Exception, match=r"x \[m, k\] \(bf16, or f32 for float32 weights\)"):
+        jax.block_until_ready(native_dense.dense_call(x[:, 0].astype(other), packed, 32, kernel))
 
 
 def with_lora(model):
@@ -73,16 +89,19 @@ def with_lora(model):
     return model
 
 
-def test_generation_packs_once_and_gives_the_same_tokens(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, dtype):
     # every attention projection and the head natively; LoRA updates added to the native products
+    if dtype == "float32" and not F32_KERNEL:
+        pytest.skip(F32_WHY_NOT)
     save_hf_model(make_hf_model("mixtral", seed=8), tmp_path)
     prompts = [[5, 9, 14, 3], [7] * 9, [40, 41]]
-    model = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16"))
+    model = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype=dtype))
     packed = model.generate(prompts, max_new_tokens=6)
     assert "head_packed" in model.state
     _, decode, _ = model.generation.steps()
     caches, tokens = model.kv.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
     assert hlo.count(f"@{native_dense.TARGET}(") == 4 * model.config.num_layers + 1  # q, k, v, o; head
-    plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16", xla_ffi=False))
+    plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype=dtype, xla_ffi=False))
     assert plain.generate(prompts, max_new_tokens=6) == packed and "head_packed" not in plain.state

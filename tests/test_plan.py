@@ -35,7 +35,7 @@ def test_default_plan_follows_this_machine():
         assert plan.argmax == native_argmax.status()[0]
         bf16 = dtype == "bfloat16"
         assert plan.decode_attention == (bf16 and native_attention.status()[0])
-        assert plan.dense_decode == (native_dense.dense_kernel()[0] if bf16 else "")
+        assert plan.dense_decode == native_dense.dense_kernel(store)[0]  # bfloat16 or float32 weights
         for part, native in (("attention", plan.decode_attention), ("dense", plan.dense_decode)):
             assert bool(plan.reason(part)) != native  # every part not native says why
     assert make_plan("float32").host_kernels is None  # no host engine: no host kernels

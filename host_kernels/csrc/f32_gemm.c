@@ -10,6 +10,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "f32_gemm.h"
+
 #define ROWS 8
 
 /* c[0..rows) x 32 columns (store masks m0, m1) = a[0..rows) @ one packed block b. `rows` is a constant in each

@@ -28,12 +28,11 @@
 #include "amx_gemm.h"
 #include "avx2_kernels.h"
 #include "bf16_gemm.h"
+#include "f32_gemm.h"
 #include "int4_gemm.h"
 #include "moe_forward.h"
 #include "runner.h"
 
-void f32_gemm(const float *a, int64_t lda, const float *b_packed, int64_t k, float *c, int64_t ldc, int64_t m,
-              int64_t n0, int64_t n1);
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
 

@@ -19,7 +19,7 @@ from flax import nnx
 from moe_jax.model.rope import Rope
 from moe_jax.native.decode_attention import decode_attention_call
 from moe_jax.native.dense import MAX_ROWS as DENSE_MAX_ROWS
-from moe_jax.native.dense import dense_call, pack_dense
+from moe_jax.native.dense import dense_call, pack_dense, row_dtype
 
 
 class Frozen(nnx.Variable):
@@ -87,13 +87,11 @@ def frozen_matmul(x, w, w_t=None, out_dtype=None):
 
 
 def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = ""):
-    """`frozen_matmul`, or for a decode step's rows (x bfloat16 [b <= 64, 1, k]) of a weight packed for them
-    (`native.dense.pack_dense`) the native product (host_kernels/csrc/xla_dense.c, on `dense_kernel`: AMX or
-    AVX512-BF16) on XLA:CPU. XLA reads such small products' weights at 5-10 GB/s, evicted from cache by the experts
-    between two steps; the native call at ~20 (bench model, 16 rows, cold weights, AMX: head 197 vs 477 us, a
-    512 x 512 projection 28 vs 61 us). The float32 sums are XLA's up to summation order. Training never takes it:
-    its rows have more than one position."""
-    if packed is not None and x.dtype == jnp.bfloat16 and x.ndim == 3 and x.shape[1] == 1:
+    """`frozen_matmul`, or for a decode step's rows (x [b <= 64, 1, k] in the kernel's row dtype) of a weight packed
+    for them (`native.dense.pack_dense`) the native product (host_kernels/csrc/xla_dense.c, on `dense_kernel`) on
+    XLA:CPU. The float32 sums are XLA's up to summation order. Training never takes it: its rows have more than one
+    position."""
+    if packed is not None and x.dtype == row_dtype(dense_kernel) and x.ndim == 3 and x.shape[1] == 1:
         if x.shape[0] <= DENSE_MAX_ROWS:
             y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
             return y[:, None].astype(out_dtype or x.dtype)

@@ -1,5 +1,7 @@
 """A decode step's dense products (attention projections, the head) over weights packed for the host kernels:
-bfloat16 on AMX or AVX512-BF16 / AVX2, int8 or int4 (host_kernels/csrc/xla_dense.c)."""
+bfloat16 on AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c).
+XLA:CPU reads such small products' weights at 5-10 GB/s, evicted from cache by the experts between two steps; the
+kernels stream them as the fused experts do."""
 
 from __future__ import annotations
 
@@ -17,21 +19,27 @@ MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 # a kernel name's first part, bits per packed weight)
 _CODES_BY_KIND = {
     ("avx512", 16): 0, ("amx", 16): 1, ("avx512", 8): 2, ("avx512", 4): 3, ("avx2", 16): 4, ("avx2", 8): 5,
-    ("avx2", 4): 6,
+    ("avx2", 4): 6, ("avx512", 32): 7, ("avx2", 32): 8,
 }  # fmt: skip
-CODES = {
-    name: _CODES_BY_KIND[name.split("-")[0], kernel.packed_bits]
-    for name, kernel in KERNELS.items()
-    if kernel.packed_bits < 32  # float32 weights: XLA's own products
-}
+CODES = {name: _CODES_BY_KIND[name.split("-")[0], kernel.packed_bits] for name, kernel in KERNELS.items()}
 
 
-def dense_kernel(quant: str | None = None) -> tuple[str, str]:
-    """(kernel, "") for the native dense products on this machine, after the handlers' status: the fastest
-    bfloat16 kernel the fused forward would pick (AMX tiles, else AVX512-BF16), or with `quant` the one for those
-    quantized weights; or ("", why none)."""
+def dense_kernel(dtype=BF16, quant: str | None = None) -> tuple[str, str]:
+    """(kernel, "") for the native dense products of a `dtype` model on this machine, after the handlers' status:
+    the fastest kernel the fused forward would pick for such weights (bfloat16: AMX tiles, else AVX512-BF16, else
+    AVX2; float32: AVX-512, else AVX2), or with `quant` the one for those quantized weights (bfloat16 rows); or
+    ("", why none)."""
     usable, reason = ffi.status()
-    return best_kernel(BF16, quant) if usable else ("", reason)
+    if not usable:
+        return "", reason
+    if quant is not None and np.dtype(dtype) != BF16:
+        return "", f"{np.dtype(dtype)} rows: the {quant} kernels take bfloat16 rows"
+    return best_kernel(dtype, quant)
+
+
+def row_dtype(kernel: str):
+    """The dtype of the rows `kernel` multiplies (float32 for float32 weights, else bfloat16)."""
+    return jnp.float32 if KERNELS[kernel].packed_bits == 32 else jnp.bfloat16
 
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:
@@ -42,8 +50,8 @@ def pack_dense(w_kn, kernel: str) -> jax.Array:
 
 
 def dense_call(x_mk, packed_w, n: int, kernel: str):
-    """x @ W in float32 for x bfloat16 [m <= MAX_ROWS, k], W given as `pack_dense(W, kernel)` with n columns,
-    on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
+    """x @ W in float32 for x [m <= MAX_ROWS, k] (`row_dtype(kernel)`), W given as `pack_dense(W, kernel)` with n
+    columns, on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
     usable, reason = KERNELS[kernel].status() if kernel in CODES else (False, f"unknown kernel {kernel!r}")
     ffi.require((usable, reason), f"dense products on {kernel}")
     ffi.require(ffi.status(), f"dense products on {kernel}")  # registers the handler on first use

@@ -95,6 +95,10 @@ def host_store_dtype(checkpoint, dtype: str) -> np.dtype:
     RAM in it; backends.placements.HostPlacement._host_store)."""
     if checkpoint.expert_store is not None:
         return checkpoint.expert_store.dtype
+    return model_dtype(dtype)
+
+
+def model_dtype(dtype: str) -> np.dtype:
     return np.dtype(jax.numpy.bfloat16) if dtype == BFLOAT16 else np.dtype(np.float32)
 
 
@@ -144,7 +148,7 @@ def make_plan(
     )
     bf16 = dtype == BFLOAT16
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
-    dense, dense_why = native_dense.dense_kernel(quant)
+    dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
     float32_model = "float32 model: the kernel works on bfloat16"
     return ExecutionPlan(
         platform=jax.default_backend(),
@@ -157,7 +161,7 @@ def make_plan(
             "latent attention (the native handler computes grouped-query attention)" if mla_decode else float32_model,
             native_attention.status,
         ),
-        dense_decode=dense if native_part("dense", bf16, float32_model, lambda: (bool(dense), dense_why)) else "",
+        dense_decode=dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else "",
         argmax=native_part("argmax", True, "", native_argmax.status),
         transposed_weights=bf16 and jax.default_backend() == "cpu",
         mla_decode=mla_decode,
