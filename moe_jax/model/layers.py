@@ -18,8 +18,7 @@ from flax import nnx
 
 from moe_jax.model.rope import Rope
 from moe_jax.native.decode_attention import decode_attention_call
-from moe_jax.native.dense import MAX_ROWS as DENSE_MAX_ROWS
-from moe_jax.native.dense import dense_call, pack_dense, row_dtype
+from moe_jax.native.dense import dense_call, pack_dense, takes
 
 
 class Frozen(nnx.Variable):
@@ -91,10 +90,9 @@ def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str =
     for them (`native.dense.pack_dense`) the native product (host_kernels/csrc/xla_dense.c, on `dense_kernel`) on
     XLA:CPU. The float32 sums are XLA's up to summation order. Training never takes it: its rows have more than one
     position."""
-    if packed is not None and x.dtype == row_dtype(dense_kernel) and x.ndim == 3 and x.shape[1] == 1:
-        if x.shape[0] <= DENSE_MAX_ROWS:
-            y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
-            return y[:, None].astype(out_dtype or x.dtype)
+    if packed is not None and takes(dense_kernel, x):
+        y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
+        return y[:, None].astype(out_dtype or x.dtype)
     return frozen_matmul(x, w, w_t, out_dtype)
 
 

@@ -14,6 +14,10 @@ from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
 MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
+# float32 weights from 2 rows: XLA's own float32 product of one row (a matrix-vector product straight over W) was
+# as fast as the kernel at batch 1 (Qwen3-30B-A3B's dims, Zen 3: 32.8-33.4 tok/s XLA vs 29.4-31 native), while at
+# batch 16 the kernel made decode 1.32x faster; bfloat16 and quantized weights have no fast XLA path at any batch
+F32_MIN_ROWS = 2
 # the fused forward's bfloat16 and quantized kernels (host_kernels/fused_forward.py KERNELS, which say how to pack
 # for them, int4's group and whether this machine runs them) -> xla_dense.c's DENSE_* codes, by (instruction set:
 # a kernel name's first part, bits per packed weight)
@@ -40,6 +44,14 @@ def dense_kernel(dtype=BF16, quant: str | None = None) -> tuple[str, str]:
 def row_dtype(kernel: str):
     """The dtype of the rows `kernel` multiplies (float32 for float32 weights, else bfloat16)."""
     return jnp.float32 if KERNELS[kernel].packed_bits == 32 else jnp.bfloat16
+
+
+def takes(kernel: str, x) -> bool:
+    """Whether `kernel` multiplies the rows x: a decode step's (x [b, 1, k]), of its row dtype, between its fewest
+    rows and MAX_ROWS."""
+    if x.dtype != row_dtype(kernel) or x.ndim != 3 or x.shape[1] != 1:
+        return False
+    return (F32_MIN_ROWS if x.dtype == jnp.float32 else 1) <= x.shape[0] <= MAX_ROWS
 
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:
