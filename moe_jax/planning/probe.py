@@ -18,7 +18,7 @@ import os
 import platform
 import sys
 import threading
-import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +37,7 @@ def _median_time(fn, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats` timed runs after a warm-up: one lucky or unlucky run (another
     process on the shared cores) moves a minimum or a mean, not the median."""
     fn()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds))
+    return float(np.median(timeit.repeat(fn, number=1, repeat=repeats)))
 
 
 def expert_shape(model_dir) -> tuple[int, int]:
