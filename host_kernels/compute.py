@@ -78,29 +78,24 @@ class ExpertCompute:
         with self._lock:
             totals, self._engine_totals = self._engine_totals, HostTotals(routed={})
         if self.fused is not None:
-            fused = self.fused.take_totals()
-            for name in ("calls", "seconds", "xla_call_seconds", "busy_seconds", "flops", "weight_bytes"):
-                setattr(totals, name, getattr(totals, name) + getattr(fused, name))
-            totals.bytes_in += fused.bytes_in
-            totals.bytes_out += fused.bytes_out
-            for layer, counts in fused.routed.items():
-                totals.routed[layer] = totals.routed[layer] + counts if layer in totals.routed else counts
+            totals.add(self.fused.take_totals())
         return totals
 
     def _count(self, inputs, outputs):
+        """The engine's last call (its `last_stats`) as a HostTotals, added to the engine's."""
         s = self.engine.last_stats
+        call = HostTotals(
+            calls=1,
+            seconds=s.wall_s,
+            busy_seconds=sum(s.busy_s),
+            flops=s.flops,
+            weight_bytes=s.weight_bytes,
+            bytes_in=sum(np.asarray(a).nbytes for a in inputs),
+            bytes_out=sum(np.asarray(a).nbytes for a in outputs),
+            routed={s.layer: s.tokens_per_expert} if s.kind == "forward" else {},
+        )
         with self._lock:
-            t = self._engine_totals
-            t.calls += 1
-            t.seconds += s.wall_s
-            t.busy_seconds += sum(s.busy_s)
-            t.flops += s.flops
-            t.weight_bytes += s.weight_bytes
-            t.bytes_in += sum(np.asarray(a).nbytes for a in inputs)
-            t.bytes_out += sum(np.asarray(a).nbytes for a in outputs)
-            if s.kind == "forward":
-                layer = s.layer
-                t.routed[layer] = t.routed[layer] + s.tokens_per_expert if layer in t.routed else s.tokens_per_expert
+            self._engine_totals.add(call)
 
 
 def _arrays(lora: ExpertLoRA | None) -> list[np.ndarray]:

@@ -17,7 +17,7 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 
 import numpy as np
@@ -115,6 +115,14 @@ class FusedTotals:
     bytes_in: int = 0
     bytes_out: int = 0
     routed: dict[int, np.ndarray] | None = None  # layer -> pairs routed to each expert
+
+    def add(self, other: FusedTotals):
+        """Adds `other`'s figures and routed pairs to these."""
+        for f in fields(self):
+            if f.name != "routed":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for layer, counts in (other.routed or {}).items():
+            self.routed[layer] = self.routed[layer] + counts if layer in self.routed else counts
 
 
 @dataclass
