@@ -5,7 +5,7 @@
 1. Throughput and latency: N concurrent streaming clients (asyncio, plain HTTP) each send 4 prompts, one after
    the other, of 32 random tokens for 64 new tokens (`ignore_eos`) to `python -m moe_jax.serve` (a child process,
    --max-batch 16); the same prompts go through the generation engine in this process (what infer.py runs, same
-   slots and context), the two in turn for 3 rounds. Prints the median round's tokens/s of both and their ratio
+   slots and context), the two in turn for 5 rounds. Prints the median round's tokens/s of both and their ratio
    (with the rounds' lowest and highest ratio), and p50/p99 time to first token and inter-token latency as the
    clients saw them. Server and bench share this machine's cores: the clients' own work is in
    the server's numbers.
@@ -40,7 +40,7 @@ from moe_jax.serving.process import running_server  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16
 REQUESTS_PER_CLIENT = 4  # back to back: the batch's ramp up and down is a small part of the run
-ROUNDS = 3  # server and offline runs in turn, per client count; the median pair is shown
+ROUNDS = 5  # server and offline runs in turn, per client count; the median pair is shown (rounds moved 0.70-0.99 on a 2-core VM)
 FIRST_TURNS = 2  # the replay's cache coverage is counted after these (each turn is two requests)
 
 

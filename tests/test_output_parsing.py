@@ -3,9 +3,13 @@ splits output into reasoning, answer and tool calls, fed whole or a character at
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from moe_jax.serving.output_parser import Dialect, OutputParser, ToolCall, parse_all
+from moe_jax.serving.event_stream import data_event
+from moe_jax.serving.openai_api import ChatChunks, CompletionChunks
+from moe_jax.serving.output_parser import Dialect, OutputParser, Parsed, ToolCall, parse_all
 from moe_jax.serving.text_stream import TextStream
 
 QWEN = Dialect.of_template("... <think> </think> ... <tool_call> </tool_call>")
@@ -105,3 +109,15 @@ def test_a_template_without_markup_parses_nothing():
     text = "<think>x</think><tool_call>{}</tool_call>"
     assert plain.markers == ()
     assert parse_all(plain, "<think>", text) == ("", text, [])
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ back', "line\nbreak\ttab", "é中😀", "\x00\x1f", "</s>"])
+def test_streamed_text_events_equal_the_whole_chunk_serialized(text):
+    """The per-token events written around a prebuilt JSON frame are the bytes json.dumps of the chunk gives."""
+    chat = ChatChunks("chatcmpl-1", "m")
+    for kind, field in (("content", "content"), ("reasoning", "reasoning_content")):
+        assert chat.piece(Parsed(kind, text)) == data_event(chat.chunk({field: text}))
+    completion = CompletionChunks("cmpl-1", "m")
+    assert completion.text(text) == data_event(completion.chunk(text))
+    event = json.loads(completion.text(text).removeprefix(b"data: "))
+    assert event["choices"][0]["text"] == text and event["id"] == "cmpl-1"

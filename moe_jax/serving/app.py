@@ -167,32 +167,33 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
 
 async def _chat_events(generation: Generation, request_id: str, body):
     chunks = openai_api.ChatChunks(request_id, body.model)
-    yield data_event(chunks.first())
+    yield chunks.first()
     try:
         async for piece in generation.pieces():
-            yield data_event(chunks.piece(piece))
+            yield chunks.piece(piece)
     except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
-        yield data_event({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        yield _stream_error(error)
     else:
-        yield data_event(chunks.last(generation.completion))
+        yield chunks.last(generation.completion)
         if body.include_usage:
-            yield data_event(chunks.usage(generation.completion))
+            yield chunks.usage(generation.completion)
     yield data_event("[DONE]")
 
 
 async def _completion_events(generation: Generation, request_id: str, body):
+    chunks = openai_api.CompletionChunks(request_id, body.model)
     try:
         async for piece in generation.pieces():
-            yield data_event(openai_api.completion_chunk(request_id, body.model, piece.text))
+            yield chunks.text(piece.text)
     except Exception as error:
-        yield data_event({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        yield _stream_error(error)
     else:
-        finish = openai_api.FINISH_REASONS[generation.completion.finish_reason]
-        last = openai_api.completion_chunk(request_id, body.model, "", finish)
-        if body.include_usage:
-            last["usage"] = openai_api.usage(generation.completion)
-        yield data_event(last)
+        yield chunks.last(generation.completion, body.include_usage)
     yield data_event("[DONE]")
+
+
+def _stream_error(error: Exception) -> bytes:
+    return data_event({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
 
 
 async def _message_events(generation: Generation, message_id: str, body):

@@ -9,7 +9,7 @@ listener; either way the events' generator is closed at once, which cancels its 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
@@ -36,3 +36,15 @@ def data_event(data: dict | str) -> bytes:
 def named_event(name: str, data: dict) -> bytes:
     """`event: NAME` + `data: ...` (Anthropic's stream)."""
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+TEXT_SLOT = "\x00moe_jax text slot\x00"  # where text_events puts each event's text (no real text is this)
+
+
+def text_events(shape: dict) -> Callable[[str], bytes]:
+    """`data:` events of one JSON shape that differ only in one string, the streamed text (`shape` holds TEXT_SLOT
+    there): the JSON around the text is written once, and each event is that around the text's JSON, byte for
+    byte what `data_event` of the whole would be. A streamed answer sends one per token and connection."""
+    before, after = json.dumps(shape).split(json.dumps(TEXT_SLOT))
+    head, tail = b"data: " + before.encode(), after.encode() + b"\n\n"
+    return lambda text: head + json.dumps(text).encode() + tail

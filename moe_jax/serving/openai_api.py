@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moe_jax.errors import InputError
 from moe_jax.generation.batch import Sampling
+from moe_jax.serving.event_stream import TEXT_SLOT, data_event, text_events
 from moe_jax.serving.output_parser import Parsed, ToolCall
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -207,36 +208,47 @@ def completion_answer(request_id: str, model: str, text: str, completion) -> dic
 
 
 class ChatChunks:
-    """The `chat.completion.chunk` objects of one streamed answer."""
+    """The `chat.completion.chunk` events of one streamed answer."""
 
     def __init__(self, request_id: str, model: str):
         self.base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.calls = 0
+        self.text_event = {
+            kind: text_events(self.chunk({field: TEXT_SLOT}))
+            for kind, field in (("content", "content"), ("reasoning", "reasoning_content"))
+        }
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
         return {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
-    def first(self) -> dict:
-        return self.chunk({"role": "assistant", "content": ""})
+    def first(self) -> bytes:
+        return data_event(self.chunk({"role": "assistant", "content": ""}))
 
-    def piece(self, p: Parsed) -> dict:
+    def piece(self, p: Parsed) -> bytes:
         if p.kind == "tool_call":
             self.calls += 1
-            return self.chunk({"tool_calls": [tool_call_json(p.call, self.calls - 1)]})
-        return self.chunk({"reasoning_content" if p.kind == "reasoning" else "content": p.text})
+            return data_event(self.chunk({"tool_calls": [tool_call_json(p.call, self.calls - 1)]}))
+        return self.text_event[p.kind](p.text)
 
-    def last(self, completion) -> dict:
-        return self.chunk({}, "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason])
+    def last(self, completion) -> bytes:
+        return data_event(self.chunk({}, "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason]))
 
-    def usage(self, completion) -> dict:
-        return {**self.base, "choices": [], "usage": usage(completion)}
+    def usage(self, completion) -> bytes:
+        return data_event({**self.base, "choices": [], "usage": usage(completion)})
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-    }
+class CompletionChunks:
+    """The `text_completion` events of one streamed completion."""
+
+    def __init__(self, request_id: str, model: str):
+        self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.text = text_events(self.chunk(TEXT_SLOT))
+
+    def chunk(self, text: str, finish: str | None = None) -> dict:
+        return {**self.base, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+    def last(self, completion, include_usage: bool) -> bytes:
+        last = self.chunk("", FINISH_REASONS[completion.finish_reason])
+        if include_usage:
+            last["usage"] = usage(completion)
+        return data_event(last)
