@@ -6,6 +6,10 @@ JSONL: {"prompt": text}, {"messages": [{"role": ..., "content": ...}, ...]} (ren
 template) or {"input_ids": [...]}. Output is JSONL in input order: completion, token counts, finish reason, time.
 Generation is continuously batched over --batch-size KV-cache slots; with --anchor-cache-mb, KV state at anchor
 tokens (the chat template's special tokens, or --anchor-token) is reused across prompts that share a prefix.
+
+Started as several processes (`python -m moe_jax.launch -n 2 infer.py ...`, or under SLURM / Open MPI), each
+generates every N-th prompt and process 0 writes all the records in input order (the same records as one process:
+each prompt keeps its seed). --metrics and the summary are process 0's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
+from moe_jax import distributed
 from moe_jax.api import DTYPES
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
@@ -153,6 +158,7 @@ def load_prompts(args, model):
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
+    world = distributed.join()
     for flag, path in (("--out", args.out), ("--metrics", args.metrics)):  # unwritable: refused now, not at the end
         if path is not None:
             check_writable_dir(path.parent, f"{flag}'s directory")
@@ -190,17 +196,21 @@ def main(argv=None):
     if args.anchor_cache_mb > 0:
         cache = AnchorCache(anchor_token_ids(tok, args.anchor_token), budget_bytes=int(args.anchor_cache_mb * 2**20))
     requests = [Request(ids, args.max_new_tokens, args.seed + i) for i, (_, ids, _) in enumerate(prompts)]
+    prompts, requests = world.share(prompts), world.share(requests)  # every prompt keeps its seed
     stop = None
     if args.stop and tok is not None:
         stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
-    bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr)
+    bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr, disable=not world.is_main)
     stats, results = EngineStats(), []
-    monitor = GenerationMonitor(
-        model, RunLog(create_new(args.metrics) if args.metrics else None, args.tensorboard), cache
+    log = (
+        RunLog(create_new(args.metrics) if args.metrics else None, args.tensorboard) if world.is_main else RunLog(None)
     )
+    monitor = GenerationMonitor(model, log, cache)
     # each finished record is written at once (in finishing order) to a file of this run's own, so a failure
-    # part-way keeps what was done as OUT.partial; at the end the records are written in input order to OUT
-    progress = NewFile(args.out.with_name(args.out.name + ".partial")) if args.out else None
+    # part-way keeps what was done as OUT.partial (OUT.partial.N: process N's); at the end the records are
+    # written in input order to OUT
+    partial = ".partial" + (f".{world.index}" if world.index else "")
+    progress = NewFile(args.out.with_name(args.out.name + partial)) if args.out else None
 
     def finished(record):
         results.append(record)
@@ -231,9 +241,12 @@ def main(argv=None):
             )
             stats.add(engine.stats)
         bar.close()
+        if world.several:
+            results = [r for share in distributed.gather_objects(results) for r in share]
         results += [{"line": n, "finish_reason": "too_long", "completion": None} for n in rejected]
         results.sort(key=lambda r: r["line"])
-        write_results(args.out, results)
+        if world.is_main:
+            write_results(args.out, results)
     except BaseException:
         if progress is not None:
             progress.keep_partial_as(progress.path)
@@ -244,7 +257,8 @@ def main(argv=None):
         monitor.close()
     if progress is not None:
         progress.discard()
-    print_summary(args, model, monitor.total.summary(), stats, cache, truncated, rejected)
+    if world.is_main:
+        print_summary(args, model, monitor.total.summary(), stats, cache, truncated, rejected, world)
 
 
 def fit_split_to_wave(model, engine, prompts: int):
@@ -280,9 +294,10 @@ def write_results(out, results):
         print(f"{r.get('prompt')!r} -> {r['completion']!r}  [{r['finish_reason']}]")
 
 
-def print_summary(args, model, metrics, st, cache, truncated, rejected):
+def print_summary(args, model, metrics, st, cache, truncated, rejected, world):
+    whose = f"{world.describe()}, " if world.several else ""
     lines = [
-        f"backend={args.backend}: prefill {st.prefill_tokens / max(st.prefill_s, 1e-9):,.0f} tok/s, "
+        f"{whose}backend={args.backend}: prefill {st.prefill_tokens / max(st.prefill_s, 1e-9):,.0f} tok/s, "
         f"decode {st.decode_tokens / max(st.decode_s, 1e-9):,.0f} tok/s (compilation included); host busy "
         f"{metrics['host_busy_s']:.2f}s, device waited {metrics['device_wait_s']:.2f}s, host "
         f"{metrics['host_gflops']:.1f} GFLOP/s",

@@ -5,6 +5,10 @@ data/reverse_*.jsonl), prints held-out exact-match accuracy before and after, an
 adapter/ (PEFT format), checkpoints/ (orbax), metrics.jsonl and loss.png. A config file sets any setting; flags
 override it. `--resume` continues the run in --out from its latest checkpoint; a new run into an --out that holds
 a previous one is refused unless `--overwrite`.
+
+Started as several processes (`python -m moe_jax.launch -n 2 train.py ...`, or under SLURM / Open MPI), each takes
+its share of every batch's rows and the LoRA gradients are averaged over all of them (data parallel); process 0
+writes the outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import sys
 import typing
 
+from moe_jax import distributed
 from moe_jax.cli import run_cli
 from moe_jax.formats.adapters import peft_unexpressible
 from moe_jax.train.config import TrainConfig
@@ -58,37 +63,42 @@ def main(argv=None):
     args = parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig.from_sources(args.config, overrides)
+    world = distributed.join()
+    world.rows(cfg.batch_size)  # a batch that does not split over the processes is refused now
 
     data = load_run_data(cfg)  # bad data stops here, before any model loading or compilation (or writing)
-    prepare_run_dir(cfg.out, args.resume, args.overwrite)  # so does a used or unwritable --out
+    if world.is_main:
+        prepare_run_dir(cfg.out, args.resume, args.overwrite)  # so does a used or unwritable --out
+    distributed.barrier()  # the others start once the run directory is ready
+    say = print if world.is_main else lambda *a, **k: None
     s = data.stats
-    print(
+    say(
         f"data: {len(data.train)} training rows, {len(data.held_out)} held out; skipped {s.skipped_lines} bad "
         f"line(s), truncated {s.truncated}, dropped {s.dropped_too_long} too long and {s.dropped_no_target} "
         "without targets",
         file=sys.stderr,
     )
     for where in s.skipped_where[:5]:
-        print(f"  skipped {where}", file=sys.stderr)
+        say(f"  skipped {where}", file=sys.stderr)
     native = False if args.no_native else None
     trainer = Trainer(cfg, data, progress=not args.no_progress, verify=args.verify, native=native)
-    print(f"plan: {trainer.model.plan.summary()}", file=sys.stderr)
+    say(f"plan: {trainer.model.plan.summary()}", file=sys.stderr)
     not_for_peft = peft_unexpressible(trainer.lora_config, trainer.model.config)
     if not_for_peft:  # said before the run, not after hours of it
-        print(f"note: the adapter will be in moe_jax's format only: {not_for_peft}", file=sys.stderr)
+        say(f"note: the adapter will be in moe_jax's format only: {not_for_peft}", file=sys.stderr)
     summary = trainer.run(resume=args.resume)
     first, last = summary["first"], summary["last"]
     if "exact_match" in first and "exact_match" in last:
-        print(
+        say(
             f"held-out exact match: {first['exact_match']:.1%} at step {first['step']} -> "
             f"{last['exact_match']:.1%} at step {last['step']}"
         )
     if "eval_loss" in last:
-        print(f"held-out loss: {first.get('eval_loss', float('nan')):.4f} -> {last['eval_loss']:.4f}")
+        say(f"held-out loss: {first.get('eval_loss', float('nan')):.4f} -> {last['eval_loss']:.4f}")
     adapter_format = "moe_jax format only" if not_for_peft else "PEFT"
     tensorboard = f", TensorBoard events in {cfg.tensorboard}" if cfg.tensorboard else ""
-    print(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png{tensorboard}")
-    print(f"report: python -m moe_jax.report {cfg.out}")
+    say(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png{tensorboard}")
+    say(f"report: python -m moe_jax.report {cfg.out}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ from moe_jax.serving.process import running_server  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, MAX_BATCH = 32, 64, 16
 REQUESTS_PER_CLIENT = 4  # back to back: the batch's ramp up and down is a small part of the run
-ROUNDS = 5  # server and offline runs in turn, per client count; the median pair is shown (rounds moved 0.70-0.99 on a 2-core VM)
+# server and offline runs in turn, per client count; the median pair is shown (single rounds moved 0.70-0.99)
+ROUNDS = 5
 FIRST_TURNS = 2  # the replay's cache coverage is counted after these (each turn is two requests)
 
 

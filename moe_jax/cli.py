@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable
 
 from host_kernels import HostKernelError
+from moe_jax import distributed
 from moe_jax.errors import MoeJaxError
 
 EXIT_BAD_INPUT = 2
@@ -14,11 +16,26 @@ EXIT_SYSTEM = 1  # the machine, not the input: a full disk, a file that vanished
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Runs `main`; a user-caused error prints `error: ...` to stderr and returns exit code 2, a system one (a full
-    disk) exit code 1."""
+    disk) exit code 1. A process of a multi-process run that fails leaves at once, so that the others' next
+    collective fails too rather than waiting for it."""
+    try:
+        code = _run(main, argv)
+    except BaseException:  # a bug: its traceback, then out (JAX's exit handshake would wait for the others)
+        if not distributed.world().several:
+            raise
+        traceback.print_exc()
+        code = EXIT_SYSTEM
+    if code and distributed.world().several:
+        distributed.leave_at_once(code)
+    return code
+
+
+def _run(main, argv) -> int:
     try:
         return main(argv) or 0
     except (MoeJaxError, HostKernelError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = f"{distributed.world().describe()}: " if distributed.world().several else ""
+        print(f"error: {where}{e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:  # a full or failing disk while writing outputs: say which file and why, in one line
         where = f"{e.filename}: " if e.filename else ""

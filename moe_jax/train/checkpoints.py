@@ -2,7 +2,8 @@
 
 Orbax writes each step into a temporary directory and renames it on commit, so a process killed at any moment
 (kill -9 included) leaves either the previous complete checkpoints or the new one, never a half-written step that
-`--resume` would pick up.
+`--resume` would pick up. In a multi-process run the state is the same in every process (data parallel): process
+0 writes it, once, and every process reads it back on resume (the directory must be shared, or copied).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from moe_jax.distributed import World
 from moe_jax.errors import CheckpointError
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO
@@ -51,16 +55,26 @@ RESUME_KEYS = (
 
 
 class Checkpoints:
-    def __init__(self, directory, keep: int):
+    def __init__(self, directory, keep: int, world: World | None = None):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
+        world = world or World()
+        self.writes = world.is_main
+        # each process on its own as far as orbax knows: it would otherwise wait for all at every save
+        alone = ocp.options.MultiprocessingOptions(primary_host=world.index, active_processes={world.index})
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=False, create=False, multiprocessing_options=alone
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)  # (orbax will not create it for a process on its own)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, lora_state, opt_state, meta: dict):
-        state = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
+        if not self.writes:
+            return
+        # as numpy: orbax will not write a process's own jax arrays in a multi-process run (the values are the same)
+        state = jax.tree.map(np.asarray, {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state})
         try:
             self.manager.save(
                 step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
@@ -79,7 +93,7 @@ class Checkpoints:
         if not steps:
             raise CheckpointError(f"{self.directory}: no checkpoint to resume from")
         abstract = {"lora": nnx.to_pure_dict(lora_state), "opt": opt_state}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
+        abstract = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)  # read back as numpy
         failures = []
         for step in steps:
             try:
@@ -93,8 +107,9 @@ class Checkpoints:
                 continue
             meta = restored.meta
             _check_same_run(self.directory, meta.get("config", {}), settings)
-            nnx.replace_by_pure_dict(lora_state, restored.state["lora"])
-            return step, lora_state, restored.state["opt"], meta
+            state = jax.tree.map(jnp.asarray, restored.state)
+            nnx.replace_by_pure_dict(lora_state, state["lora"])
+            return step, lora_state, state["opt"], meta
         raise CheckpointError("no readable checkpoint: " + "; ".join(failures))
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import moe_jax
 from host_kernels import NonFiniteError
+from moe_jax import distributed
 from moe_jax.backends.placements import read_placement_plan
 from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.formats.adapters import export_peft
@@ -94,6 +96,8 @@ class Trainer:
         self, cfg: TrainConfig, data: RunData, progress: bool = True, verify: bool = False, native: bool | None = None
     ):
         self.cfg, self.data, self.progress = cfg, data, progress
+        self.world = distributed.world()  # several processes: each runs its rows of every batch (data parallel)
+        self.rows = self.world.rows(cfg.batch_size)
         self.out = Path(cfg.out)
         self.data_sha256 = data_fingerprint(cfg.data, cfg.eval_data)
         budget = int(cfg.device_memory_mb * 2**20) or None
@@ -117,7 +121,7 @@ class Trainer:
         self.opt_state = self.tx.init(self.lora_state)
         self._update = jax.jit(self._apply)
         self.batches = Batches(data.train, cfg.batch_size, cfg.max_seq_len, data.pad_id, cfg.seed)
-        self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.keep_checkpoints)
+        self.checkpoints = Checkpoints(self.out / "checkpoints", cfg.keep_checkpoints, self.world)
         self.history: list[dict] = []
 
     def _apply(self, lora_state, opt_state, grads):
@@ -144,14 +148,19 @@ class Trainer:
         for micro in range(self.cfg.grad_accum):
             index = step * self.cfg.grad_accum + micro
             tokens, mask = self.batches.batch(index)
+            tokens, mask = tokens[self.rows], mask[self.rows]
             # the dropout key depends on the batch index only, so a resumed run draws the same masks
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), index) if self.cfg.lora_dropout else None
             try:
                 loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask, key)
             except NonFiniteError as e:
                 raise TrainingError(f"step {step + 1}: the model diverged ({e}); {self._intact()}") from None
+            mine = int(mask[:, 1:].sum())
+            if self.world.several:  # the mean over every process's targets: what one process on all rows gives
+                loss, grads = distributed.weighted_mean((loss, grads), mine)
+                mine = int(distributed.sum_over_processes([mine])[0])
             total_loss += float(loss)
-            targets += int(mask[:, 1:].sum())
+            targets += mine
             total_grads = grads if total_grads is None else jax.tree.map(jnp.add, total_grads, grads)
         loss = total_loss / self.cfg.grad_accum
         if not math.isfinite(loss):
@@ -181,15 +190,13 @@ class Trainer:
             return {}
         batches = Batches(held, self.cfg.batch_size, self.cfg.max_seq_len, self.data.pad_id, 0)
         loss_sum, count = 0.0, 0
-        seen = 0
-        for index in range(math.ceil(len(held) / self.cfg.batch_size)):
+        for index in self.world.share(range(math.ceil(len(held) / self.cfg.batch_size))):
             tokens, mask = batches.batch(index)
-            rows = min(self.cfg.batch_size, len(held) - seen)
-            mask[rows:] = 0  # the last batch wraps around: count each example once
-            seen += rows
+            mask[len(held) - index * self.cfg.batch_size :] = 0  # the last batch wraps around: each example once
             n = int(mask[:, 1:].sum())
             loss, _ = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask)
             loss_sum, count = loss_sum + float(loss) * n, count + n
+        loss_sum, count = self._summed(loss_sum, count)
         result = {"eval_loss": loss_sum / max(count, 1)}
         if self.cfg.eval_exact_match:
             result["exact_match"] = self.exact_match(held[: self.cfg.eval_exact_match])
@@ -201,11 +208,19 @@ class Trainer:
             return None
         self.model.set_lora_state(self.lora_state)
         tok = self.model.tokenizer
-        prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in scored]
         longest = max(len(tok.encode(e.answer_text, add_special_tokens=False)) for e in scored) + 2
-        outs = generate_tokens(self.model, prompts, longest, 0.0, 1.0, 0)  # continuously batched
-        hits = sum(tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, scored, strict=True))
-        return hits / len(scored)
+        mine, hits = self.world.share(scored), 0
+        if mine:
+            prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in mine]
+            outs = generate_tokens(self.model, prompts, longest, 0.0, 1.0, 0)  # continuously batched
+            hits = sum(tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, mine, strict=True))
+        return self._summed(hits)[0] / len(scored)
+
+    def _summed(self, *values: float) -> tuple[float, ...]:
+        """`values` summed over the run's processes (each evaluates its share of the held-out examples)."""
+        if not self.world.several:
+            return values
+        return tuple(float(v) for v in distributed.sum_over_processes(values))
 
     def save(self, step: int):
         meta = {
@@ -225,8 +240,10 @@ class Trainer:
         if start == 0:
             self.history = [{"step": 0, **self.evaluate()}]
         # rewritten from the checkpoint's history: steps after it (before a kill) are run again
-        metrics_file = create_new(self.out / "metrics.jsonl")  # replaces a link there, never writes through it
-        log = RunLog(metrics_file, Path(cfg.tensorboard) if cfg.tensorboard else None)
+        main = self.world.is_main  # writes the run's outputs; every process computes
+        # replaces a link there, never writes through it
+        metrics_file = create_new(self.out / "metrics.jsonl") if main else None
+        log = RunLog(metrics_file, Path(cfg.tensorboard) if cfg.tensorboard and main else None)
         for record in self.history:
             log.write(record)
         schedule, counts = learning_rate_schedule(cfg), ExpertCounts()
@@ -235,7 +252,7 @@ class Trainer:
             initial=start,
             total=cfg.max_steps,
             desc="training",
-            disable=not self.progress,
+            disable=not (self.progress and main),
             file=sys.stderr,
             dynamic_ncols=True,
         )
@@ -254,6 +271,7 @@ class Trainer:
                     "tokens_per_s": cfg.batch_size * cfg.grad_accum * cfg.max_seq_len / elapsed,
                     "target_tokens": targets,
                     **backend_figures(backend, elapsed),
+                    **self._per_process(backend),
                 }
                 evaluated = (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.max_steps
                 if evaluated:
@@ -269,10 +287,19 @@ class Trainer:
             bar.close()
         return self.finish()
 
+    def _per_process(self, backend) -> dict:
+        """Several processes: each one's host busy and device wait seconds this step (process 0's are the
+        record's own figures)."""
+        if not self.world.several:
+            return {}
+        every = distributed.gather(np.array([backend.host_busy_s, backend.device_wait_s], np.float32))
+        return {"host_busy_s_per_process": every[:, 0].tolist(), "device_wait_s_per_process": every[:, 1].tolist()}
+
     def finish(self) -> dict:
         self.model.set_lora_state(self.lora_state)
-        export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
-        plot_losses(self.history, self.out / "loss.png")
+        if self.world.is_main:
+            export_peft(self.model.transformer, self.lora_config, self.out / "adapter", self.cfg.model)
+            plot_losses(self.history, self.out / "loss.png")
         evaluated = [h for h in self.history if "exact_match" in h or "eval_loss" in h]
         first, last = (evaluated[0], evaluated[-1]) if evaluated else ({}, {})
         return {"first": first, "last": last, "steps": self.cfg.max_steps, "out": str(self.out)}
