@@ -9,7 +9,7 @@ What the rest of the project uses, importable from here:
   or not, backward, the native forward's address for XLA's FFI handler, and `HostTotals`: what the fused forward
   and the engine did, in one record), over `HostMoE` (the engine: tiled forward and backward; its
   `fused_forward()` is the native forward, and `is_live_call` says whether an address is one of its calls),
-  `ExpertLoRA`, `default_threads`, `MAX_THREADS`;
+  `ExpertLoRA`, `default_threads`, `MAX_THREADS`; `NOT_ROUTED`, the expert id of a pair computed elsewhere;
 - the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
   what it is made from: `cpu_features`, `library_status`; `QUANTIZED`, the quantized formats it can be asked for;
 - errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
@@ -35,12 +35,14 @@ from host_kernels.layer_experts import (
 from host_kernels.lora import ExpertLoRA
 from host_kernels.native import cpu_lacks, trim_heap, xla_ffi_library
 from host_kernels.pool import MAX_THREADS, default_threads
+from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pages
 
 __all__ = [
     "BF16",
     "KERNELS",
     "MAX_THREADS",
+    "NOT_ROUTED",
     "QUANTIZED",
     "ExpertCompute",
     "ExpertLoRA",

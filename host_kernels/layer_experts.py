@@ -6,6 +6,7 @@ from the first or from weights quantized elsewhere (`pack_int4_layer`)."""
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -46,6 +47,10 @@ class LayerExperts:
     @property
     def quant(self) -> str | None:
         return None
+
+    def select(self, experts: range) -> LayerExperts:
+        """Only `experts` (consecutive): views of the arrays, so a mapped store reads only their pages."""
+        return dataclasses.replace(self, w13=self.w13[experts.start : experts.stop], w2=self.w2[experts.start : experts.stop])
 
     @property
     def nbytes(self) -> int:
@@ -122,6 +127,11 @@ class QuantizedLayerExperts:
             want = (self.num_experts, *self.format.packed_shape(k, n))
             if array.dtype != np.uint8 or array.shape != want:
                 raise StoreError(f"{name}: {what} is {array.dtype} {array.shape}, {self.quant} needs uint8 {want}")
+
+    def select(self, experts: range) -> QuantizedLayerExperts:
+        """Only `experts` (consecutive): views of the arrays, so a mapped store reads only their pages."""
+        ends = slice(experts.start, experts.stop)
+        return dataclasses.replace(self, w13_packed=self.w13_packed[ends], w2_packed=self.w2_packed[ends])
 
     def packed(self, e: int) -> tuple:
         """Expert e's (w13, w2) as the fused kernel's packed weights: views of the arrays, no copy."""

@@ -68,6 +68,11 @@ class ExpertStore:
             _check_unchanged(file, opened)
         return experts
 
+    def shard(self, experts: range) -> ExpertStore:
+        """The same store holding only `experts` of every layer (views: a mapped store reads only their pages)."""
+        layers = {i: layer.select(experts) for i, layer in self.layers.items()}
+        return ExpertStore(layers, self.path, self._files, self._dtype)
+
     def release_pages(self, layer: int):
         """Drops a float layer's mapped pages from memory (`release_pages`), once a packed copy has replaced them
         (they are read again from the file if needed). A quantized layer's pages are what its kernel reads: kept."""

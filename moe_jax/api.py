@@ -16,6 +16,7 @@ from flax import nnx
 
 from host_kernels import trim_heap
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
+from moe_jax.backends.expert_parallel import ROWS, SAME, ExpertShard, over_processes
 from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
@@ -25,7 +26,7 @@ from moe_jax.generation.compiled import CompiledGeneration
 from moe_jax.generation.generate import generate
 from moe_jax.generation.kv_cache import KVCacheMemory
 from moe_jax.model.config import ModelConfig
-from moe_jax.model.lora import LoRAConfig, attach_lora, resolve_targets
+from moe_jax.model.lora import EXPERTS_TARGET, LoRAConfig, attach_lora, resolve_targets
 from moe_jax.model.transformer import Transformer, build_transformer
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.memory_check import check_fits, load_bytes, quantization_hint
@@ -54,6 +55,7 @@ class Model:
         self.backend = placement.name
         self.dtype = dtype
         self.checkpoint = checkpoint
+        self.expert_shard: ExpertShard | None = placement.expert_shard  # expert parallel: this process's experts
         self.lora_config: LoRAConfig | None = None
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
         self.kv = KVCacheMemory(self.config, DTYPES[dtype])
@@ -69,7 +71,10 @@ class Model:
         def forward(state, tokens_bt, positions_bt):
             return nnx.merge(graphdef, state)(tokens_bt, positions_bt)[0]
 
-        self._forward_jit = jax.jit(forward)
+        if self.expert_shard is None:
+            self._forward_jit = jax.jit(forward)
+        else:  # a step of every process, each with its rows (the experts' tokens travel between them)
+            self._forward_jit = over_processes(forward, (SAME, ROWS, ROWS), ROWS)
 
     @property
     def quantized_experts(self) -> bool:
@@ -79,6 +84,7 @@ class Model:
         """Adds fresh LoRA adapters (peft's initialisation) to the targeted modules (`attention` expanded to this
         family's projections; a target this model does not have is refused)."""
         config = dataclasses.replace(config, targets=resolve_targets(config.targets, self.config))
+        self._check_shardable(config)
         transformer = self.transformer
         attach_lora(transformer, config, seed)
         self._set_transformer(transformer)
@@ -87,11 +93,19 @@ class Model:
     def load_adapter(self, adapter_dir):
         """Attaches the adapter saved in `adapter_dir` (PEFT format, or a train.py run directory)."""
         config, tensors = read_adapter(resolve_adapter_dir(adapter_dir))
+        self._check_shardable(config)
         transformer = self.transformer
         attach_lora(transformer, config)
         apply_adapter(transformer, tensors, adapter_dir)
         self._set_transformer(transformer)
         self.lora_config = config
+
+    def _check_shardable(self, config: LoRAConfig):
+        if self.expert_shard is not None and EXPERTS_TARGET in config.targets:
+            raise InputError(
+                f"LoRA on the routed experts with expert parallel ({self.expert_shard.describe()}) is not built yet: "
+                "each process would hold its shard's adapters; target the attention or MLP projections"
+            )
 
     def prepare_for_training(self):
         """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
@@ -254,6 +268,7 @@ def load_model(
     host_kernels=None,
     quant: str | None = None,
     mla_decode: str = "absorbed",
+    expert_shard: ExpertShard | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -278,12 +293,16 @@ def load_model(
     natively (a quantized copy beside the bfloat16 weights, which prefill and training use). Only the host
     backend runs quantized experts. `mla_decode` (DeepSeek's latent attention): "absorbed" decode steps read the
     compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/model/mla.py). The
-    resulting plan is `Model.plan` (moe_jax/planning/plan.py).
+    resulting plan is `Model.plan` (moe_jax/planning/plan.py). `expert_shard` (expert parallel, host backend, a
+    multi-process run): this process holds and computes only that shard of every layer's experts; the model then
+    runs its steps over all the run's processes (`Model.logits`, training's gradients), each with its own rows.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if expert_shard is not None and backend != "host":
+        raise InputError(f"expert parallel runs on the host backend only, not backend={backend!r}")
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
     checkpoint = open_checkpoint(Path(path), verify=verify)
@@ -298,7 +317,8 @@ def load_model(
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     mla_decode = mla_decode if checkpoint.config.mla is not None else ""
     plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode)
-    parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels)
+    shards = expert_shard.count if expert_shard else 1
+    parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels, shards)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""
     check_fits(parts, f"loading {checkpoint.path}", hint=hint)
 
@@ -314,7 +334,7 @@ def load_model(
         expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
     if kind.needs_profile:
         profile = resolve_profile(profile, checkpoint.config, jdtype)
-    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate)
+    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
     checkpoint.tensors.release_pages()  # every weight read from the files is a copy by now

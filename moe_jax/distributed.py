@@ -23,6 +23,7 @@ import numpy as np
 from moe_jax.errors import ConfigError, MoeJaxError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MOE_JAX_COORDINATOR", "MOE_JAX_NUM_PROCESSES", "MOE_JAX_PROCESS_ID"
+AXIS = "processes"  # the mesh axis over the run's processes (process_mesh)
 HEARTBEAT_TIMEOUT_S = 20  # a process silent this long is taken for dead (JAX's default is 100)
 START_TIMEOUT_S = 120  # how long process 0 waits for the others to join
 
@@ -166,6 +167,17 @@ def gather_objects(items: list) -> list[list]:
     padded[: data.size] = data
     every = gather(padded)
     return [json.loads(every[p, : sizes[p]].tobytes()) for p in range(_world.count)]
+
+
+def process_mesh():
+    """A mesh of one device of every process (its first), in process order, on AXIS."""
+    import jax
+    from jax.sharding import Mesh
+
+    first = {}
+    for device in jax.devices():
+        first.setdefault(device.process_index, device)
+    return Mesh(np.array([first[p] for p in sorted(first)]), (AXIS,))
 
 
 def barrier():

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.backends.expert_parallel import sharded_experts
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.model.layers import lora_arrays
@@ -85,14 +86,21 @@ host_experts = expert_function(_forward, _backward, _forward_keeping)
 
 
 class HostExperts(nnx.Module):
-    """Expert backend of one layer whose weights live in the host store (not in any traced pytree)."""
+    """Expert backend of one layer whose weights live in the host store (not in any traced pytree).
 
-    def __init__(self, runtime: HostRuntime, layer: int):
+    With `experts_per_shard` (expert parallel), the store holds one process's shard of the layer's experts and
+    the layer runs inside a step over all processes (backends/expert_parallel.py)."""
+
+    def __init__(self, runtime: HostRuntime, layer: int, experts_per_shard: int | None = None):
         self.runtime = runtime
         self.layer = layer
+        self.experts_per_shard = experts_per_shard
         self.lora_scale = 0.0
         self.lora = nnx.data(None)  # nnx.Dict of LoRAParam: gate_a [e, d, r], gate_b [e, r, f], ... when attached
 
     def __call__(self, x_td, ids_tk, weights_tk):
         call = HostLayer(self.runtime, self.layer, self.lora_scale)
-        return host_experts(call, x_td, ids_tk.astype(jnp.int32), weights_tk, lora_arrays(self.lora))
+        ids_tk, lora = ids_tk.astype(jnp.int32), lora_arrays(self.lora)
+        if self.experts_per_shard is not None:
+            return sharded_experts(host_experts, call, self.experts_per_shard, x_td, ids_tk, weights_tk, lora)
+        return host_experts(call, x_td, ids_tk, weights_tk, lora)

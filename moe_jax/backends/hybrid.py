@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from host_kernels import NOT_ROUTED
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host import HostLayer, host_experts
 from moe_jax.backends.host_runtime import HostRuntime
@@ -152,7 +153,7 @@ def _overlapped(spec: HybridSpec, method: str, counts, host_args: tuple, result_
 
 
 def _host_ids(on_device, ids_tk):
-    return jnp.where(on_device[ids_tk], -1, ids_tk)
+    return jnp.where(on_device[ids_tk], NOT_ROUTED, ids_tk)
 
 
 def host_path(spec: HybridSpec, x_td, ids_tk, weights_tk, lora):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from host_kernels import ExpertCompute, ExpertStore, HostMoE, trim_heap
 from moe_jax.backends import calibrate as layer_calibration
+from moe_jax.backends.expert_parallel import ExpertShard
 from moe_jax.backends.host import HostExperts
 from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
@@ -43,6 +44,7 @@ class PlacementOptions:
     placement_plan: dict | None = None  # hybrid: {layer: [expert ids]} on the device
     profile: Profile | None = None  # auto: the probe profile
     calibrate: bool = True  # auto: check the profile's verdict on one real layer (backends/calibrate.py)
+    expert_shard: ExpertShard | None = None  # host: the experts this process holds (expert parallel)
 
 
 class ExpertPlacement:
@@ -52,6 +54,7 @@ class ExpertPlacement:
     name = ""
     host_engine = False  # runs experts in host_kernels (the plan then holds their kernel choice)
     needs_profile = False  # reads a probe profile (PlacementOptions.profile)
+    expert_shard: ExpertShard | None = None  # expert parallel: the shard of the experts this process holds
     quantized_experts = False  # runs quantized experts (all on the host: none of them is copied to the device)
 
     def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
@@ -167,30 +170,33 @@ class HostPlacement(ExpertPlacement):
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
-        engine = HostMoE(self._host_store(), threads=options.host_threads, kernels=plan.host_kernels)
+        self.expert_shard = options.expert_shard
+        experts = self.expert_shard.experts(checkpoint.config.num_experts) if self.expert_shard else None
+        engine = HostMoE(self._host_store(experts), threads=options.host_threads, kernels=plan.host_kernels)
         self.runtime = HostRuntime(ExpertCompute(engine), self.metrics, experts_ffi=plan.experts_ffi)
+        self.experts_per_shard = len(experts) if experts else None
 
-    def _host_store(self) -> ExpertStore:
+    def _host_store(self, experts: range | None) -> ExpertStore:
         """The converted store as mapped, or a Hugging Face directory's experts stacked once in host RAM; where the
         plan's experts are quantized and the store is not, each layer quantized as it is read (no float copy
-        kept)."""
+        kept). With `experts` (expert parallel), only those of every layer."""
         store, quant = self.checkpoint.expert_store, self.plan.quant
         if store is not None and store.quant == quant:
-            return store
+            return store if experts is None else store.shard(experts)
         storage = host_store_dtype(self.checkpoint, self.dtype.name)
         layers = {}
         for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
             if quant:
-                layers[i], _ = self.checkpoint.quantized_layer(i, quant, storage)
+                layers[i], _ = self.checkpoint.quantized_layer(i, quant, storage, experts)
                 if store is not None:
                     store.release_pages(i)  # a converted float store's pages: read once, not needed again
                 trim_heap()  # the float layer and the quantization's temporaries
             else:
-                layers[i] = self.checkpoint.layer_experts(i, storage)
+                layers[i] = self.checkpoint.layer_experts(i, storage, experts)
         return ExpertStore(layers, dtype=storage)
 
     def experts_for_layer(self, layer: int):
-        return HostExperts(self.runtime, layer)
+        return HostExperts(self.runtime, layer, self.experts_per_shard)
 
     def _device_layer(self, layer: int):
         """The layer's experts in the model's dtype, as a device cache and the streams hold them."""

@@ -8,6 +8,7 @@ stacked into the kernel layout one layer at a time.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,31 +47,37 @@ class Checkpoint:
             array = array.T
         return array
 
-    def layer_experts(self, layer: int, dtype: np.dtype) -> LayerExperts:
-        """One MoE layer's experts in kernel layout and `dtype` (a view when converted and of that dtype)."""
+    def layer_experts(self, layer: int, dtype: np.dtype, experts: range | None = None) -> LayerExperts:
+        """One MoE layer's experts (all, or only `experts`) in kernel layout and `dtype` (a view when converted
+        and of that dtype)."""
         if self.expert_store is not None:
             stored = self.expert_store[layer]
             if stored.quant is not None:
                 raise CheckpointError(
                     f"{self.path}: its experts are stored {stored.quant}-quantized: they run on the host backend only"
                 )
+            stored = stored if experts is None else stored.select(experts)
             if stored.w13.dtype == dtype:
                 return stored
             return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
         if isinstance(self.tensors, GGUFFile):
-            return self.tensors.layer_experts(layer, dtype)
-        return stack_hf_experts(self.tensors, self.config, layer, dtype)
+            return _only(self.tensors.layer_experts(layer, dtype), experts)
+        return stack_hf_experts(self.tensors, self.config, layer, dtype, experts)
 
-    def quantized_layer(self, layer: int, quant: str, dtype: np.dtype) -> tuple[QuantizedLayerExperts, bool]:
-        """One MoE layer's experts in `quant`'s format, and whether they arrived as they were stored: a GGUF file's
-        Q4_0 experts are int4 already (repacked value for value); others are read as float in `dtype` and
-        quantized. A weight that cannot be quantized is a CheckpointError naming layer, expert and position."""
+    def quantized_layer(
+        self, layer: int, quant: str, dtype: np.dtype, experts: range | None = None
+    ) -> tuple[QuantizedLayerExperts, bool]:
+        """One MoE layer's experts (all, or only `experts`) in `quant`'s format, and whether they arrived as they
+        were stored: a GGUF file's Q4_0 experts are int4 already (repacked value for value); others are read as
+        float in `dtype` and quantized. A weight that cannot be quantized is a CheckpointError naming layer,
+        expert and position."""
         if isinstance(self.tensors, GGUFFile) and quant == "int4":
             repacked = self.tensors.q4_0_layer(layer)
             if repacked is not None:
-                return repacked, True
+                return _only(repacked, experts), True
         try:
-            return quantize_layer(self.layer_experts(layer, dtype), quant, f"{self.path}: layer {layer}"), False
+            float_layer = self.layer_experts(layer, dtype, experts)
+            return quantize_layer(float_layer, quant, f"{self.path}: layer {layer}"), False
         except StoreError as e:
             raise CheckpointError(str(e)) from None
 
@@ -151,24 +158,37 @@ def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
             )
 
 
-def stack_hf_experts(tensors: TensorSource, config: ModelConfig, layer: int, dtype) -> LayerExperts:
+def stack_hf_experts(
+    tensors: TensorSource, config: ModelConfig, layer: int, dtype, experts: range | None = None
+) -> LayerExperts:
+    """A layer's experts (all, or only `experts`: only theirs are read where each expert is a tensor of its own)
+    from a Hugging Face checkpoint, in kernel layout."""
     e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    experts = experts if experts is not None else range(e)
     fused, fused_down = hf_names.fused_expert_names(config, layer)
     if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
-        gate_up = tensors.get(fused, (e, 2 * f, d))
-        down = tensors.get(fused_down, (e, d, f))
+        ends = slice(experts.start, experts.stop)
+        gate_up = tensors.get(fused, (e, 2 * f, d))[ends]
+        down = tensors.get(fused_down, (e, d, f))[ends]
         return LayerExperts(
             np.ascontiguousarray(gate_up.transpose(0, 2, 1), dtype=dtype),
             np.ascontiguousarray(down.transpose(0, 2, 1), dtype=dtype),
         )
-    w13 = np.empty((e, d, 2 * f), dtype=dtype)
-    w2 = np.empty((e, f, d), dtype=dtype)
-    for expert in range(e):
+    w13 = np.empty((len(experts), d, 2 * f), dtype=dtype)
+    w2 = np.empty((len(experts), f, d), dtype=dtype)
+    for row, expert in enumerate(experts):
         gate, up, down = hf_names.expert_names(config, layer, expert)
-        w13[expert, :, :f] = tensors.get(gate, (f, d)).T
-        w13[expert, :, f:] = tensors.get(up, (f, d)).T
-        w2[expert] = tensors.get(down, (d, f)).T
+        w13[row, :, :f] = tensors.get(gate, (f, d)).T
+        w13[row, :, f:] = tensors.get(up, (f, d)).T
+        w2[row] = tensors.get(down, (d, f)).T
     return LayerExperts(w13, w2)
+
+
+def _only(layer, experts: range | None):
+    """`layer` with only `experts`, copied (the whole layer it came from is freed)."""
+    if experts is None:
+        return layer
+    return copy.deepcopy(layer.select(experts))
 
 
 def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | None:

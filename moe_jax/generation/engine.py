@@ -53,6 +53,11 @@ class EngineStats:
 
 class GenerationEngine:
     def __init__(self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None):
+        if model.expert_shard is not None:
+            raise InputError(
+                f"this process holds only {model.expert_shard.describe()}: generation over expert shards is not "
+                "built yet (its decode steps would need every process in step); load the whole model to generate"
+            )
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.stats = EngineStats()

@@ -47,19 +47,19 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None) -> dict[str, int]:
+def load_bytes(checkpoint, itemsize: int, host_kernels: KernelChoice | None, shards: int = 1) -> dict[str, int]:
     """What loading `checkpoint` at `itemsize` bytes per weight allocates, by part; `host_kernels`: the kernels
     that run the experts on the host (None: the backend runs none), whose fused native forward, where there is
-    one, packs each expert once into its own tile layout."""
+    one, packs each expert once into its own tile layout; `shards`: a process holds 1/shards of the experts."""
     tensors = checkpoint.tensors
     dense = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not is_expert_tensor(n)) * itemsize
     store = checkpoint.expert_store
     if host_kernels is not None and host_kernels.quantized:  # held only quantized: the store's own mapped file,
         mapped = store is not None and store.quant == host_kernels.quant  # or quantized at load, layer by layer
-        packed = 0 if mapped else quantized_experts_bytes(checkpoint, host_kernels.quant)
+        packed = 0 if mapped else quantized_experts_bytes(checkpoint, host_kernels.quant) // shards
         return {"dense weights": dense, "experts": 0, "packed expert copies": packed}
     c = checkpoint.config
-    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
+    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers) // shards
     packed_itemsize = host_kernels.packed_bytes_per_weight() if host_kernels is not None else 0
     store_itemsize = store.dtype.itemsize if store is not None else itemsize
     return {

@@ -2,7 +2,9 @@
 
 `lora_value_and_grad(model)` returns a function of (LoRA state, tokens [b, t], loss mask [b, t]) giving the mean
 loss over masked target positions and its gradient for the LoRA parameters only: the base weights are a separate,
-non-differentiated argument, so no gradient (nor optimizer state) is ever made for them.
+non-differentiated argument, so no gradient (nor optimizer state) is ever made for them. A model holding one
+shard of the experts (expert parallel) computes it as one step of every process, each with its own rows: the loss
+and gradients are then those of all the processes' rows, the same in each.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax import distributed
+from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
 from moe_jax.model.layers import lora_dropout_key
 from moe_jax.model.lora import split_trainable
 
@@ -32,24 +36,45 @@ def lora_value_and_grad(model):
     """
     model.prepare_for_training()
     graphdef, lora_state, rest = split_trainable(model.transformer)
-    compiled = {"graphdef": model.graphdef, "state": model.state, "step": _compile(graphdef), "rest": rest}
+    parallel = model.expert_shard is not None
+    compiled = {"graphdef": model.graphdef, "state": model.state, "step": _compile(graphdef, parallel), "rest": rest}
 
     def value_and_grad(lora_state, tokens_bt, mask_bt, dropout_key=None):
         if compiled["state"] is not model.state:  # split again only when the model changed
             graphdef, _, rest = split_trainable(model.transformer)
             if compiled["graphdef"] is not model.graphdef:
-                compiled["step"] = _compile(graphdef)
+                compiled["step"] = _compile(graphdef, parallel)
             compiled.update(graphdef=model.graphdef, state=model.state, rest=rest)
         return compiled["step"](lora_state, compiled["rest"], tokens_bt, mask_bt, dropout_key)
 
     return value_and_grad, lora_state
 
 
-def _compile(graphdef):
+def _compile(graphdef, expert_parallel: bool):
     def loss_fn(lora_state, rest, tokens_bt, mask_bt, dropout_key=None):
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         with lora_dropout_key(dropout_key):
             logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens_bt, positions)
         return causal_lm_loss(logits, tokens_bt, mask_bt)
 
-    return jax.jit(jax.value_and_grad(loss_fn))
+    if not expert_parallel:
+        return jax.jit(jax.value_and_grad(loss_fn))
+
+    def one_process(lora_state, rest, tokens_bt, mask_bt, *dropout_key):
+        """This process's rows, weighted by its share of all targets; summed over the processes."""
+        mine = jnp.sum(mask_bt[:, 1:].astype(jnp.float32))
+        share = mine / jnp.maximum(jax.lax.psum(mine, distributed.AXIS), 1.0)
+        key = jax.random.fold_in(dropout_key[0], jax.lax.axis_index(distributed.AXIS)) if dropout_key else None
+
+        def weighted(lora_state):
+            return loss_fn(lora_state, rest, tokens_bt, mask_bt, key) * share
+
+        return jax.lax.psum(jax.value_and_grad(weighted)(lora_state), distributed.AXIS)
+
+    steps = {keyed: over_processes(one_process, (SAME, SAME, ROWS, ROWS) + (SAME,) * keyed, SAME) for keyed in (0, 1)}
+
+    def step(lora_state, rest, tokens_bt, mask_bt, dropout_key=None):
+        extra = () if dropout_key is None else (dropout_key,)
+        return steps[len(extra)](lora_state, rest, tokens_bt, mask_bt, *extra)
+
+    return step

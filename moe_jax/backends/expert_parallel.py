@@ -1,0 +1,95 @@
+"""Expert parallel across processes: each process holds and computes one shard of every MoE layer's experts.
+
+A step runs over all the run's processes at once (`over_processes`: `shard_map` over distributed.AXIS, each process
+with its own rows of the batch and its own copy of the other weights). In each MoE layer every process gathers all
+processes' tokens and routing, computes the pairs routed to its own experts (the others marked NOT_ROUTED: their
+owners compute them) and the partial outputs are summed back onto the tokens' own processes (a reduce-scatter).
+JAX differentiates the two collectives (each is the other's transpose), so in the backward the output gradients
+travel to the experts' owners and the input gradients back the same way. Per layer and step each process sends
+and receives (P-1)/P of the batch's activations twice (gathered inputs, reduced outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from host_kernels import NOT_ROUTED
+from moe_jax import distributed
+from moe_jax.errors import ConfigError
+
+ROWS = P(distributed.AXIS)  # each process's own rows
+SAME = P()  # the same on every process
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one process holds: shard `index` of `count` equal shards of every MoE layer."""
+
+    index: int
+    count: int
+
+    def experts(self, num_experts: int) -> range:
+        if num_experts % self.count:
+            raise ConfigError(
+                f"{num_experts} experts per layer do not split into {self.count} equal shards: give a divisor of "
+                f"{num_experts} (one shard per process)"
+            )
+        per = num_experts // self.count
+        return range(self.index * per, (self.index + 1) * per)
+
+    def describe(self) -> str:
+        return f"expert shard {self.index} of {self.count}"
+
+
+def this_process_shard(count: int) -> ExpertShard | None:
+    """This process's shard when the run splits experts `count` ways (one shard per process); None for 1."""
+    world = distributed.world()
+    if count == 1:
+        return None
+    if count != world.count:
+        raise ConfigError(
+            f"expert_shards {count} must equal the run's process count ({world.count}): each process holds one "
+            f"shard (start the run with python -m moe_jax.launch -n {count})"
+        )
+    return ExpertShard(world.index, count)
+
+
+def sharded_experts(experts_fn, call, per_shard: int, x_td, ids_tk, weights_tk, lora):
+    """experts_fn(call, x, ids, weights, lora) over every process's tokens, with this process's `per_shard`
+    experts (ids first..first+per_shard); inside `over_processes`."""
+    x_all = jax.lax.all_gather(x_td, distributed.AXIS, tiled=True)
+    ids_all = jax.lax.all_gather(ids_tk, distributed.AXIS, tiled=True)
+    weights_all = jax.lax.all_gather(weights_tk, distributed.AXIS, tiled=True)
+    local = ids_all - jax.lax.axis_index(distributed.AXIS) * per_shard
+    mine = (local >= 0) & (local < per_shard)
+    y_all = experts_fn(call, x_all, jnp.where(mine, local, NOT_ROUTED), weights_all, lora)
+    return jax.lax.psum_scatter(y_all, distributed.AXIS, scatter_dimension=0, tiled=True)
+
+
+def over_processes(fn, in_specs: tuple, out_specs):
+    """`fn` run as one step over every process of the run: arguments with spec ROWS are this process's rows of
+    the batch, SAME ones this process's copy of something every process holds alike; results likewise (a ROWS
+    result comes back as this process's rows). Collectives inside `fn` name distributed.AXIS."""
+    mesh = distributed.process_mesh()
+    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+    def run(*args):
+        global_args = [_global(arg, spec, mesh) for arg, spec in zip(args, in_specs, strict=True)]
+        return jax.tree.map(lambda x: x.addressable_data(0), mapped(*global_args))
+
+    return run
+
+
+def _global(tree, spec, mesh):
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, _local(x)), tree)
+
+
+def _local(x):
+    return x if isinstance(x, jax.Array) else np.asarray(x)
