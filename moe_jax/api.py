@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import trim_heap
+from moe_jax import distributed
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.expert_parallel import ROWS, SAME, ExpertShard, over_processes
 from moe_jax.backends.metrics import BackendMetrics
@@ -303,6 +304,11 @@ def load_model(
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if expert_shard is not None and backend != "host":
         raise InputError(f"expert parallel runs on the host backend only, not backend={backend!r}")
+    if expert_shard is not None and expert_shard.count != distributed.world().count:
+        raise InputError(
+            f"{expert_shard.describe()}: a run of {distributed.world().count} process(es) would leave experts "
+            "uncomputed; expert shards are one per process"
+        )
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
     checkpoint = open_checkpoint(Path(path), verify=verify)

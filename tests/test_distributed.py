@@ -1,7 +1,8 @@
 """Several processes of one run (JAX's distributed runtime, gloo collectives), on this machine: data-parallel
 training equals one process on the same global batch, survives kill -9 of a process (the other stops with a
 message, the resumed run ends on the same adapter, each checkpoint written once); sharded generation writes one
-process's records."""
+process's records; expert parallel (each process half of every layer's experts) gives one process's logits and
+LoRA gradients."""
 
 import json
 import os
@@ -13,9 +14,11 @@ import time
 import numpy as np
 import pytest
 
+import moe_jax
 from moe_jax import distributed
-from moe_jax.errors import ConfigError
-from tests.test_train import ROOT, adapter_tensors
+from moe_jax.backends.expert_parallel import ExpertShard, this_process_shard
+from moe_jax.errors import ConfigError, InputError
+from tests.test_train import MODEL, ROOT, adapter_tensors, quick_config
 
 TRAIN_FLAGS = [
     "--no-progress",
@@ -149,3 +152,30 @@ def test_one_process_is_the_plain_path(monkeypatch):
     tree = {"a": np.arange(3.0, dtype=np.float32)}
     assert distributed.weighted_mean(tree, 5)["a"].tolist() == [0.0, 1.0, 2.0]
     assert distributed.gather_objects([{"x": 1}]) == [[{"x": 1}]]
+
+
+def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path):
+    """Each of 2 processes holds half of every layer's experts and its half of the batch's rows."""
+    runner = ROOT / "tests" / "expert_parallel_run.py"
+    alone = subprocess.run([sys.executable, str(runner), str(tmp_path / "one.npz")], capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stderr
+    finished(launch(2, runner, tmp_path / "two.npz"))
+    one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    assert two["store_bytes"].tolist() == [one["store_bytes"][0] / 2] * 2
+    np.testing.assert_allclose(two["logits"], one["logits"], atol=1e-5)
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
+    grads = [k for k in one.files if k.startswith("grad/")]
+    assert grads and all(np.abs(one[k]).max() > 0 for k in grads)
+    for key in grads:
+        np.testing.assert_allclose(two[key], one[key], atol=1e-5, err_msg=key)
+
+
+def test_expert_parallel_refusals():
+    with pytest.raises(ConfigError, match="do not split into 3 equal shards"):
+        ExpertShard(0, 3).experts(4)
+    with pytest.raises(ConfigError, match="expert_shards 2 must equal the run's process count"):
+        this_process_shard(2)
+    with pytest.raises(InputError, match="would leave experts uncomputed"):
+        moe_jax.load_model(MODEL, expert_shard=ExpertShard(0, 2))
+    with pytest.raises(ConfigError, match="eval_exact_match needs generation"):
+        quick_config("/tmp/unused", expert_shards=2, eval_exact_match=5)

@@ -62,6 +62,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     host_threads: int | None = None
+    # a multi-process run: each process holds 1/expert_shards of every layer's experts (expert parallel; one
+    # shard per process, host backend); 1: every process holds them all (data parallel)
+    expert_shards: int = 1
     # offload/auto: device memory for expert weights, in MiB as infer.py's --device-memory-mb (0: the default)
     device_memory_mb: float = 0.0
     tensorboard: str | None = None  # directory for TensorBoard event files: every step's figures as scalars
@@ -81,8 +84,16 @@ class TrainConfig:
             "eval_interval",
             "checkpoint_interval",
             "keep_checkpoints",
+            "expert_shards",
         ):
             positive(name)
+        if self.expert_shards > 1 and self.backend != "host":
+            raise ConfigError(f"expert_shards > 1 runs on the host backend only, not backend {self.backend!r}")
+        if self.expert_shards > 1 and self.eval_exact_match:
+            raise ConfigError(
+                "eval_exact_match needs generation, which expert-parallel runs (expert_shards > 1) do not do yet: "
+                "set eval_exact_match = 0 (the held-out loss is still computed)"
+            )
 
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")

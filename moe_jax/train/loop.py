@@ -16,6 +16,7 @@ import optax
 import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax import distributed
+from moe_jax.backends.expert_parallel import this_process_shard
 from moe_jax.backends.placements import read_placement_plan
 from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.formats.adapters import export_peft
@@ -111,11 +112,14 @@ class Trainer:
             verify=verify,
             native=native,
             placement_plan=read_placement_plan(cfg.placement_plan) if cfg.placement_plan else None,
+            expert_shard=this_process_shard(cfg.expert_shards),
         )
         self.model.attach_lora(
             LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout), seed=cfg.seed
         )
         self.lora_config = self.model.lora_config  # the targets resolved for this model's family
+        # data parallel: each process's gradients are of its rows; expert parallel's steps already span them all
+        self.averages_gradients = self.world.several and self.model.expert_shard is None
         self.value_and_grad, self.lora_state = lora_value_and_grad(self.model)
         self.tx = make_optimizer(cfg)
         self.opt_state = self.tx.init(self.lora_state)
@@ -148,19 +152,19 @@ class Trainer:
         for micro in range(self.cfg.grad_accum):
             index = step * self.cfg.grad_accum + micro
             tokens, mask = self.batches.batch(index)
+            targets += int(mask[:, 1:].sum())
             tokens, mask = tokens[self.rows], mask[self.rows]
             # the dropout key depends on the batch index only, so a resumed run draws the same masks
             key = jax.random.fold_in(jax.random.key(self.cfg.seed), index) if self.cfg.lora_dropout else None
+            if key is not None and self.averages_gradients:  # each process its own masks for its own rows
+                key = jax.random.fold_in(key, self.world.index)
             try:
                 loss, grads = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask, key)
             except NonFiniteError as e:
                 raise TrainingError(f"step {step + 1}: the model diverged ({e}); {self._intact()}") from None
-            mine = int(mask[:, 1:].sum())
-            if self.world.several:  # the mean over every process's targets: what one process on all rows gives
-                loss, grads = distributed.weighted_mean((loss, grads), mine)
-                mine = int(distributed.sum_over_processes([mine])[0])
+            if self.averages_gradients:  # the mean over every process's targets: one process on all rows' result
+                loss, grads = distributed.weighted_mean((loss, grads), int(mask[:, 1:].sum()))
             total_loss += float(loss)
-            targets += mine
             total_grads = grads if total_grads is None else jax.tree.map(jnp.add, total_grads, grads)
         loss = total_loss / self.cfg.grad_accum
         if not math.isfinite(loss):
@@ -190,10 +194,11 @@ class Trainer:
             return {}
         batches = Batches(held, self.cfg.batch_size, self.cfg.max_seq_len, self.data.pad_id, 0)
         loss_sum, count = 0.0, 0
-        for index in self.world.share(range(math.ceil(len(held) / self.cfg.batch_size))):
+        for index in range(math.ceil(len(held) / self.cfg.batch_size)):  # each process its rows of each batch
             tokens, mask = batches.batch(index)
             mask[len(held) - index * self.cfg.batch_size :] = 0  # the last batch wraps around: each example once
-            n = int(mask[:, 1:].sum())
+            tokens, mask = tokens[self.rows], mask[self.rows]
+            n = int(mask[:, 1:].sum())  # (expert parallel: the loss is all rows', and n * it sums to theirs)
             loss, _ = self.model.run_jitted(self.value_and_grad, self.lora_state, tokens, mask)
             loss_sum, count = loss_sum + float(loss) * n, count + n
         loss_sum, count = self._summed(loss_sum, count)
