@@ -5,8 +5,8 @@ from the first or from weights quantized elsewhere (`pack_int4_layer`)."""
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -50,7 +50,8 @@ class LayerExperts:
 
     def select(self, experts: range) -> LayerExperts:
         """Only `experts` (consecutive): views of the arrays, so a mapped store reads only their pages."""
-        return dataclasses.replace(self, w13=self.w13[experts.start : experts.stop], w2=self.w2[experts.start : experts.stop])
+        ends = slice(experts.start, experts.stop)
+        return dataclasses.replace(self, w13=self.w13[ends], w2=self.w2[ends])
 
     @property
     def nbytes(self) -> int:
