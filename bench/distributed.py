@@ -1,0 +1,191 @@
+"""Scale-out on this machine: 1 process x 2 threads against 2 processes x 1 thread, data parallel and expert
+parallel, and a model of N hosts.
+
+    python bench/distributed.py [--shape bench] [--batch 4 --seq 256] [--steps 4] [--bandwidth-gbps 10]
+
+Each run is LoRA training's forward and backward (r=8 on the attention projections) over the same random global
+batch: one process with 2 host threads (XLA's own pool as it comes), then 2 processes (`python -m moe_jax.launch`)
+each with 1 host thread and XLA on one thread, each with its half of the batch's rows: data parallel (every
+process holds all experts; the LoRA gradients are averaged after the step) and expert parallel (each holds half
+of every layer's experts; tokens travel to their experts inside the step). Two warm-up steps, then the median of
+`--steps`. Bytes sent per step and process are counted from the collectives' shapes (gradients gathered; for
+expert parallel, per MoE layer and direction, the activations gathered and the outputs reduce-scattered).
+
+The model of N hosts, each like this machine and each with the one-process run's rows (a global batch N times
+larger): a step is the one-process step's compute (for expert parallel: all N hosts' tokens through 1/N of the
+experts, the same work) plus the bytes each host sends over the interconnect at --bandwidth-gbps, not overlapped
+(the collectives wait for each other here). Writes bench/results/distributed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from bench.common import print_table, write_json  # noqa: E402
+from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
+
+WARMUP = 2
+ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"  # XLA:CPU's ops on the calling thread only
+HOSTS = (1, 2, 4, 8, 16)
+
+
+def worker(args):
+    """One process of a run: times its steps, and process 0 writes the figures to args.out."""
+    import jax
+
+    import moe_jax
+    from moe_jax import distributed
+    from moe_jax.backends.expert_parallel import this_process_shard
+    from moe_jax.model.lora import LoRAConfig
+    from moe_jax.train.objective import lora_value_and_grad
+
+    world = distributed.join()
+    expert_parallel = args.worker == "expert"
+    shard = this_process_shard(world.count) if expert_parallel else None
+    model = moe_jax.load_model(args.model, expert_shard=shard, host_threads=args.threads)
+    model.attach_lora(LoRAConfig(rank=8, alpha=16.0))
+    value_and_grad, lora_state = lora_value_and_grad(model)
+    config = model.config
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    rows = world.rows(args.batch)
+    times = []
+    for step in range(WARMUP + args.steps):
+        start = time.perf_counter()
+        loss, grads = model.run_jitted(value_and_grad, lora_state, tokens[rows], mask[rows])
+        if world.several and not expert_parallel:
+            loss, grads = distributed.weighted_mean((loss, grads), int(mask[rows][:, 1:].sum()))
+        if step >= WARMUP:
+            times.append(time.perf_counter() - start)
+    gradient_bytes = 4 * sum(int(np.size(g)) for g in jax.tree.leaves(grads))
+    sent = bytes_sent(world.count, expert_parallel, gradient_bytes, args.batch * args.seq, config)
+    if world.is_main:
+        Path(args.out).write_text(
+            json.dumps({"step_s": statistics.median(times), "bytes_sent": sent, "gradient_bytes": gradient_bytes})
+        )
+
+
+def bytes_sent(processes: int, expert_parallel: bool, gradient_bytes: int, tokens: int, config) -> int:
+    """What one process sends in a step, from the collectives' shapes. Data parallel: its gradients to every
+    other process (an all-gather, + the weight). Expert parallel: per MoE layer, forward and backward, its share
+    of the activations to every other process (hidden x 4 bytes a token, + top-k ids and weights on the way in)
+    and its partial outputs' other shares (a reduce-scatter), then the gradients' sum (all-reduce, ring)."""
+    others = processes - 1
+    if processes == 1:
+        return 0
+    if not expert_parallel:
+        return others * (gradient_bytes + 4)
+    mine = tokens // processes
+    activations = mine * config.hidden_size * 4
+    routing = mine * config.num_experts_per_tok * 8
+    per_layer = 2 * others * (2 * activations + routing)  # (gather in + scatter out) x (forward + backward)
+    return len(config.moe_layers) * per_layer + 2 * others * gradient_bytes // processes
+
+
+def run(mode: str, processes: int, threads: int, args, model_dir: Path) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="moe_jax_bench_distributed_")) / f"{mode}.json"
+    command = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--threads",
+        str(threads),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+    ]
+    env = dict(os.environ)
+    if threads == 1:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()
+    launcher = [sys.executable, "-m", "moe_jax.launch", "-n", str(processes)] if processes > 1 else [sys.executable]
+    done = subprocess.run([*launcher, *command], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} x {processes} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    figures = json.loads(out.read_text())
+    return {
+        "run": f"{processes} process(es) x {threads} thread(s)",
+        "parallel": mode if processes > 1 else "-",
+        "tokens_per_s": args.batch * args.seq / figures["step_s"],
+        "step_ms": 1e3 * figures["step_s"],
+        "bytes_sent_per_step": figures["bytes_sent"],
+        "_gradient_bytes": figures["gradient_bytes"],
+    }
+
+
+def scaling(single: dict, config, args, gradient_bytes: int) -> list[dict]:
+    """Predicted tokens/s of N hosts like this one (each the one-process run's speed) at --bandwidth-gbps."""
+    step_s = single["step_ms"] / 1e3
+    bandwidth = args.bandwidth_gbps * 1e9 / 8
+    rows = []
+    for hosts in HOSTS:
+        row = {"hosts": hosts}
+        for mode in ("data", "expert"):
+            sent = bytes_sent(hosts, mode == "expert", gradient_bytes, args.batch * args.seq * hosts, config)
+            seconds = step_s + sent / bandwidth  # each host: the same rows as the one-host run (a batch N x larger)
+            row[f"{mode}_tokens_per_s"] = hosts * args.batch * args.seq / seconds
+            row[f"{mode}_efficiency"] = step_s / seconds
+        rows.append(row)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_argument(parser)
+    parser.add_argument("--batch", type=int, default=4, help="global batch rows (even)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--bandwidth-gbps", type=float, default=10.0, help="interconnect for the N-host model")
+    parser.add_argument("--worker", choices=("data", "expert", "single"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.batch % 2:
+        parser.error("--batch must be even (split over 2 processes)")
+    use_shape(args.shape)
+    model_dir = bench_model_dir()
+    from moe_jax.formats.checkpoint import read_config
+
+    config = read_config(model_dir)
+    rows = [
+        run("single", 1, 2, args, model_dir),
+        run("data", 2, 1, args, model_dir),
+        run("expert", 2, 1, args, model_dir),
+    ]
+    gradient_bytes = rows[0]["_gradient_bytes"]
+    for row in rows:
+        del row["_gradient_bytes"]
+        row["vs_one_process"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    title = f"{args.shape} model, LoRA forward+backward, batch {args.batch} x {args.seq}, this machine"
+    print_table(title, rows)
+    model = scaling(rows[0], config, args, gradient_bytes)
+    print_table(
+        f"model: N hosts like this one, each {args.batch} x {args.seq} rows a step, {args.bandwidth_gbps:g} Gb/s",
+        model,
+    )
+    write_json("distributed", {"shape": args.shape, "runs": rows, "hosts_model": model, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
