@@ -47,7 +47,7 @@ def worker(args):
 
     import moe_jax
     from moe_jax import distributed
-    from moe_jax.backends.expert_parallel import this_process_shard
+    from moe_jax.distributed import this_process_shard
     from moe_jax.model.lora import LoRAConfig
     from moe_jax.train.objective import lora_value_and_grad
 

@@ -17,8 +17,9 @@ from flax import nnx
 from host_kernels import trim_heap
 from moe_jax import distributed
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
-from moe_jax.backends.expert_parallel import ROWS, SAME, ExpertShard, over_processes
+from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
 from moe_jax.backends.metrics import BackendMetrics
+from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
 from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
@@ -311,7 +312,7 @@ def load_model(
         )
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
-    checkpoint = open_checkpoint(Path(path), verify=verify)
+    checkpoint = open_checkpoint(Path(path), verify=verify, expert_shard=expert_shard)
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
     quant = stored_quant(checkpoint, quant)

@@ -6,7 +6,9 @@ The converted directory holds config.json and tokenizer files as they were, the 
 kernels' layout (with --quant, quantized and packed for their kernel), memory-mapped when loaded. It is written
 into a directory of its own next to OUT (`OUT.partial-XXXX`), its store checksums verified, and renamed into
 place at the end, so an interrupted conversion never leaves a directory that looks finished. An existing
-non-empty OUT is refused unless --overwrite; OUT may not be or contain the source, nor lie inside it.
+non-empty OUT is refused unless --overwrite; OUT may not be or contain the source, nor lie inside it. With
+--expert-shards N the experts go to N stores instead, `experts.shard-I-of-N/` each holding 1/N of every layer's
+experts: a machine of an expert-parallel run needs the rest of the directory and its own shard only.
 
 From a GGUF file (llama.cpp's format), config.json and the tokenizer files are written from its metadata, the dense
 weights dequantized to float32 (every GGUF type's values are exact there), and the experts kept as close to their
@@ -31,8 +33,9 @@ from tqdm import tqdm
 
 from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.cli import run_cli
-from moe_jax.errors import CheckpointError, InputError
-from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint
+from moe_jax.distributed import ExpertShard
+from moe_jax.errors import CheckpointError, ConfigError, InputError
+from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint, shard_store_name
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 from moe_jax.formats.hf_names import is_expert_tensor
@@ -57,12 +60,14 @@ def convert(
     progress: bool = True,
     overwrite: bool = False,
     quant: str | None = GGUF_CLOSEST,
+    expert_shards: int = 1,
 ) -> Path:
     """Writes the converted checkpoint of `source` (a Hugging Face directory or a .gguf file) to `out_dir` and
     returns it. `out_dir` must not exist or be empty, unless `overwrite` (then it is replaced, only once the new one
     is complete and verified). `quant` (a host_kernels.QUANTIZED name): the experts are stored quantized, packed for
     their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are. None:
-    float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc)."""
+    float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc).
+    `expert_shards` N > 1: the experts in N stores of 1/N of every layer's (expert parallel)."""
     checkpoint = open_checkpoint(source)
     gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
     if quant == GGUF_CLOSEST:
@@ -74,6 +79,13 @@ def convert(
     out_dir = Path(out_dir)
     check_destination(checkpoint.path, out_dir, overwrite)
     config = checkpoint.config
+    if expert_shards < 1:
+        raise InputError(f"--expert-shards must be >= 1, got {expert_shards}")
+    shards = [ExpertShard(i, expert_shards) for i in range(expert_shards)] if expert_shards > 1 else [None]
+    try:
+        shard_experts = [s.experts(config.num_experts) if s else None for s in shards]
+    except ConfigError as e:
+        raise InputError(str(e)) from None
     if dtype is None and gguf_file is not None:
         dtype = "float32" if gguf_file.experts_type() == "F32" else "bfloat16"
     elif dtype is None:  # keep the checkpoint's precision
@@ -98,25 +110,28 @@ def convert(
             drop_fp8_quantization(partial / "config.json")  # the converted weights are dequantized
         dense = {n: checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if not is_expert_tensor(n)}
         save_safetensors(partial / "model.safetensors", dense)
-        writer = StoreWriter(partial / EXPERT_STORE_DIR, dtype, quant)
+        stores = [partial / (shard_store_name(s) if s else EXPERT_STORE_DIR) for s in shards]
+        writers = [StoreWriter(store, dtype, quant) for store in stores]
         desc = f"converting experts{f' to {quant}' if quant else ''}"
         repacked = 0
         for layer in tqdm(config.moe_layers, desc=desc, unit="layer", disable=not progress):
-            try:
-                if quant is None:
-                    stacked = checkpoint.layer_experts(layer, storage)
-                    writer.add_layer(layer, stacked.w13, stacked.w2)
-                    continue
-                quantized, as_stored = checkpoint.quantized_layer(layer, quant, storage)
-                writer.add_quantized_layer(layer, quantized)
-                repacked += as_stored
-            except StoreError as e:  # weights the store cannot take, named
-                raise CheckpointError(f"{checkpoint.path}: {e}") from None
-        writer.close()
-        ExpertStore.open(partial / EXPERT_STORE_DIR, verify=True)  # what landed on disk is what was written
+            for writer, experts in zip(writers, shard_experts, strict=True):
+                try:
+                    if quant is None:
+                        stacked = checkpoint.layer_experts(layer, storage, experts)
+                        writer.add_layer(layer, stacked.w13, stacked.w2)
+                        continue
+                    quantized, as_stored = checkpoint.quantized_layer(layer, quant, storage, experts)
+                    writer.add_quantized_layer(layer, quantized)
+                    repacked += as_stored
+                except StoreError as e:  # weights the store cannot take, named
+                    raise CheckpointError(f"{checkpoint.path}: {e}") from None
+        for writer, store in zip(writers, stores, strict=True):
+            writer.close()
+            ExpertStore.open(store, verify=True)  # what landed on disk is what was written
         _move_into_place(partial, out_dir)
         if gguf_file is not None and progress:
-            print(gguf_summary(gguf_file, quant, repacked, len(config.moe_layers)), file=sys.stderr)
+            print(gguf_summary(gguf_file, quant, repacked // len(shards), len(config.moe_layers)), file=sys.stderr)
     except OSError as e:
         raise InputError(f"{out_dir}: writing the converted checkpoint failed ({e}); nothing was left behind") from e
     finally:
@@ -195,12 +210,19 @@ def main(argv=None):
         "as they are when loaded (int4: 0.28x the bfloat16 experts' bytes); none: floats. Default: floats from a "
         "Hugging Face checkpoint, the format closest to a GGUF file's (Q4_0 -> int4 exactly)",
     )
+    parser.add_argument(
+        "--expert-shards",
+        type=int,
+        default=1,
+        help="write the experts as N stores of 1/N of every layer's (experts.shard-I-of-N/), one per process of an "
+        "expert-parallel run (train.py --expert-shards N); default 1: one store",
+    )
     args = parser.parse_args(argv)
     if args.gguf is not None and not is_gguf_file(args.gguf):
         raise InputError(f"--gguf {args.gguf}: expected a .gguf file (a checkpoint directory goes with --hf)")
     source = args.hf or args.gguf
     quant = None if args.quant == "none" else (args.quant or GGUF_CLOSEST)
-    out = convert(source, args.out, args.dtype, overwrite=args.overwrite, quant=quant)
+    out = convert(source, args.out, args.dtype, overwrite=args.overwrite, quant=quant, expert_shards=args.expert_shards)
     print(f"converted {source} -> {out} (expert store checksums verified)")
 
 

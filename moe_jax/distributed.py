@@ -69,6 +69,39 @@ class World:
 _world = World()
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one process holds: shard `index` of `count` equal shards of every MoE layer."""
+
+    index: int
+    count: int
+
+    def experts(self, num_experts: int) -> range:
+        if num_experts % self.count:
+            raise ConfigError(
+                f"{num_experts} experts per layer do not split into {self.count} equal shards: give a divisor of "
+                f"{num_experts} (one shard per process)"
+            )
+        per = num_experts // self.count
+        return range(self.index * per, (self.index + 1) * per)
+
+    def describe(self) -> str:
+        return f"expert shard {self.index} of {self.count}"
+
+
+def this_process_shard(count: int) -> ExpertShard | None:
+    """This process's shard when the run splits experts `count` ways (one shard per process); None for 1."""
+    world = _world
+    if count == 1:
+        return None
+    if count != world.count:
+        raise ConfigError(
+            f"expert_shards {count} must equal the run's process count ({world.count}): each process holds one "
+            f"shard (start the run with python -m moe_jax.launch -n {count})"
+        )
+    return ExpertShard(world.index, count)
+
+
 def world() -> World:
     return _world
 

@@ -1,6 +1,7 @@
-"""One process of tests/test_distributed.py's expert-parallel check: `python tests/expert_parallel_run.py OUT.npz`
-alone computes the whole model; under `python -m moe_jax.launch -n N` each process holds 1/N of the experts and
-its rows of the batch. Process 0 writes logits [batch, seq, vocab], loss, the LoRA gradients and every process's
+"""One process of tests/test_distributed.py's expert-parallel check: `python tests/expert_parallel_run.py OUT.npz
+[MODEL]` alone computes the whole model; under `python -m moe_jax.launch -n N` each process holds 1/N of the
+experts (sliced from MODEL's, or MODEL's own shard when it was converted with --expert-shards N) and its rows of
+the batch. Process 0 writes logits [batch, seq, vocab], loss, the LoRA gradients and every process's
 expert store bytes to OUT.npz."""
 
 import sys
@@ -13,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moe_jax  # noqa: E402
 from moe_jax import distributed  # noqa: E402
-from moe_jax.backends.expert_parallel import this_process_shard  # noqa: E402
+from moe_jax.distributed import this_process_shard  # noqa: E402
 from moe_jax.model.lora import LoRAConfig  # noqa: E402
 from moe_jax.train.objective import lora_value_and_grad  # noqa: E402
 
@@ -21,9 +22,9 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-moe"
 BATCH, SEQ = 4, 12
 
 
-def main(out: str):
+def main(out: str, model_dir=MODEL):
     world = distributed.join()
-    model = moe_jax.load_model(MODEL, expert_shard=this_process_shard(world.count), host_threads=1)
+    model = moe_jax.load_model(model_dir, expert_shard=this_process_shard(world.count), host_threads=1)
     model.attach_lora(LoRAConfig(rank=4, targets=("q_proj", "v_proj", "o_proj")), seed=0)
     value_and_grad, lora_state = lora_value_and_grad(model)
     rng = np.random.default_rng(0)  # LoRA B starts at zero: random weights make every gradient count
@@ -45,4 +46,4 @@ def main(out: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -16,8 +16,10 @@ import pytest
 
 import moe_jax
 from moe_jax import distributed
-from moe_jax.backends.expert_parallel import ExpertShard, this_process_shard
-from moe_jax.errors import ConfigError, InputError
+from moe_jax.convert import convert
+from moe_jax.distributed import ExpertShard, this_process_shard
+from moe_jax.errors import CheckpointError, ConfigError, InputError
+from moe_jax.formats.checkpoint import open_checkpoint
 from tests.test_train import MODEL, ROOT, adapter_tensors, quick_config
 
 TRAIN_FLAGS = [
@@ -154,12 +156,19 @@ def test_one_process_is_the_plain_path(monkeypatch):
     assert distributed.gather_objects([{"x": 1}]) == [[{"x": 1}]]
 
 
-def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path):
-    """Each of 2 processes holds half of every layer's experts and its half of the batch's rows."""
+@pytest.mark.parametrize("source", ["whole", "converted shards"])
+def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path, source):
+    """Each of 2 processes holds half of every layer's experts and its half of the batch's rows: sliced from the
+    whole checkpoint, or its own store of a checkpoint converted with --expert-shards 2."""
     runner = ROOT / "tests" / "expert_parallel_run.py"
     alone = subprocess.run([sys.executable, str(runner), str(tmp_path / "one.npz")], capture_output=True, text=True)
     assert alone.returncode == 0, alone.stderr
-    finished(launch(2, runner, tmp_path / "two.npz"))
+    model = MODEL
+    if source == "converted shards":
+        model = convert(MODEL, tmp_path / "sharded", progress=False, expert_shards=2)
+        stores = sorted(p.name for p in model.iterdir() if p.name.startswith("experts"))
+        assert stores == ["experts.shard-0-of-2", "experts.shard-1-of-2"]
+    finished(launch(2, runner, tmp_path / "two.npz", model))
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert two["store_bytes"].tolist() == [one["store_bytes"][0] / 2] * 2
     np.testing.assert_allclose(two["logits"], one["logits"], atol=1e-5)
@@ -168,6 +177,29 @@ def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path):
     assert grads and all(np.abs(one[k]).max() > 0 for k in grads)
     for key in grads:
         np.testing.assert_allclose(two[key], one[key], atol=1e-5, err_msg=key)
+
+
+def test_converted_shards_hold_their_experts_and_open_only_as_shards(tmp_path):
+    sharded = convert(MODEL, tmp_path / "sharded", progress=False, expert_shards=2)
+    whole = open_checkpoint(MODEL)
+    for index in range(2):
+        shard = ExpertShard(index, 2)
+        checkpoint = open_checkpoint(sharded, verify=True, expert_shard=shard)
+        experts = shard.experts(4)
+        assert checkpoint.store_experts == experts
+        for layer in whole.config.moe_layers:
+            mine, all_of_them = (
+                checkpoint.layer_experts(layer, np.float32, experts),
+                whole.layer_experts(layer, np.float32),
+            )
+            np.testing.assert_array_equal(mine.w13, all_of_them.w13[experts.start : experts.stop])
+            np.testing.assert_array_equal(mine.w2, all_of_them.w2[experts.start : experts.stop])
+    with pytest.raises(CheckpointError, match="stored in shards of 2 .*each process of an expert-parallel run"):
+        open_checkpoint(sharded)
+    with pytest.raises(CheckpointError, match="stored in shards of 2, not 4"):
+        open_checkpoint(sharded, expert_shard=ExpertShard(0, 4))
+    with pytest.raises(InputError, match="do not split into 3 equal shards"):
+        convert(MODEL, tmp_path / "three", progress=False, expert_shards=3)
 
 
 def test_expert_parallel_refusals():

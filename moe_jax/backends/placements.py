@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 from host_kernels import ExpertCompute, ExpertStore, HostMoE, trim_heap
 from moe_jax.backends import calibrate as layer_calibration
-from moe_jax.backends.expert_parallel import ExpertShard
 from moe_jax.backends.host import HostExperts
 from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.backends.hybrid import HybridExperts
 from moe_jax.backends.metrics import BackendMetrics, MetricsRecorder
 from moe_jax.backends.offload import OffloadExperts, OffloadSpec, TransferCounter
+from moe_jax.distributed import ExpertShard
 from moe_jax.errors import InputError, is_int
 from moe_jax.formats.checkpoint import Checkpoint
 from moe_jax.model.moe import DeviceExperts
@@ -182,7 +182,7 @@ class HostPlacement(ExpertPlacement):
         kept). With `experts` (expert parallel), only those of every layer."""
         store, quant = self.checkpoint.expert_store, self.plan.quant
         if store is not None and store.quant == quant:
-            return store if experts is None else store.shard(experts)
+            return store if experts is None or self.checkpoint.store_experts == experts else store.shard(experts)
         storage = host_store_dtype(self.checkpoint, self.dtype.name)
         layers = {}
         for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):

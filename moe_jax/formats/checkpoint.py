@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
+from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, is_int, read_json_file
 from moe_jax.formats import fp8, hf_names
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
@@ -24,6 +25,12 @@ from moe_jax.formats.safetensors_io import TensorSource
 from moe_jax.model.config import ModelConfig
 
 EXPERT_STORE_DIR = "experts"
+_SHARD_STORE = re.compile(rf"{EXPERT_STORE_DIR}\.shard-(\d+)-of-(\d+)")  # convert --expert-shards N's stores
+
+
+def shard_store_name(shard: ExpertShard) -> str:
+    """The directory of one shard's store in a checkpoint converted with --expert-shards."""
+    return f"{EXPERT_STORE_DIR}.shard-{shard.index}-of-{shard.count}"
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Checkpoint:
     config: ModelConfig
     tensors: TensorSource | fp8.BlockScaledTensors | GGUFFile
     expert_store: ExpertStore | None  # set for converted directories
+    store_experts: range | None = None  # the experts the store holds when it is one shard's (else all of them)
 
     @property
     def is_converted(self) -> bool:
@@ -56,7 +64,9 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{self.path}: its experts are stored {stored.quant}-quantized: they run on the host backend only"
                 )
-            stored = stored if experts is None else stored.select(experts)
+            if self.store_experts is not None and experts != self.store_experts:
+                raise CheckpointError(f"{self.path}: its store holds experts {self.store_experts}, not {experts}")
+            stored = stored if experts is None or self.store_experts is not None else stored.select(experts)
             if stored.w13.dtype == dtype:
                 return stored
             return LayerExperts(stored.w13.astype(dtype), stored.w2.astype(dtype))
@@ -82,9 +92,10 @@ class Checkpoint:
             raise CheckpointError(str(e)) from None
 
 
-def open_checkpoint(path, verify: bool = False) -> Checkpoint:
+def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None = None) -> Checkpoint:
     """Opens a checkpoint directory, checking its config, every weight file's header and its layer count;
-    `verify=True` also checks a converted store's SHA-256 checksums (minutes for a large model)."""
+    `verify=True` also checks a converted store's SHA-256 checksums (minutes for a large model). A directory
+    converted with --expert-shards opens with `expert_shard`, and then only that shard's store."""
     path = Path(path)
     if is_gguf_file(path):
         gguf_file = GGUFFile(path)
@@ -108,14 +119,33 @@ def open_checkpoint(path, verify: bool = False) -> Checkpoint:
             )
     _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
     config = read_hf_config(hf_config, source=str(config_file))
-    store = None
-    if (path / EXPERT_STORE_DIR).exists():
+    store, held, store_dir = None, None, path / EXPERT_STORE_DIR
+    shards = {int(m.group(2)) for d in path.iterdir() if (m := _SHARD_STORE.fullmatch(d.name)) and d.is_dir()}
+    if not store_dir.exists() and shards:
+        held, store_dir = _shard_of(path, shards, expert_shard, config)
+    if store_dir.exists():
         try:
-            store = ExpertStore.open(path / EXPERT_STORE_DIR, verify=verify)
+            store = ExpertStore.open(store_dir, verify=verify)
         except StoreError as e:
             raise CheckpointError(str(e)) from e
-        _check_store_fits(store, config, path)
-    return Checkpoint(path, config, tensors, store)
+        _check_store_fits(store, config, store_dir, len(held) if held else config.num_experts)
+    return Checkpoint(path, config, tensors, store, held)
+
+
+def _shard_of(path: Path, shards: set[int], shard: ExpertShard | None, config: ModelConfig) -> tuple[range, Path]:
+    """(the experts, the store directory) of `shard` in a directory converted with --expert-shards."""
+    counts = ", ".join(map(str, sorted(shards)))
+    if shard is None:
+        raise CheckpointError(
+            f"{path}: its experts are stored in shards of {counts} (convert --expert-shards): each process of an "
+            "expert-parallel run opens its own (train.py --expert-shards, one process per shard)"
+        )
+    if shard.count not in shards:
+        raise CheckpointError(f"{path}: its experts are stored in shards of {counts}, not {shard.count}")
+    store_dir = path / shard_store_name(shard)
+    if not store_dir.is_dir():
+        raise CheckpointError(f"{store_dir}: missing ({shard.describe()}); copy it from where the model was converted")
+    return shard.experts(config.num_experts), store_dir
 
 
 def read_config(path) -> ModelConfig:
@@ -146,14 +176,14 @@ def _check_layer_count(hf_config, tensors: TensorSource, config_file: Path):
         raise CheckpointError(f"{config_file}: num_hidden_layers is {layers}, but the weights hold {found}")
 
 
-def _check_store_fits(store: ExpertStore, config: ModelConfig, path: Path):
-    want = (config.num_experts, config.hidden_size, config.expert_intermediate_size)
+def _check_store_fits(store: ExpertStore, config: ModelConfig, store_dir: Path, experts: int):
+    want = (experts, config.hidden_size, config.expert_intermediate_size)
     for layer in config.moe_layers:
         w = store[layer]
         got = (w.num_experts, w.hidden, w.ffn)
         if got != want:
             raise CheckpointError(
-                f"{path / EXPERT_STORE_DIR}: layer {layer} holds {got[0]} experts of hidden {got[1]}, ffn {got[2]}; "
+                f"{store_dir}: layer {layer} holds {got[0]} experts of hidden {got[1]}, ffn {got[2]}; "
                 f"the config says {want[0]} of {want[1]}, {want[2]}"
             )
 

@@ -16,8 +16,8 @@ import optax
 import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax import distributed
-from moe_jax.backends.expert_parallel import this_process_shard
 from moe_jax.backends.placements import read_placement_plan
+from moe_jax.distributed import this_process_shard
 from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.formats.adapters import export_peft
 from moe_jax.formats.checkpoint import read_config
