@@ -299,6 +299,7 @@ def load_model(
     multi-process run): this process holds and computes only that shard of every layer's experts; the model then
     runs its steps over all the run's processes (`Model.logits`, training's gradients), each with its own rows.
     """
+    distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if dtype not in DTYPES:

@@ -8,8 +8,9 @@ tested) on one machine.
 
 Each process keeps computing its own experts on its own CPU; what crosses between processes goes through JAX
 collectives over a mesh with one device of each process (`process_allgather`). A process that dies makes the
-others' next collective fail at once (its connections close), or their heartbeats time out within
-HEARTBEAT_TIMEOUT_S while they compute: either way they stop with PeerFailed, never hang.
+others' next collective fail at once (its connections close: PeerFailed, "error: process K of N: ..."), or, while
+they compute, JAX's coordination service notices its missing heartbeats within HEARTBEAT_TIMEOUT_S and ends them
+with its own message: they never hang.
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def join() -> World:
         )
     except Exception as e:  # JAX raises RuntimeError/XlaRuntimeError kinds; the user needs where and why
         where = settings.get("coordinator_address") or "the cluster's coordinator"
-        raise PeerFailed(f"could not join the run at {where}: {e}") from e
+        raise PeerFailed(
+            f"could not join the run at {where}: {e} (join before anything else uses JAX: load_model does first)"
+        ) from e
     _world = World(jax.process_index(), jax.process_count())
     return _world
 
