@@ -96,23 +96,9 @@ def bytes_sent(processes: int, expert_parallel: bool, gradient_bytes: int, token
 
 def run(mode: str, processes: int, threads: int, args, model_dir: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix="moe_jax_bench_distributed_")) / f"{mode}.json"
-    command = [
-        str(Path(__file__).resolve()),
-        "--worker",
-        mode,
-        "--model",
-        str(model_dir),
-        "--out",
-        str(out),
-        "--threads",
-        str(threads),
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--steps",
-        str(args.steps),
-    ]
+    flags = {"worker": mode, "model": model_dir, "out": out, "threads": threads}
+    flags.update(batch=args.batch, seq=args.seq, steps=args.steps)
+    command = [str(Path(__file__).resolve()), *(f"--{name}={value}" for name, value in flags.items())]
     env = dict(os.environ)
     if threads == 1:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()

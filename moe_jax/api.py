@@ -225,7 +225,8 @@ class Model:
         return ids.astype(np.int32)
 
     def logits(self, input_ids) -> np.ndarray:
-        """float32 logits [batch, seq, vocab] for integer token ids [batch, seq]."""
+        """float32 logits [batch, seq, vocab] for integer token ids [batch, seq] (expert parallel: this process's
+        rows of the batch, in a call every process of the run makes with its own)."""
         ids = self.check_token_ids(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise InputError(f"input_ids must have shape [batch, seq] with seq >= 1, got {ids.shape}")

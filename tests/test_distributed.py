@@ -1,8 +1,8 @@
 """Several processes of one run (JAX's distributed runtime, gloo collectives), on this machine: data-parallel
 training equals one process on the same global batch, survives kill -9 of a process (the other stops with a
 message, the resumed run ends on the same adapter, each checkpoint written once); sharded generation writes one
-process's records; expert parallel (each process half of every layer's experts) gives one process's logits and
-LoRA gradients."""
+process's records; expert parallel (each process half of every layer's experts, from a checkpoint converted with
+--expert-shards) gives one process's logits and LoRA gradients."""
 
 import json
 import os
@@ -156,19 +156,14 @@ def test_one_process_is_the_plain_path(monkeypatch):
     assert distributed.gather_objects([{"x": 1}]) == [[{"x": 1}]]
 
 
-@pytest.mark.parametrize("source", ["whole", "converted shards"])
-def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path, source):
-    """Each of 2 processes holds half of every layer's experts and its half of the batch's rows: sliced from the
-    whole checkpoint, or its own store of a checkpoint converted with --expert-shards 2."""
+def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path):
+    """Each of 2 processes holds half of every layer's experts (its own store of a checkpoint converted with
+    --expert-shards 2) and its half of the batch's rows."""
     runner = ROOT / "tests" / "expert_parallel_run.py"
     alone = subprocess.run([sys.executable, str(runner), str(tmp_path / "one.npz")], capture_output=True, text=True)
     assert alone.returncode == 0, alone.stderr
-    model = MODEL
-    if source == "converted shards":
-        model = convert(MODEL, tmp_path / "sharded", progress=False, expert_shards=2)
-        stores = sorted(p.name for p in model.iterdir() if p.name.startswith("experts"))
-        assert stores == ["experts.shard-0-of-2", "experts.shard-1-of-2"]
-    finished(launch(2, runner, tmp_path / "two.npz", model))
+    sharded = convert(MODEL, tmp_path / "sharded", progress=False, expert_shards=2)
+    finished(launch(2, runner, tmp_path / "two.npz", sharded))
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert two["store_bytes"].tolist() == [one["store_bytes"][0] / 2] * 2
     np.testing.assert_allclose(two["logits"], one["logits"], atol=1e-5)
@@ -180,20 +175,27 @@ def test_expert_parallel_logits_and_gradients_equal_one_process(tmp_path, source
 
 
 def test_converted_shards_hold_their_experts_and_open_only_as_shards(tmp_path):
+    """A shard's store, a Hugging Face checkpoint's experts read by range and a whole store's shard views are the
+    same weights (the three ways a process of an expert-parallel run gets its experts)."""
     sharded = convert(MODEL, tmp_path / "sharded", progress=False, expert_shards=2)
-    whole = open_checkpoint(MODEL)
+    whole = open_checkpoint(convert(MODEL, tmp_path / "whole", progress=False))
+    hf = open_checkpoint(MODEL)
     for index in range(2):
         shard = ExpertShard(index, 2)
         checkpoint = open_checkpoint(sharded, verify=True, expert_shard=shard)
         experts = shard.experts(4)
         assert checkpoint.store_experts == experts
+        views = whole.expert_store.shard(experts)
+        assert views.nbytes == whole.expert_store.nbytes // 2
         for layer in whole.config.moe_layers:
-            mine, all_of_them = (
+            all_of_them = whole.layer_experts(layer, np.float32)
+            for mine in (
                 checkpoint.layer_experts(layer, np.float32, experts),
-                whole.layer_experts(layer, np.float32),
-            )
-            np.testing.assert_array_equal(mine.w13, all_of_them.w13[experts.start : experts.stop])
-            np.testing.assert_array_equal(mine.w2, all_of_them.w2[experts.start : experts.stop])
+                hf.layer_experts(layer, np.float32, experts),
+                views[layer],
+            ):
+                np.testing.assert_array_equal(mine.w13, all_of_them.w13[experts.start : experts.stop])
+                np.testing.assert_array_equal(mine.w2, all_of_them.w2[experts.start : experts.stop])
     with pytest.raises(CheckpointError, match="stored in shards of 2 .*each process of an expert-parallel run"):
         open_checkpoint(sharded)
     with pytest.raises(CheckpointError, match="stored in shards of 2, not 4"):

@@ -222,7 +222,7 @@ class Trainer:
         return self._summed(hits)[0] / len(scored)
 
     def _summed(self, *values: float) -> tuple[float, ...]:
-        """`values` summed over the run's processes (each evaluates its share of the held-out examples)."""
+        """`values` summed over the run's processes (each evaluates its part of the held-out set)."""
         if not self.world.several:
             return values
         return tuple(float(v) for v in distributed.sum_over_processes(values))
