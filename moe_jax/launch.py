@@ -1,7 +1,9 @@
 """Starts a multi-process run on this machine: `python -m moe_jax.launch -n 2 train.py --config X.toml ...`.
 
 Starts N copies of the script (or `-m module`) with the variables moe_jax.distributed reads (a free local port for
-process 0's coordinator), their output going to this terminal, each line prefixed by its process's index. It waits
+process 0's coordinator), their output going to this terminal, each line prefixed by its process's index. Each
+process gets its share of this machine's cores as its CPU affinity (when there are at least N), so its host
+threads and XLA's pool default to that share instead of every process taking all the cores. It waits
 for all of them; when one fails the others stop on their own (their next collective fails, or their heartbeat
 times out), and any still running after GRACE_S are killed. The exit code is the first failure's, or 0.
 
@@ -48,6 +50,8 @@ def launch(processes: int, command: list[str]) -> int:
     """Runs `command` (after the interpreter) as `processes` processes of one run; the first failure's exit code."""
     port = free_port()
     children, relays = [], []
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // processes
     for index in range(processes):
         env = {
             **os.environ,
@@ -57,6 +61,8 @@ def launch(processes: int, command: list[str]) -> int:
             "PYTHONUNBUFFERED": "1",
         }
         child = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if share:  # set before the interpreter starts any thread of its own: they all inherit it
+            os.sched_setaffinity(child.pid, cores[index * share : (index + 1) * share])
         relay = threading.Thread(target=_relay, args=(child.stdout, index), daemon=True)
         relay.start()
         children.append(child)
