@@ -1,6 +1,7 @@
 """Several processes of one run (JAX's distributed runtime, gloo collectives), on this machine: data-parallel
 training equals one process on the same global batch, survives kill -9 of a process (the other stops with a
-message, the resumed run ends on the same adapter, each checkpoint written once); sharded generation writes one
+message, the run resumed as expert parallel ends on the same adapter, each checkpoint written once); sharded
+generation writes one
 process's records; expert parallel (each process half of every layer's experts, from a checkpoint converted with
 --expert-shards) gives one process's logits and LoRA gradients."""
 
@@ -67,6 +68,7 @@ def metrics_steps(run) -> list[int]:
 
 
 def test_data_parallel_training_equals_one_process_and_resumes_after_a_kill(tmp_path):
+    """Data parallel until process 1 is killed, resumed as expert parallel: one process's run all along."""
     one, two = tmp_path / "one", tmp_path / "two"
     straight = subprocess.run(
         [sys.executable, "train.py", *TRAIN_FLAGS, "--out", str(one)], cwd=ROOT, capture_output=True, text=True
@@ -85,7 +87,9 @@ def test_data_parallel_training_equals_one_process_and_resumes_after_a_kill(tmp_
     assert "[0] error: process 0 of 2: a collective with the other processes failed" in out, out
     assert not (two / "adapter").exists(), "the run finished before process 1 was killed"
 
-    resumed = finished(launch(2, "train.py", *TRAIN_FLAGS, "--out", two, "--resume"))
+    # resumed expert parallel (each process half of the experts): the same math, so the same run goes on
+    expert_parallel = ["--expert-shards", "2", "--eval-exact-match", "0"]
+    resumed = finished(launch(2, "train.py", *TRAIN_FLAGS, *expert_parallel, "--out", two, "--resume"))
     assert "[1] wrote" not in resumed  # process 0 writes the outputs
     ours, theirs = adapter_tensors(two), adapter_tensors(one)
     assert ours.keys() == theirs.keys()
@@ -98,7 +102,7 @@ def test_data_parallel_training_equals_one_process_and_resumes_after_a_kill(tmp_
     singles = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     for mine, single in zip(records, singles, strict=True):
         for key in ("loss", "eval_loss", "exact_match", "target_tokens"):
-            if key in single:
+            if key in single and (key != "exact_match" or mine["step"] <= 2):  # (not evaluated after the resume)
                 assert mine[key] == pytest.approx(single[key], rel=1e-5), key
 
 
