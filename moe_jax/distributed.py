@@ -25,7 +25,7 @@ from moe_jax.errors import ConfigError, MoeJaxError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MOE_JAX_COORDINATOR", "MOE_JAX_NUM_PROCESSES", "MOE_JAX_PROCESS_ID"
 AXIS = "processes"  # the mesh axis over the run's processes (process_mesh)
-HEARTBEAT_TIMEOUT_S = 20  # a process silent this long is taken for dead (JAX's default is 100)
+HEARTBEAT_TIMEOUT_S = 40  # a silent process is dead after this (JAX: 100; a loaded machine can stall 10+ s)
 START_TIMEOUT_S = 120  # how long process 0 waits for the others to join
 
 
