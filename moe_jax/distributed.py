@@ -67,9 +67,6 @@ class World:
         return f"process {self.index} of {self.count}"
 
 
-_world = World()
-
-
 @dataclass(frozen=True)
 class ExpertShard:
     """The experts one process holds: shard `index` of `count` equal shards of every MoE layer."""
@@ -92,15 +89,17 @@ class ExpertShard:
 
 def this_process_shard(count: int) -> ExpertShard | None:
     """This process's shard when the run splits experts `count` ways (one shard per process); None for 1."""
-    world = _world
     if count == 1:
         return None
-    if count != world.count:
+    if count != _world.count:
         raise ConfigError(
-            f"expert_shards {count} must equal the run's process count ({world.count}): each process holds one "
+            f"expert_shards {count} must equal the run's process count ({_world.count}): each process holds one "
             f"shard (start the run with python -m moe_jax.launch -n {count})"
         )
-    return ExpertShard(world.index, count)
+    return ExpertShard(_world.index, count)
+
+
+_world = World()  # this process's place, once join() has found it
 
 
 def world() -> World:
