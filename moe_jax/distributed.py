@@ -15,6 +15,7 @@ with its own message: they never hang.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -194,8 +195,6 @@ def weighted_mean(tree, weight: float):
 
 def gather_objects(items: list) -> list[list]:
     """Every process's list of JSON-able `items`, in process order."""
-    import json
-
     data = np.frombuffer(json.dumps(items).encode(), np.uint8)
     sizes = gather(np.array([data.size], np.int64))[:, 0]
     padded = np.zeros(int(sizes.max()), np.uint8)

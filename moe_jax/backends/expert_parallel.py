@@ -42,9 +42,23 @@ def over_processes(fn, in_specs: tuple, out_specs):
     result comes back as this process's rows). Collectives inside `fn` name distributed.AXIS."""
     mesh = distributed.process_mesh()
     mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    held: dict[int, tuple] = {}  # argument position -> (its structure, its leaves, their global arrays)
+
+    def as_global(position: int, arg, spec):
+        """`arg` as global arrays; a SAME argument made of the very jax arrays (immutable) of the last call is not
+        wrapped again: the model's weights, passed every step (~4 ms a step for the bench model's 31 arrays)."""
+        leaves, structure = jax.tree.flatten(arg)
+        if position in held:
+            last_structure, last_leaves, last_converted = held[position]
+            if last_structure == structure and all(a is b for a, b in zip(last_leaves, leaves, strict=True)):
+                return last_converted
+        converted = _global(arg, spec, mesh)
+        if spec == SAME and all(isinstance(x, jax.Array) for x in leaves):
+            held[position] = (structure, leaves, converted)
+        return converted
 
     def run(*args):
-        global_args = [_global(arg, spec, mesh) for arg, spec in zip(args, in_specs, strict=True)]
+        global_args = [as_global(i, arg, spec) for i, (arg, spec) in enumerate(zip(args, in_specs, strict=True))]
         return jax.tree.map(lambda x: x.addressable_data(0), mapped(*global_args))
 
     return run
