@@ -272,6 +272,7 @@ def load_model(
     quant: str | None = None,
     mla_decode: str = "absorbed",
     expert_shard: ExpertShard | None = None,
+    pipeline: int | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -299,6 +300,9 @@ def load_model(
     resulting plan is `Model.plan` (moe_jax/planning/plan.py). `expert_shard` (expert parallel, host backend, a
     multi-process run): this process holds and computes only that shard of every layer's experts; the model then
     runs its steps over all the run's processes (`Model.logits`, training's gradients), each with its own rows.
+    `pipeline`: split each step's rows into that many micro-batches whose host experts and device attention
+    ping-pong (backends/pipeline.py); default (None): MOE_JAX_PIPELINE, else 2 beside an accelerator and off
+    where jax's device is this CPU (`Model.plan` says why).
     """
     distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
     if backend not in BACKENDS:
@@ -325,7 +329,11 @@ def load_model(
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     mla_decode = mla_decode if checkpoint.config.mla is not None else ""
-    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode)
+    if expert_shard is not None:  # its MoE layers' collectives run inside the call: no ping-pong
+        if pipeline not in (None, 1):
+            raise InputError("expert parallel runs without the micro-batch pipeline; leave pipeline unset")
+        pipeline = 1
+    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode, pipeline)
     shards = expert_shard.count if expert_shard else 1
     parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels, shards)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""

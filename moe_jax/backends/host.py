@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe_jax.backends import pipeline
 from moe_jax.backends.expert_parallel import sharded_experts
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host_runtime import HostRuntime
@@ -104,3 +105,18 @@ class HostExperts(nnx.Module):
         if self.experts_per_shard is not None:
             return sharded_experts(host_experts, call, self.experts_per_shard, x_td, ids_tk, weights_tk, lora)
         return host_experts(call, x_td, ids_tk, weights_tk, lora)
+
+    # --- pipelined (backends/pipeline.py): submitted now, collected by `finish` after the device's other work
+    def start(self, x_td, ids_tk, weights_tk, chain, micro_batch: int, opens: bool = False):
+        if self.experts_per_shard is not None:  # expert parallel's collectives run in the call: no split
+            return self(x_td, ids_tk, weights_tk), chain
+        call = pipeline.PipelinedLayer(self.runtime, self.layer, self.lora_scale, micro_batch, opens)
+        ids_tk, lora = ids_tk.astype(jnp.int32), lora_arrays(self.lora)
+        ticket, chain = pipeline.start(call, x_td, ids_tk, weights_tk, lora, chain)
+        return (call, ticket, x_td, ids_tk, weights_tk, lora), chain
+
+    def finish(self, pending, chain, closes: bool = False):
+        if not isinstance(pending, tuple):  # computed by `start`
+            return pending, chain
+        call, ticket, x_td, ids_tk, weights_tk, lora = pending
+        return pipeline.finish(call._replace(opens=False, closes=closes), ticket, chain, x_td, ids_tk, weights_tk, lora)

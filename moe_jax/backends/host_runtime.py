@@ -14,7 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from host_kernels import ExpertCompute, ExpertLoRA
+from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
+
+# tickets wrap here so that one survives a round trip through float32 (the pipeline's tickets are floats: their
+# cotangents carry the backward's tickets, backends/pipeline.py); far more than can ever be pending at once
+TICKET_WRAP = 1 << 23
 
 
 class KeptActivations:
@@ -79,6 +84,8 @@ class HostRuntime:
         self._lock = threading.Lock()
         # the plan's choice: an undifferentiated call without expert LoRA goes through XLA's FFI handler
         self.experts_ffi = experts_ffi and compute.fused is not None
+        # per-lane timestamps of the pipelined calls, when someone asks for them (LaneTimeline.record)
+        self.timeline: LaneTimeline | None = None
 
     def __hash__(self):  # part of a static custom_vjp argument: identity is what matters
         return id(self)
@@ -95,15 +102,21 @@ class HostRuntime:
         return self._guarded(self._backward, layer, scale, x, ids, weights, lora, dy, int(ticket))
 
     # --- background calls (hybrid: the host computes while the device does its share)
-    def submit(self, method: str, *args) -> np.ndarray:
-        """Starts `forward` or `backward` in the background; returns a ticket for `collect`."""
-        fn = {"forward": self._forward, "backward": self._backward}[method]
+    def submit(self, method: str, *args, label: tuple = ()) -> np.ndarray:
+        """Starts `forward`, `forward_keeping` or `backward` in the background (one at a time, in the order
+        submitted); returns a ticket for `collect`. `label` names the call on the timeline's host lane."""
+        fn = {"forward": self._forward, "forward_keeping": self._forward_keeping, "backward": self._backward}[method]
+        timeline = self.timeline
 
         def run():
+            begun = time.perf_counter()
             result = self._guarded(fn, *args, device_waits=False)
-            return result, time.perf_counter()
+            finished = time.perf_counter()
+            if timeline is not None:
+                timeline.add("host", (method, *label), begun, finished)
+            return result, finished
 
-        ticket = next(self._tickets)
+        ticket = next(self._tickets) % TICKET_WRAP
         with self._lock:
             self._pending[ticket] = self._background.submit(run)
         return np.int32(ticket)

@@ -169,14 +169,44 @@ class MoEBlock(nnx.Module):
         self.shared_gate = Frozen(shared_gate_d1) if shared_gate_d1 is not None else None
 
     def __call__(self, x_btd):
+        x_td, ids_tk, weights_tk = self._route(x_btd)
+        y_td = self.experts(x_td, ids_tk, weights_tk)
+        if self.shared is not None:
+            y_td = y_td + self._shared(x_td)
+        return y_td.reshape(x_btd.shape)
+
+    # --- pipelined (Transformer.pipelined): the experts of one micro-batch started, finished after other work
+    def start(self, x_btd, chain, micro_batch: int, opens: bool = False):
+        """Routes and starts the experts (experts with a `start`, the host's, run meanwhile; others compute now)
+        and computes the shared expert; returns (what `finish` takes, chain)."""
+        x_td, ids_tk, weights_tk = self._route(x_btd)
+        if hasattr(self.experts, "start"):
+            pending, chain = self.experts.start(x_td, ids_tk, weights_tk, chain, micro_batch, opens)
+        else:
+            pending = self.experts(x_td, ids_tk, weights_tk)
+        shared_td = None if self.shared is None else self._shared(x_td)
+        return (pending, shared_td, x_btd.shape), chain
+
+    def finish(self, started, chain, closes: bool = False):
+        pending, shared_td, shape = started
+        if hasattr(self.experts, "finish"):
+            y_td, chain = self.experts.finish(pending, chain, closes)
+        else:
+            y_td = pending
+        if shared_td is not None:
+            y_td = y_td + shared_td
+        return y_td.reshape(shape), chain
+
+    def _route(self, x_btd):
+        """(x [b*t, d], expert ids [b*t, k], routing weights [b*t, k] in x's dtype)"""
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         bias = None if self.router_bias is None else self.router_bias[...]
         weights_tk, ids_tk = route(x_td, self.router[...], self.spec, bias)
-        y_td = self.experts(x_td, ids_tk, weights_tk.astype(x_td.dtype))
-        if self.shared is not None:
-            shared_td = self.shared(x_td)
-            if self.shared_gate is not None:
-                shared_td = jax.nn.sigmoid(x_td @ self.shared_gate[...]) * shared_td
-            y_td = y_td + shared_td
-        return y_td.reshape(b, t, d)
+        return x_td, ids_tk, weights_tk.astype(x_td.dtype)
+
+    def _shared(self, x_td):
+        shared_td = self.shared(x_td)
+        if self.shared_gate is not None:
+            shared_td = jax.nn.sigmoid(x_td @ self.shared_gate[...]) * shared_td
+        return shared_td

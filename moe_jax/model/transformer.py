@@ -29,14 +29,42 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = post_attn_norm
 
     def __call__(self, x_btd, positions_bt, cache=None):
+        h_btd, normed_btd, cache = self.attend(x_btd, positions_bt, cache)
+        return h_btd + self.mlp(normed_btd), cache
+
+    def attend(self, x_btd, positions_bt, cache=None):
+        """(x + attention, its normed form that the MLP takes, the updated cache)"""
         attn_out, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, cache)
         x_btd = x_btd + attn_out
-        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), cache
+        return x_btd, self.post_attention_layernorm(x_btd), cache
+
+    # --- pipelined (Transformer.pipelined): the MLP started, and finished after other micro-batches' work
+    def start_mlp(self, normed_btd, chain, micro_batch: int, opens: bool):
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp.start(normed_btd, chain, micro_batch, opens)
+        return self.mlp(normed_btd), chain
+
+    def finish_mlp(self, h_btd, started, chain, closes: bool):
+        if isinstance(self.mlp, MoEBlock):
+            y_btd, chain = self.mlp.finish(started, chain, closes)
+        else:
+            y_btd = started
+        return h_btd + y_btd, chain
 
 
 class Transformer(nnx.Module):
-    def __init__(self, config: ModelConfig, embed_vd, layers: list[DecoderLayer], final_norm: RMSNorm, lm_head_dv):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed_vd,
+        layers: list[DecoderLayer],
+        final_norm: RMSNorm,
+        lm_head_dv,
+        micro_batches: int = 1,
+    ):
         self.config = config
+        # rows split into this many micro-batches that ping-pong between the device and the host (the plan's)
+        self.micro_batches = micro_batches
         self.embed = Frozen(embed_vd)
         self.layers = nnx.List(layers)
         self.norm = final_norm
@@ -73,12 +101,53 @@ class Transformer(nnx.Module):
         With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
         just the next-token logits (the head over every prompt position: ~2 ms of a batch-16 prefill's 15 ms of XLA).
         """
-        x = self.embed[...][tokens_bt]
+        if min(self.micro_batches, tokens_bt.shape[0]) > 1:
+            x, new_caches = self.pipelined(tokens_bt, positions_bt, caches)
+        else:
+            x = self.embed[...][tokens_bt]
+            new_caches = [] if caches is not None else None
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, positions_bt, None if caches is None else caches[i])
+                if new_caches is not None:
+                    new_caches.append(cache)
+        return self.head(x, last_b), new_caches
+
+    def pipelined(self, tokens_bt, positions_bt, caches=None):
+        """The layers over micro-batches of rows in ping-pong (backends/pipeline.py): each micro-batch's host
+        experts are started after its attention and finished just before its next attention, so while the host
+        computes one micro-batch's experts the device computes the others' attention. Same results as the plain
+        pass (each row's arithmetic is unchanged); returns (the last hidden states, the updated caches)."""
+        parts = [slice(a, b) for a, b in micro_batch_bounds(tokens_bt.shape[0], self.micro_batches)]
+        moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoEBlock)]
+        chain = jnp.zeros((), jnp.float32)
+        xs = [self.embed[...][tokens_bt[p]] for p in parts]
+        started: list = [None] * len(parts)
         new_caches = [] if caches is not None else None
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions_bt, None if caches is None else caches[i])
-            if new_caches is not None:
-                new_caches.append(cache)
+            layer_caches = []
+            for m, rows in enumerate(parts):
+                if i:  # the previous layer's MLP of this micro-batch, started one round ago
+                    xs[m], chain = self.layers[i - 1].finish_mlp(*started[m], chain, closes=False)
+                cache = None if caches is None else tuple(c[rows] for c in caches[i])
+                h, normed, cache = layer.attend(xs[m], positions_bt[rows], cache)
+                mlp, chain = layer.start_mlp(normed, chain, m, opens=bool(moe) and (i, m) == (moe[0], 0))
+                started[m] = (h, mlp)
+                layer_caches.append(cache)
+            if new_caches is not None:  # each micro-batch's rows written back into the whole cache
+                new_caches.append(
+                    tuple(
+                        _write_rows(whole, [cache[j] for cache in layer_caches], parts)
+                        for j, whole in enumerate(caches[i])
+                    )
+                )
+        last = self.layers[-1]
+        for m in range(len(parts)):
+            closes = bool(moe) and moe[-1] == len(self.layers) - 1 and m == len(parts) - 1
+            xs[m], chain = last.finish_mlp(*started[m], chain, closes=closes)
+        return jnp.concatenate(xs, axis=0), new_caches
+
+    def head(self, x, last_b=None):
+        """Logits in float32 of hidden states [b, t, d] (with `last_b`, of those positions only)."""
         if last_b is not None:
             x = x[jnp.arange(x.shape[0]), last_b][:, None]
         x = self.norm(x)
@@ -88,7 +157,22 @@ class Transformer(nnx.Module):
         else:
             head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
         packed = None if self.head_packed is None else self.head_packed[...]
-        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel), new_caches
+        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel)
+
+
+def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch: `rows` split into at most `micro_batches` parts, the larger first."""
+    count = max(1, min(micro_batches, rows))
+    sizes = [rows // count + (m < rows % count) for m in range(count)]
+    starts = [sum(sizes[:m]) for m in range(count)]
+    return [(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def _write_rows(whole, parts: list, bounds: list[slice]):
+    """`whole` with each part written at its rows (in place where XLA may: the step donates its caches)."""
+    for part, rows in zip(parts, bounds, strict=True):
+        whole = whole.at[rows].set(part)
+    return whole
 
 
 def build_transformer(
@@ -139,6 +223,7 @@ def build_transformer(
         layers,
         norm(hf_names.FINAL_NORM),
         None if tied else dense(hf_names.LM_HEAD),
+        micro_batches=plan.micro_batches,
     )
 
 

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from host_kernels import KernelChoice, choose_kernels
+from moe_jax.errors import InputError
 from moe_jax.native import argmax as native_argmax
 from moe_jax.native import decode_attention as native_attention
 from moe_jax.native import dense as native_dense
@@ -42,6 +43,9 @@ class ExecutionPlan:
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
     # multi-head latent attention's decode steps: "absorbed" (over the compressed cache), "expanded"; "": not MLA
     mla_decode: str = ""
+    # rows split into this many micro-batches whose host experts and device attention ping-pong (1: no pipeline;
+    # model/transformer.Transformer.pipelined); why in `reason("pipeline")`
+    micro_batches: int = 1
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
 
     def reason(self, part: str) -> str:
@@ -71,6 +75,9 @@ class ExecutionPlan:
             line("decode dense products", f"native ({self.dense_decode})" if self.dense_decode else "XLA", "dense")
         )
         out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
+        if self.host_kernels is not None:
+            runs = f"{self.micro_batches} micro-batches" if self.micro_batches > 1 else "off"
+            out.append(line("device/host micro-batch pipeline", runs, "pipeline"))
         if self.host_kernels is not None and self.host_kernels.quantized:
             out.append("training: LoRA on the quantized experts' base (the backward dequantizes each expert)")
         if self.transposed_weights:
@@ -86,6 +93,8 @@ class ExecutionPlan:
         parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
         parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
         parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
+        if self.micro_batches > 1:
+            parts.append(f"pipeline {self.micro_batches} micro-batches")
         return ", ".join(parts)
 
 
@@ -110,6 +119,7 @@ def make_plan(
     host_kernels: KernelChoice | None = None,
     quant: str | None = None,
     mla_decode: str = "",
+    pipeline: int | None = None,
 ) -> ExecutionPlan:
     """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
     `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
@@ -118,7 +128,8 @@ def make_plan(
     the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
     ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
     quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded" (moe_jax/model/mla.py);
-    their decode attention is XLA's (the native handler computes grouped-query attention)."""
+    their decode attention is XLA's (the native handler computes grouped-query attention). `pipeline`: micro-batches
+    of the device/host ping-pong (`pipeline_choice`)."""
     if mla_decode not in ("", "absorbed", "expanded"):
         raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
     why = {}
@@ -150,6 +161,7 @@ def make_plan(
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
     float32_model = "float32 model: the kernel works on bfloat16"
+    micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
     return ExecutionPlan(
         platform=jax.default_backend(),
         dtype=dtype,
@@ -165,5 +177,30 @@ def make_plan(
         argmax=native_part("argmax", True, "", native_argmax.status),
         transposed_weights=bf16 and jax.default_backend() == "cpu",
         mla_decode=mla_decode,
+        micro_batches=micro_batches,
         why=tuple(why.items()),
     )
+
+
+def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, str]:
+    """(micro-batches, why): of a host lane's pipeline (model/transformer.Transformer.pipelined). Asked for (the
+    caller, else MOE_JAX_PIPELINE), or by default 2 beside an accelerator and off where jax's device is this CPU:
+    there the device lane's attention and the host lane's experts run on the same cores, so splitting the batch
+    only adds callbacks (planning/pipeline_model.py predicts no gain there)."""
+    if not host_lane:
+        return 1, "no host lane"
+    if asked is None and os.environ.get("MOE_JAX_PIPELINE"):
+        try:
+            asked = int(os.environ["MOE_JAX_PIPELINE"])
+        except ValueError:
+            raise InputError(f"MOE_JAX_PIPELINE must be a whole number, got {os.environ['MOE_JAX_PIPELINE']!r}") from None
+        source = "MOE_JAX_PIPELINE"
+    else:
+        source = "asked by the caller"
+    if asked is not None:
+        if asked < 1:
+            raise InputError(f"pipeline micro-batches must be at least 1, got {asked}")
+        return asked, source if asked > 1 else f"turned off ({source})"
+    if jax.default_backend() == "cpu":
+        return 1, "jax's device is this CPU: attention and the host experts would share its cores"
+    return 2, f"the {jax.default_backend()} computes attention while the host computes experts"
