@@ -293,7 +293,8 @@ def test_advisor_and_auto_agree(checkpoint, reference, kind):
     where the advisor's auto beats its host prediction by WORTH_IT somewhere, and auto never recommended
     where it is host layers alone."""
     from moe_jax.planning.advise import advise
-    from moe_jax.planning.auto_choice import PHASES, WORTH_IT, model_shape
+    from moe_jax.planning.auto_choice import PHASES, WORTH_IT
+    from moe_jax.planning.model_shape import model_shape
 
     config = reference.config
     if kind in ("bus", "host", "mixed"):

@@ -124,7 +124,10 @@ def test_callbacks_ping_pong_forward_and_backward(mixtral):
     ]
     assert callback_order(timeline) == forward
     assert [e.label for e in timeline.events if e.lane == "host"] == [
-        ("forward", 0, 0), ("forward", 0, 1), ("forward", 1, 0), ("forward", 1, 1)
+        ("forward", 0, 0),
+        ("forward", 0, 1),
+        ("forward", 1, 0),
+        ("forward", 1, 1),
     ]
     timeline = LaneTimeline()
     with timeline.recording(runtime):

@@ -39,8 +39,9 @@ from moe_jax.backends.offload import (
 )
 from moe_jax.model.layers import lora_arrays
 from moe_jax.model.moe import subset_experts
-from moe_jax.planning.auto_choice import Shape, nearest_phase
+from moe_jax.planning.auto_choice import nearest_phase
 from moe_jax.planning.cost_model import Profile, best_placement
+from moe_jax.planning.model_shape import Shape
 
 
 class CacheSlot(nnx.Variable):

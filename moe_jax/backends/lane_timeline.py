@@ -53,7 +53,8 @@ class LaneTimeline:
     def device_intervals(self) -> list[tuple[float, float]]:
         """The gaps between consecutive callbacks of a pass: when the device lane computed."""
         calls = sorted((e for e in self.events if e.lane == "callback"), key=lambda e: e.start)
-        return [(a.end, b.start) for a, b in zip(calls, calls[1:]) if not b.opens_pass and b.start > a.end]
+        gaps = zip(calls, calls[1:], strict=False)
+        return [(a.end, b.start) for a, b in gaps if not b.opens_pass and b.start > a.end]
 
     def summary(self) -> dict:
         """Seconds each lane was busy, and both at once; `overlap_of_host` is the share of the host's busy time
@@ -76,13 +77,25 @@ class LaneTimeline:
         """The lanes as a Chrome trace (one row per lane, microseconds from the timeline's creation)."""
         rows = {"host": 1, "device": 2, "callback": 3}
         trace = [
-            {"name": " ".join(map(str, e.label)), "ph": "X", "pid": 1, "tid": rows[e.lane],
-             "ts": (e.start - self.origin) * 1e6, "dur": (e.end - e.start) * 1e6}
+            {
+                "name": " ".join(map(str, e.label)),
+                "ph": "X",
+                "pid": 1,
+                "tid": rows[e.lane],
+                "ts": (e.start - self.origin) * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+            }
             for e in self.events
         ]
         trace += [
-            {"name": "device", "ph": "X", "pid": 1, "tid": rows["device"], "ts": (a - self.origin) * 1e6,
-             "dur": (b - a) * 1e6}
+            {
+                "name": "device",
+                "ph": "X",
+                "pid": 1,
+                "tid": rows["device"],
+                "ts": (a - self.origin) * 1e6,
+                "dur": (b - a) * 1e6,
+            }
             for a, b in self.device_intervals()
         ]
         trace += [

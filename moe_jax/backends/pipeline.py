@@ -141,4 +141,3 @@ def _finish_backward(call: PipelinedLayer, residuals, cotangents):
 
 
 finish.defvjp(_finish_forward, _finish_backward)
-

@@ -29,9 +29,10 @@ from moe_jax.distributed import ExpertShard
 from moe_jax.errors import InputError, is_int
 from moe_jax.formats.checkpoint import Checkpoint
 from moe_jax.model.moe import DeviceExperts
-from moe_jax.planning.auto_choice import AutoChoice, choose_auto, model_shape
+from moe_jax.planning.auto_choice import AutoChoice, choose_auto
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.expert_cache import ExpertCache
+from moe_jax.planning.model_shape import model_shape
 from moe_jax.planning.plan import ExecutionPlan, host_store_dtype
 
 
@@ -248,8 +249,9 @@ class AutoPlacement(HostPlacement):
             config.moe_layers, config.num_experts, self.expert_bytes, max(0, budget - self.stream_buffer_bytes)
         )
         shape = model_shape(config, self.dtype.itemsize)
+        step = step_shape(config, self.dtype.itemsize)  # host layers' whole steps, in the device/host pipeline
         self.auto_choice: AutoChoice = choose_auto(
-            self.profile, shape, self.expert_cache.capacity, self.stream_slots > 0
+            self.profile, shape, self.expert_cache.capacity, self.stream_slots > 0, step=step
         )
         self.uses_device = self.auto_choice.use_device  # a device cache and streams (else host layers alone)
         if not self.uses_device:

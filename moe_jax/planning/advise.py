@@ -26,9 +26,10 @@ from host_kernels import HostKernelError
 from moe_jax.api import DTYPES, resolve_profile, stored_quant
 from moe_jax.errors import InputError
 from moe_jax.formats.checkpoint import open_checkpoint
-from moe_jax.planning.auto_choice import WORTH_IT, Shape, auto_layer_seconds, choose_auto, expected_routing, model_shape
+from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_auto
 from moe_jax.planning.cost_model import Profile, layer_time
 from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes
+from moe_jax.planning.model_shape import Shape, expected_routing, model_shape
 from moe_jax.planning.plan import host_store_dtype, make_plan
 
 OPTIONS = ("device", "offload", "host", "auto")

@@ -16,40 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_jax.planning.cost_model import Profile, layer_time, plan_layer
+from moe_jax.planning.model_shape import Shape, StepShape, expected_routing
+from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, serial_step
 
 WORTH_IT = 1.10  # auto uses the device only when predicted this much faster than the host alone
 # tokens per step of the phases a model meets: decode at batch 1 and 16, a prefill or training step
 PHASES = (1, 16, 2048)
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    experts: int
-    top_k: int
-    expert_params: int
-    itemsize: int
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.expert_params * self.itemsize
-
-
-def model_shape(config, itemsize: int) -> Shape:
-    params = 3 * config.hidden_size * config.expert_intermediate_size
-    return Shape(len(config.moe_layers), config.num_experts, config.num_experts_per_tok, params, itemsize)
-
-
-def expected_routing(tokens: int, shape: Shape, zipf: float = 0.0) -> np.ndarray:
-    """Rows per expert for `tokens` tokens routed top-k over experts of Zipf popularity: the expected counts
-    rounded to whole rows that add up to tokens x top-k (largest remainders first), so a decode step of one
-    token is top-k experts of one row each, not every expert with a fraction of a row."""
-    popularity = 1.0 / np.arange(1, shape.experts + 1) ** zipf
-    expected = tokens * shape.top_k * popularity / popularity.sum()
-    rows = np.floor(expected)
-    short = int(round(tokens * shape.top_k - rows.sum()))
-    rows[np.argsort(-(expected - rows), stable=True)[:short]] += 1
-    return rows
 
 
 def auto_layer_seconds(profile: Profile, counts, cached: int, can_stream: bool) -> float:
@@ -64,11 +36,20 @@ def nearest_phase(tokens: int) -> int:
     return min(PHASES, key=lambda phase: abs(np.log(max(tokens, 1)) - np.log(phase)))
 
 
-def predicted_gain(profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int, zipf: float = 0.0):
-    """(host-only seconds, auto seconds) of one layer for a call of `tokens` tokens, as the cost model predicts."""
+def predicted_gain(
+    profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int, zipf: float = 0.0, step=None
+):
+    """(host-only seconds, auto seconds) of one layer for a call of `tokens` tokens, as the cost model predicts.
+    With the model's `step` (a StepShape) and a device beside the host: of a whole step, host-only layers in the
+    micro-batch pipeline (planning/pipeline_model.py: attention hides behind the host's experts), auto's layers
+    without it (they overlap their device and host shares within each call)."""
     counts = expected_routing(tokens, shape, zipf)
     host = layer_time(profile, counts, ["host"] * shape.experts).seconds
-    return host, auto_layer_seconds(profile, counts, cached, can_stream)
+    auto = auto_layer_seconds(profile, counts, cached, can_stream)
+    if step is None or not profile.parallel_lanes:
+        return host, auto
+    rows, seq = rows_and_length(tokens)
+    return best_micro_batches(profile, step, rows, seq, zipf=zipf).seconds, serial_step(profile, step, rows, seq, auto)
 
 
 @dataclass(frozen=True)
@@ -89,9 +70,10 @@ def choose_auto(
     can_stream: bool,
     phases=PHASES,
     zipf: float = 0.0,
+    step: StepShape | None = None,
 ) -> AutoChoice:
     """Whether auto with `cached` experts per layer in the device cache (and streams, if `can_stream`) is
-    predicted to beat host-only layers by WORTH_IT in some phase."""
+    predicted to beat host-only layers by WORTH_IT in some phase (with `step`, whole steps: predicted_gain)."""
     if profile is None or not profile.device_helps:
         why = "no probe profile" if profile is None else "the device shares the host's cores and is not faster"
         return AutoChoice(False, why, {}, {})
@@ -99,7 +81,7 @@ def choose_auto(
         return AutoChoice(False, "the device budget holds no expert", {}, {})
     host_s, auto_s = {}, {}
     for tokens in phases:
-        host_s[tokens], auto_s[tokens] = predicted_gain(profile, shape, cached, can_stream, tokens, zipf)
+        host_s[tokens], auto_s[tokens] = predicted_gain(profile, shape, cached, can_stream, tokens, zipf, step)
     gains = {tokens: host_s[tokens] / max(auto_s[tokens], 1e-12) for tokens in phases}
     best = max(gains, key=gains.get)
     shown = ", ".join(f"{tokens} tokens {gain:.2f}x" for tokens, gain in gains.items())

@@ -44,6 +44,7 @@ class Profile:
     host_workers: int = 1  # threads the host times were measured with
     # False where the "device" is the host's own CPU (jax on CPU): the lanes then share cores and add up
     parallel_lanes: bool = True
+    callback_s: float = 0.0  # one host callback's round trip from a jitted step (the pipeline's start or finish)
 
     @classmethod
     def load(cls, path) -> Profile:
@@ -64,6 +65,7 @@ class Profile:
             float(p.get("device_call_s", 0.0)),
             int(p.get("host_threads", 1)),
             bool(p.get("parallel_lanes", True)),
+            float(p.get("callback_s", 0.0)),
         )
 
     def host_time(self, rows):

@@ -190,10 +190,11 @@ def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, str]:
     if not host_lane:
         return 1, "no host lane"
     if asked is None and os.environ.get("MOE_JAX_PIPELINE"):
+        value = os.environ["MOE_JAX_PIPELINE"]
         try:
-            asked = int(os.environ["MOE_JAX_PIPELINE"])
+            asked = int(value)
         except ValueError:
-            raise InputError(f"MOE_JAX_PIPELINE must be a whole number, got {os.environ['MOE_JAX_PIPELINE']!r}") from None
+            raise InputError(f"MOE_JAX_PIPELINE must be a whole number, got {value!r}") from None
         source = "MOE_JAX_PIPELINE"
     else:
         source = "asked by the caller"

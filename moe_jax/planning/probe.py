@@ -5,7 +5,9 @@ Measures, for one expert of the model's shape (or the bench shape without --mode
            backend does;
   host     host_kernels' time for one expert at decode and prefill sizes (rows routed to it): GFLOP/s, weight GB/s;
   device   the device backend's layer (ragged_dot) on device-resident weights, per expert;
-  both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth).
+  both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth);
+  callback one host callback's round trip from a jitted step (what the device/host pipeline pays per start and
+           finish: planning/pipeline_model.py).
 Writes a JSON profile (the cost model's input; default probe.json) and prints a table. On a machine without an
 accelerator the "device" is the CPU client's device memory: the figures are real for this machine, not a GPU.
 """
@@ -13,6 +15,7 @@ accelerator the "device" is the CPU client's device memory: the figures are real
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -147,6 +150,27 @@ def probe_both(d: int, f: int, repeats: int, threads: int | None) -> dict:
     return {"host": host, "bus_gbps": float(np.median([r["gbps"] for r in bus_results])) if bus_results else None}
 
 
+def probe_callback(d: int, repeats: int, calls: int = 8) -> float:
+    """Seconds one `pure_callback` adds to a jitted step on this device, with [16, d] float32 activations each
+    way: a chain of `calls` of them against the same chain without."""
+    import jax
+    import jax.numpy as jnp
+
+    def chain(x, with_callbacks: bool):
+        for _ in range(calls):
+            if with_callbacks:
+                x = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            x = x * 1.0001
+        return x
+
+    x = jnp.ones((16, d), jnp.float32)
+    seconds = []
+    for with_callbacks in (True, False):
+        step = jax.jit(functools.partial(chain, with_callbacks=with_callbacks))
+        seconds.append(_median_time(lambda step=step: step(x).block_until_ready(), repeats))
+    return max(0.0, (seconds[0] - seconds[1]) / calls)
+
+
 def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> dict:
     """The whole profile for experts of shape (d, f): bus, host, device, both at once."""
     import jax
@@ -161,6 +185,7 @@ def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | 
     profile["device"], profile["device_call_s"] = probe_device(d, f, rows, repeats)
     profile["both"] = probe_both(d, f, repeats, threads)
     profile["parallel_lanes"] = jax.devices()[0].platform != "cpu"  # a CPU "device" shares the host's cores
+    profile["callback_s"] = probe_callback(d, repeats)
     return profile
 
 
@@ -208,6 +233,7 @@ def main(argv=None):
     print("host while copying: " + ", ".join(f"{b['rows']} rows {b['weight_gbps']:.2f} GB/s" for b in both))
     print(
         f"fixed cost per layer call: host {profile['host_call_s'] * 1e6:.0f} us, "
-        f"device {profile['device_call_s'] * 1e6:.0f} us"
+        f"device {profile['device_call_s'] * 1e6:.0f} us; a host callback from a jitted step "
+        f"{profile['callback_s'] * 1e6:.0f} us"
     )
     print(f"wrote {args.out}")

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_jax.planning.auto_choice import Shape, choose_auto
+from moe_jax.planning.auto_choice import choose_auto
 from moe_jax.planning.cost_model import Profile, plan_layer
+from moe_jax.planning.model_shape import Shape
 
 HYBRID_FRACTIONS = (0.25, 0.5, 0.75)
 # the validation sweep: bus bandwidth, tokens per step, routing skew
