@@ -97,16 +97,21 @@ def use_shape(name: str):
     _selected = name
 
 
-def bench_model_dir(shape: str | None = None) -> Path:
-    """The checkpoint of `shape` (default: the selected one), made on first use."""
+def bench_model_dir(shape: str | None = None, layers: int | None = None) -> Path:
+    """The checkpoint of `shape` (default: the selected one), made on first use; `layers`: with that many
+    layers instead of the shape's own."""
     shape = shape or _selected
     path = Path(tempfile.gettempdir()) / ("moe_jax_bench_mixtral" if shape == "bench" else f"moe_jax_bench_{shape}")
+    if layers is not None:
+        path = path.with_name(f"{path.name}_{layers}layers")
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
 
     config_class, model_class, settings, dtype = SHAPES[shape]
+    if layers is not None:
+        settings = {**settings, "num_hidden_layers": layers}
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**settings)
     with torch.device("cpu"):

@@ -32,7 +32,7 @@ from moe_jax.model.moe import DeviceExperts
 from moe_jax.planning.auto_choice import AutoChoice, choose_auto
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.expert_cache import ExpertCache
-from moe_jax.planning.model_shape import model_shape
+from moe_jax.planning.model_shape import model_shape, step_shape
 from moe_jax.planning.plan import ExecutionPlan, host_store_dtype
 
 

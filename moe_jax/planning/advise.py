@@ -29,7 +29,8 @@ from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_auto
 from moe_jax.planning.cost_model import Profile, layer_time
 from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes
-from moe_jax.planning.model_shape import Shape, expected_routing, model_shape
+from moe_jax.planning.model_shape import Shape, StepShape, expected_routing, model_shape, step_shape
+from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, step_timeline
 from moe_jax.planning.plan import host_store_dtype, make_plan
 
 OPTIONS = ("device", "offload", "host", "auto")
@@ -145,10 +146,34 @@ def host_memory_question(checkpoint, dtype: str, available: int | None) -> dict:
     return {"available": available, "options": options, "fits_as_asked": options[0]["fits"], "first_fitting": fitting}
 
 
-def advise(profile: Profile, shape: Shape, batches, zipf: float = 0.0, device_memory: float | None = None) -> dict:
-    """The three answers at each batch size; auto decides once for all of them (the phases that will run), as
-    backend="auto" does at load."""
-    choice = choose_auto(profile, shape, auto_cached(shape, device_memory), True, tuple(batches), zipf)
+def pipeline_question(profile: Profile, step: StepShape, tokens: int, zipf: float = 0.0) -> dict:
+    """Question 5 at this batch: the host backend's whole step without and with the device/host micro-batch
+    pipeline (planning/pipeline_model.py), the micro-batches it would take, each lane's busy share."""
+    rows, seq = rows_and_length(tokens)
+    plain = step_timeline(profile, step, rows, seq, 1, zipf=zipf)
+    best = best_micro_batches(profile, step, rows, seq, zipf=zipf)
+    return {
+        "rows": rows,
+        "tokens_per_row": seq,
+        "plain_step_s": plain.seconds,
+        "micro_batches": best.micro_batches,
+        "pipelined_step_s": best.seconds,
+        "device_busy": best.device_busy,
+        "host_busy": best.host_busy,
+    }
+
+
+def advise(
+    profile: Profile,
+    shape: Shape,
+    batches,
+    zipf: float = 0.0,
+    device_memory: float | None = None,
+    step: StepShape | None = None,
+) -> dict:
+    """The answers at each batch size; auto decides once for all of them (the phases that will run), as
+    backend="auto" does at load. With the model's `step`, also the pipeline's (question 5)."""
+    choice = choose_auto(profile, shape, auto_cached(shape, device_memory), True, tuple(batches), zipf, step)
     rows = []
     for tokens in batches:
         prediction = predict(profile, shape, tokens, zipf, device_memory, choice)
@@ -159,6 +184,7 @@ def advise(profile: Profile, shape: Shape, batches, zipf: float = 0.0, device_me
                 "options": prediction,
                 "co_compute_or_offload": co_compute_or_offload(prediction),
                 "recommend": recommend(prediction),
+                **({"pipeline": pipeline_question(profile, step, tokens, zipf)} if step is not None else {}),
             }
         )
     return {"rows": rows, "auto": {"use_device": choice.use_device, "reason": choice.reason}}
@@ -187,7 +213,8 @@ def main(argv=None):
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)
     memory = None if args.device_memory_mb is None else args.device_memory_mb * 2**20
-    answer = advise(profile, shape, args.batch, args.zipf, memory)
+    step = step_shape(config, np.dtype(DTYPES[args.dtype]).itemsize)
+    answer = advise(profile, shape, args.batch, args.zipf, memory, step)
     answer["cpu"] = cpu_question(profile, shape)
     answer["host_memory"] = host_memory_question(checkpoint, args.dtype, available_bytes())
     _print(answer, profile, shape, memory)
@@ -245,6 +272,7 @@ def _print(answer: dict, profile: Profile, shape: Shape, memory):
     if any(not p["fits"] for row in answer["rows"] for p in row["options"].values()):
         print("   (! does not fit the device memory given)")
     _print_host_memory(answer["host_memory"])
+    _print_pipeline(answer["rows"], profile)
 
 
 def _print_host_memory(memory: dict):
@@ -265,6 +293,22 @@ def _print_host_memory(memory: dict):
         print(f"   -> does not fit as asked ({name(asked)}); it would with {name(first)} ({flags})")
     else:
         print("   -> does not fit this machine in any format (a machine with more memory, or fewer layers)")
+
+
+def _print_pipeline(rows: list[dict], profile: Profile):
+    if "pipeline" not in rows[0]:
+        return
+    print("\n5. does the device/host micro-batch pipeline pay (host backend, whole steps)?")
+    if not profile.parallel_lanes:
+        print("   no: jax's device is this CPU, whose cores the host lane uses too (the plan keeps it off)")
+    for row in rows:
+        p = row["pipeline"]
+        print(
+            f"   {row['tokens']:>6} tokens ({p['rows']} x {p['tokens_per_row']}): "
+            f"plain {p['plain_step_s'] * 1e3:.2f} ms, "
+            f"{p['micro_batches']} micro-batch(es) {p['pipelined_step_s'] * 1e3:.2f} ms; "
+            f"device busy {p['device_busy']:.0%}, host busy {p['host_busy']:.0%}"
+        )
 
 
 def _amount(n: int | None) -> str:
