@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -32,6 +33,8 @@ from moe_jax.model.lora import EXPERTS_TARGET, LoRAConfig, attach_lora, resolve_
 from moe_jax.model.transformer import Transformer, build_transformer
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.memory_check import check_fits, load_bytes, quantization_hint
+from moe_jax.planning.model_shape import step_shape
+from moe_jax.planning.pipeline_model import plan_with_profile
 from moe_jax.planning.plan import ExecutionPlan, host_store_dtype, make_plan
 from moe_jax.planning.probe import cached_profile
 
@@ -351,6 +354,8 @@ def load_model(
         expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
     if kind.needs_profile:
         profile = resolve_profile(profile, checkpoint.config, jdtype)
+        if pipeline is None and plan.micro_batches > 1 and not os.environ.get("MOE_JAX_PIPELINE"):
+            plan = plan_with_profile(plan, profile, step_shape(checkpoint.config, np.dtype(jdtype).itemsize))
     options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)

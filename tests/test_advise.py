@@ -80,10 +80,14 @@ def test_advise_cli_answers_for_a_checkpoint(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    for heading in ("1. is one expert's compute", "2. can this CPU do the experts", "3. predicted", "4. does it fit"):
+    headings = ("1. is one expert's compute", "2. can this CPU do the experts", "3. predicted whole-step", "4. does it")
+    for heading in (*headings, "5. does the device/host micro-batch pipeline pay"):
         assert heading in result.stdout
     answer = json.loads(out.read_text())
     assert [r["tokens"] for r in answer["rows"]] == [1, 512]
+    # --bus-gbps simulates a separate device: its lanes run at once, so the pipeline may pay at 512 tokens
+    assert [r["pipeline"]["rows"] for r in answer["rows"]] == [1, 1]
+    assert answer["rows"][0]["pipeline"]["micro_batches"] == 1  # one row: nothing to split
     assert all(r["recommend"] in ("device", "offload", "host", "auto") for r in answer["rows"])
     bad = subprocess.run(
         [sys.executable, "-m", "moe_jax.advise", "--model", str(root / "models" / "tiny-moe"), "--batch", "0"],

@@ -92,7 +92,7 @@ def test_expert_cache_holds_the_most_routed_experts_within_its_budget(checkpoint
     host = moe_jax.load_model(checkpoint, backend="host")
     host.logits(ids)
     routed = host.metrics().tokens_per_expert
-    model = load_auto(checkpoint, config, "host", cached_per_layer=2)
+    model = load_auto(checkpoint, config, "mixed", cached_per_layer=2)
     cache = model.placement.expert_cache
     assert cache.capacity == 2
     model.calibrate_expert_cache(ids)
@@ -294,7 +294,7 @@ def test_advisor_and_auto_agree(checkpoint, reference, kind):
     where it is host layers alone."""
     from moe_jax.planning.advise import advise
     from moe_jax.planning.auto_choice import PHASES, WORTH_IT
-    from moe_jax.planning.model_shape import model_shape
+    from moe_jax.planning.model_shape import model_shape, step_shape
 
     config = reference.config
     if kind in ("bus", "host", "mixed"):
@@ -309,11 +309,12 @@ def test_advisor_and_auto_agree(checkpoint, reference, kind):
     eb = expert_bytes(config)
     budget = 2 * config.num_experts_per_tok * eb + 2 * eb * len(config.moe_layers)
     model = moe_jax.load_model(checkpoint, backend="auto", profile=p, device_budget_bytes=budget, calibrate=False)
-    answer = advise(p, model_shape(config, 4), PHASES, device_memory=budget)
+    answer = advise(p, model_shape(config, 4), PHASES, device_memory=budget, step=step_shape(config, 4))
     assert answer["auto"]["use_device"] == model.placement.uses_device
     gains = [row["options"]["host"]["step_s"] / row["options"]["auto"]["step_s"] for row in answer["rows"]]
     assert model.placement.uses_device == (max(gains) >= WORTH_IT)
-    assert min(gains) >= 1.0 - 1e-9  # the planner never predicts auto slower than the host alone
+    if not p.parallel_lanes:  # (beside an accelerator host layers may pipeline, auto's hybrid layers do not)
+        assert min(gains) >= 1.0 - 1e-9  # the planner never predicts auto slower than the host alone
     if not model.placement.uses_device:
         assert all(row["recommend"] != "auto" for row in answer["rows"])
 

@@ -30,7 +30,7 @@ from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_au
 from moe_jax.planning.cost_model import Profile, layer_time
 from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes
 from moe_jax.planning.model_shape import Shape, StepShape, expected_routing, model_shape, step_shape
-from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, step_timeline
+from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, serial_step, step_timeline
 from moe_jax.planning.plan import host_store_dtype, make_plan
 
 OPTIONS = ("device", "offload", "host", "auto")
@@ -45,9 +45,19 @@ def auto_cached(shape: Shape, device_memory: float | None) -> int:
     return int(min(shape.experts, room // (shape.expert_bytes * shape.layers)))
 
 
-def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_memory: float | None, choice=None) -> dict:
-    """Seconds per step (MoE layers only), tokens/s and device expert bytes of each option at one batch size.
-    `choice`: auto's decision (choose_auto) for the phases that will run; default: this batch size alone."""
+def predict(
+    profile: Profile,
+    shape: Shape,
+    tokens: int,
+    zipf: float,
+    device_memory: float | None,
+    choice=None,
+    step: StepShape | None = None,
+) -> dict:
+    """Seconds per step, tokens/s and device expert bytes of each option at one batch size: of the MoE layers'
+    experts only, or with the model's `step`, of whole steps (the device's own work too; the host backend in the
+    device/host pipeline where it pays, planning/pipeline_model.py). `choice`: auto's decision (choose_auto) for
+    the phases that will run; default: this batch size alone."""
     counts = expected_routing(tokens, shape, zipf)
     e = shape.experts
     stream_buffers = 2 * shape.top_k * shape.expert_bytes
@@ -60,17 +70,29 @@ def predict(profile: Profile, shape: Shape, tokens: int, zipf: float, device_mem
     # auto: what fits of the hottest experts stays cached, the planner places every expert per step; where the
     # shared rule finds no gain worth the device, auto is the host alone
     cached = auto_cached(shape, device_memory)
-    choice = choice or choose_auto(profile, shape, cached, True, (tokens,), zipf)
+    choice = choice or choose_auto(profile, shape, cached, True, (tokens,), zipf, step)
     if choice.use_device:
         layer["auto"] = auto_layer_seconds(profile, counts, cached, True)
         memory["auto"] = stream_buffers + cached * shape.layers * shape.expert_bytes
     else:
         layer["auto"], memory["auto"] = layer["host"], 0
+    seconds = {name: shape.layers * layer[name] for name in OPTIONS}
+    if step is not None:  # the same formulas as auto's choice (auto_choice.predicted_gain)
+        rows, seq = rows_and_length(tokens)
+        seconds["host"] = best_micro_batches(profile, step, rows, seq, zipf=zipf).seconds
+        for name in ("device", "offload"):
+            seconds[name] = serial_step(profile, step, rows, seq, layer[name], host_lane=False)
+        auto = serial_step(profile, step, rows, seq, layer["auto"])
+        seconds["auto"] = auto if choice.use_device else seconds["host"]
     out = {}
     for name in OPTIONS:
-        step = shape.layers * layer[name]
         fits = device_memory is None or memory[name] <= device_memory
-        out[name] = {"step_s": step, "tokens_per_s": tokens / step, "device_bytes": memory[name], "fits": fits}
+        out[name] = {
+            "step_s": seconds[name],
+            "tokens_per_s": tokens / seconds[name],
+            "device_bytes": memory[name],
+            "fits": fits,
+        }
     return out
 
 
@@ -176,7 +198,7 @@ def advise(
     choice = choose_auto(profile, shape, auto_cached(shape, device_memory), True, tuple(batches), zipf, step)
     rows = []
     for tokens in batches:
-        prediction = predict(profile, shape, tokens, zipf, device_memory, choice)
+        prediction = predict(profile, shape, tokens, zipf, device_memory, choice, step)
         rows.append(
             {
                 "tokens": tokens,
@@ -257,7 +279,8 @@ def _print(answer: dict, profile: Profile, shape: Shape, memory):
         f"{cpu['host_decode_weight_gbps']:.1f} GB/s at 1 row, {cpu['host_prefill_gflops']:.0f} GFLOP/s at "
         f"{int(profile.host_rows[-1])} rows -> {'yes' if cpu['enough'] else 'weak'}"
     )
-    print("\n3. predicted MoE-layer throughput (tokens/s) and device expert memory")
+    whole = "pipeline" in answer["rows"][0]
+    print(f"\n3. predicted {'whole-step' if whole else 'MoE-layer'} throughput (tokens/s) and device expert memory")
     print(f"   {'tokens':>6} " + " ".join(f"{o:>18}" for o in OPTIONS) + "   co-compute/offload   use")
     for row in answer["rows"]:
         cells = []

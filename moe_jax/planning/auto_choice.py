@@ -40,13 +40,13 @@ def predicted_gain(
     profile: Profile, shape: Shape, cached: int, can_stream: bool, tokens: int, zipf: float = 0.0, step=None
 ):
     """(host-only seconds, auto seconds) of one layer for a call of `tokens` tokens, as the cost model predicts.
-    With the model's `step` (a StepShape) and a device beside the host: of a whole step, host-only layers in the
-    micro-batch pipeline (planning/pipeline_model.py: attention hides behind the host's experts), auto's layers
-    without it (they overlap their device and host shares within each call)."""
+    With the model's `step` (a StepShape): of a whole step (the device's own work too), host-only layers in the
+    micro-batch pipeline where it pays (planning/pipeline_model.py: beside an accelerator, attention hides behind
+    the host's experts), auto's layers without it (they overlap their device and host shares within each call)."""
     counts = expected_routing(tokens, shape, zipf)
     host = layer_time(profile, counts, ["host"] * shape.experts).seconds
     auto = auto_layer_seconds(profile, counts, cached, can_stream)
-    if step is None or not profile.parallel_lanes:
+    if step is None:
         return host, auto
     rows, seq = rows_and_length(tokens)
     return best_micro_batches(profile, step, rows, seq, zipf=zipf).seconds, serial_step(profile, step, rows, seq, auto)

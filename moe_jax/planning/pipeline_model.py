@@ -15,11 +15,13 @@ BACKWARD_FACTOR times the forward on both lanes (dx through frozen weights plus 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moe_jax.model.transformer import micro_batch_bounds
 from moe_jax.planning.cost_model import Profile, layer_time
 from moe_jax.planning.model_shape import StepShape, expected_routing
+from moe_jax.planning.plan import ExecutionPlan
 
 MICRO_BATCHES = (1, 2, 4)
 BACKWARD_FACTOR = 2.0
@@ -55,7 +57,7 @@ def device_seconds(profile: Profile, shape: StepShape, tokens: int, to_host: boo
     """The device's own work in one layer for `tokens` tokens, and (`to_host`) the activations' round trip."""
     rows_alike = tokens * shape.device_params / shape.experts.expert_params  # the same FLOPs as this many rows
     seconds = profile.device_call_s + float(profile.device_time(rows_alike))
-    if to_host:
+    if to_host and profile.parallel_lanes:  # a device on the host's own CPU shares its memory: nothing crosses
         seconds += 2 * tokens * shape.hidden * shape.experts.itemsize / (profile.bus_gbps * 1e9)
     return seconds
 
@@ -113,9 +115,10 @@ def serial_step(profile, shape: StepShape, rows: int, seq: int, expert_seconds: 
 
 
 def best_micro_batches(profile, shape: StepShape, rows: int, seq: int, training=False, zipf=0.0) -> StepTimeline:
-    """The timeline of the micro-batch count predicted fastest (more only where PIPELINE_WORTH_IT faster)."""
+    """The timeline of the micro-batch count predicted fastest (more only where PIPELINE_WORTH_IT faster; never
+    where the lanes share the cores, as the plan keeps it off there)."""
     best = step_timeline(profile, shape, rows, seq, 1, training, zipf)
-    for m in MICRO_BATCHES[1:]:
+    for m in MICRO_BATCHES[1:] if profile.parallel_lanes else ():
         if m > rows:
             break
         candidate = step_timeline(profile, shape, rows, seq, m, training, zipf)
@@ -130,3 +133,17 @@ def rows_and_length(tokens: int) -> tuple[int, int]:
     if tokens <= 256:
         return tokens, 1
     return max(1, tokens // PROMPT_LENGTH), min(tokens, PROMPT_LENGTH)
+
+
+def plan_with_profile(plan: ExecutionPlan, profile: Profile, shape: StepShape, tokens: int = 2048) -> ExecutionPlan:
+    """The plan's default micro-batch count (2 beside an accelerator) replaced by the one the profile predicts
+    fastest for a prefill or training step of `tokens` tokens (decode steps of one row per sequence split too)."""
+    rows, seq = rows_and_length(tokens)
+    plain = step_timeline(profile, shape, rows, seq, 1)
+    best = best_micro_batches(profile, shape, rows, seq)
+    why = (
+        f"the probe profile predicts {best.micro_batches} fastest for {tokens}-token steps "
+        f"({plain.seconds * 1e3:.1f} ms plain, {best.seconds * 1e3:.1f} ms)"
+    )
+    reasons = tuple((part, text) for part, text in plan.why if part != "pipeline") + (("pipeline", why),)
+    return dataclasses.replace(plan, micro_batches=best.micro_batches, why=reasons)
