@@ -95,18 +95,19 @@ def bytes_sent(processes: int, expert_parallel: bool, gradient_bytes: int, token
 
 
 def run(mode: str, processes: int, threads: int, args, model_dir: Path) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="moe_jax_bench_distributed_")) / f"{mode}.json"
-    flags = {"worker": mode, "model": model_dir, "out": out, "threads": threads}
-    flags.update(batch=args.batch, seq=args.seq, steps=args.steps)
-    command = [str(Path(__file__).resolve()), *(f"--{name}={value}" for name, value in flags.items())]
-    env = dict(os.environ)
-    if threads == 1:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()
-    launcher = [sys.executable, "-m", "moe_jax.launch", "-n", str(processes)] if processes > 1 else [sys.executable]
-    done = subprocess.run([*launcher, *command], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{mode} x {processes} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    figures = json.loads(out.read_text())
+    with tempfile.TemporaryDirectory(prefix="moe_jax_bench_distributed_") as scratch:
+        out = Path(scratch) / f"{mode}.json"
+        flags = {"worker": mode, "model": model_dir, "out": out, "threads": threads}
+        flags.update(batch=args.batch, seq=args.seq, steps=args.steps)
+        command = [str(Path(__file__).resolve()), *(f"--{name}={value}" for name, value in flags.items())]
+        env = dict(os.environ)
+        if threads == 1:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()
+        launcher = [sys.executable, "-m", "moe_jax.launch", "-n", str(processes)] if processes > 1 else [sys.executable]
+        done = subprocess.run([*launcher, *command], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{mode} x {processes} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        figures = json.loads(out.read_text())
     return {
         "run": f"{processes} process(es) x {threads} thread(s)",
         "parallel": mode if processes > 1 else "-",

@@ -201,7 +201,7 @@ def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, str]:
     if asked is not None:
         if asked < 1:
             raise InputError(f"pipeline micro-batches must be at least 1, got {asked}")
-        return asked, source if asked > 1 else f"turned off ({source})"
+        return asked, source
     if jax.default_backend() == "cpu":
         return 1, "jax's device is this CPU: attention and the host experts would share its cores"
     return 2, f"the {jax.default_backend()} computes attention while the host computes experts"
