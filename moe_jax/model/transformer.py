@@ -123,11 +123,13 @@ class Transformer(nnx.Module):
         xs = [self.embed[...][tokens_bt[p]] for p in parts]
         started: list = [None] * len(parts)
         new_caches = [] if caches is not None else None
+        last_finish = (moe[-1], len(parts) - 1) if moe else None  # the pass's last finish (for the timeline)
         for i, layer in enumerate(self.layers):
             layer_caches = []
             for m, rows in enumerate(parts):
                 if i:  # the previous layer's MLP of this micro-batch, started one round ago
-                    xs[m], chain = self.layers[i - 1].finish_mlp(*started[m], chain, closes=False)
+                    closes = (i - 1, m) == last_finish
+                    xs[m], chain = self.layers[i - 1].finish_mlp(*started[m], chain, closes=closes)
                 cache = None if caches is None else tuple(c[rows] for c in caches[i])
                 h, normed, cache = layer.attend(xs[m], positions_bt[rows], cache)
                 mlp, chain = layer.start_mlp(normed, chain, m, opens=bool(moe) and (i, m) == (moe[0], 0))
@@ -140,10 +142,9 @@ class Transformer(nnx.Module):
                         for j, whole in enumerate(caches[i])
                     )
                 )
-        last = self.layers[-1]
+        last = len(self.layers) - 1
         for m in range(len(parts)):
-            closes = bool(moe) and moe[-1] == len(self.layers) - 1 and m == len(parts) - 1
-            xs[m], chain = last.finish_mlp(*started[m], chain, closes=closes)
+            xs[m], chain = self.layers[last].finish_mlp(*started[m], chain, closes=(last, m) == last_finish)
         return jnp.concatenate(xs, axis=0), new_caches
 
     def head(self, x, last_b=None):
