@@ -45,10 +45,15 @@ def with_random_lora(model, seed=0):
     """Adapters on attention and routed experts, B randomised too so every gradient is non-zero."""
     model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("attention", "experts")), seed=seed)
     graphdef, lora_state, rest = split_trainable(model.transformer)
+    return graphdef, randomized(lora_state, seed + 1), rest
+
+
+def randomized(lora_state, seed: int):
+    """The LoRA state with every array drawn from N(0, 0.1^2), B included."""
     leaves, treedef = jax.tree.flatten(lora_state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
     leaves = [0.1 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    return graphdef, jax.tree.unflatten(treedef, leaves), rest
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def lora_loss_grad(model, tokens):

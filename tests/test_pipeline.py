@@ -15,11 +15,13 @@ from host_kernels import HostKernelError
 from moe_jax import doctor
 from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.errors import InputError
+from moe_jax.model.lora import LoRAConfig
 from moe_jax.model.transformer import micro_batch_bounds
 from moe_jax.planning.plan import make_plan
+from moe_jax.train.objective import lora_value_and_grad
 from tests.hf_models import make_hf_model, save_hf_model
 from tests.test_auto import ROWS, profile
-from tests.test_backends import half_plan, lora_loss_grad
+from tests.test_backends import half_plan, lora_loss_grad, randomized
 
 # the families' distinct parts: plain (mixtral), shared experts with a gate (qwen2_moe), q/k norms (qwen3_moe),
 # latent attention with a dense first layer and grouped routing (deepseek_v3)
@@ -98,6 +100,30 @@ def test_generation_pipelined_equals_the_plain_pass(mixtral, dtype):
     assert piped.generate(prompts, max_new_tokens=6) == plain.generate(prompts, max_new_tokens=6)
     sampled = dict(max_new_tokens=6, temperature=0.9, seed=3)
     assert piped.generate(prompts, **sampled) == plain.generate(prompts, **sampled)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_moe", "deepseek_v3"])  # shared experts; + a dense layer, latent attention
+def test_lora_dropout_drops_the_same_inputs_pipelined(variant, tmp_path):
+    """Each micro-batch takes its rows of the whole batch's dropout masks (the 2-D inputs of shared experts and
+    dense MLPs too): the pipelined step's loss and gradients with dropout are the plain step's."""
+    path = save_hf_model(make_hf_model(variant, seed=11), tmp_path)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(3, 10)))
+    mask = jnp.ones_like(tokens)
+    key = jax.random.key(7)
+    results = []
+    for pipeline in (1, 2):
+        model = moe_jax.load_model(path, backend="host", pipeline=pipeline)
+        model.attach_lora(
+            LoRAConfig(rank=4, alpha=8, targets=("attention", "gate_proj", "up_proj", "down_proj"), dropout=0.3), seed=0
+        )
+        value_and_grad, lora_state = lora_value_and_grad(model)
+        state = randomized(lora_state, 1)
+        results.append((value_and_grad(state, tokens, mask, key), value_and_grad(state, tokens, mask)))
+    (dropped, plain), (piped, _) = results
+    assert float(dropped[0]) != pytest.approx(float(plain[0]), rel=1e-4)  # dropout changes the loss
+    np.testing.assert_allclose(piped[0], dropped[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(piped[1]), jax.tree.leaves(dropped[1]), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()))
 
 
 def callback_order(timeline):

@@ -55,6 +55,11 @@ class RMSNorm(nnx.Module):
 _DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
 
 
+# While a micro-batch of rows [start, stop) of `total` is traced (Transformer.pipelined): adapters draw the whole
+# batch's dropout mask and take those rows, so a pipelined step drops exactly what the plain one does.
+_DROPOUT_ROWS: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_rows", default=None)
+
+
 @contextlib.contextmanager
 def lora_dropout_key(key):
     token = _DROPOUT_KEY.set(key)
@@ -62,6 +67,27 @@ def lora_dropout_key(key):
         yield
     finally:
         _DROPOUT_KEY.reset(token)
+
+
+@contextlib.contextmanager
+def micro_batch_rows(start: int, stop: int, total: int):
+    token = _DROPOUT_ROWS.set((start, stop, total))
+    try:
+        yield
+    finally:
+        _DROPOUT_ROWS.reset(token)
+
+
+def _dropout_mask(key, keep: float, shape):
+    """The keep mask for an input of `shape`: of the whole batch's rows when inside a micro-batch (its first
+    axis is then this micro-batch's rows, or its rows x tokens once flattened)."""
+    rows = _DROPOUT_ROWS.get()
+    if rows is None:
+        return jax.random.bernoulli(key, keep, shape)
+    start, stop, total = rows
+    per_row = shape[0] // (stop - start)
+    whole = jax.random.bernoulli(key, keep, (total * per_row, *shape[1:]))
+    return whole[start * per_row : stop * per_row]
 
 
 def frozen_matmul(x, w, w_t=None, out_dtype=None):
@@ -165,7 +191,7 @@ class Projection(nnx.Module):
             key = _DROPOUT_KEY.get()
             if key is not None and self.lora_dropout > 0:
                 keep = 1.0 - self.lora_dropout
-                mask = jax.random.bernoulli(jax.random.fold_in(key, self.lora_index), keep, x.shape)
+                mask = _dropout_mask(jax.random.fold_in(key, self.lora_index), keep, x.shape)
                 x_in = jnp.where(mask, x / keep, 0).astype(x.dtype)
             a, b = self.lora_a[...], self.lora_b[...]  # float32; the update joins y in y's dtype
             y = y + (self.lora_scale * ((x_in.astype(a.dtype) @ a) @ b)).astype(y.dtype)

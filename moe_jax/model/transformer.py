@@ -14,7 +14,7 @@ from flax import nnx
 
 from moe_jax.formats import hf_names
 from moe_jax.model.config import ModelConfig
-from moe_jax.model.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul
+from moe_jax.model.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul, micro_batch_rows
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
 from moe_jax.native.dense import pack_dense
@@ -131,8 +131,9 @@ class Transformer(nnx.Module):
                     closes = (i - 1, m) == last_finish
                     xs[m], chain = self.layers[i - 1].finish_mlp(*started[m], chain, closes=closes)
                 cache = None if caches is None else tuple(c[rows] for c in caches[i])
-                h, normed, cache = layer.attend(xs[m], positions_bt[rows], cache)
-                mlp, chain = layer.start_mlp(normed, chain, m, opens=bool(moe) and (i, m) == (moe[0], 0))
+                with micro_batch_rows(rows.start, rows.stop, tokens_bt.shape[0]):
+                    h, normed, cache = layer.attend(xs[m], positions_bt[rows], cache)
+                    mlp, chain = layer.start_mlp(normed, chain, m, opens=bool(moe) and (i, m) == (moe[0], 0))
                 started[m] = (h, mlp)
                 layer_caches.append(cache)
             if new_caches is not None:  # each micro-batch's rows written back into the whole cache
