@@ -1,6 +1,6 @@
 """The device/host micro-batch pipeline: measured here, and modelled for an accelerator.
 
-    python bench/pipeline.py [--shape bench] [--rounds 5] [--micro-batches 2] [--no-measure]
+    python bench/pipeline.py [--shape bench] [--rounds 5] [--micro-batches 2] [--split-cores] [--no-measure]
 
 Measured (this machine, jax's device = this CPU): the host backend with the pipeline on (`--micro-batches`)
 against off, A B A B in one process, on a LoRA training step (r=8 on attention, batch 4 x 256), a prefill
@@ -8,6 +8,9 @@ forward (4 x 256) and a batch of 16 generations (32-token prompts, 32 new tokens
 median; the outputs compared; one pipelined training step's lanes recorded (`LaneTimeline`): busy seconds per
 lane, the time both were busy, and a Chrome trace (bench/results/pipeline_trace.json; open in Perfetto). The
 cost model's prediction for this machine (its own probe, lanes sharing the cores) beside the measurement.
+`--split-cores` makes this CPU two lanes, as a device beside a host: XLA's ops on one thread
+(--xla_cpu_multi_thread_eigen=false), the host engine on one worker, so attention and experts can run at once on
+the two cores; the prediction then comes from a probe measured the same way, its lanes taken as parallel.
 
 Modelled (`planning/pipeline_model.py`, no accelerator needed): a whole Qwen3-30B-A3B (48 layers, bf16 experts
 on the host) beside an H200, from this machine's probe of the model's expert shape (host lane) and the H200's
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -31,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import RESULTS, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
+from moe_jax.planning import probe  # noqa: E402
 from moe_jax.planning.advise import auto_cached, fit_profile  # noqa: E402
 from moe_jax.planning.cost_model import Profile, layer_time, plan_layer  # noqa: E402
 from moe_jax.planning.model_shape import Shape, StepShape, model_shape, step_shape  # noqa: E402
@@ -57,7 +62,10 @@ PHASES = (
 )
 
 
-def measure(shape: str, rounds: int, micro_batches: int) -> dict:
+ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"  # XLA:CPU's ops on the calling thread only
+
+
+def measure(shape: str, rounds: int, micro_batches: int, host_threads: int | None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -69,7 +77,10 @@ def measure(shape: str, rounds: int, micro_batches: int) -> dict:
     use_shape(shape)
     path = bench_model_dir()
     dtype = "float32" if shape == "bench" else "bfloat16"
-    models = {m: moe_jax.load_model(path, backend="host", dtype=dtype, pipeline=m) for m in (1, micro_batches)}
+    models = {
+        m: moe_jax.load_model(path, backend="host", dtype=dtype, pipeline=m, host_threads=host_threads)
+        for m in (1, micro_batches)
+    }
     rng = np.random.default_rng(0)
     vocab = models[1].config.vocab_size
     tokens = jnp.asarray(rng.integers(0, vocab, size=(4, 256)))
@@ -125,9 +136,17 @@ def measure(shape: str, rounds: int, micro_batches: int) -> dict:
     }
 
 
-def predicted_here(config, micro_batches: int) -> dict:
-    """The model's pipelined / plain ratio for this machine (lanes on the same cores) at the measured cases."""
-    profile = fit_profile(cached_profile(config.hidden_size, config.expert_intermediate_size), model_shape(config, 4))
+def predicted_here(config, micro_batches: int, split_cores: bool) -> dict:
+    """The model's pipelined / plain ratio for this machine at the measured cases: its lanes on the same cores, or
+    (`split_cores`) from a probe of one XLA thread and one host worker, the lanes taken as parallel."""
+    d, f = config.hidden_size, config.expert_intermediate_size
+    if split_cores:
+        probed = dataclasses.replace(
+            Profile.from_dict(probe.measure(d, f, probe.QUICK_ROWS, 5, 1)), parallel_lanes=True
+        )
+    else:
+        probed = cached_profile(d, f)
+    profile = fit_profile(probed, model_shape(config, 4))
     step = step_shape(config, 4)
     out = {}
     for case, rows, seq, training in (("training step", 4, 256, True), ("prefill 4x256", 4, 256, False)):
@@ -150,6 +169,8 @@ def h200_profile(cpu: Profile, step: StepShape, callback_s: float, host_scale: f
         host_call_s=cpu.host_call_s / host_scale,
         device_rows=rows,
         device_seconds=device + H200["launch_s"],
+        dense_rows=rows,
+        dense_seconds=device + H200["launch_s"],  # a plain product of the same weight: the same rates
         device_call_s=4 * H200["launch_s"],
         callback_s=callback_s,
         parallel_lanes=True,
@@ -229,12 +250,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--no-measure", action="store_true", help="the model's tables only")
+    parser.add_argument("--split-cores", action="store_true", help="XLA on one thread, the host engine on one worker")
     args = parser.parse_args()
-    out = {}
+    if args.split_cores and ONE_THREAD_XLA not in os.environ.get("XLA_FLAGS", ""):  # before jax starts
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    out = {"split_cores": args.split_cores}
     if not args.no_measure:
-        measured = measure(args.shape, args.rounds, args.micro_batches)
+        measured = measure(args.shape, args.rounds, args.micro_batches, 1 if args.split_cores else None)
         config = measured.pop("config")
-        measured["predicted_speedup_here"] = predicted_here(config, args.micro_batches)
+        measured["predicted_speedup_here"] = predicted_here(config, args.micro_batches, args.split_cores)
         print_table(f"measured here, {args.shape} model: pipelined ({args.micro_batches}) vs plain", measured["rows"])
         print(f"outputs: {measured['same_outputs']}")
         print(f"timeline of one pipelined training step: {measured['timeline']}")

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.probe import QUICK_ROWS
 
 
@@ -22,6 +23,9 @@ def test_probe_writes_a_complete_profile(tmp_path):
     assert all(h["seconds"] > 0 and h["gflops"] > 0 for h in profile["host"] + profile["device"])
     assert profile["both"]["bus_gbps"] is None or profile["both"]["bus_gbps"] > 0
     assert profile["callback_s"] > 0  # a callback from a jitted step costs something on any device
+    assert [r["rows"] for r in profile["device_dense"]] == list(QUICK_ROWS)
+    assert all(r["seconds"] > 0 for r in profile["device_dense"])
+    assert Profile.load(out).dense_time(16.0) > 0
     assert "bus host->device" in result.stdout and "a host callback from a jitted step" in result.stdout
 
 

@@ -253,6 +253,7 @@ def fit_profile(profile: Profile, shape: Shape) -> Profile:
         expert_bytes=float(shape.expert_bytes),
         host_seconds=profile.host_seconds * scale,
         device_seconds=profile.device_seconds * scale,
+        dense_seconds=None if profile.dense_seconds is None else profile.dense_seconds * scale,
     )
 
 

@@ -45,6 +45,10 @@ class Profile:
     # False where the "device" is the host's own CPU (jax on CPU): the lanes then share cores and add up
     parallel_lanes: bool = True
     callback_s: float = 0.0  # one host callback's round trip from a jitted step (the pipeline's start or finish)
+    # the device's plain products of rows with a weight of one expert's size (None: not probed; the device's
+    # expert table stands in)
+    dense_rows: np.ndarray | None = None
+    dense_seconds: np.ndarray | None = None
 
     @classmethod
     def load(cls, path) -> Profile:
@@ -52,6 +56,11 @@ class Profile:
             p = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise InputError(f"{path}: no probe profile (write one with `python -m moe_jax.probe`)") from None
+        return cls.from_dict(p)
+
+    @classmethod
+    def from_dict(cls, p: dict) -> Profile:
+        """From the probe's JSON object (`probe.measure`)."""
         both = p.get("both", {}).get("bus_gbps") or p["bus"]["gbps"]
         return cls(
             float(p["expert"]["bytes"]),
@@ -66,6 +75,8 @@ class Profile:
             int(p.get("host_threads", 1)),
             bool(p.get("parallel_lanes", True)),
             float(p.get("callback_s", 0.0)),
+            np.array([r["rows"] for r in p["device_dense"]], float) if "device_dense" in p else None,
+            np.array([r["seconds"] for r in p["device_dense"]], float) if "device_dense" in p else None,
         )
 
     def host_time(self, rows):
@@ -74,6 +85,12 @@ class Profile:
 
     def device_time(self, rows):
         return _plain(_interpolate(self.device_rows, self.device_seconds, np.asarray(rows, float)))
+
+    def dense_time(self, rows):
+        """Device seconds of `rows` rows through a plain product with a weight of one expert's size."""
+        if self.dense_rows is None:
+            return self.device_time(rows)
+        return _plain(_interpolate(self.dense_rows, self.dense_seconds, np.asarray(rows, float)))
 
     def for_dtype(self, itemsize: int) -> Profile:
         """The profile for weights of `itemsize` bytes (the probe measures float32): copies move fewer bytes.

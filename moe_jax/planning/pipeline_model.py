@@ -56,7 +56,7 @@ def lane_seconds(profile: Profile, shape: StepShape, tokens: int, zipf: float = 
 def device_seconds(profile: Profile, shape: StepShape, tokens: int, to_host: bool) -> float:
     """The device's own work in one layer for `tokens` tokens, and (`to_host`) the activations' round trip."""
     rows_alike = tokens * shape.device_params / shape.experts.expert_params  # the same FLOPs as this many rows
-    seconds = profile.device_call_s + float(profile.device_time(rows_alike))
+    seconds = profile.device_call_s + float(profile.dense_time(rows_alike))
     if to_host and profile.parallel_lanes:  # a device on the host's own CPU shares its memory: nothing crosses
         seconds += 2 * tokens * shape.hidden * shape.experts.itemsize / (profile.bus_gbps * 1e9)
     return seconds

@@ -7,7 +7,9 @@ Measures, for one expert of the model's shape (or the bench shape without --mode
   device   the device backend's layer (ragged_dot) on device-resident weights, per expert;
   both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth);
   callback one host callback's round trip from a jitted step (what the device/host pipeline pays per start and
-           finish: planning/pipeline_model.py).
+           finish: planning/pipeline_model.py);
+  dense    the device's plain product of `rows` rows with a weight of one expert's size (attention's kind of
+           work, which the pipeline hides behind the host's experts).
 Writes a JSON profile (the cost model's input; default probe.json) and prints a table. On a machine without an
 accelerator the "device" is the CPU client's device memory: the figures are real for this machine, not a GPU.
 """
@@ -171,6 +173,22 @@ def probe_callback(d: int, repeats: int, calls: int = 8) -> float:
     return max(0.0, (seconds[0] - seconds[1]) / calls)
 
 
+def probe_device_dense(d: int, f: int, rows: tuple[int, ...], repeats: int) -> list[dict]:
+    """Seconds of x [rows, d] @ W [d, 3f] on the device, float32 (as the expert tables)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((d, 3 * f)) / np.sqrt(d), jnp.float32)
+    product = jax.jit(lambda x: x @ w)
+    table = []
+    for n in rows:
+        x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+        seconds = _median_time(lambda x=x: product(x).block_until_ready(), repeats)
+        table.append({"rows": n, "seconds": seconds, "gflops": 6 * n * d * f / seconds / 1e9})
+    return table
+
+
 def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | None) -> dict:
     """The whole profile for experts of shape (d, f): bus, host, device, both at once."""
     import jax
@@ -186,6 +204,7 @@ def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | 
     profile["both"] = probe_both(d, f, repeats, threads)
     profile["parallel_lanes"] = jax.devices()[0].platform != "cpu"  # a CPU "device" shares the host's cores
     profile["callback_s"] = probe_callback(d, repeats)
+    profile["device_dense"] = probe_device_dense(d, f, rows, repeats)
     return profile
 
 
@@ -236,4 +255,6 @@ def main(argv=None):
         f"device {profile['device_call_s'] * 1e6:.0f} us; a host callback from a jitted step "
         f"{profile['callback_s'] * 1e6:.0f} us"
     )
+    dense = profile["device_dense"]
+    print("device dense products: " + ", ".join(f"{r['rows']} rows {r['gflops']:.1f} GFLOP/s" for r in dense))
     print(f"wrote {args.out}")
