@@ -17,6 +17,7 @@ from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.errors import InputError
 from moe_jax.model.lora import LoRAConfig
 from moe_jax.model.transformer import micro_batch_bounds
+from moe_jax.planning import plan as plan_module
 from moe_jax.planning.plan import make_plan
 from moe_jax.train.objective import lora_value_and_grad
 from tests.hf_models import make_hf_model, save_hf_model
@@ -126,6 +127,22 @@ def test_lora_dropout_drops_the_same_inputs_pipelined(variant, tmp_path):
         np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()))
 
 
+def test_decode_steps_follow_their_own_count(mixtral, monkeypatch):
+    """The default beside an accelerator: prefill and training steps split, decode steps plain."""
+    monkeypatch.setattr(plan_module, "pipeline_choice", lambda asked, host_lane: (2, 1, "as an accelerator's"))
+    model = moe_jax.load_model(mixtral, backend="host")
+    assert (model.plan.micro_batches, model.plan.decode_micro_batches) == (2, 1)
+    assert "micro-batch pipeline: 2 micro-batches, decode steps off" in "\n".join(model.plan.lines())
+    timeline = LaneTimeline()
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    with timeline.recording(model.placement.runtime):
+        piped = model.generate(prompts, max_new_tokens=5)
+    calls = [e.label for e in timeline.events if e.lane == "host"]
+    # the prompts' prefill only (one step of 3 rows, 2 micro-batches, 2 MoE layers); no decode step called back
+    assert sorted(calls) == sorted(("forward", layer, m) for layer in (0, 1) for m in (0, 1))
+    assert piped == moe_jax.load_model(mixtral, backend="host", pipeline=1).generate(prompts, max_new_tokens=5)
+
+
 def callback_order(timeline):
     return [e.label for e in sorted(timeline.events, key=lambda e: e.start) if e.lane == "callback"]
 
@@ -216,7 +233,8 @@ def test_the_plan_keeps_the_pipeline_off_where_the_device_is_this_cpu(mixtral, m
     assert "this CPU" in plan.reason("pipeline")
     assert make_plan("float32", None).reason("pipeline") == "no host lane"
     monkeypatch.setenv("MOE_JAX_PIPELINE", "4")
-    assert make_plan("float32", np.float32).micro_batches == 4
+    asked = make_plan("float32", np.float32)
+    assert (asked.micro_batches, asked.decode_micro_batches) == (4, 4)  # asked for: every kind of step
     assert make_plan("float32", np.float32, pipeline=1).micro_batches == 1  # the caller's word over the variable
     monkeypatch.setenv("MOE_JAX_PIPELINE", "two")
     with pytest.raises(InputError, match="MOE_JAX_PIPELINE must be a whole number"):

@@ -74,7 +74,10 @@ def test_serial_steps_of_the_other_options():
 
 def test_the_plan_follows_a_profile_beside_an_accelerator():
     plan = make_plan("bfloat16", np.float32, pipeline=2)
-    assert plan_with_profile(plan, profile(), STEP).micro_batches == 4
+    balanced = plan_with_profile(plan, profile(), STEP)
+    assert balanced.micro_batches == 4
+    assert balanced.decode_micro_batches == best_micro_batches(profile(), STEP, 16, 1).micro_batches
     slow_callbacks = plan_with_profile(plan, profile(callback_s=1.0), STEP)
-    assert slow_callbacks.micro_batches == 1 and "predicts 1 fastest" in slow_callbacks.reason("pipeline")
+    assert (slow_callbacks.micro_batches, slow_callbacks.decode_micro_batches) == (1, 1)
+    assert "predicts 1 fastest" in slow_callbacks.reason("pipeline")
     assert dataclasses.replace(slow_callbacks, why=()).dtype == plan.dtype

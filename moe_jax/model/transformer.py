@@ -61,10 +61,12 @@ class Transformer(nnx.Module):
         final_norm: RMSNorm,
         lm_head_dv,
         micro_batches: int = 1,
+        decode_micro_batches: int = 1,
     ):
         self.config = config
         # rows split into this many micro-batches that ping-pong between the device and the host (the plan's)
         self.micro_batches = micro_batches
+        self.decode_micro_batches = decode_micro_batches  # ... for steps of one token a row
         self.embed = Frozen(embed_vd)
         self.layers = nnx.List(layers)
         self.norm = final_norm
@@ -101,8 +103,9 @@ class Transformer(nnx.Module):
         With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
         just the next-token logits (the head over every prompt position: ~2 ms of a batch-16 prefill's 15 ms of XLA).
         """
-        if min(self.micro_batches, tokens_bt.shape[0]) > 1:
-            x, new_caches = self.pipelined(tokens_bt, positions_bt, caches)
+        micro_batches = self.decode_micro_batches if tokens_bt.shape[1] == 1 else self.micro_batches
+        if min(micro_batches, tokens_bt.shape[0]) > 1:
+            x, new_caches = self.pipelined(tokens_bt, positions_bt, caches, micro_batches)
         else:
             x = self.embed[...][tokens_bt]
             new_caches = [] if caches is not None else None
@@ -112,12 +115,12 @@ class Transformer(nnx.Module):
                     new_caches.append(cache)
         return self.head(x, last_b), new_caches
 
-    def pipelined(self, tokens_bt, positions_bt, caches=None):
+    def pipelined(self, tokens_bt, positions_bt, caches=None, micro_batches: int = 2):
         """The layers over micro-batches of rows in ping-pong (backends/pipeline.py): each micro-batch's host
         experts are started after its attention and finished just before its next attention, so while the host
         computes one micro-batch's experts the device computes the others' attention. Same results as the plain
         pass (each row's arithmetic is unchanged); returns (the last hidden states, the updated caches)."""
-        parts = [slice(a, b) for a, b in micro_batch_bounds(tokens_bt.shape[0], self.micro_batches)]
+        parts = [slice(a, b) for a, b in micro_batch_bounds(tokens_bt.shape[0], micro_batches)]
         moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoEBlock)]
         chain = jnp.zeros((), jnp.float32)
         xs = [self.embed[...][tokens_bt[p]] for p in parts]
@@ -226,6 +229,7 @@ def build_transformer(
         norm(hf_names.FINAL_NORM),
         None if tied else dense(hf_names.LM_HEAD),
         micro_batches=plan.micro_batches,
+        decode_micro_batches=plan.decode_micro_batches,
     )
 
 

@@ -135,15 +135,19 @@ def rows_and_length(tokens: int) -> tuple[int, int]:
     return max(1, tokens // PROMPT_LENGTH), min(tokens, PROMPT_LENGTH)
 
 
-def plan_with_profile(plan: ExecutionPlan, profile: Profile, shape: StepShape, tokens: int = 2048) -> ExecutionPlan:
-    """The plan's default micro-batch count (2 beside an accelerator) replaced by the one the profile predicts
-    fastest for a prefill or training step of `tokens` tokens (decode steps of one row per sequence split too)."""
+def plan_with_profile(plan: ExecutionPlan, profile: Profile, shape: StepShape, tokens=2048, decode_rows=16):
+    """The plan's default micro-batch counts (beside an accelerator) replaced by those the profile predicts
+    fastest: for a prefill or training step of `tokens` tokens, and for a decode step of `decode_rows` rows."""
     rows, seq = rows_and_length(tokens)
     plain = step_timeline(profile, shape, rows, seq, 1)
     best = best_micro_batches(profile, shape, rows, seq)
+    decode = best_micro_batches(profile, shape, decode_rows, 1)
     why = (
         f"the probe profile predicts {best.micro_batches} fastest for {tokens}-token steps "
-        f"({plain.seconds * 1e3:.1f} ms plain, {best.seconds * 1e3:.1f} ms)"
+        f"({plain.seconds * 1e3:.1f} ms plain, {best.seconds * 1e3:.1f} ms), {decode.micro_batches} for decode steps "
+        f"of {decode_rows} rows"
     )
     reasons = tuple((part, text) for part, text in plan.why if part != "pipeline") + (("pipeline", why),)
-    return dataclasses.replace(plan, micro_batches=best.micro_batches, why=reasons)
+    return dataclasses.replace(
+        plan, micro_batches=best.micro_batches, decode_micro_batches=decode.micro_batches, why=reasons
+    )

@@ -46,6 +46,7 @@ class ExecutionPlan:
     # rows split into this many micro-batches whose host experts and device attention ping-pong (1: no pipeline;
     # model/transformer.Transformer.pipelined); why in `reason("pipeline")`
     micro_batches: int = 1
+    decode_micro_batches: int = 1  # the same for decode steps (one token a row)
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
 
     def reason(self, part: str) -> str:
@@ -77,6 +78,8 @@ class ExecutionPlan:
         out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
         if self.host_kernels is not None:
             runs = f"{self.micro_batches} micro-batches" if self.micro_batches > 1 else "off"
+            if self.decode_micro_batches != self.micro_batches:
+                runs += f", decode steps {self.decode_micro_batches if self.decode_micro_batches > 1 else 'off'}"
             out.append(line("device/host micro-batch pipeline", runs, "pipeline"))
         if self.host_kernels is not None and self.host_kernels.quantized:
             out.append("training: LoRA on the quantized experts' base (the backward dequantizes each expert)")
@@ -161,7 +164,7 @@ def make_plan(
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
     float32_model = "float32 model: the kernel works on bfloat16"
-    micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
+    micro_batches, decode_micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
     return ExecutionPlan(
         platform=jax.default_backend(),
         dtype=dtype,
@@ -178,17 +181,21 @@ def make_plan(
         transposed_weights=bf16 and jax.default_backend() == "cpu",
         mla_decode=mla_decode,
         micro_batches=micro_batches,
+        decode_micro_batches=decode_micro_batches,
         why=tuple(why.items()),
     )
 
 
-def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, str]:
-    """(micro-batches, why): of a host lane's pipeline (model/transformer.Transformer.pipelined). Asked for (the
-    caller, else MOE_JAX_PIPELINE), or by default 2 beside an accelerator and off where jax's device is this CPU:
+def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, int, str]:
+    """(micro-batches of prefill and training steps, of decode steps, why): of a host lane's pipeline
+    (model/transformer.Transformer.pipelined). Asked for (the caller, else MOE_JAX_PIPELINE: both kinds of step),
+    or by default 2 beside an accelerator for steps of several tokens a row, and off where jax's device is this CPU:
     there the device lane's attention and the host lane's experts run on the same cores, so splitting the batch
-    only adds callbacks (planning/pipeline_model.py predicts no gain there)."""
+    only adds callbacks (planning/pipeline_model.py predicts no gain there). Decode steps are not split by default:
+    their device share is small and each micro-batch costs two callbacks a layer where the plain step makes one
+    call (bench/pipeline.py: 0.73x generation speed with this CPU as two lanes)."""
     if not host_lane:
-        return 1, "no host lane"
+        return 1, 1, "no host lane"
     if asked is None and os.environ.get("MOE_JAX_PIPELINE"):
         value = os.environ["MOE_JAX_PIPELINE"]
         try:
@@ -201,7 +208,7 @@ def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, str]:
     if asked is not None:
         if asked < 1:
             raise InputError(f"pipeline micro-batches must be at least 1, got {asked}")
-        return asked, source
+        return asked, asked, source
     if jax.default_backend() == "cpu":
-        return 1, "jax's device is this CPU: attention and the host experts would share its cores"
-    return 2, f"the {jax.default_backend()} computes attention while the host computes experts"
+        return 1, 1, "jax's device is this CPU: attention and the host experts would share its cores"
+    return 2, 1, f"the {jax.default_backend()} computes attention while the host computes experts (decode steps plain)"
