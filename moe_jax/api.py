@@ -304,8 +304,9 @@ def load_model(
     multi-process run): this process holds and computes only that shard of every layer's experts; the model then
     runs its steps over all the run's processes (`Model.logits`, training's gradients), each with its own rows.
     `pipeline`: split each step's rows into that many micro-batches whose host experts and device attention
-    ping-pong (backends/pipeline.py); default (None): MOE_JAX_PIPELINE, else 2 beside an accelerator and off
-    where jax's device is this CPU (`Model.plan` says why).
+    ping-pong (backends/pipeline.py); default (None): MOE_JAX_PIPELINE, else beside an accelerator 2 for prefill
+    and training steps and none for decode steps (for auto: what its probe profile predicts fastest), and off where
+    jax's device is this CPU (`Model.plan` says why).
     """
     distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
     if backend not in BACKENDS:

@@ -84,7 +84,7 @@ class HostRuntime:
         self._lock = threading.Lock()
         # the plan's choice: an undifferentiated call without expert LoRA goes through XLA's FFI handler
         self.experts_ffi = experts_ffi and compute.fused is not None
-        # per-lane timestamps of the pipelined calls, when someone asks for them (LaneTimeline.record)
+        # per-lane timestamps of the pipelined calls while a LaneTimeline records them (LaneTimeline.recording)
         self.timeline: LaneTimeline | None = None
 
     def __hash__(self):  # part of a static custom_vjp argument: identity is what matters
