@@ -89,6 +89,12 @@ def parse_args(argv):
     p.add_argument("--verify", action="store_true", help="check a converted model's expert checksums first")
     p.add_argument("--no-native", action="store_true", help="no native kernels or XLA FFI handlers (to compare)")
     p.add_argument(
+        "--pipeline",
+        type=int,
+        metavar="N",
+        help="micro-batches of the device/host pipeline (default: the plan's choice, off where jax runs on the CPU)",
+    )
+    p.add_argument(
         "--quant",
         choices=list(QUANTIZED),
         help="generate from quantized weights: int8 (a scale per output column) or int4 (a scale per group of 32 "
@@ -189,6 +195,7 @@ def main(argv=None):
         native=False if args.no_native else None,
         quant=args.quant,
         placement_plan=read_placement_plan(args.placement_plan) if args.placement_plan else None,
+        pipeline=args.pipeline,
     )
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)

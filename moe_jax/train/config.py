@@ -65,6 +65,8 @@ class TrainConfig:
     # a multi-process run: each process holds 1/expert_shards of every layer's experts (expert parallel; one
     # shard per process, host backend); 1: every process holds them all (data parallel)
     expert_shards: int = 1
+    # micro-batches of the device/host pipeline (backends/pipeline.py); unset: the plan's choice (off on a CPU)
+    pipeline: int | None = None
     # offload/auto: device memory for expert weights, in MiB as infer.py's --device-memory-mb (0: the default)
     device_memory_mb: float = 0.0
     tensorboard: str | None = None  # directory for TensorBoard event files: every step's figures as scalars
@@ -87,6 +89,8 @@ class TrainConfig:
             "expert_shards",
         ):
             positive(name)
+        if self.pipeline is not None:
+            positive("pipeline")
         if self.expert_shards > 1 and self.backend != "host":
             raise ConfigError(f"expert_shards > 1 runs on the host backend only, not backend {self.backend!r}")
         if self.expert_shards > 1 and self.eval_exact_match:

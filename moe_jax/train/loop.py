@@ -113,6 +113,7 @@ class Trainer:
             native=native,
             placement_plan=read_placement_plan(cfg.placement_plan) if cfg.placement_plan else None,
             expert_shard=this_process_shard(cfg.expert_shards),
+            pipeline=cfg.pipeline,
         )
         self.model.attach_lora(
             LoRAConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), cfg.lora_dropout), seed=cfg.seed
