@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"  # XLA:CPU's ops on the calling thread only
 
 
 def reexec_with_native_blas_if_asked(argv: list[str]):

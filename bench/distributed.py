@@ -33,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import ONE_THREAD_XLA, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 WARMUP = 2
-ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"  # XLA:CPU's ops on the calling thread only
 HOSTS = (1, 2, 4, 8, 16)
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import RESULTS, print_table, write_json  # noqa: E402
+from bench.common import ONE_THREAD_XLA, RESULTS, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from moe_jax.planning import probe  # noqa: E402
 from moe_jax.planning.advise import auto_cached, fit_profile  # noqa: E402
@@ -60,9 +60,6 @@ PHASES = (
     ("decode b1", 1, 1, False),
     ("decode b16", 16, 1, False),
 )
-
-
-ONE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"  # XLA:CPU's ops on the calling thread only
 
 
 def measure(shape: str, rounds: int, micro_batches: int, host_threads: int | None) -> dict:

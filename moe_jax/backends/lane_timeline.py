@@ -76,28 +76,13 @@ class LaneTimeline:
     def chrome_trace(self, path) -> Path:
         """The lanes as a Chrome trace (one row per lane, microseconds from the timeline's creation)."""
         rows = {"host": 1, "device": 2, "callback": 3}
-        trace = [
-            {
-                "name": " ".join(map(str, e.label)),
-                "ph": "X",
-                "pid": 1,
-                "tid": rows[e.lane],
-                "ts": (e.start - self.origin) * 1e6,
-                "dur": (e.end - e.start) * 1e6,
-            }
-            for e in self.events
-        ]
-        trace += [
-            {
-                "name": "device",
-                "ph": "X",
-                "pid": 1,
-                "tid": rows["device"],
-                "ts": (a - self.origin) * 1e6,
-                "dur": (b - a) * 1e6,
-            }
-            for a, b in self.device_intervals()
-        ]
+
+        def span(name: str, lane: str, start: float, end: float) -> dict:
+            ts, dur = (start - self.origin) * 1e6, (end - start) * 1e6
+            return {"name": name, "ph": "X", "pid": 1, "tid": rows[lane], "ts": ts, "dur": dur}
+
+        trace = [span(" ".join(map(str, e.label)), e.lane, e.start, e.end) for e in self.events]
+        trace += [span("device", "device", a, b) for a, b in self.device_intervals()]
         trace += [
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"{lane} lane"}}
             for lane, tid in rows.items()

@@ -248,10 +248,9 @@ class AutoPlacement(HostPlacement):
         self.expert_cache = ExpertCache(
             config.moe_layers, config.num_experts, self.expert_bytes, max(0, budget - self.stream_buffer_bytes)
         )
-        shape = model_shape(config, self.dtype.itemsize)
         step = step_shape(config, self.dtype.itemsize)  # host layers' whole steps, in the device/host pipeline
         self.auto_choice: AutoChoice = choose_auto(
-            self.profile, shape, self.expert_cache.capacity, self.stream_slots > 0, step=step
+            self.profile, step.experts, self.expert_cache.capacity, self.stream_slots > 0, step=step
         )
         self.uses_device = self.auto_choice.use_device  # a device cache and streams (else host layers alone)
         if not self.uses_device:

@@ -29,7 +29,7 @@ from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_auto
 from moe_jax.planning.cost_model import Profile, layer_time
 from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes
-from moe_jax.planning.model_shape import Shape, StepShape, expected_routing, model_shape, step_shape
+from moe_jax.planning.model_shape import Shape, StepShape, expected_routing, step_shape
 from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, serial_step, step_timeline
 from moe_jax.planning.plan import host_store_dtype, make_plan
 
@@ -230,12 +230,12 @@ def main(argv=None):
 
     checkpoint = open_checkpoint(args.model)
     config = checkpoint.config
-    shape = model_shape(config, np.dtype(DTYPES[args.dtype]).itemsize)
+    step = step_shape(config, np.dtype(DTYPES[args.dtype]).itemsize)
+    shape = step.experts
     profile = fit_profile(resolve_profile(args.profile, config, np.float32), shape)
     if args.bus_gbps is not None:
         profile = profile.with_bus(args.bus_gbps)
     memory = None if args.device_memory_mb is None else args.device_memory_mb * 2**20
-    step = step_shape(config, np.dtype(DTYPES[args.dtype]).itemsize)
     answer = advise(profile, shape, args.batch, args.zipf, memory, step)
     answer["cpu"] = cpu_question(profile, shape)
     answer["host_memory"] = host_memory_question(checkpoint, args.dtype, available_bytes())
