@@ -1,5 +1,6 @@
-"""The native decode attention (host_kernels/csrc/xla_decode_attention.c) against XLA's own path (layers.attend over
-the select-written cache): the same cache bits, outputs equal to bfloat16 rounding, in place when donated."""
+"""The native decode attention (host_kernels/csrc/xla_decode_attention.c), each instruction-set variant this CPU
+runs, against XLA's own path (layers.attend over the select-written cache): the same cache bits, outputs equal to
+bfloat16 rounding, in place when donated."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import moe_jax
 from moe_jax.model.layers import attend, write_positions
 from moe_jax.native import decode_attention as native_attention
 from tests.hf_models import make_hf_model, save_hf_model
+from tests.isa import variants
 
 pytestmark = pytest.mark.skipif(not native_attention.status()[0], reason=f"not here: {native_attention.status()[1]}")
 
@@ -42,21 +44,25 @@ def xla_path(window):
     return jax.jit(run)
 
 
-def native_path(window, donate=False):
+def native_path(window, donate=False, isa=None):
     def run(q, k_new, v_new, positions, k_cache, v_cache):
-        return native_attention.decode_attention_call(q, k_new, v_new, positions, k_cache, v_cache, window)
+        return native_attention.decode_attention_call(q, k_new, v_new, positions, k_cache, v_cache, window, isa)
 
     return jax.jit(run, donate_argnums=(4, 5) if donate else ())
 
 
+@pytest.mark.parametrize("isa", variants(native_attention.status))
 @pytest.mark.parametrize(
     "b, kv, g, s, d, window",
-    [(16, 2, 4, 96, 64, None), (3, 1, 1, 40, 24, None), (5, 4, 2, 200, 128, 17), (2, 2, 8, 33, 80, 1)],
-)
-def test_matches_the_xla_path(b, kv, g, s, d, window):
+    # odd head sizes (24, 20, 12: vectors part-filled, AVX2's 8 lanes past d), groups of 1-8, windows, caches
+    # shorter and longer than a block of keys
+    [(16, 2, 4, 96, 64, None), (3, 1, 1, 40, 24, None), (5, 4, 2, 200, 128, 17), (2, 2, 8, 33, 80, 1),
+     (4, 1, 3, 7, 20, None), (3, 2, 5, 19, 12, 9)],
+)  # fmt: skip
+def test_matches_the_xla_path(b, kv, g, s, d, window, isa):
     args = inputs(b, kv, g, s, d)
     want_out, want_k, want_v = xla_path(window)(*args)
-    out, k_all, v_all = native_path(window)(*args)
+    out, k_all, v_all = native_path(window, isa=isa)(*args)
     np.testing.assert_array_equal(np.asarray(k_all), np.asarray(want_k))
     np.testing.assert_array_equal(np.asarray(v_all), np.asarray(want_v))
     got, want = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
@@ -65,13 +71,14 @@ def test_matches_the_xla_path(b, kv, g, s, d, window):
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-9)
 
 
-def test_updates_a_donated_cache_in_place_and_leaves_an_undonated_one():
+@pytest.mark.parametrize("isa", variants(native_attention.status))
+def test_updates_a_donated_cache_in_place_and_leaves_an_undonated_one(isa):
     q, k_new, v_new, positions, k_cache, v_cache = inputs(4, 2, 4, 48, 64, seed=1)
     before = np.asarray(k_cache).copy()
-    _, k_all, _ = native_path(None)(q, k_new, v_new, positions, k_cache, v_cache)
+    _, k_all, _ = native_path(None, isa=isa)(q, k_new, v_new, positions, k_cache, v_cache)
     np.testing.assert_array_equal(np.asarray(k_cache), before)  # not donated: a copy was written
     pointer = k_cache.unsafe_buffer_pointer()
-    _, k_donated, _ = native_path(None, donate=True)(q, k_new, v_new, positions, k_cache, v_cache)
+    _, k_donated, _ = native_path(None, donate=True, isa=isa)(q, k_new, v_new, positions, k_cache, v_cache)
     assert k_donated.unsafe_buffer_pointer() == pointer  # aliased: written where it was
     np.testing.assert_array_equal(np.asarray(k_donated), np.asarray(k_all))
 

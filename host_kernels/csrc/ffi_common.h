@@ -3,7 +3,9 @@
 #ifndef MOE_JAX_FFI_COMMON_H
 #define MOE_JAX_FFI_COMMON_H
 
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "xla/ffi/api/c_api.h"
@@ -38,6 +40,55 @@ static inline int ffi_pool_schedule(const XLA_FFI_Api *api, XLA_FFI_ExecutionCon
     if (!err) return 0;
     ffi_drop_error(api, err);
     return 1;
+}
+
+/* A parallel loop's shared counters, on the heap: a helper XLA starts after the loop has ended still reads `next`
+ * (and finds nothing left), so the last of the caller and its helpers to let go frees them. */
+typedef struct {
+    _Atomic int64_t next, done;
+    _Atomic int refs;
+    int64_t count;
+    void (*body)(void *, int64_t);
+    void *data;
+} ffi_parallel_loop;
+
+static inline void ffi_parallel_take(ffi_parallel_loop *loop) {
+    for (int64_t i; (i = atomic_fetch_add_explicit(&loop->next, 1, memory_order_relaxed)) < loop->count;) {
+        loop->body(loop->data, i);
+        atomic_fetch_add_explicit(&loop->done, 1, memory_order_release);
+    }
+}
+
+static inline void ffi_parallel_let_go(ffi_parallel_loop *loop) {
+    if (atomic_fetch_sub_explicit(&loop->refs, 1, memory_order_acq_rel) == 1) free(loop);
+}
+
+static inline void ffi_parallel_helper(void *loop) {
+    ffi_parallel_take(loop);
+    ffi_parallel_let_go(loop);
+}
+
+/* Runs body(data, i) for every i in [0, count), shared by the calling thread and up to `threads - 1` helpers from
+ * XLA's pool (all of it on the caller where there is no pool), each taking the next i as it comes free; returns
+ * when every body has returned. Non-zero only where the counters cannot be allocated (nothing has run then). */
+static inline int ffi_parallel_for(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, int64_t count,
+                                   void (*body)(void *, int64_t), void *data) {
+    ffi_parallel_loop *loop = malloc(sizeof *loop);
+    if (!loop) return 1;
+    loop->count = count, loop->body = body, loop->data = data;
+    atomic_init(&loop->next, 0), atomic_init(&loop->done, 0), atomic_init(&loop->refs, 1);
+    const int64_t threads = ffi_pool_threads(api, ctx), helpers = count - 1 < threads - 1 ? count - 1 : threads - 1;
+    for (int64_t i = 0; i < helpers; i++) {
+        atomic_fetch_add(&loop->refs, 1);
+        if (ffi_pool_schedule(api, ctx, ffi_parallel_helper, loop)) { /* no pool: the caller does the rest */
+            atomic_fetch_sub(&loop->refs, 1);
+            break;
+        }
+    }
+    ffi_parallel_take(loop);
+    while (atomic_load_explicit(&loop->done, memory_order_acquire) < count) __builtin_ia32_pause();
+    ffi_parallel_let_go(loop);
+    return 0;
 }
 
 /* The s64 scalar attribute `name` into *value; non-zero where the call has none of that name and type. */

@@ -7,28 +7,22 @@
  * position are not read at all).
  *
  * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
- * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attribute `window` (s64):
- * a sliding window's length, 0 for none. Arithmetic as the XLA path (layers.attend): q.k products summed in
+ * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attributes (s64): `window`,
+ * a sliding window's length, 0 for none; `avx512`, 1 for the AVX-512 variant, 0 for the AVX2 + FMA one (the same
+ * arithmetic 16 or 8 lanes wide: decode_attention_head.h, written once for both). Arithmetic as the XLA path (layers.attend): q.k products summed in
  * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
- * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit).
+ * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit). The (row, kv head) pairs
+ * are shared by the calling thread and helpers from XLA's pool.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ffi_common.h"
-
-#define KERNEL __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's convert */
     uint32_t bits;
@@ -37,122 +31,185 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* 16 bf16 values (the first `count` of them; the rest read as 0) as float32: bf16 is float32's upper half. */
-static KERNEL inline __m512 load_bf16(const uint16_t *p, int count) {
-    __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)p)
-                            : _mm256_maskz_loadu_epi16((__mmask16)((1u << count) - 1), p);
+/* e^x for x <= 0 (a softmax's shifted scores), a vector at a time: 2^(x log2 e) as 2^n times the degree-6 Taylor
+ * polynomial of 2^f, n the nearest integer (|f| <= 1/2); relative error under 4e-6 (checked against float64 over
+ * [-80, 0]), far below the bf16 rounding the probabilities get next. Both instruction sets' versions spell out
+ * these coefficients. */
+#define EXP2_COEFFICIENTS(FMA, p, f)             \
+    p = FMA(p, f, SET1(1.3333558e-3f));          \
+    p = FMA(p, f, SET1(9.6181291e-3f));          \
+    p = FMA(p, f, SET1(5.5504109e-2f));          \
+    p = FMA(p, f, SET1(2.4022651e-1f));          \
+    p = FMA(p, f, SET1(6.9314718e-1f));          \
+    p = FMA(p, f, SET1(1.0f))
+#define EXP2_FIRST 1.5403530e-4f
+
+/* lanes [0, count) of `lanes` (count <= 0: none, >= lanes: all) */
+static inline int lanes_of(int64_t count, int lanes) { return count <= 0 ? 0 : count >= lanes ? lanes : (int)count; }
+
+/* ---- AVX-512: 16 lanes ---- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
+#define ISA avx512
+#define V __m512
+#define W 16
+#define SET1 _mm512_set1_ps
+static inline __mmask16 avx512_mask(int64_t count) { return (__mmask16)((1u << lanes_of(count, 16)) - 1); }
+static inline V avx512_zero(void) { return _mm512_setzero_ps(); }
+static inline V avx512_set1(float x) { return _mm512_set1_ps(x); }
+static inline V avx512_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void avx512_store(float *p, V x) { _mm512_storeu_ps(p, x); }
+static inline V avx512_add(V a, V b) { return _mm512_add_ps(a, b); }
+static inline V avx512_sub(V a, V b) { return _mm512_sub_ps(a, b); }
+static inline V avx512_mul(V a, V b) { return _mm512_mul_ps(a, b); }
+static inline V avx512_max(V a, V b) { return _mm512_max_ps(a, b); }
+static inline V avx512_fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+static inline V avx512_load_n(const float *p, int64_t count, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), avx512_mask(count), p);
+}
+static inline void avx512_store_n(float *p, V x, int64_t count) { _mm512_mask_storeu_ps(p, avx512_mask(count), x); }
+static inline V avx512_keep(V x, int64_t count) { return _mm512_maskz_mov_ps(avx512_mask(count), x); }
+static inline float avx512_hmax(V x) { return _mm512_reduce_max_ps(x); }
+static inline float avx512_hsum(V x) { return _mm512_reduce_add_ps(x); }
+/* W bf16 values (the first `count` of them; the rest read as 0) as float32: bf16 is float32's upper half */
+static inline V avx512_load_bf16(const uint16_t *p, int64_t count) {
+    __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(avx512_mask(count), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
-/* e^x for x <= 0 (a softmax's shifted scores), 16 at a time: 2^(x log2 e) as 2^n times the degree-6 Taylor
- * polynomial of 2^f, n the nearest integer (|f| <= 1/2); relative error under 4e-6 (checked against float64 over
- * [-80, 0]), far below the bf16 rounding the probabilities get next. */
-static KERNEL inline __m512 exp_nonpositive(__m512 x) {
-    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+static inline V avx512_exp_nonpositive(V x) {
+    V t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
+    V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    V p = _mm512_set1_ps(EXP2_FIRST);
+    EXP2_COEFFICIENTS(_mm512_fmadd_ps, p, f);
     __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
-
-/* x rounded to bfloat16 precision (nearest even), kept as float32; for finite x. */
-static KERNEL inline __m512 round_to_bf16(__m512 x) {
+/* x rounded to bfloat16 precision (nearest even), kept as float32; for finite x */
+static inline V avx512_round_to_bf16(V x) {
     __m512i bits = _mm512_castps_si512(x);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
 }
-
-/* r[k] = the sum of v[k]'s 16 lanes, for 16 vectors at once (a transpose folded into the additions). */
-static KERNEL inline __m512 sum16(const __m512 *v) {
-    __m512 a[8], b[4];
+/* r[k] = the sum of v[k]'s 16 lanes, for 16 vectors at once (a transpose folded into the additions) */
+static inline V avx512_sum_lanes(const V *v) {
+    V a[8], b[4];
     for (int k = 0; k < 8; k++) /* quarters 0-1: v[2k], 2-3: v[2k+1] */
         a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
                              _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
     for (int k = 0; k < 4; k++) /* quarter r: v[4k + r] */
         b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
                              _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
-    __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
-    __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
-    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
+    V u0 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    V u1 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    V s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u1))));
     /* s holds sum(v[4l + r]) at 4r + l */
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
+#include "decode_attention_head.h"
+#undef SET1
+#undef W
+#undef V
+#undef ISA
+#pragma GCC pop_options
 
-/* One (row, kv head): the group's `g` queries against keys [first, last]. Work space (float32): qf g * dp,
- * block 16 * dp, scores g * stride, out_f g * dp, with dp = d rounded up to 16 (zero padding). */
-static KERNEL void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, int64_t g,
-                               int64_t d, int64_t first, int64_t last, float *work, int64_t stride) {
-    const int64_t dp = (d + 15) / 16 * 16, n = last - first + 1;
-    float *qf = work, *block = qf + g * dp, *scores = block + 16 * dp, *out_f = scores + g * stride;
-    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)d));
-    for (int64_t m = 0; m < g; m++)
-        for (int64_t i = 0; i < dp; i += 16)
-            _mm512_storeu_ps(qf + m * dp + i, load_bf16(q + m * d + i, d - i < 16 ? (int)(d - i) : 16));
-    /* scores, 16 keys at a time: the keys in float32 once, then each query's 16 dot products summed together */
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t keys = n - j0 < 16 ? n - j0 : 16;
-        for (int64_t jj = 0; jj < 16; jj++)
-            for (int64_t i = 0; i < dp; i += 16)
-                _mm512_storeu_ps(block + jj * dp + i, jj < keys ? load_bf16(k + (first + j0 + jj) * d + i,
-                                                                            d - i < 16 ? (int)(d - i) : 16)
-                                                                : _mm512_setzero_ps());
-        const __mmask16 kept = (__mmask16)((1u << keys) - 1);
-        for (int64_t m = 0; m < g; m++) {
-            __m512 dots[16];
-            for (int jj = 0; jj < 16; jj++) dots[jj] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < dp; i += 16) {
-                const __m512 qv = _mm512_loadu_ps(qf + m * dp + i);
-                for (int jj = 0; jj < 16; jj++) dots[jj] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(block + jj * dp + i), dots[jj]);
-            }
-            _mm512_mask_storeu_ps(scores + m * stride + j0, kept, _mm512_mul_ps(sum16(dots), scale));
-        }
+/* ---- AVX2 + FMA: 8 lanes ---- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define ISA avx2
+#define V __m256
+#define W 8
+#define SET1 _mm256_set1_ps
+static inline __m256i avx2_mask(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes_of(count, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline V avx2_zero(void) { return _mm256_setzero_ps(); }
+static inline V avx2_set1(float x) { return _mm256_set1_ps(x); }
+static inline V avx2_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void avx2_store(float *p, V x) { _mm256_storeu_ps(p, x); }
+static inline V avx2_add(V a, V b) { return _mm256_add_ps(a, b); }
+static inline V avx2_sub(V a, V b) { return _mm256_sub_ps(a, b); }
+static inline V avx2_mul(V a, V b) { return _mm256_mul_ps(a, b); }
+static inline V avx2_max(V a, V b) { return _mm256_max_ps(a, b); }
+static inline V avx2_fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline V avx2_load_n(const float *p, int64_t count, float fill) {
+    const __m256i mask = avx2_mask(count);
+    return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask));
+}
+static inline void avx2_store_n(float *p, V x, int64_t count) { _mm256_maskstore_ps(p, avx2_mask(count), x); }
+static inline V avx2_keep(V x, int64_t count) { return _mm256_and_ps(x, _mm256_castsi256_ps(avx2_mask(count))); }
+static inline float avx2_hmax(V x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float avx2_hsum(V x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline V avx2_load_bf16(const uint16_t *p, int64_t count) {
+    uint16_t part[8] = {0};
+    if (count < 8) memcpy(part, p, (size_t)lanes_of(count, 8) * 2);
+    const __m128i h = _mm_loadu_si128((const __m128i *)(count >= 8 ? p : part));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline V avx2_exp_nonpositive(V x) {
+    V t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.0f));
+    V n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
+    V p = _mm256_set1_ps(EXP2_FIRST);
+    EXP2_COEFFICIENTS(_mm256_fmadd_ps, p, f);
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+static inline V avx2_round_to_bf16(V x) {
+    __m256i bits = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+}
+/* r[k] = the sum of v[k]'s 8 lanes, for 8 vectors at once: pairwise horizontal additions, then the halves */
+static inline V avx2_sum_lanes(const V *v) {
+    const V b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const V b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* b0: sums of v[0..3]'s low halves, then of their high halves; b1 the same for v[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#include "decode_attention_head.h"
+#undef SET1
+#undef W
+#undef V
+#undef ISA
+#pragma GCC pop_options
+
+/* One call's operands, shared by the tasks: one task a (row, kv head). */
+typedef struct {
+    const uint16_t *q, *k_new, *v_new;
+    const int32_t *positions;
+    uint16_t *k_cache, *v_cache, *out;
+    int64_t kv, s, d, g, window;
+    void (*attend_head)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
+                        int64_t, float *, int64_t);
+    _Atomic int failed; /* a task could not allocate its work space */
+} attention_call;
+
+/* Writes the row's new key and value into the cache at its position, then attends its queries to the keys it sees. */
+static void attend_one(void *data, int64_t head) {
+    attention_call *c = data;
+    const int64_t d = c->d, g = c->g, dp = (d + 15) / 16 * 16, stride = (c->s + 15) / 16 * 16;
+    const int64_t last = c->positions[head / c->kv];
+    const int64_t first = c->window > 0 && last - c->window + 1 > 0 ? last - c->window + 1 : 0;
+    uint16_t *k = c->k_cache + head * c->s * d, *v = c->v_cache + head * c->s * d;
+    memcpy(k + last * d, c->k_new + head * d, (size_t)d * 2);
+    memcpy(v + last * d, c->v_new + head * d, (size_t)d * 2);
+    float *work = malloc((size_t)(2 * g * dp + 16 * dp + g * stride) * sizeof(float));
+    if (!work) {
+        atomic_store(&c->failed, 1);
+        return;
     }
-    /* softmax per query; probabilities rounded to bf16 (as XLA's path feeds them to its p.v product) */
-    for (int64_t m = 0; m < g; m++) {
-        float *row = scores + m * stride;
-        __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
-            top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, row + j));
-        }
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
-            _mm512_mask_storeu_ps(row + j, mask, e);
-            total = _mm512_mask_add_ps(total, mask, total, e);
-        }
-        const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = (__mmask16)(n - j < 16 ? (1u << (n - j)) - 1 : 0xffffu);
-            _mm512_mask_storeu_ps(row + j, mask, round_to_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), inverse)));
-        }
-    }
-    /* p.v: 16 columns at a time, 4 queries' sums in registers across the keys */
-    for (int64_t i = 0; i < dp; i += 16) {
-        const int count = d - i < 16 ? (int)(d - i) : 16;
-        for (int64_t m0 = 0; m0 < g; m0 += 4) {
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            const int64_t block_g = g - m0 < 4 ? g - m0 : 4;
-            for (int64_t j = 0; j < n; j++) {
-                const __m512 vv = load_bf16(v + (first + j) * d + i, count);
-                for (int mm = 0; mm < 4; mm++)
-                    if (mm < block_g)
-                        acc[mm] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(m0 + mm) * stride + j]), vv, acc[mm]);
-            }
-            for (int mm = 0; mm < block_g; mm++) _mm512_storeu_ps(out_f + (m0 + mm) * dp + i, acc[mm]);
-        }
-    }
-    for (int64_t m = 0; m < g; m++)
-        for (int64_t i = 0; i < d; i++) out[m * d + i] = f32_to_bf16(out_f[m * dp + i]);
+    c->attend_head(c->q + head * g * d, k, v, c->out + head * g * d, g, d, first, last, work, stride);
+    free(work);
 }
 
 static int is_bf16(const XLA_FFI_Buffer *b, int64_t rank) { return b->dtype == XLA_FFI_DataType_BF16 && b->rank == rank; }
@@ -162,20 +219,18 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
     if (ffi_answer_metadata(frame)) return NULL;
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return ffi_error(api, "moe_jax_decode_attention: not the execute stage");
-    if (frame->args.size != 6 || frame->rets.size != 3 || frame->attrs.size != 1 ||
-        frame->attrs.types[0] != XLA_FFI_AttrType_SCALAR)
-        return ffi_error(api, "moe_jax_decode_attention takes (q, k_new, v_new, positions, k_cache, v_cache), "
-                                    "returns (out, k_cache, v_cache), and has one attribute `window`");
+    if (frame->args.size != 6 || frame->rets.size != 3)
+        return ffi_error(api, "moe_jax_decode_attention takes (q, k_new, v_new, positions, k_cache, v_cache) and "
+                                    "returns (out, k_cache, v_cache)");
+    int64_t window, avx512;
+    if (ffi_s64_attr(frame, "window", &window) || ffi_s64_attr(frame, "avx512", &avx512))
+        return ffi_error(api, "moe_jax_decode_attention: s64 attributes `window` and `avx512` expected");
     for (int i = 0; i < 6; i++)
         if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER)
             return ffi_error(api, "moe_jax_decode_attention: operands are arrays");
     const XLA_FFI_Buffer *q = frame->args.args[0], *k_new = frame->args.args[1], *v_new = frame->args.args[2];
     const XLA_FFI_Buffer *positions = frame->args.args[3], *k_in = frame->args.args[4], *v_in = frame->args.args[5];
     const XLA_FFI_Buffer *out = frame->rets.rets[0], *k_out = frame->rets.rets[1], *v_out = frame->rets.rets[2];
-    const XLA_FFI_Scalar *window_attr = frame->attrs.attrs[0];
-    if (window_attr->dtype != XLA_FFI_DataType_S64)
-        return ffi_error(api, "moe_jax_decode_attention: `window` must be an s64");
-    const int64_t window = *(const int64_t *)window_attr->value;
     if (!is_bf16(q, 4) || !is_bf16(k_new, 4) || !is_bf16(v_new, 4) || !is_bf16(k_in, 4) || !is_bf16(v_in, 4) ||
         !is_bf16(out, 4) || !is_bf16(k_out, 4) || !is_bf16(v_out, 4) || positions->dtype != XLA_FFI_DataType_S32)
         return ffi_error(api, "moe_jax_decode_attention: bf16 arrays of rank 4 and s32 positions expected");
@@ -195,20 +250,9 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
     const size_t cache_bytes = (size_t)(b * kv * s * d) * 2;
     if (k_out->data != k_in->data) memcpy(k_out->data, k_in->data, cache_bytes); /* not aliased: copy, then write */
     if (v_out->data != v_in->data) memcpy(v_out->data, v_in->data, cache_bytes);
-    const int64_t dp = (d + 15) / 16 * 16, stride = (s + 15) / 16 * 16;
-    float *work = malloc((size_t)(2 * g * dp + 16 * dp + g * stride) * sizeof(float));
-    if (!work) return ffi_error(api, "moe_jax_decode_attention: out of memory for its work space");
-    for (int64_t r = 0; r < b; r++) {
-        const int64_t last = pos[r], first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-        for (int64_t h = 0; h < kv; h++) {
-            const int64_t head = r * kv + h;
-            uint16_t *k = (uint16_t *)k_out->data + head * s * d, *v = (uint16_t *)v_out->data + head * s * d;
-            memcpy(k + last * d, (const uint16_t *)k_new->data + head * d, (size_t)d * 2);
-            memcpy(v + last * d, (const uint16_t *)v_new->data + head * d, (size_t)d * 2);
-            attend_head((const uint16_t *)q->data + head * g * d, k, v, (uint16_t *)out->data + head * g * d, g, d,
-                        first, last, work, stride);
-        }
-    }
-    free(work);
+    attention_call call = {q->data, k_new->data, v_new->data, pos, k_out->data, v_out->data, out->data, kv, s, d, g,
+                           window, avx512 ? avx512_attend_head : avx2_attend_head, 0};
+    if (ffi_parallel_for(api, frame->ctx, b * kv, attend_one, &call) || atomic_load(&call.failed))
+        return ffi_error(api, "moe_jax_decode_attention: out of memory for its work space");
     return NULL;
 }

@@ -22,7 +22,6 @@
  * order). Rows go 16 at a time (an AMX tile's) through each group's weights, which stay in cache between them.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,11 +56,8 @@ static int64_t record_bytes(int64_t kernel, int64_t kp) {
     return kernel == DENSE_AVX2_INT8 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
 }
 
-/* One call's shared state, on the heap: a helper XLA starts after the call has returned still reads `next` (and
- * finds nothing left), so the last of the caller and its helpers to let go frees it. */
+/* One call's operands and the rows it prepared, shared by the calling thread and its helpers. */
 typedef struct {
-    _Atomic int64_t next, done;
-    _Atomic int refs;
     int64_t m, n, kp, groups;
     int kernel;          /* DENSE_* */
     int64_t int4_group;  /* int4: k-rows per scale */
@@ -72,7 +68,8 @@ typedef struct {
     char *x_q;   /* int4, AVX2's int8: x's quantized row records (record_bytes a row), after x */
 } dense_call;
 
-static void run_group(const dense_call *c, int64_t g) {
+static void run_group(void *call, int64_t g) {
+    const dense_call *c = call;
     const int64_t nb0 = g * GROUP_BLOCKS;
     const int64_t n0 = nb0 * 16, n1 = n0 + GROUP_BLOCKS * 16 <= c->n ? n0 + GROUP_BLOCKS * 16 : c->n;
     if (c->kernel == DENSE_AVX512_F32) { /* k is not padded in this layout: kp holds k */
@@ -102,32 +99,6 @@ static void run_group(const dense_call *c, int64_t g) {
         }
     } else { /* the last, narrower group */
         amx_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
-    }
-}
-
-static void take_groups(dense_call *c) {
-    for (int64_t g; (g = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->groups;) {
-        run_group(c, g);
-        atomic_fetch_add_explicit(&c->done, 1, memory_order_release);
-    }
-}
-
-static void let_go(dense_call *c) {
-    if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1) free(c);
-}
-
-static void helper(void *data) {
-    take_groups(data);
-    let_go(data);
-}
-
-static void schedule_helpers(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, dense_call *c, int count) {
-    for (int i = 0; i < count; i++) {
-        atomic_fetch_add(&c->refs, 1);
-        if (ffi_pool_schedule(api, ctx, helper, c)) { /* no pool: the caller does the work alone */
-            atomic_fetch_sub(&c->refs, 1);
-            return;
-        }
     }
 }
 
@@ -187,11 +158,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     if (kernel == DENSE_AVX2_INT8) int8_quantize_rows_avx2(c->x, kp, m, 0, kp, c->x_q, kp);
     c->m = m, c->n = n, c->kp = kp, c->groups = groups, c->w = w->data, c->y = y->data;
     c->kernel = (int)kernel, c->int4_group = group;
-    atomic_init(&c->next, 0), atomic_init(&c->done, 0), atomic_init(&c->refs, 1);
-    const int threads = ffi_pool_threads(api, frame->ctx);
-    schedule_helpers(api, frame->ctx, c, (int)(groups - 1 < threads - 1 ? groups - 1 : threads - 1));
-    take_groups(c);
-    while (atomic_load_explicit(&c->done, memory_order_acquire) < groups) __builtin_ia32_pause();
-    let_go(c);
-    return NULL;
+    const int failed = ffi_parallel_for(api, frame->ctx, groups, run_group, c);
+    free(c);
+    return failed ? ffi_error(api, "moe_jax_dense: out of memory") : NULL;
 }

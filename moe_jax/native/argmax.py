@@ -15,12 +15,7 @@ CPU_FLAGS = {"avx512": ("avx512f",), "avx2": ("avx2",)}  # each variant's target
 
 def status(isa: str | None = None) -> tuple[bool, str]:
     """(usable, why not) for the native argmax: on `isa`, or on any of its variants."""
-    if isa is not None:
-        return ffi.kernel_status(CPU_FLAGS[isa])
-    statuses = {name: ffi.kernel_status(flags) for name, flags in CPU_FLAGS.items()}
-    if any(usable for usable, _ in statuses.values()):
-        return True, ""
-    return False, "; ".join(f"{name}: {why}" for name, (_, why) in statuses.items())
+    return ffi.variants_status(CPU_FLAGS, isa)
 
 
 def argmax_tokens(logits_bv, native: bool, isa: str | None = None):
@@ -29,7 +24,7 @@ def argmax_tokens(logits_bv, native: bool, isa: str | None = None):
     jnp.argmax."""
     if logits_bv.dtype != jnp.float32 or not native:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)[:, None]
-    isa = isa or next(name for name in CPU_FLAGS if status(name)[0])
+    isa = ffi.fastest(CPU_FLAGS, isa)
     ffi.require(status(isa), f"argmax ({isa})")
     result = jax.ShapeDtypeStruct((logits_bv.shape[0], 1), jnp.int32)
     call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")

@@ -48,6 +48,25 @@ def kernel_status(cpu_flags) -> tuple[bool, str]:
     return not lacking, lacking
 
 
+def variants_status(cpu_flags: dict, isa: str | None = None) -> tuple[bool, str]:
+    """(usable, why not) for a handler with instruction-set variants (`cpu_flags`: each variant's flags, fastest
+    first): on `isa`, or on any of them."""
+    if isa is not None:
+        return kernel_status(cpu_flags[isa])
+    statuses = {name: kernel_status(flags) for name, flags in cpu_flags.items()}
+    if any(usable for usable, _ in statuses.values()):
+        return True, ""
+    return False, "; ".join(f"{name}: {why}" for name, (_, why) in statuses.items())
+
+
+def fastest(cpu_flags: dict, isa: str | None = None) -> str:
+    """`isa`, or by default the fastest of a handler's variants this CPU runs (the first in `cpu_flags` whose
+    flags it has; the first of all where none: the call's `require` then says why)."""
+    if isa is not None:
+        return isa
+    return next((name for name, flags in cpu_flags.items() if kernel_status(flags)[0]), next(iter(cpu_flags)))
+
+
 def require(usable_reason: tuple[bool, str], what: str):
     """Refuses a call into a handler the status says is unusable (the status call also registers the handlers)."""
     usable, reason = usable_reason
