@@ -152,6 +152,7 @@ def main():
         result = json.loads(out)
         raw[side] = result
         median = sorted(result["times"])[len(result["times"]) // 2]
+        print(f"{side}: {args.batch * args.seq / median:,.0f} tokens/s ({median:.2f} s a step)", file=sys.stderr)
         rows.append(
             {
                 "side": side,

@@ -192,6 +192,7 @@ def main():
             llama, ours = rows[-2], rows[-1]
             ratios = {c: ours[c] / llama[c] for c in runners if c in llama}
             rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | ratios)
+        print_table(f"{pair}, tokens/s (medians of {args.rounds} rounds)", [r for r in rows if r["pair"] == pair])
         del runners
         gc.collect()
     print_table(f"tokens/s, {args.threads} threads, shape {args.shape}: decode (32-token prompts) and prefill", rows)

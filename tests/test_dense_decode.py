@@ -1,6 +1,6 @@
-"""Decode steps' dense products on AMX, AVX512-BF16 or AVX2 for bfloat16 weights, AVX-512 or AVX2 for float32 ones
-(host_kernels/csrc/xla_dense.c via layers.base_matmul): XLA's float32 sums of the products, for the shapes a decode
-step has, and only there."""
+"""Decode steps' and generation prefills' dense products on AMX, AVX512-BF16 or AVX2 for bfloat16 weights, AVX-512
+or AVX2 for float32 ones (host_kernels/csrc/xla_dense.c via layers.base_matmul): XLA's float32 sums of the products,
+for the shapes a decode step has and, inside `native_prefill`, a prefill's; nowhere else."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax.model.layers import base_matmul
+from moe_jax.model.layers import base_matmul, native_prefill
 from moe_jax.model.lora import LoRAConfig, LoRAParam
 from moe_jax.native import dense as native_dense
 from tests.hf_models import make_hf_model, save_hf_model
@@ -70,6 +70,30 @@ def test_other_shapes_stay_in_xla(shape, dtype, kernel):
     assert native_dense.TARGET not in f.lower(x, w, native_dense.pack_dense(w, kernel)).as_text()
 
 
+@pytest.mark.parametrize("dtype, kernel", BOTH)
+def test_a_prefill_takes_it_inside_native_prefill_only(dtype, kernel):
+    # generation's prefill steps (generation/engine.py); Model.logits and training stay in XLA
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 37, 96)), dtype)
+    w = jnp.asarray(rng.standard_normal((96, 200)), dtype)
+    packed = native_dense.pack_dense(w, kernel)
+
+    def product(x, w, p):
+        return base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=kernel)
+
+    def prefill_product(x, w, p):
+        with native_prefill():
+            return product(x, w, p)
+
+    assert native_dense.TARGET not in jax.jit(product).lower(x, w, packed).as_text()
+    assert native_dense.TARGET in jax.jit(prefill_product).lower(x, w, packed).as_text()
+    got = np.asarray(jax.jit(prefill_product)(x, w, packed))
+    xla = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
+    np.testing.assert_allclose(got, xla, rtol=1e-6, atol=4e-6 * np.abs(xla).max())
+    too_many = jnp.zeros((1, native_dense.PREFILL_MAX_ROWS + 1, 96), dtype)  # past the handler's rows: XLA's
+    assert native_dense.TARGET not in jax.jit(prefill_product).lower(too_many, w, packed).as_text()
+
+
 @pytest.mark.skipif(not F32_KERNEL, reason=F32_WHY_NOT)
 def test_one_float32_row_stays_in_xla():
     # batch 1 of a float32 model: XLA's matrix-vector product was as fast (native.dense.F32_MIN_ROWS)
@@ -82,8 +106,8 @@ def test_one_float32_row_stays_in_xla():
 
 @pytest.mark.parametrize("dtype, kernel", BOTH)
 def test_bad_operands_are_named(dtype, kernel):
-    x, w, packed = operands(65, 64, 32, dtype=dtype, kernel=kernel)
-    with pytest.raises(Exception, match="1-64 rows"):
+    x, w, packed = operands(native_dense.PREFILL_MAX_ROWS + 1, 64, 32, dtype=dtype, kernel=kernel)
+    with pytest.raises(Exception, match="1-8192 rows"):
         jax.block_until_ready(native_dense.dense_call(x[:, 0], packed, 32, kernel))
     x, w, packed = operands(4, 64, 32, dtype=dtype, kernel=kernel)
     with pytest.raises(Exception, match="packed weight of x's k and y's n"):

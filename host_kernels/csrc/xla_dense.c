@@ -1,4 +1,6 @@
-/* XLA FFI handler "moe_jax_dense": y = x @ W for the few rows of a decode step (at most 64), W a bfloat16 weight
+/* XLA FFI handler "moe_jax_dense": y = x @ W for the rows of a decode step (at most 64) or of generation's prefill
+ * (at most 8192: XLA:CPU's own bfloat16 products of a prefill ran at ~65 GFLOP/s on an AVX2 Zen 3, half its float32
+ * rate), W a bfloat16 weight
  * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
  * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout) or,
  * without AVX-512, by AVX2 (avx2_gemm.c, the same layout again); or W
@@ -17,7 +19,7 @@
  * This reads them as the fused experts do (amx_gemm_4_streams: four column blocks side by side, prefetched), with
  * the work in 64-column groups shared by the calling thread and helpers from XLA's pool.
  *
- * Operands: x [m, k] bf16 (m <= 64: a decode step's batch), w [ceil(n / 16), ceil(k / 32), 512] u16. Result:
+ * Operands: x [m, k] bf16 (m <= 8192), w [ceil(n / 16), ceil(k / 32), 512] u16. Result:
  * y [m, n] f32, float32 sums of bfloat16 products (XLA's preferred_element_type=f32 product, up to summation
  * order). Rows go 16 at a time (an AMX tile's) through each group's weights, which stay in cache between them.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
@@ -34,7 +36,7 @@
 #include "int4_gemm.h"
 
 #define TILE_ROWS 16 /* an AMX tile's rows: x is copied into a buffer zero-padded to a multiple of them */
-#define MAX_ROWS 64
+#define MAX_ROWS 8192 /* moe_jax/native/dense.py PREFILL_MAX_ROWS: x's padded copy stays within 32 MB at k 2048 */
 #define GROUP_BLOCKS 4 /* 16-column blocks per task */
 enum { /* moe_jax/native/dense.py CODES */
     DENSE_AVX512_BF16 = 0,
@@ -122,7 +124,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
     const int64_t m = x->dims[0], k = x->dims[1], n = y->dims[1];
     const int64_t kp = is_f32(kernel) ? k : (k + 31) / 32 * 32; /* the bfloat16 and quantized packings pad k so */
     if (m < 1 || m > MAX_ROWS || y->dims[0] != m)
-        return ffi_error(api, "moe_jax_dense: x and y of the same 1-64 rows expected");
+        return ffi_error(api, "moe_jax_dense: x and y of the same 1-8192 rows expected");
     if (is_int8(kernel) || is_int4(kernel)) {
         /* int8: [n blocks, kp * 16 + 64] u8, int8 k-pairs then 16 float32 scales; int4: [n blocks, kp * 8 +
          * groups * 32] u8, per group its nibbles then 16 float16 scales */

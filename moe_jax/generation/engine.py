@@ -25,6 +25,7 @@ from flax import nnx
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.model.layers import native_prefill
 from moe_jax.native.argmax import argmax_tokens
 
 __all__ = ["Completion", "EngineStats", "GenerationEngine", "Request"]
@@ -245,7 +246,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
     def prefill(leaves, caches, slot_ids, tokens, positions, last):
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
-        logits, rows = merged(leaves)(tokens, positions, rows, last)
+        with native_prefill():  # the dense products on the decode steps' packed weights, where the plan packs them
+            logits, rows = merged(leaves)(tokens, positions, rows, last)
         caches = [
             (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))
             for (k, v), (rk, rv) in zip(caches, rows, strict=True)

@@ -60,22 +60,30 @@ _DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key"
 _DROPOUT_ROWS: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_rows", default=None)
 
 
+# While generation's prefill step is traced (generation/engine.py): dense products of packed weights run natively
+# at any number of positions (base_matmul), as a decode step's do. Model.logits and training stay in XLA.
+_NATIVE_PREFILL: contextvars.ContextVar = contextvars.ContextVar("native_prefill", default=False)
+
+
 @contextlib.contextmanager
+def _set_while(variable: contextvars.ContextVar, value):
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
+
+
 def lora_dropout_key(key):
-    token = _DROPOUT_KEY.set(key)
-    try:
-        yield
-    finally:
-        _DROPOUT_KEY.reset(token)
+    return _set_while(_DROPOUT_KEY, key)
 
 
-@contextlib.contextmanager
 def micro_batch_rows(start: int, stop: int, total: int):
-    token = _DROPOUT_ROWS.set((start, stop, total))
-    try:
-        yield
-    finally:
-        _DROPOUT_ROWS.reset(token)
+    return _set_while(_DROPOUT_ROWS, (start, stop, total))
+
+
+def native_prefill():
+    return _set_while(_NATIVE_PREFILL, True)
 
 
 def _dropout_mask(key, keep: float, shape):
@@ -112,13 +120,14 @@ def frozen_matmul(x, w, w_t=None, out_dtype=None):
 
 
 def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = ""):
-    """`frozen_matmul`, or for a decode step's rows (x [b <= 64, 1, k] in the kernel's row dtype) of a weight packed
-    for them (`native.dense.pack_dense`) the native product (host_kernels/csrc/xla_dense.c, on `dense_kernel`) on
-    XLA:CPU. The float32 sums are XLA's up to summation order. Training never takes it: its rows have more than one
-    position."""
-    if packed is not None and takes(dense_kernel, x):
-        y = dense_call(x[:, 0], packed, w.shape[-1], dense_kernel)
-        return y[:, None].astype(out_dtype or x.dtype)
+    """`frozen_matmul`, or for a decode step's rows (x [b <= 64, 1, k] in the kernel's row dtype), and inside
+    `native_prefill` a prefill's, of a weight packed for them (`native.dense.pack_dense`) the native product
+    (host_kernels/csrc/xla_dense.c, on `dense_kernel`) on XLA:CPU. The float32 sums are XLA's up to summation order
+    (quantized packings: the products of the quantized weights). Training never takes it: its rows have more than
+    one position and it does not run under `native_prefill`."""
+    if packed is not None and takes(dense_kernel, x, prefill=_NATIVE_PREFILL.get()):
+        y = dense_call(x.reshape(-1, x.shape[-1]), packed, w.shape[-1], dense_kernel)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype or x.dtype)
     return frozen_matmul(x, w, w_t, out_dtype)
 
 

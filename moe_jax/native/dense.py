@@ -1,7 +1,9 @@
-"""A decode step's dense products (attention projections, the head) over weights packed for the host kernels:
+"""Generation's dense products (attention projections, the head) over weights packed for the host kernels:
 bfloat16 on AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c).
-XLA:CPU reads such small products' weights at 5-10 GB/s, evicted from cache by the experts between two steps; the
-kernels stream them as the fused experts do."""
+XLA:CPU reads a decode step's small products' weights at 5-10 GB/s, evicted from cache by the experts between two
+steps; the kernels stream them as the fused experts do. A prefill's products are compute-bound, where XLA:CPU's
+bfloat16 GEMMs ran at about half its float32 rate on an AVX2 CPU (no bfloat16 instructions), and a quantized
+model's prefill reads the same quantized dense weights as its decode steps (as llama.cpp's Q8_0 / Q4_0 do)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
 MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
+PREFILL_MAX_ROWS = 8192  # a prefill's rows (batch x positions); xla_dense.c copies x, padded, for the kernels
 # float32 weights from 2 rows: XLA's own float32 product of one row (a matrix-vector product straight over W) was
 # as fast as the kernel at batch 1 (Qwen3-30B-A3B's dims, Zen 3: 32.8-33.4 tok/s XLA vs 29.4-31 native), while at
 # batch 16 the kernel made decode 1.32x faster; bfloat16 and quantized weights have no fast XLA path at any batch
@@ -46,11 +49,14 @@ def row_dtype(kernel: str):
     return jnp.float32 if KERNELS[kernel].packed_bits == 32 else jnp.bfloat16
 
 
-def takes(kernel: str, x) -> bool:
-    """Whether `kernel` multiplies the rows x: a decode step's (x [b, 1, k]), of its row dtype, between its fewest
-    rows and MAX_ROWS."""
-    if x.dtype != row_dtype(kernel) or x.ndim != 3 or x.shape[1] != 1:
+def takes(kernel: str, x, prefill: bool = False) -> bool:
+    """Whether `kernel` multiplies the rows x [b, t, k] of its row dtype: a decode step's (t = 1, b between its
+    fewest rows and MAX_ROWS) or, with `prefill` (generation's prefill steps, `layers.native_prefill`), any
+    positions up to PREFILL_MAX_ROWS rows in all."""
+    if x.dtype != row_dtype(kernel) or x.ndim != 3:
         return False
+    if x.shape[1] != 1:
+        return prefill and x.shape[0] * x.shape[1] <= PREFILL_MAX_ROWS
     return (F32_MIN_ROWS if x.dtype == jnp.float32 else 1) <= x.shape[0] <= MAX_ROWS
 
 
@@ -62,8 +68,8 @@ def pack_dense(w_kn, kernel: str) -> jax.Array:
 
 
 def dense_call(x_mk, packed_w, n: int, kernel: str):
-    """x @ W in float32 for x [m <= MAX_ROWS, k] (`row_dtype(kernel)`), W given as `pack_dense(W, kernel)` with n
-    columns, on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
+    """x @ W in float32 for x [m <= PREFILL_MAX_ROWS, k] (`row_dtype(kernel)`), W given as `pack_dense(W, kernel)`
+    with n columns, on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
     usable, reason = KERNELS[kernel].status() if kernel in CODES else (False, f"unknown kernel {kernel!r}")
     ffi.require((usable, reason), f"dense products on {kernel}")
     ffi.require(ffi.status(), f"dense products on {kernel}")  # registers the handler on first use
