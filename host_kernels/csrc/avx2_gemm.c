@@ -25,7 +25,7 @@
 #include "simd_avx2.h"
 
 #define F32_ROWS 3
-#define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
+/* Each stream prefetches where the next tile's stream will read, `blocks` blocks on (as avx2_quantized_gemm.c's) */
 
 /* ------------------------------------------------------------------------------------------------- float32 */
 
@@ -42,8 +42,9 @@ static inline __attribute__((always_inline)) void f32_rows(const float *a, int64
         __m256 w[VECTORS];
         for (int block = 0; block < blocks; block++) {
             const float *row = b + block * k * 32 + kk * 32;
-            _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            const char *next = (const char *)(row + blocks * k * 32); /* 128 bytes: two lines */
+            _mm_prefetch(next, _MM_HINT_T0);
+            _mm_prefetch(next + 64, _MM_HINT_T0);
             for (int j = 0; j < 4; j++) w[4 * block + j] = _mm256_load_ps(row + 8 * j);
         }
         for (int i = 0; i < rows; i++) {
@@ -102,7 +103,7 @@ static inline __attribute__((always_inline)) void pair_rows(const uint16_t *a, i
         }
         for (int j = 0; j < blocks; j++) {
             const char *row = b + j * stride + r * 64;
-            _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch(row + blocks * stride, _MM_HINT_T0);
             for (int h = 0; h < 2; h++) { /* 8 x (even, odd): the low half moved up, the high half kept */
                 const __m256i v = _mm256_load_si256((const __m256i *)(row + 32 * h));
                 const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
