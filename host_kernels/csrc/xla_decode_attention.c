@@ -121,9 +121,8 @@ static inline V avx512_sum_lanes(const V *v) {
 #define V __m256
 #define W 8
 #define SET1 _mm256_set1_ps
-static inline __m256i avx2_mask(int64_t count) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes_of(count, 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+#include "simd_avx2.h" /* compiled for avx2,fma here, as that header asks */
+static inline __m256i avx2_mask(int64_t count) { return lanes8(count); }
 static inline V avx2_zero(void) { return _mm256_setzero_ps(); }
 static inline V avx2_set1(float x) { return _mm256_set1_ps(x); }
 static inline V avx2_load(const float *p) { return _mm256_loadu_ps(p); }
@@ -137,23 +136,14 @@ static inline V avx2_load_n(const float *p, int64_t count, float fill) {
     const __m256i mask = avx2_mask(count);
     return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask));
 }
-static inline void avx2_store_n(float *p, V x, int64_t count) { _mm256_maskstore_ps(p, avx2_mask(count), x); }
+static inline void avx2_store_n(float *p, V x, int64_t count) { store8(p, x, count); }
 static inline V avx2_keep(V x, int64_t count) { return _mm256_and_ps(x, _mm256_castsi256_ps(avx2_mask(count))); }
-static inline float avx2_hmax(V x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-static inline float avx2_hsum(V x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float avx2_hmax(V x) { return hmax8(x); }
+static inline float avx2_hsum(V x) { return hsum8(x); }
 static inline V avx2_load_bf16(const uint16_t *p, int64_t count) {
     uint16_t part[8] = {0};
     if (count < 8) memcpy(part, p, (size_t)lanes_of(count, 8) * 2);
-    const __m128i h = _mm_loadu_si128((const __m128i *)(count >= 8 ? p : part));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return widen_bf16x8(count >= 8 ? p : part);
 }
 static inline V avx2_exp_nonpositive(V x) {
     V t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.0f));
