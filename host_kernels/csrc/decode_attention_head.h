@@ -3,7 +3,8 @@
  * of the function defined here), V (its float32 vector type) and W (its lanes), inside a `#pragma GCC target` for
  * that set. The operations (ISA_zero, ISA_set1, ISA_load, ISA_store, ISA_add, ISA_sub, ISA_mul, ISA_max, ISA_fmadd,
  * ISA_load_n, ISA_store_n, ISA_keep, ISA_hmax, ISA_hsum, ISA_load_bf16, ISA_exp_nonpositive, ISA_round_to_bf16,
- * ISA_sum_lanes) are that file's; `_n` ones take how many of the W lanes are real (<= 0: none, >= W: all).
+ * ISA_sum_lanes) are that file's; `_n` ones take how many of the W lanes are real (<= 0: none, >= W: all), and
+ * ISA_load_n fills the others with its last argument.
  *
  * The group's `g` queries against keys [first, last]. Work space (float32): qf g * dp, block 16 * dp, scores
  * g * stride, out_f g * dp, with dp = d rounded up to 16 (zero padding) and stride a multiple of 16. */

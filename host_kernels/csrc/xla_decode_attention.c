@@ -33,8 +33,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's
 
 /* e^x for x <= 0 (a softmax's shifted scores), a vector at a time: 2^(x log2 e) as 2^n times the degree-6 Taylor
  * polynomial of 2^f, n the nearest integer (|f| <= 1/2); relative error under 4e-6 (checked against float64 over
- * [-80, 0]), far below the bf16 rounding the probabilities get next. Both instruction sets' versions spell out
- * these coefficients. */
+ * [-80, 0]), far below the bf16 rounding the probabilities get next. Both instruction sets' versions use these
+ * coefficients (SET1: the set's broadcast, defined in its section). */
 #define EXP2_COEFFICIENTS(FMA, p, f)             \
     p = FMA(p, f, SET1(1.3333558e-3f));          \
     p = FMA(p, f, SET1(9.6181291e-3f));          \
