@@ -89,8 +89,14 @@ class Transformer(nnx.Module):
     def pack_for_decode(self, kernel: str):
         """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
         when the model first generates, where the plan says so (`ExecutionPlan.dense_decode`)."""
+        fused = set()  # attention's q, k and v: packed together (Attention.pack_for_decode)
         for _, module in nnx.iter_modules(self):
-            if isinstance(module, Projection) and module.packed is None:
+            if isinstance(module, Attention):
+                if module.qkv_packed is None:
+                    module.pack_for_decode(kernel)
+                fused.update(id(p) for p in (module.q_proj, module.k_proj, module.v_proj))
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, Projection) and module.packed is None and id(module) not in fused:
                 module.pack_for_decode(kernel)
         self.dense_kernel = kernel
         if self.head_packed is None:
