@@ -137,7 +137,7 @@ def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, dtype):
     model = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype=dtype))
     packed = model.generate(prompts, max_new_tokens=6)
     assert "head_packed" in model.state
-    _, decode, _ = model.generation.steps()
+    decode = model.generation.steps().decode
     caches, tokens = model.kv.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
     assert hlo.count(f"@{native_dense.TARGET}(") == 2 * model.config.num_layers + 1  # q, k and v in one; o; head

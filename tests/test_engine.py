@@ -60,6 +60,36 @@ def test_sequences_ending_early_free_their_slots_exactly(model):
     assert [c.finish_reason for c in completions] == ["length", "stop", "length", "stop", "length"]
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+def test_blocks_of_greedy_steps_give_the_tokens_of_single_steps(model, slots):
+    # several steps a call while every job has that many tokens to go: the same tokens, sequences that end inside
+    # a block (EOS, a stop string) drop the block's rest, and a waiting prompt takes the freed slot after it
+    rng = np.random.default_rng(11)
+    shapes = [(4, 17), (9, 12), (3, 6), (6, 20), (2, 11)]  # (prompt tokens, new tokens)
+    requests = [Request(rng.integers(8, 96, size=n).tolist(), max_new_tokens=m) for n, m in shapes]
+    single = GenerationEngine(model, slots, 96, block_steps=1)
+    full = [c.tokens for c in single.run(requests)]
+    assert single.stats.decode_calls == single.stats.decode_steps
+    eos = full[3][9]  # a token request 3 makes late (a block or more in)
+    stop_after = {0: 6, 4: 4}
+
+    def runs(block_steps):
+        engine = GenerationEngine(model, slots, 96, block_steps=block_steps)
+        outputs = [engine.run(requests)]
+        outputs.append(engine.run(requests, eos_ids=[eos]))
+        outputs.append(engine.run(requests, should_stop=lambda i, out: len(out) == stop_after.get(i)))
+        return engine, [[(c.tokens, c.finish_reason) for c in completions] for completions in outputs]
+
+    one, expected = runs(1)
+    assert expected[0] == [(t, "length") for t in full]
+    assert any(reason == "eos" for _, reason in expected[1]) and expected[1] != expected[0]
+    for block_steps in (4, 8):
+        engine, got = runs(block_steps)
+        assert got == expected
+        assert engine.stats.decode_tokens == one.stats.decode_tokens
+        assert engine.stats.decode_calls < one.stats.decode_calls  # blocks ran
+
+
 def test_greedy_steps_stop_with_the_last_token(model):
     # the host knows when a sequence's length runs out: no step is dispatched whose output would all be dropped
     engine, (completion,) = run(model, [Request([9, 4, 30], max_new_tokens=5)], slots=1)

@@ -21,7 +21,7 @@ class CompiledGeneration:
         self._engines = {}  # their steps were compiled for the old structure
 
     def steps(self):
-        """(prefill, decode, write_prefix) for the model's current structure, after the plan's decode packing."""
+        """The jitted GenerationSteps for the model's current structure, after the plan's decode packing."""
         model = self.model
         model.pack_for_decode()
         for graphdef, steps in self._steps:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from flax import nnx
 
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
-from moe_jax.generation.batch import Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.model.layers import native_prefill
 from moe_jax.native.argmax import argmax_tokens
 
@@ -46,6 +47,7 @@ class EngineStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_steps: int = 0
+    decode_calls: int = 0  # dispatches: a block of greedy steps is one
 
     def add(self, other: EngineStats):
         for name in self.__dataclass_fields__:
@@ -53,7 +55,9 @@ class EngineStats:
 
 
 class GenerationEngine:
-    def __init__(self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None):
+    def __init__(
+        self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None, block_steps: int = BLOCK_STEPS
+    ):
         if model.expert_shard is not None:
             raise InputError(
                 f"this process holds only {model.expert_shard.describe()}: generation over expert shards is not "
@@ -61,6 +65,7 @@ class GenerationEngine:
             )
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
+        self.block_steps = block_steps  # greedy decode steps per call in `run` (Batch)
         self.stats = EngineStats()
 
     def slots_that_fit(self) -> int:
@@ -115,7 +120,7 @@ class GenerationEngine:
 
         waiting = deque(job(i, r) for i, r in enumerate(requests))
         slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
-        with self.batch(slots) as batch, gc_paused(), self.model.host_errors():
+        with self.batch(slots, block_steps=self.block_steps) as batch, gc_paused(), self.model.host_errors():
             while waiting or batch.active:
                 free = len(batch.free_slots)
                 if free and waiting:
@@ -126,27 +131,30 @@ class GenerationEngine:
         return results
 
     @contextlib.contextmanager
-    def batch(self, slots: int, shrink: bool = False):
-        """A Batch of `slots` KV-cache rows over this engine's compiled steps (`shrink`: see Batch), for the
-        time of the block (its KV cache counts as the model's live KV bytes meanwhile)."""
+    def batch(self, slots: int, shrink: bool = False, block_steps: int = BLOCK_STEPS):
+        """A Batch of `slots` KV-cache rows over this engine's compiled steps (`shrink`, `block_steps`: see
+        Batch), for the time of the block (its KV cache counts as the model's live KV bytes meanwhile)."""
         model = self.model
         model.refresh_expert_cache()
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)
-        self._prefill, self._decode, self._write_prefix = model.generation.steps()
+        self._steps = model.generation.steps()
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
-            yield Batch(self, slots, caches, shrink)
+            yield Batch(self, slots, caches, shrink, block_steps)
 
-    def decode(self, caches, host_tokens, from_host, last_tokens, positions):
-        """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for): (logits,
-        argmax tokens of every slot, caches)."""
-        if self.stats.decode_steps % CACHE_REFRESH_STEPS == CACHE_REFRESH_STEPS - 1:
+    def decode(self, caches, host_tokens, from_host, last_tokens, positions, steps: int = 1):
+        """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for): one step's
+        (logits, argmax tokens of every slot, caches), or for more than one, greedy throughout, (their argmax
+        tokens [steps, rows], the last step's argmax tokens of every slot, caches)."""
+        if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
             self.model.refresh_expert_cache()  # values only: the compiled step is reused
-        self.stats.decode_steps += 1
+        self.stats.decode_steps += steps
+        self.stats.decode_calls += 1
         rows = len(host_tokens) if len(host_tokens) < len(last_tokens) else None  # None: every slot
-        return self._decode(
-            self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, rows=rows
-        )
+        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
+        if steps == 1:
+            return self._steps.decode(*args, rows=rows)
+        return self._steps.decode_block(*args, rows=rows, steps=steps)
 
     def prefill(self, caches, admitted: list[tuple[int, Job]]):
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
@@ -159,7 +167,7 @@ class GenerationEngine:
             if n:
                 padded = round_up(n, TOKEN_BUCKET)
                 prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
-                caches = self.model.run_jitted(self._write_prefix, caches, np.int32(slot), prefix)
+                caches = self.model.run_jitted(self._steps.write_prefix, caches, np.int32(slot), prefix)
             suffixes.append(tokens[n:])
             reused.append(n)
         first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
@@ -181,7 +189,7 @@ class GenerationEngine:
                 positions[row] = reused[i] + chunk_start + np.arange(width)
                 last[row] = max(len(suffix) - 1, 0)
             step_logits, caches = self.model.run_jitted(
-                self._prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last
+                self._steps.prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last
             )
             step_logits = np.asarray(step_logits)
             for i, suffix in enumerate(suffixes):
@@ -235,8 +243,15 @@ def put_rows(cache, slot_ids, rows):
     return jnp.where(match.any(axis=1)[:, None, None, None], rows[jnp.argmax(match, axis=1)], cache)
 
 
+class GenerationSteps(NamedTuple):
+    prefill: Callable
+    decode: Callable
+    decode_block: Callable
+    write_prefix: Callable
+
+
 def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
-    """(prefill, decode, write_prefix): the jitted steps of a model with this structure. They take the model's
+    """GenerationSteps: the jitted steps of a model with this structure. They take the model's
     state as its list of leaves (`Model.state_leaves`): jit flattens a list in microseconds, an nnx State (its
     keys sorted, its variables unwrapped) in ~150 us of every decode step's dispatch. `native_argmax`: the plan's
     choice for greedy tokens (`ExecutionPlan.argmax`)."""
@@ -269,6 +284,21 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         logits = logits[:, 0]
         return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
+    def decode_block(leaves, caches, host_tokens, from_host, last_tokens, positions, rows=None, steps=BLOCK_STEPS):
+        """`steps` greedy decode steps in one call (static: a compiled block per count): the first as `decode`'s,
+        each next one on the previous one's argmax at the next positions. Returns (their argmax tokens [steps,
+        rows], the last step's argmax tokens of all slots, caches). The host dispatches and reads once per block:
+        its ~0.2 ms a step of Python and dispatch ran beside the step on the same cores."""
+        count = host_tokens.shape[0]
+
+        def step(i, carry):
+            out, last, caches = carry
+            _, last, caches = decode(leaves, caches, host_tokens, from_host & (i == 0), last, positions + i, rows)
+            return out.at[i].set(last[:count, 0]), last, caches
+
+        out = jnp.zeros((steps, count), last_tokens.dtype)
+        return jax.lax.fori_loop(0, steps, step, (out, last_tokens, caches))
+
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
 
@@ -279,8 +309,9 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
         return [(write(k, pk), write(v, pv)) for (k, v), (pk, pv) in zip(caches, prefix, strict=True)]
 
-    return (
+    return GenerationSteps(
         jax.jit(prefill, donate_argnums=1),
         jax.jit(decode, donate_argnums=1, static_argnames="rows"),
+        jax.jit(decode_block, donate_argnums=1, static_argnames=("rows", "steps")),
         jax.jit(write_prefix, donate_argnums=0),
     )

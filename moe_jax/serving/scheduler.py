@@ -24,6 +24,9 @@ log = logging.getLogger("moe_jax.serve")
 IDLE_POLL_S = 0.05  # how often an idle engine thread looks for a stop request
 ARRIVAL_GAP_S = 0.005  # an idle batch waits this long for another request before starting on those it has,
 ARRIVAL_WINDOW_S = 0.025  # and no longer than this in all (what a lone request's first token may wait)
+# one decode step a call: a client streams each token as it comes, and a request that arrives joins at the next
+# step (batch.BLOCK_STEPS greedy steps a call would hold both up to a block)
+SERVED_BLOCK_STEPS = 1
 
 
 class QueueFull(Exception):
@@ -116,7 +119,7 @@ class Scheduler:
         waiting: deque[ServedJob] = deque()
         while True:  # a new batch (a fresh KV cache) after a failed step
             try:
-                with self.engine.batch(self.slots, shrink=True) as batch:
+                with self.engine.batch(self.slots, shrink=True, block_steps=SERVED_BLOCK_STEPS) as batch:
                     if not self._started.is_set():
                         self._warm_up(batch)
                         self._started.set()
