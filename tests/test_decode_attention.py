@@ -90,7 +90,7 @@ def test_a_position_outside_the_cache_is_an_error():
 
 
 def decode_hlo(model):
-    _, decode, _ = model.generation.steps()
+    decode = model.generation.steps().decode
     caches = model.kv.new_caches(2, 16)
     tokens = np.zeros((2, 1), np.int32)
     return decode.lower(model.state_leaves(), caches, tokens, np.ones((2, 1), bool), tokens, tokens).as_text()

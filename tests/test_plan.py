@@ -74,7 +74,7 @@ def test_every_plan_computes_the_same_logits_and_tokens(checkpoint):
     assert plain.plan == make_plan("float32", np.float32, native=False)
     np.testing.assert_allclose(plain.logits(ids), native.logits(ids), rtol=1e-4, atol=1e-4)
     assert plain.generate(prompts, max_new_tokens=5) == native.generate(prompts, max_new_tokens=5)
-    _, decode, _ = plain.generation.steps()
+    decode = plain.generation.steps().decode
     tokens = np.zeros((2, 1), np.int32)
     hlo = decode.lower(plain.state_leaves(), plain.kv.new_caches(2, 16), tokens, tokens > 0, tokens, tokens).as_text()
     assert "moe_jax_" not in hlo  # no custom call of ours: XLA and Python callbacks only
