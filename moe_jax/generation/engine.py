@@ -312,6 +312,14 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     return GenerationSteps(
         jax.jit(prefill, donate_argnums=1),
         jax.jit(decode, donate_argnums=1, static_argnames="rows"),
-        jax.jit(decode_block, donate_argnums=1, static_argnames=("rows", "steps")),
+        # XLA's loop-invariant code motion took the embedding gather's float32 convert (XLA:CPU gathers bfloat16
+        # in float32) out of the loop onto the whole table: 32k x 2048 values a block at Qwen3-30B-A3B's dims,
+        # blocks 3x slower than single steps; without it the convert stays fused into the gather of the rows
+        jax.jit(
+            decode_block,
+            donate_argnums=1,
+            static_argnames=("rows", "steps"),
+            compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},
+        ),
         jax.jit(write_prefix, donate_argnums=0),
     )
