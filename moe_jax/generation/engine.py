@@ -65,7 +65,7 @@ class GenerationEngine:
             )
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
-        self.block_steps = block_steps  # greedy decode steps per call in `run` (Batch)
+        self.block_steps = block_steps  # greedy decode steps per call in its batches (Batch)
         self.stats = EngineStats()
 
     def slots_that_fit(self) -> int:
@@ -120,7 +120,7 @@ class GenerationEngine:
 
         waiting = deque(job(i, r) for i, r in enumerate(requests))
         slots = min(self.slots_that_fit(), len(requests))  # KV rows for what runs, not for an unused batch size
-        with self.batch(slots, block_steps=self.block_steps) as batch, gc_paused(), self.model.host_errors():
+        with self.batch(slots) as batch, gc_paused(), self.model.host_errors():
             while waiting or batch.active:
                 free = len(batch.free_slots)
                 if free and waiting:
@@ -131,16 +131,17 @@ class GenerationEngine:
         return results
 
     @contextlib.contextmanager
-    def batch(self, slots: int, shrink: bool = False, block_steps: int = BLOCK_STEPS):
+    def batch(self, slots: int, shrink: bool = False, block_steps: int | None = None):
         """A Batch of `slots` KV-cache rows over this engine's compiled steps (`shrink`, `block_steps`: see
-        Batch), for the time of the block (its KV cache counts as the model's live KV bytes meanwhile)."""
+        Batch; default the engine's), for the time of the block (its KV cache counts as the model's live KV bytes
+        meanwhile)."""
         model = self.model
         model.refresh_expert_cache()
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)
         self._steps = model.generation.steps()
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
-            yield Batch(self, slots, caches, shrink, block_steps)
+            yield Batch(self, slots, caches, shrink, self.block_steps if block_steps is None else block_steps)
 
     def decode(self, caches, host_tokens, from_host, last_tokens, positions, steps: int = 1):
         """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for): one step's
