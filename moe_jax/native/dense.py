@@ -17,10 +17,6 @@ from moe_jax.native import ffi
 TARGET = "moe_jax_dense"
 MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 PREFILL_MAX_ROWS = 8192  # a prefill's rows (batch x positions); xla_dense.c copies x, padded, for the kernels
-# float32 weights from 2 rows: XLA's own float32 product of one row (a matrix-vector product straight over W) was
-# as fast as the kernel at batch 1 (Qwen3-30B-A3B's dims, Zen 3: 32.8-33.4 tok/s XLA vs 29.4-31 native), while at
-# batch 16 the kernel made decode 1.32x faster; bfloat16 and quantized weights have no fast XLA path at any batch
-F32_MIN_ROWS = 2
 # the fused forward's bfloat16 and quantized kernels (host_kernels/fused_forward.py KERNELS, which say how to pack
 # for them, int4's group and whether this machine runs them) -> xla_dense.c's DENSE_* codes, by (instruction set:
 # a kernel name's first part, bits per packed weight)
@@ -57,7 +53,7 @@ def takes(kernel: str, x, prefill: bool = False) -> bool:
         return False
     if x.shape[1] != 1:
         return prefill and x.shape[0] * x.shape[1] <= PREFILL_MAX_ROWS
-    return (F32_MIN_ROWS if x.dtype == jnp.float32 else 1) <= x.shape[0] <= MAX_ROWS
+    return 1 <= x.shape[0] <= MAX_ROWS
 
 
 def pack_dense(w_kn, kernel: str) -> jax.Array:
