@@ -119,8 +119,10 @@ def test_lora_dropout_drops_the_same_inputs_pipelined(variant, tmp_path):
         )
         value_and_grad, lora_state = lora_value_and_grad(model)
         state = randomized(lora_state, 1)
-        results.append((value_and_grad(state, tokens, mask, key), value_and_grad(state, tokens, mask)))
-    (dropped, plain), (piped, _) = results
+        results.append(value_and_grad(state, tokens, mask, key))
+        if pipeline == 1:  # without dropout: one step is enough to see that dropout changes the loss
+            plain = value_and_grad(state, tokens, mask)
+    dropped, piped = results
     assert float(dropped[0]) != pytest.approx(float(plain[0]), rel=1e-4)  # dropout changes the loss
     np.testing.assert_allclose(piped[0], dropped[0], rtol=1e-5)
     for g, w in zip(jax.tree.leaves(piped[1]), jax.tree.leaves(dropped[1]), strict=True):
