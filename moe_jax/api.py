@@ -20,6 +20,7 @@ from moe_jax import distributed
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
 from moe_jax.backends.metrics import BackendMetrics
+from moe_jax.compile_memory import trim_after_compiles
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
@@ -322,6 +323,7 @@ def load_model(
         )
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
+    trim_after_compiles()  # the steps this model compiles leave no heap behind
     checkpoint = open_checkpoint(Path(path), verify=verify, expert_shard=expert_shard)
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
