@@ -362,7 +362,9 @@ def load_model(
     options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
-    checkpoint.tensors.release_pages()  # every weight read from the files is a copy by now
+    # the weights read from the files are copies by now, or views JAX kept in place (a table already in the
+    # model's dtype, such as the embedding): those read their pages back as they are used (only the rows used)
+    checkpoint.tensors.release_pages()
     model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
     if device_budget_bytes is not None:
         model.device_budget_bytes = int(device_budget_bytes)
