@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-import jax
+from jax import monitoring
 
 from host_kernels import trim_heap
 
@@ -34,5 +34,5 @@ def trim_after_compiles():
     global _registered
     with _lock:
         if not _registered:
-            jax.monitoring.register_event_duration_secs_listener(_after_event)
+            monitoring.register_event_duration_secs_listener(_after_event)
             _registered = True
