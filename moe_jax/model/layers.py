@@ -35,10 +35,38 @@ def lora_arrays(lora) -> dict:
     return {name: p[...] for name, p in lora.items()} if lora is not None else {}
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, weight, eps):
+    return weight * _normalized(x, eps).astype(x.dtype)
+
+
+def _inverse_rms(x32, eps):
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _normalized(x, eps):
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+    return x32 * _inverse_rms(x32, eps)
+
+
+def _rms_norm_fwd(x, weight, eps):
+    return weight * _normalized(x, eps).astype(x.dtype), (x, weight)
+
+
+def _rms_norm_bwd(eps, residuals, g):
+    """The gradient written out, each row's reduction once: differentiated automatically, XLA:CPU fused the
+    reduction into the elementwise pass after it and recomputed it for every element (a Qwen3 q_norm's backward:
+    a 66 ms fusion for 512 x 4096 values, ~55 ms less this way; the q/k norms are per head of 128)."""
+    x, weight = residuals
+    x32 = x.astype(jnp.float32)
+    r = _inverse_rms(x32, eps)
+    u = (g * weight).astype(jnp.float32)
+    dx = r * u - x32 * (r * r * r) * jnp.mean(u * x32, axis=-1, keepdims=True)
+    dweight = jnp.sum(g * (x32 * r).astype(x.dtype), axis=tuple(range(x.ndim - weight.ndim)))
+    return dx.astype(x.dtype), dweight.astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
