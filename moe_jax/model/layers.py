@@ -50,7 +50,7 @@ def _normalized(x, eps):
 
 
 def _rms_norm_fwd(x, weight, eps):
-    return weight * _normalized(x, eps).astype(x.dtype), (x, weight)
+    return rms_norm(x, weight, eps), (x, weight)
 
 
 def _rms_norm_bwd(eps, residuals, g):
