@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from host_kernels.fused_forward import FusedTotals
-from host_kernels.host_moe import HostMoE
+from host_kernels.host_moe import HostMoE, SavedActivations
 from host_kernels.lora import PROJECTIONS, ExpertLoRA
 
 HostTotals = FusedTotals  # calls, time, flops, bytes and routed pairs since the last take, whichever path ran
@@ -38,22 +38,27 @@ class ExpertCompute:
 
     @property
     def keeps_activations(self) -> bool:
-        """Whether keeping a forward's pre-activations for its backward pays (else the backward recomputes them):
-        only on the numpy path; with native GEMMs the recompute (one GEMM) is faster than reading 2 x ffn floats
-        per pair back from RAM, and quantized experts' fused forward skips the dequantization the engine's forward
-        pays."""
-        return self.engine.kernel == "numpy" and not self.engine.kernels.quantized
+        """Whether a training forward keeps its gate/up pre-activations for the backward (else the backward
+        recomputes them: x @ W13 again, reading W13 again). Float experts keep them: the fused forward (or the
+        engine's) writes them as it computes them, and at a real model's shapes re-reading W13 is what costs
+        (Qwen3-30B-A3B's 128 experts at 512 tokens: ~32 rows an expert, 0.8 GB of bfloat16 W13 a layer against
+        25 MB kept). Quantized experts' fused forward multiplies int8-quantized activations, so their backward
+        recomputes from the dequantized weights: the function it differentiates."""
+        return not self.engine.kernels.quantized
 
     def call_address(self, layer: int) -> int:
         """The address of `layer`'s native forward (`moe_call`), which XLA's FFI handler calls; needs `fused`."""
         return self.fused.call_address(layer)
 
     def forward(self, layer: int, x, ids, weights, lora: ExpertLoRA | None = None, keep: bool = False):
-        """(y in x's dtype, pre-activations for `backward` when `keep`, else None). Without expert LoRA or kept
-        activations the fused forward computes it (on AMX the same bits as the engine's forward; in float32 the
-        same function up to summation order)."""
-        if self.fused is not None and lora is None and not keep:
-            return self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights)), None
+        """(y in x's dtype, pre-activations for `backward` when `keep`, else None). Without expert LoRA the fused
+        forward computes it, keeping the pre-activations where asked and `keeps_activations` (on AMX the same bits
+        as the engine's forward; in float32 the same function up to summation order)."""
+        if self.fused is not None and lora is None and not (keep and not self.keeps_activations):
+            if not keep:
+                return self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights)), None
+            y, h = self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights), keep=True)
+            return y, SavedActivations(layer, np.array(ids), h)
         args = (layer, np.asarray(x, np.float32), ids, np.asarray(weights, np.float32), lora)
         y, saved = self.engine.forward_keeping(*args) if keep else (self.engine.forward(*args), None)
         self._count(inputs=(x, ids, weights, *_arrays(lora)), outputs=(y,))

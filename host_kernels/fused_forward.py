@@ -8,7 +8,8 @@ function as the engine's numpy path up to float32 summation order). Two ways in:
 - `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
 - `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
   device buffers directly (moe_jax/native/ffi.py), so a jitted decode step never enters Python.
-Expert LoRA and backward passes stay on the engine (host_kernels/host_moe.py).
+Expert LoRA and backward passes stay on the engine (host_kernels/host_moe.py); a training step's forward can keep
+the gate/up pre-activations it computed for that backward (`forward(..., keep=True)`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls,
 from host_kernels.layer_experts import LayerExperts, QuantizedLayerExperts, gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.quant_formats import FORMATS, QuantFormat
-from host_kernels.schedule import check_expert_ids
+from host_kernels.schedule import NOT_ROUTED, check_expert_ids
 from host_kernels.store import ExpertStore
 
 DTYPE_CODES = {np.dtype(np.float32): 0, amx.BF16: 1}  # MOE_FLOAT32, MOE_BFLOAT16
@@ -239,9 +240,11 @@ class FusedForward:
         _LIVE_CALLS.add(address)
         return address
 
-    def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray) -> np.ndarray:
+    def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray, keep: bool = False):
         """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x. An id of
-        schedule.NOT_ROUTED marks a pair computed elsewhere: it adds nothing here."""
+        schedule.NOT_ROUTED marks a pair computed elsewhere: it adds nothing here. With `keep`, (y, h): h float32
+        [routed pairs, 2 * ffn], the gate/up pre-activations in expert-sorted order (schedule.Routing's), gate
+        columns then up, as the engine's `forward_keeping` returns them for its backward."""
         pointer = self._layer(layer).pointer
         w = self.store[layer]
         x_td = np.ascontiguousarray(x_td)
@@ -258,14 +261,20 @@ class FusedForward:
             weights_tk = weights_tk.astype(np.float32)
         y = np.empty_like(x_td)
         message = ctypes.create_string_buffer(256)
-        status = self._lib.moe_forward(
+        args = (
             self._runner, pointer, x_td.ctypes.data, DTYPE_CODES[x_td.dtype], ids_tk.ctypes.data,
             weights_tk.ctypes.data, DTYPE_CODES[weights_tk.dtype], x_td.shape[0], x_td.shape[1], ids_tk.shape[1],
-            y.ctypes.data, None, message, len(message),
+            y.ctypes.data,
         )  # fmt: skip
+        h = None
+        if keep:
+            h = np.empty((int(np.count_nonzero(ids_tk != NOT_ROUTED)), 2 * w.ffn), np.float32)
+            status = self._lib.moe_forward_keeping(*args, h.ctypes.data, message, len(message))
+        else:
+            status = self._lib.moe_forward(*args, None, message, len(message))
         if status:
             raise HostKernelError(f"layer {layer}: {message.value.decode()}")
-        return y
+        return (y, h) if keep else y
 
     def take_totals(self) -> FusedTotals:
         """Calls, time, tokens, bytes and routing since the previous take."""

@@ -13,6 +13,7 @@ import pytest
 from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import (
+    AMX_BF16,
     AVX2_BF16,
     AVX2_F32,
     AVX512_BF16,
@@ -22,9 +23,10 @@ from host_kernels.fused_forward import (
     best_kernel,
     pack_layer,
 )
-from host_kernels.host_moe import HostMoE
-from host_kernels.layer_experts import LayerExperts
-from host_kernels.schedule import NOT_ROUTED
+from host_kernels.compute import ExpertCompute
+from host_kernels.host_moe import HostMoE, SavedActivations
+from host_kernels.layer_experts import LayerExperts, quantize_layer
+from host_kernels.schedule import NOT_ROUTED, Routing
 from host_kernels.store import ExpertStore
 from tests.isa import kernel_variants, variants
 
@@ -289,3 +291,63 @@ def test_pairs_routed_elsewhere_add_nothing():
     assert not engine.fused_forward().forward(0, x, everything_elsewhere, weights).any()
     fresh = HostMoE(store, threads=2).fused_forward()  # nothing routed in its very first call: no buffers yet
     assert not fresh.forward(1, x, everything_elsewhere, weights).any()
+
+
+@pytest.mark.parametrize("kernel", kernel_variants(KERNELS, (AMX_BF16, AVX512_BF16, AVX2_BF16, AVX512_F32, AVX2_F32)))
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("tokens,skew", [(1, False), (16, False), (300, True)])
+def test_kept_pre_activations_are_the_gate_up_products_in_sorted_order(kernel, threads, tokens, skew):
+    dtype = np.float32 if kernel in (AVX512_F32, AVX2_F32) else BF16
+    store = make_store(dtype=dtype)
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads, kernel)
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, 96)).astype(np.float32)
+    ids, weights = routing(rng, tokens, 8, skew=skew)
+    ids[::3, 1] = NOT_ROUTED  # left out of the sorted rows
+    for layer in (0, 1):
+        y, h = fused.forward(layer, x, ids, weights, keep=True)
+        np.testing.assert_array_equal(y, fused.forward(layer, x, ids, weights))  # keeping changes nothing
+        order = Routing.build(ids, 8).order
+        rows = (x if dtype == np.float32 else x.astype(BF16)).astype(np.float64)[order // 2]
+        w13 = store[layer].w13.astype(np.float64)[ids.reshape(-1)[order]]
+        expected = np.einsum("pd,pdf->pf", rows, w13)
+        assert h.shape == (len(order), 400) and h.dtype == np.float32
+        np.testing.assert_allclose(h, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_amx
+def test_a_backward_from_kept_pre_activations_is_the_recomputing_one_bit_for_bit():
+    store = make_store()
+    engine = HostMoE(store, threads=2)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    dy = rng.standard_normal((40, 96)).astype(np.float32)
+    ids, weights = routing(rng, 40, 8, skew=True)
+    ids[::5, 0] = NOT_ROUTED
+    y, h = engine.fused_forward().forward(1, x, ids, weights, keep=True)
+    _, saved = engine.forward_keeping(1, x, ids, weights)
+    np.testing.assert_array_equal(h, saved.h)
+    recomputed = engine.backward(1, x, ids, weights, dy)
+    kept = engine.backward(1, x, ids, weights, dy, saved=SavedActivations(1, ids, h))
+    for a, b in zip(recomputed[:2], kept[:2], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_native
+def test_a_training_forward_keeps_pre_activations_on_float_experts_only():
+    store = make_store()
+    compute = ExpertCompute(HostMoE(store, threads=2))
+    assert compute.fused is not None and compute.keeps_activations
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((24, 96)).astype(np.float32)
+    ids, weights = routing(rng, 24, 8)
+    y, saved = compute.forward(0, x, ids, weights, keep=True)
+    assert saved is not None and saved.h.shape == (48, 400)
+    np.testing.assert_array_equal(y, compute.forward(0, x, ids, weights)[0])
+    assert compute.take_totals().calls == 2  # both were the fused forward's calls
+    quantized = ExpertStore({0: quantize_layer(store[0], "int4")}, dtype=BF16)
+    kernels = choose_kernels(BF16, quant="int4")
+    if not kernels.fused:
+        pytest.skip(f"no int4 fused forward here: {kernels.why}")
+    compute = ExpertCompute(HostMoE(quantized, threads=2, kernels=kernels))
+    assert not compute.keeps_activations  # its forward multiplies int8-quantized activations

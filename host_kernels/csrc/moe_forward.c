@@ -151,6 +151,7 @@ typedef struct {
     char *act;              /* [pairs + 16, kp_ffn] SwiGLU outputs, the same */
     char *rows_q, *act_q;   /* layers whose GEMMs read records: both quantized (record_bytes a row) */
     float *out;             /* [pairs, hidden] weighted expert outputs */
+    float *keep;            /* NULL, or [pairs, 2 * ffn]: the gate/up pre-activations, for a backward */
     void *y;
     tile *tiles;
     int64_t tile_count;
@@ -241,6 +242,12 @@ static void gate_up_task(void *state, int worker, int64_t task) {
         expert_gemm(l, a, l->kp_hidden, w13, hu + (c - t.c0), COLUMN_BLOCK, m, l->ffn_padded + c,
                     l->ffn_padded + t.c1);
     }
+    if (s->keep) /* the pre-activations as computed, gate then up, in the sorted rows (the engine's backward reads them) */
+        for (int64_t i = 0; i < m; i++) {
+            float *kept = s->keep + (r0 + i) * 2 * l->ffn;
+            memcpy(kept + t.c0, hg + i * COLUMN_BLOCK, width * 4);
+            memcpy(kept + l->ffn + t.c0, hu + i * COLUMN_BLOCK, width * 4);
+        }
     char *act = s->act + r0 * l->kp_ffn * l->row_bytes;
     (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes,
                                                       l->kp_ffn, !l->f32, m, width);
@@ -321,7 +328,7 @@ static int fail(char *err, int64_t err_len, const char *message, long long a, lo
 
 static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
                           const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
-                          const moe_helpers *helpers, char *err, int64_t err_len) {
+                          float *keep, const moe_helpers *helpers, char *err, int64_t err_len) {
     const int64_t experts = l->experts, d = l->hidden;
     if (hidden != d) return fail(err, err_len, "inputs have %lld columns, the layer's experts take %lld", hidden, d);
     if (tokens <= 0) return 0;
@@ -379,7 +386,7 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
             return fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
 
     call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
-                    weight_sorted, rows, act, rows_q, act_q, out, y, tiles, 0};
+                    weight_sorted, rows, act, rows_q, act_q, out, keep, y, tiles, 0};
     runner_open_call(r, helpers);
     runner_run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
     s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
@@ -404,13 +411,12 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
     return 0;
 }
 
-int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
-                const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
-                const moe_helpers *helpers, char *err, int64_t err_len) {
-    moe_runner *r = runner;
+static int forward_timed(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
+                         const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                         float *keep, const moe_helpers *helpers, char *err, int64_t err_len) {
     const uint64_t start = runner_now_ns();
     pthread_mutex_lock(&r->one_call);
-    const int status = forward_locked(r, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, helpers,
+    const int status = forward_locked(r, l, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, keep, helpers,
                                       err, err_len);
     const uint64_t elapsed = runner_now_ns() - start;
     r->totals[CALLS]++;
@@ -418,6 +424,24 @@ int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, con
     if (helpers) r->totals[SCHEDULED_NANOSECONDS] += elapsed;
     pthread_mutex_unlock(&r->one_call);
     return status;
+}
+
+int moe_forward(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
+                const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                const moe_helpers *helpers, char *err, int64_t err_len) {
+    return forward_timed(runner, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, NULL, helpers,
+                         err, err_len);
+}
+
+/* moe_forward that also writes the gate/up pre-activations into keep: float32 [routed pairs, 2 * ffn] in
+ * expert-sorted order (stable by expert, NOT_ROUTED pairs left out: host_kernels/schedule.py's Routing), gate
+ * columns then up, for a training step's backward to read instead of recomputing x @ W13. On the runner's own
+ * threads. */
+int moe_forward_keeping(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
+                        const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                        float *keep, char *err, int64_t err_len) {
+    return forward_timed(runner, layer, x, x_dtype, ids, weights, w_dtype, tokens, hidden, top_k, y, keep, NULL, err,
+                         err_len);
 }
 
 /* The moe_call an FFI handler calls through (moe_forward.h) */
