@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from host_kernels import amx, bf16_gemm, choose_kernels, f32_gemm
+from host_kernels.compute import ExpertCompute
 from host_kernels.errors import HostKernelError
 from host_kernels.fused_forward import (
     AMX_BF16,
@@ -23,7 +24,6 @@ from host_kernels.fused_forward import (
     best_kernel,
     pack_layer,
 )
-from host_kernels.compute import ExpertCompute
 from host_kernels.host_moe import HostMoE, SavedActivations
 from host_kernels.layer_experts import LayerExperts, quantize_layer
 from host_kernels.schedule import NOT_ROUTED, Routing
