@@ -211,7 +211,6 @@ class HostMoE:
         stats = CallStats("backward", layer)
         routing = Routing.build(ids_tk, w.num_experts)
         stats.tokens_per_expert = routing.sizes
-        x_s, dy_s = x_td[routing.token_of_pair], dy_td[routing.token_of_pair]
         weight_s = weights_tk.reshape(-1)[routing.order]
         f, d, p = w.ffn, w.hidden, routing.pairs
         keep_act = lora is not None and lora.down is not None
@@ -221,6 +220,9 @@ class HostMoE:
         dw_blocks = np.zeros((p, max_column_blocks(tiles1)), np.float32)
         if saved is not None and not (saved.layer == layer and np.array_equal(saved.ids_tk, ids_tk)):
             saved = None
+        # the inputs' rows in sorted order: for recomputing the pre-activations and for expert LoRA's gradients
+        x_s = x_td[routing.token_of_pair] if saved is None or lora is not None else None
+        dy_s = dy_td[routing.token_of_pair]
 
         def recompute_and_differentiate(tile: Tile):
             e, rows, cols = tile.expert, tile.rows, tile.cols
