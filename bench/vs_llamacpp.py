@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,14 +121,27 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+NO_REPACK: set[Path] = set()  # GGUF files llama.cpp runs with --no-repack (its repacked kernels crashed on them)
+
+
 def llama_round(tools, model: Path, threads: int) -> dict[str, float]:
     """One llama-batched-bench run of every case: decode tokens/s at each batch, prefill tokens/s."""
 
     def run(*args) -> list[dict]:
         cmd = [str(tools["batched_bench"]), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512"]
         cmd += ["-t", str(threads), "-tb", str(threads), "--output-format", "jsonl", *args]
+        if model in NO_REPACK:
+            cmd.append("--no-repack")
         with tempfile.TemporaryFile("w+") as out:  # (its results did not reach a pipe here, only a file)
-            subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.DEVNULL)
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.DEVNULL)
+            if done.returncode < 0 and model not in NO_REPACK:
+                # killed by a signal: llama.cpp 0.3.36's weights repacked for AMX (Q8_0 on a Sapphire Rapids)
+                # crash; its plain CPU kernels are what runs then, and the table says so
+                print(f"llama.cpp died ({signal.Signals(-done.returncode).name}) on {model.name}: again with "
+                      "--no-repack", file=sys.stderr)  # fmt: skip
+                NO_REPACK.add(model)
+                return run(*args)
+            done.check_returncode()
             out.seek(0)
             return [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
 
@@ -187,7 +201,8 @@ def main():
                 # a llama-batched-bench run now and then leaves a case out of its output: the others' median
                 cases = dict.fromkeys(case for r in results for case in r)
                 median = {case: float(np.median([r[case] for r in results if case in r])) for case in cases}
-                rows.append({"pair": pair, "side": side if side == "moe_jax" else f"llama.cpp {kind}", **median})
+                llama = f"llama.cpp {kind}" + (" --no-repack" if model_file in NO_REPACK else "")
+                rows.append({"pair": pair, "side": side if side == "moe_jax" else llama, **median})
         if runners:
             llama, ours = rows[-2], rows[-1]
             ratios = {c: ours[c] / llama[c] for c in runners if c in llama}
