@@ -54,7 +54,7 @@ class ExpertCompute:
         """(y in x's dtype, pre-activations for `backward` when `keep`, else None). Without expert LoRA the fused
         forward computes it, keeping the pre-activations where asked and `keeps_activations` (on AMX the same bits
         as the engine's forward; in float32 the same function up to summation order)."""
-        if self.fused is not None and lora is None and not (keep and not self.keeps_activations):
+        if self.fused is not None and lora is None and (not keep or self.keeps_activations):
             if not keep:
                 return self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights)), None
             y, h = self.fused.forward(layer, np.asarray(x), np.asarray(ids), np.asarray(weights), keep=True)

@@ -324,7 +324,7 @@ def test_a_backward_from_kept_pre_activations_is_the_recomputing_one_bit_for_bit
     dy = rng.standard_normal((40, 96)).astype(np.float32)
     ids, weights = routing(rng, 40, 8, skew=True)
     ids[::5, 0] = NOT_ROUTED
-    y, h = engine.fused_forward().forward(1, x, ids, weights, keep=True)
+    _, h = engine.fused_forward().forward(1, x, ids, weights, keep=True)
     _, saved = engine.forward_keeping(1, x, ids, weights)
     np.testing.assert_array_equal(h, saved.h)
     recomputed = engine.backward(1, x, ids, weights, dy)
