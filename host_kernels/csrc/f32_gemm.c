@@ -13,6 +13,10 @@
 #include "f32_gemm.h"
 
 #define ROWS 8
+/* each block's stream prefetched 2 KB ahead, as the AVX2 kernel's (avx2_gemm.c): the hardware prefetcher alone
+ * left m = 1 from DRAM at 21-22 GB/s on 2 threads of a Sapphire Rapids-class Xeon, against 27-28 with it (numpy's
+ * GEMV 28) */
+#define PREFETCH_BYTES 2048
 
 /* c[0..rows) x 32 columns (store masks m0, m1) = a[0..rows) @ one packed block b. `rows` is a constant in each
  * caller below, so the accumulators stay in registers and the row loop unrolls away. */
@@ -22,6 +26,8 @@ static inline __attribute__((always_inline)) void block_rows(const float *a, int
     __m512 acc[ROWS][2];
     for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
+        _mm_prefetch((const char *)(b + kk * 32) + PREFETCH_BYTES, _MM_HINT_T0); /* 128 bytes a k-row: two lines */
+        _mm_prefetch((const char *)(b + kk * 32) + PREFETCH_BYTES + 64, _MM_HINT_T0);
         const __m512 b0 = _mm512_load_ps(b + kk * 32), b1 = _mm512_load_ps(b + kk * 32 + 16);
         for (int i = 0; i < rows; i++) {
             const __m512 x = _mm512_set1_ps(a[i * lda + kk]);
