@@ -66,17 +66,19 @@ class FusedKernel:
 
 
 def _quantized_kernel(quant: QuantFormat, isa: str) -> FusedKernel:
-    """int8: MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4: MOE_KERNEL_INT4_AVX512 (AVX512-VNNI) or _AVX2."""
+    """int8: MOE_KERNEL_INT8_AMX, MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4: MOE_KERNEL_INT4_AVX512
+    (AVX512-VNNI) or _AVX2."""
     module = int8_gemm if quant.bits == 8 else int4_gemm
-    code = (3 if quant.bits == 8 else 4) + (4 if isa == native.AVX2 else 0)
+    code = 9 if isa == int8_gemm.AMX else (3 if quant.bits == 8 else 4) + (4 if isa == native.AVX2 else 0)
     packed, pack = quant.packed_type, quant.pack
     status = partial(module.status, isa)
     return FusedKernel(code, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)
 
 
 # load_model(quant=...) -> the kernels that read such weights, fastest first ("int4": llama.cpp Q4_0's group of
-# 32 k-rows)
-QUANTIZED = {name: (f"avx512-{name}", f"avx2-{name}") for name in FORMATS}
+# 32 k-rows), by instruction set; int8 also on AMX tiles (prefill-sized experts)
+QUANTIZED_ISAS = {name: ((int8_gemm.AMX,) if name == "int8" else ()) + (native.AVX512, native.AVX2) for name in FORMATS}
+QUANTIZED = {name: tuple(f"{isa}-{name}" for isa in isas) for name, isas in QUANTIZED_ISAS.items()}
 _F32_PACKING = (f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32)
 _BF16_PACKING = (amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16)
 KERNELS = {  # fastest first for each store dtype
@@ -88,7 +90,7 @@ KERNELS = {  # fastest first for each store dtype
     **{
         kernel: _quantized_kernel(quant, isa)
         for name, quant in FORMATS.items()
-        for kernel, isa in zip(QUANTIZED[name], (native.AVX512, native.AVX2), strict=True)
+        for kernel, isa in zip(QUANTIZED[name], QUANTIZED_ISAS[name], strict=True)
     },
 }
 TOTAL_NAMES = (

@@ -1,6 +1,8 @@
 """GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c,
-on AVX512-BF16: the weights widened to bfloat16; `int8_gemm_avx2` in csrc/avx2_quantized_gemm.c, on AVX2: integer
-products with the rows quantized to int8 per 32 values, `quant.quantize_activations`' rule), and the packed layout
+on AVX512-BF16: the weights widened to bfloat16; `int8_gemm_amx` in csrc/amx_gemm.c, on AMX: above 16 rows each
+column block widened to bfloat16 once and multiplied on the tiles, at or below them `int8_gemm`'s stream;
+`int8_gemm_avx2` in csrc/avx2_quantized_gemm.c, on AVX2: integer products with the rows quantized to int8 per 32
+values, `quant.quantize_activations`' rule), and the packed layout
 they read: per 16-column block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's
 16 scales. bfloat16 rows in, float32 out.
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import bf16_gemm, native
+from host_kernels import amx, bf16_gemm, native
 from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt8
@@ -72,9 +74,17 @@ def unpack(w: PackedInt8) -> np.ndarray:
     return q.astype(np.float32) * scale
 
 
+AMX = "amx"  # the tiles variant's name (its symbol: int8_gemm_amx)
+
+
 def status(isa: str = native.AVX512) -> tuple[bool, str]:
-    """The same instructions as the bfloat16 kernel's variant."""
-    return bf16_gemm.status(isa)
+    """The same instructions as the bfloat16 kernel's variant (AMX: the AMX kernel's)."""
+    return amx.status() if isa == AMX else bf16_gemm.status(isa)
+
+
+def statuses() -> dict[str, tuple[bool, str]]:
+    """Each variant's status, fastest first."""
+    return {AMX: amx.status(), **native.variant_statuses(bf16_gemm.CPU_FLAGS)}
 
 
 def gemm(
@@ -83,7 +93,6 @@ def gemm(
     """out[:, :] = (a @ dequantized w)[:, n0:n1] in float32. `a`: bfloat16 rows (uint16) [m, >= w.kp] whose columns
     past w.k are zeros up to w.kp; `n0` a multiple of 16; `out` float32 [m, n1 - n0] with unit column stride.
     `isa`: the variant (default: the fastest this CPU runs)."""
-    statuses = native.variant_statuses(bf16_gemm.CPU_FLAGS)
-    if bf16_gemm.run("int8_gemm", a, w, out, n0, n1, statuses=statuses, isa=isa):
+    if bf16_gemm.run("int8_gemm", a, w, out, n0, n1, statuses=statuses(), isa=isa):
         raise HostKernelError(f"int8 GEMM: out of memory for {a.shape[0]} quantized rows")
     return out

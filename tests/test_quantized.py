@@ -147,6 +147,18 @@ def test_kernel_matches_float64_on_the_same_quantized_weights(kernel, m, k, n):
         np.testing.assert_array_equal(GEMMS[kernel].gemm(rows, packed, part, 16, n, isa=isa(kernel)), out[:, 16:])
 
 
+@pytest.mark.skipif(not int8_gemm.status(int8_gemm.AMX)[0], reason=f"AMX: {int8_gemm.status(int8_gemm.AMX)[1]}")
+@pytest.mark.parametrize("m,k,n", [(17, 64, 16), (100, 2048, 96), (300, 2048, 50), (45, 4100, 33)])
+def test_amx_int8_tiles_sum_what_the_streaming_kernel_sums(m, k, n):
+    """Row counts past one tile pair and past one L2 chunk of rows (128 rows at k 2048), a k that pads."""
+    rng = np.random.default_rng(m + k + n)
+    packed = int8_gemm.pack(quantize_int8(rng.standard_normal((k, n)).astype(np.float32)))
+    rows, _ = bf16_rows(rng, m, k, packed.kp)
+    tiles = int8_gemm.gemm(rows, packed, np.full((m, n), np.nan, np.float32), isa=int8_gemm.AMX)
+    stream = int8_gemm.gemm(rows, packed, np.full((m, n), np.nan, np.float32), isa="avx512")
+    np.testing.assert_allclose(tiles, stream, rtol=1e-5, atol=1e-5 * np.abs(stream).max())
+
+
 @needs_kernel
 def test_kernel_refuses_bad_arguments():
     packed = int8_gemm.pack(quantize_int8(np.ones((40, 20), np.float32)))

@@ -19,11 +19,13 @@
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "amx_gemm.h"
+#include "bf16_gemm.h"
 
 #define A_CHUNK_BYTES (512 * 1024)
 /* amx_gemm_4_streams asks for each stream's weights this many 1 KiB tiles ahead of the one it loads: its tile
@@ -157,6 +159,94 @@ void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16
     STORE_TILE(1, c[1], ldc, m, 16);
     STORE_TILE(2, c[2], ldc, m, 16);
     STORE_TILE(3, c[3], ldc, m, 16);
+    _tile_release();
+}
+
+/* C[:, n0:n1] = A @ (Q * scale) for int8 weights Q with a float32 scale per column (int8_gemm.py's layout: per
+ * 16-column block kp / 2 k-pair rows of 16 x 2 int8 in the tile layout's order, then 16 scales) on AMX tiles:
+ * each pair of column blocks is widened once to bfloat16 (exact: |Q| <= 127) into a tile-layout buffer, every
+ * 32-row block of A (in chunks that stay in L2, as amx_gemm's) multiplied on the tiles, and the columns scaled.
+ * The sums are int8_gemm's (bf16_gemm.c) up to their order. Prefill-sized rows: a product of at most 16 rows is
+ * bound by reading the weights, which int8_gemm streams at 1 byte a weight. */
+void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                   int64_t m, int64_t n0, int64_t n1) {
+    if (m <= 16) {
+        int8_gemm(a, lda, b_packed, kp, c, ldc, m, n0, n1);
+        return;
+    }
+    static __thread uint16_t *wide;  /* two column blocks in bfloat16, per thread (grown, never shrunk) */
+    static __thread int64_t wide_kp;
+    if (wide_kp < kp) {
+        free(wide);
+        wide = aligned_alloc(64, (size_t)kp * 16 * 2 * 2);
+        wide_kp = wide ? kp : 0;
+        if (!wide) { /* no memory for the buffer: the streaming kernel needs none */
+            int8_gemm(a, lda, b_packed, kp, c, ldc, m, n0, n1);
+            return;
+        }
+    }
+    float scratch[16 * 16];
+    const int64_t kb_count = kp / 32, block = kp * 16 + 64, mb_count = (m + 15) / 16;
+    const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
+    int64_t chunk_blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2;
+    if (chunk_blocks < 2) chunk_blocks = 2;
+    load_config();
+    for (int64_t mc = 0; mc < mb_count; mc += chunk_blocks) {
+        const int64_t mc_end = mc + chunk_blocks < mb_count ? mc + chunk_blocks : mb_count;
+        for (int64_t nb = nb0; nb < nb1; nb += 2) {
+            const int two_n = nb + 1 < nb1;
+            for (int j = 0; j < 1 + two_n; j++) { /* widen: the int8 pairs are already in the tile layout's order */
+                const int8_t *q = b_packed + (nb + j) * block;
+                uint16_t *w = wide + j * kp * 16;
+                for (int64_t i = 0; i < kp * 16; i += 32) {
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+                    const __m512 hi =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
+                    _mm512_store_si512((void *)(w + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+            const uint16_t *b0 = wide, *b1 = wide + kp * 16;
+            const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
+            const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
+            const __m512 scale0 = _mm512_loadu_ps((const float *)(b_packed + nb * block + kp * 16));
+            const __m512 scale1 = two_n ? _mm512_loadu_ps((const float *)(b_packed + (nb + 1) * block + kp * 16))
+                                        : _mm512_setzero_ps();
+            float *c0 = c + (nb - nb0) * 16;
+            for (int64_t mb = mc; mb < mc_end; mb += 2) {
+                const int two_m = mb + 1 < mc_end;
+                const uint16_t *a0 = a + mb * 16 * lda, *a1 = a0 + 16 * lda;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < kb_count; kb++) {
+                    _tile_loadd(4, a0 + kb * 32, lda * 2);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    if (two_m) _tile_loadd(5, a1 + kb * 32, lda * 2);
+                    if (two_n) _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_n) _tile_dpbf16ps(1, 4, 7);
+                    if (two_m) _tile_dpbf16ps(2, 5, 6);
+                    if (two_n && two_m) _tile_dpbf16ps(3, 5, 7);
+                }
+                const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
+                const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
+                float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
+                STORE_TILE(0, r0, ldc, rows0, cols0);
+                if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
+                if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
+                if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
+                const __mmask16 mask0 = (__mmask16)((1u << cols0) - 1), mask1 = (__mmask16)((1u << cols1) - 1);
+                for (int r = 0; r < rows0 + rows1; r++) { /* the tiles' rows (0..31 of this block pair), scaled */
+                    float *row = r0 + (int64_t)r * ldc;
+                    _mm512_mask_storeu_ps(row, mask0, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask0, row), scale0));
+                    if (two_n)
+                        _mm512_mask_storeu_ps(row + 16, mask1,
+                                              _mm512_mul_ps(_mm512_maskz_loadu_ps(mask1, row + 16), scale1));
+                }
+            }
+        }
+    }
     _tile_release();
 }
 

@@ -108,10 +108,10 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
     moe_layer *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
-    const int int8 = kernel == MOE_KERNEL_INT8_AVX512 || kernel == MOE_KERNEL_INT8_AVX2;
+    const int int8 = kernel == MOE_KERNEL_INT8_AVX512 || kernel == MOE_KERNEL_INT8_AVX2 || kernel == MOE_KERNEL_INT8_AMX;
     l->f32 = kernel == MOE_KERNEL_F32_AVX512 || kernel == MOE_KERNEL_F32_AVX2;
     l->kernel = kernel;
-    l->avx2 = kernel >= MOE_KERNEL_F32_AVX2;
+    l->avx2 = kernel >= MOE_KERNEL_F32_AVX2 && kernel <= MOE_KERNEL_INT4_AVX2;
     const int int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2;
     l->records = int4 || kernel == MOE_KERNEL_INT8_AVX2;
     l->group = group;
@@ -206,6 +206,7 @@ static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const voi
         case MOE_KERNEL_BF16_AMX: amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX512: bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_INT8_AVX512: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_INT8_AMX: int8_gemm_amx((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_INT4_AVX512: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: records */
         case MOE_KERNEL_F32_AVX2: f32_gemm_avx2((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX2: bf16_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;

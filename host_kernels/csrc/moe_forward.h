@@ -9,8 +9,8 @@
 enum { MOE_FLOAT32 = 0, MOE_BFLOAT16 = 1 }; /* activations' and routing weights' dtypes */
 /* the GEMM kernel of a layer's packed weights (moe_layer_new): float32 on AVX-512 FMA, bfloat16 on AMX tiles or on
  * AVX512-BF16 (both read the same packed layout), int8 with per-column scales on AVX512-BF16 or int4 with per-group
- * scales on AVX512-VNNI; and each of float32, bfloat16, int8 and int4 on AVX2 + FMA over the same layouts (the
- * AVX2 ones last: moe_forward.c tells them apart by that) */
+ * scales on AVX512-VNNI; each of float32, bfloat16, int8 and int4 on AVX2 + FMA over the same layouts; and int8 on
+ * AMX (prefill-sized experts on the tiles) */
 enum {
     MOE_KERNEL_F32_AVX512 = 0,
     MOE_KERNEL_BF16_AMX = 1,
@@ -20,7 +20,8 @@ enum {
     MOE_KERNEL_F32_AVX2 = 5,
     MOE_KERNEL_BF16_AVX2 = 6,
     MOE_KERNEL_INT8_AVX2 = 7,
-    MOE_KERNEL_INT4_AVX2 = 8
+    MOE_KERNEL_INT4_AVX2 = 8,
+    MOE_KERNEL_INT8_AMX = 9 /* int8_gemm's layout on AMX tiles above 16 rows of an expert (amx_gemm.h) */
 };
 
 /* Where a call's helper threads come from: `schedule(context, task, data)` has task(data) run on another thread

@@ -47,9 +47,12 @@ enum { /* moe_jax/native/dense.py CODES */
     DENSE_AVX2_INT8 = 5,
     DENSE_AVX2_INT4 = 6,
     DENSE_AVX512_F32 = 7,
-    DENSE_AVX2_F32 = 8
+    DENSE_AVX2_F32 = 8,
+    DENSE_AMX_INT8 = 9
 };
-static int is_int8(int64_t kernel) { return kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX2_INT8; }
+static int is_int8(int64_t kernel) {
+    return kernel == DENSE_AVX512_INT8 || kernel == DENSE_AVX2_INT8 || kernel == DENSE_AMX_INT8;
+}
 static int is_int4(int64_t kernel) { return kernel == DENSE_AVX512_INT4 || kernel == DENSE_AVX2_INT4; }
 static int is_f32(int64_t kernel) { return kernel == DENSE_AVX512_F32 || kernel == DENSE_AVX2_F32; }
 /* the kernels that read x as quantized row records (x_q), and a record's bytes */
@@ -82,6 +85,8 @@ static void run_group(void *call, int64_t g) {
         bf16_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX512_INT8) {
         int8_gemm(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
+    } else if (c->kernel == DENSE_AMX_INT8) { /* a prefill's rows on the tiles, a decode step's streamed */
+        int8_gemm_amx(c->x, c->kp, c->w, c->kp, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX512_INT4) {
         int4_gemm_quantized(c->x_q, c->kp, c->w, c->int4_group, c->y + n0, c->n, c->m, n0, n1);
     } else if (c->kernel == DENSE_AVX2_BF16) {
@@ -113,7 +118,7 @@ XLA_FFI_Error *moe_jax_dense(XLA_FFI_CallFrame *frame) {
         frame->args.types[1] != XLA_FFI_ArgType_BUFFER || frame->attrs.size != 2 ||
         ffi_s64_attr(frame, "kernel", &kernel) || ffi_s64_attr(frame, "group", &group))
         return ffi_error(api, "moe_jax_dense takes (x, packed w), returns y, and has s64 attributes kernel, group");
-    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AVX2_F32)
+    if (kernel < DENSE_AVX512_BF16 || kernel > DENSE_AMX_INT8)
         return ffi_error(api, "moe_jax_dense: unknown kernel");
     if (is_int4(kernel) ? group != 32 && group != 64 && group != 128 : group != 0)
         return ffi_error(api, "moe_jax_dense: `group` must be 32, 64 or 128 for int4, 0 otherwise");

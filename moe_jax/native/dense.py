@@ -22,7 +22,7 @@ PREFILL_MAX_ROWS = 8192  # a prefill's rows (batch x positions); xla_dense.c cop
 # a kernel name's first part, bits per packed weight)
 _CODES_BY_KIND = {
     ("avx512", 16): 0, ("amx", 16): 1, ("avx512", 8): 2, ("avx512", 4): 3, ("avx2", 16): 4, ("avx2", 8): 5,
-    ("avx2", 4): 6, ("avx512", 32): 7, ("avx2", 32): 8,
+    ("avx2", 4): 6, ("avx512", 32): 7, ("avx2", 32): 8, ("amx", 8): 9,
 }  # fmt: skip
 CODES = {name: _CODES_BY_KIND[name.split("-")[0], kernel.packed_bits] for name, kernel in KERNELS.items()}
 
