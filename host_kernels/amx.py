@@ -72,18 +72,23 @@ def pack(w: np.ndarray) -> PackedWeight:
 
 
 def pack_layout(w: np.ndarray) -> PackedWeight:
-    """The packed layout itself (numpy only): also what the AVX512-BF16 GEMM reads (host_kernels/bf16_gemm.py).
-    Each (even, odd) k-row pair of a column is one 32-bit word of the layout, so the tiles are moved as uint32
-    words (2.6x faster than moving the bfloat16 values one by one: 8 ms for a [2048, 1536] weight, which a
-    training step's first use packs per expert, forward and transposed)."""
+    """The packed layout itself: also what the AVX512-BF16 GEMM reads (host_kernels/bf16_gemm.py). Written tile
+    by tile natively (csrc/pack_layout.c: any strides, so the backward's transposed weights pack from views), or
+    with numpy where the library is not built."""
     k, n = w.shape
     kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
+    data = aligned_empty((np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK * N_BLOCK), np.uint16)
+    bits = (w if w.dtype == BF16 else w.astype(BF16)).view(np.uint16)
+    if native.status(())[0] and min(bits.strides) > 0 and k and n:
+        strides = [s // bits.itemsize for s in bits.strides]
+        native.lib().pack_bf16_tiles(bits.ctypes.data, *strides, k, n, data.ctypes.data)
+        return PackedWeight(data, k, n)
+    # each (even, odd) k-row pair of a column is one 32-bit word of the layout: moved as uint32 words
     full = np.zeros((kp, np_), np.uint16)
-    full[:k, :n] = (w if w.dtype == BF16 else w.astype(BF16)).view(np.uint16)
+    full[:k, :n] = bits
     pairs = np.empty((kp // 2, np_, 2), np.uint16)  # [k pair][column][even, odd]
     pairs[...] = full.reshape(kp // 2, 2, np_).transpose(0, 2, 1)
     words = pairs.view(np.uint32).reshape(kp // K_BLOCK, K_BLOCK // 2, np_ // N_BLOCK, N_BLOCK)
-    data = aligned_empty((np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK * N_BLOCK), np.uint16)
     tiles = data.view(np.uint32).reshape(np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK // 2, N_BLOCK)
     tiles[...] = words.transpose(2, 0, 1, 3)
     return PackedWeight(data, k, n)

@@ -36,6 +36,7 @@ SIGNATURES = {
     **{f"swiglu_backward{suffix}": _SWIGLU_BACKWARD for suffix in ("", "_avx2")},
     **{f"{name}{suffix}": _GEMM for name in ("f32_gemm", "bf16_gemm", "int8_gemm") for suffix in ("", "_avx2")},
     "int8_gemm_amx": _GEMM,
+    "pack_bf16_tiles": ([_P, _I, _I, _I, _I, _P], None),
     "int8_gemm_avx2": (_GEMM[0], ctypes.c_int),  # quantizes its rows first: non-zero where memory ran out
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
     **{f"int4_unpack{suffix}": ([_P, _I, _I, _I, _I, _P, _I], None) for suffix in ("", "_avx2")},

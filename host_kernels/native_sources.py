@@ -16,6 +16,7 @@ SOURCES = (
     "avx2_swiglu.c",
     "runner.c",
     "moe_forward.c",
+    "pack_layout.c",
     "source_hash.c",
 )  # the kernels
 HEADERS = (

@@ -47,3 +47,30 @@ def test_bad_arguments_are_refused():
         bf16_gemm.gemm(np.zeros((3, 40), np.uint16), w, np.empty((3, 20), np.float32))
     with pytest.raises(KernelArgumentError, match="expected float32"):
         bf16_gemm.gemm(good, w, np.empty((3, 20), np.float64))
+
+
+def numpy_tile_layout(w: np.ndarray) -> np.ndarray:
+    """The tile layout spelled out element by element: [n blocks][k blocks][16 pairs][16 columns][2], zero-padded."""
+    k, n = w.shape
+    kp, np_ = amx.padded(k, amx.K_BLOCK), amx.padded(n, amx.N_BLOCK)
+    full = np.zeros((kp, np_), np.uint16)
+    full[:k, :n] = w.astype(BF16).view(np.uint16)
+    out = np.empty((np_ // 16, kp // 32, 16, 16, 2), np.uint16)
+    for nb, kb, pair, col, half in np.ndindex(out.shape):
+        out[nb, kb, pair, col, half] = full[kb * 32 + 2 * pair + half, nb * 16 + col]
+    return out.reshape(np_ // 16, kp // 32, 512)
+
+
+@pytest.mark.parametrize("native_pack", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("k,n", [(1, 1), (3, 5), (33, 17), (64, 32), (70, 40)])
+def test_the_tile_layout_from_any_strides(native_pack, k, n, monkeypatch):
+    if native_pack and not amx.native.status(())[0]:
+        pytest.skip(f"native library: {amx.native.status(())[1]}")
+    if not native_pack:
+        monkeypatch.setattr(amx.native, "status", lambda flags: (False, "turned off by the test"))
+    rng = np.random.default_rng(k * n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    wide = rng.standard_normal((n, 2 * k)).astype(BF16)
+    for view in (w, w.astype(BF16), np.asfortranarray(w).astype(BF16, order="F"), wide[:, ::2].T, wide.T[::2]):
+        expected = numpy_tile_layout(view[:k, :n])
+        np.testing.assert_array_equal(amx.pack_layout(view[:k, :n]).data, expected)
