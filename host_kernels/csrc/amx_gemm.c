@@ -72,11 +72,42 @@ static void load_config(void) {
         }                                                                            \
     } while (0)
 
+/* C's block at c (row stride ldc) of up to 32 rows x 32 columns = the A rows at a (row stride lda; `rows` of them
+ * from here, the second 16 present when two_m) times the column blocks b0 and b1 (NULL: one block), over kb_count
+ * k blocks: the 1-4 tiles present, from 2 A and 2 B tiles per k step. cols0, cols1: valid columns of each block. */
+static inline __attribute__((always_inline)) void tile_block(const uint16_t *a, int64_t lda, const uint16_t *b0,
+                                                             const uint16_t *b1, int64_t kb_count, int64_t rows,
+                                                             int two_m, float *c, int64_t ldc, int cols0, int cols1) {
+    float scratch[16 * 16];
+    const int two_n = b1 != NULL;
+    const uint16_t *a1 = a + 16 * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    /* one loop for the 1-4 tiles present; the conditions are loop-invariant (gcc -O3 unswitches) */
+    for (int64_t kb = 0; kb < kb_count; kb++) {
+        _tile_loadd(4, a + kb * 32, lda * 2);
+        _tile_loadd(6, b0 + kb * 512, 64);
+        if (two_m) _tile_loadd(5, a1 + kb * 32, lda * 2);
+        if (two_n) _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) _tile_dpbf16ps(1, 4, 7);
+        if (two_m) _tile_dpbf16ps(2, 5, 6);
+        if (two_n && two_m) _tile_dpbf16ps(3, 5, 7);
+    }
+    const int rows0 = rows < 16 ? (int)rows : 16, rows1 = two_m ? (rows - 16 < 16 ? (int)(rows - 16) : 16) : 0;
+    float *c1 = c + 16 * ldc;
+    STORE_TILE(0, c, ldc, rows0, cols0);
+    if (two_n) STORE_TILE(1, c + 16, ldc, rows0, cols1);
+    if (two_m) STORE_TILE(2, c1, ldc, rows1, cols0);
+    if (two_n && two_m) STORE_TILE(3, c1 + 16, ldc, rows1, cols1);
+}
+
 /* Columns [n0, n1) of C = A @ B, written to c (which points at column n0 of row 0; row stride ldc floats).
  * n0 must be a multiple of 16. kp: padded k (multiple of 32); m: rows of A and C (A has them padded to 16). */
 void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,
               int64_t m, int64_t n0, int64_t n1) {
-    float scratch[16 * 16];
     const int64_t kb_count = kp / 32;
     const int64_t mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
@@ -92,33 +123,9 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
             const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
             const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
             float *c0 = c + (nb - nb0) * 16;
-            for (int64_t mb = mc; mb < mc_end; mb += 2) {
-                const int two_m = mb + 1 < mc_end;
-                const uint16_t *a0 = a + mb * 16 * lda;
-                const uint16_t *a1 = a0 + 16 * lda;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                /* one loop for the 1-4 tiles present; the conditions are loop-invariant (gcc -O3 unswitches) */
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    if (two_m) _tile_loadd(5, a1 + kb * 32, lda * 2);
-                    if (two_n) _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_n) _tile_dpbf16ps(1, 4, 7);
-                    if (two_m) _tile_dpbf16ps(2, 5, 6);
-                    if (two_n && two_m) _tile_dpbf16ps(3, 5, 7);
-                }
-                const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
-                const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
-                float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
-                STORE_TILE(0, r0, ldc, rows0, cols0);
-                if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
-                if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
-                if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
-            }
+            for (int64_t mb = mc; mb < mc_end; mb += 2)
+                tile_block(a + mb * 16 * lda, lda, b0, two_n ? b1 : NULL, kb_count, m - mb * 16, mb + 1 < mc_end,
+                           c0 + mb * 16 * ldc, ldc, cols0, cols1);
         }
     }
     _tile_release();
@@ -185,7 +192,6 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
             return;
         }
     }
-    float scratch[16 * 16];
     const int64_t kb_count = kp / 32, block = kp * 16 + 64, mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
     int64_t chunk_blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2;
@@ -214,30 +220,12 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
             float *c0 = c + (nb - nb0) * 16;
             for (int64_t mb = mc; mb < mc_end; mb += 2) {
                 const int two_m = mb + 1 < mc_end;
-                const uint16_t *a0 = a + mb * 16 * lda, *a1 = a0 + 16 * lda;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kb = 0; kb < kb_count; kb++) {
-                    _tile_loadd(4, a0 + kb * 32, lda * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    if (two_m) _tile_loadd(5, a1 + kb * 32, lda * 2);
-                    if (two_n) _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_n) _tile_dpbf16ps(1, 4, 7);
-                    if (two_m) _tile_dpbf16ps(2, 5, 6);
-                    if (two_n && two_m) _tile_dpbf16ps(3, 5, 7);
-                }
-                const int rows0 = (int)((m - mb * 16) < 16 ? (m - mb * 16) : 16);
-                const int rows1 = two_m ? (int)((m - (mb + 1) * 16) < 16 ? (m - (mb + 1) * 16) : 16) : 0;
-                float *r0 = c0 + mb * 16 * ldc, *r1 = r0 + 16 * ldc;
-                STORE_TILE(0, r0, ldc, rows0, cols0);
-                if (two_n) STORE_TILE(1, r0 + 16, ldc, rows0, cols1);
-                if (two_m) STORE_TILE(2, r1, ldc, rows1, cols0);
-                if (two_n && two_m) STORE_TILE(3, r1 + 16, ldc, rows1, cols1);
+                float *r0 = c0 + mb * 16 * ldc;
+                tile_block(a + mb * 16 * lda, lda, b0, two_n ? b1 : NULL, kb_count, m - mb * 16, two_m, r0, ldc, cols0,
+                           cols1);
+                const int rows = m - mb * 16 < 32 ? (int)(m - mb * 16) : 32;
                 const __mmask16 mask0 = (__mmask16)((1u << cols0) - 1), mask1 = (__mmask16)((1u << cols1) - 1);
-                for (int r = 0; r < rows0 + rows1; r++) { /* the tiles' rows (0..31 of this block pair), scaled */
+                for (int r = 0; r < rows; r++) { /* the block's rows, scaled */
                     float *row = r0 + (int64_t)r * ldc;
                     _mm512_mask_storeu_ps(row, mask0, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask0, row), scale0));
                     if (two_n)
