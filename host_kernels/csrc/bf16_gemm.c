@@ -20,6 +20,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "bf16_gemm.h"
 
@@ -109,7 +110,42 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t
     gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 0);
 }
 
+/* int8: a product of more than WIDEN_ROWS rows widens each strip of BLOCKS column blocks to bfloat16 once (exact)
+ * and multiplies it as bf16_gemm does, then scales its columns; fewer rows are bound by reading the weights and
+ * widen them in registers as they stream (block_rows), where each 6 rows would widen them again */
+#define WIDEN_ROWS 12
+
 void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
                int64_t n0, int64_t n1) {
-    gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
+    static __thread uint16_t *wide; /* BLOCKS column blocks in bfloat16, per thread (grown, never shrunk) */
+    static __thread int64_t wide_kp;
+    if (m > WIDEN_ROWS && wide_kp < kp) {
+        free(wide);
+        wide = aligned_alloc(64, (size_t)kp * 16 * 2 * BLOCKS);
+        wide_kp = wide ? kp : 0;
+    }
+    if (m <= WIDEN_ROWS || !wide) { /* (no memory for the strip: the streaming form needs none) */
+        gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
+        return;
+    }
+    const int64_t block = block_bytes(kp, 1);
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
+        const int64_t width = n1 - nb * 16 < BLOCKS * 16 ? n1 - nb * 16 : BLOCKS * 16;
+        for (int64_t j = 0; j * 16 < width; j++) {
+            const char *q = (const char *)b_packed + (nb + j) * block;
+            for (int64_t i = 0; i < kp * 16; i += 32)
+                _mm512_store_si512((void *)(wide + j * kp * 16 + i), (__m512i)load_pairs(q + i, 1));
+        }
+        float *strip = c + nb * 16 - n0;
+        gemm(a, lda, (const char *)wide, kp, strip, ldc, m, 0, width, 0);
+        for (int64_t j = 0; j * 16 < width; j++) {
+            const __m512 scale = _mm512_loadu_ps((const float *)((const char *)b_packed + (nb + j) * block + kp * 16));
+            const int64_t cols = width - j * 16 < 16 ? width - j * 16 : 16;
+            const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+            for (int64_t r = 0; r < m; r++) {
+                float *out = strip + r * ldc + j * 16;
+                _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, out), scale));
+            }
+        }
+    }
 }
