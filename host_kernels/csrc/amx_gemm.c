@@ -72,6 +72,12 @@ static void load_config(void) {
         }                                                                            \
     } while (0)
 
+/* 16-row blocks of A (k padded to kp) in one chunk that stays in L2: an even number, at least 2 */
+static int64_t row_chunk_blocks(int64_t kp) {
+    const int64_t blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2;
+    return blocks < 2 ? 2 : blocks;
+}
+
 /* C's block at c (row stride ldc) of up to 32 rows x 32 columns = the A rows at a (row stride lda; `rows` of them
  * from here, the second 16 present when two_m) times the column blocks b0 and b1 (NULL: one block), over kb_count
  * k blocks: the 1-4 tiles present, from 2 A and 2 B tiles per k step. cols0, cols1: valid columns of each block. */
@@ -111,8 +117,7 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
     const int64_t kb_count = kp / 32;
     const int64_t mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
-    int64_t chunk_blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2; /* an even number of 16-row blocks */
-    if (chunk_blocks < 2) chunk_blocks = 2;
+    const int64_t chunk_blocks = row_chunk_blocks(kp);
     load_config();
     for (int64_t mc = 0; mc < mb_count; mc += chunk_blocks) {
         const int64_t mc_end = mc + chunk_blocks < mb_count ? mc + chunk_blocks : mb_count;
@@ -194,8 +199,7 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
     }
     const int64_t kb_count = kp / 32, block = kp * 16 + 64, mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
-    int64_t chunk_blocks = A_CHUNK_BYTES / (kp * 2 * 16) / 2 * 2;
-    if (chunk_blocks < 2) chunk_blocks = 2;
+    const int64_t chunk_blocks = row_chunk_blocks(kp);
     load_config();
     for (int64_t mc = 0; mc < mb_count; mc += chunk_blocks) {
         const int64_t mc_end = mc + chunk_blocks < mb_count ? mc + chunk_blocks : mb_count;
