@@ -197,7 +197,7 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
             return;
         }
     }
-    const int64_t kb_count = kp / 32, block = kp * 16 + 64, mb_count = (m + 15) / 16;
+    const int64_t kb_count = kp / 32, mb_count = (m + 15) / 16;
     const int64_t nb0 = n0 / 16, nb1 = (n1 + 15) / 16;
     const int64_t chunk_blocks = row_chunk_blocks(kp);
     load_config();
@@ -205,22 +205,10 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
         const int64_t mc_end = mc + chunk_blocks < mb_count ? mc + chunk_blocks : mb_count;
         for (int64_t nb = nb0; nb < nb1; nb += 2) {
             const int two_n = nb + 1 < nb1;
-            for (int j = 0; j < 1 + two_n; j++) { /* widen: the int8 pairs are already in the tile layout's order */
-                const int8_t *q = b_packed + (nb + j) * block;
-                uint16_t *w = wide + j * kp * 16;
-                for (int64_t i = 0; i < kp * 16; i += 32) {
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
-                    const __m512 hi =
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
-                    _mm512_store_si512((void *)(w + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                }
-            }
+            int8_widen_blocks(b_packed, kp, nb, 1 + two_n, wide); /* already in the tile layout's order */
             const uint16_t *b0 = wide, *b1 = wide + kp * 16;
             const int cols0 = (int)((n1 - nb * 16) < 16 ? (n1 - nb * 16) : 16);
             const int cols1 = two_n ? (int)((n1 - (nb + 1) * 16) < 16 ? (n1 - (nb + 1) * 16) : 16) : 0;
-            const __m512 scale0 = _mm512_loadu_ps((const float *)(b_packed + nb * block + kp * 16));
-            const __m512 scale1 = two_n ? _mm512_loadu_ps((const float *)(b_packed + (nb + 1) * block + kp * 16))
-                                        : _mm512_setzero_ps();
             float *c0 = c + (nb - nb0) * 16;
             for (int64_t mb = mc; mb < mc_end; mb += 2) {
                 const int two_m = mb + 1 < mc_end;
@@ -228,14 +216,7 @@ void int8_gemm_amx(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64
                 tile_block(a + mb * 16 * lda, lda, b0, two_n ? b1 : NULL, kb_count, m - mb * 16, two_m, r0, ldc, cols0,
                            cols1);
                 const int rows = m - mb * 16 < 32 ? (int)(m - mb * 16) : 32;
-                const __mmask16 mask0 = (__mmask16)((1u << cols0) - 1), mask1 = (__mmask16)((1u << cols1) - 1);
-                for (int r = 0; r < rows; r++) { /* the block's rows, scaled */
-                    float *row = r0 + (int64_t)r * ldc;
-                    _mm512_mask_storeu_ps(row, mask0, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask0, row), scale0));
-                    if (two_n)
-                        _mm512_mask_storeu_ps(row + 16, mask1,
-                                              _mm512_mul_ps(_mm512_maskz_loadu_ps(mask1, row + 16), scale1));
-                }
+                int8_scale_columns(b_packed, kp, nb, cols0 + cols1, r0, ldc, rows);
             }
         }
     }

@@ -128,24 +128,33 @@ void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t k
         gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
         return;
     }
-    const int64_t block = block_bytes(kp, 1);
     for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
         const int64_t width = n1 - nb * 16 < BLOCKS * 16 ? n1 - nb * 16 : BLOCKS * 16;
-        for (int64_t j = 0; j * 16 < width; j++) {
-            const char *q = (const char *)b_packed + (nb + j) * block;
-            for (int64_t i = 0; i < kp * 16; i += 32)
-                _mm512_store_si512((void *)(wide + j * kp * 16 + i), (__m512i)load_pairs(q + i, 1));
-        }
+        int8_widen_blocks(b_packed, kp, nb, (width + 15) / 16, wide);
         float *strip = c + nb * 16 - n0;
         gemm(a, lda, (const char *)wide, kp, strip, ldc, m, 0, width, 0);
-        for (int64_t j = 0; j * 16 < width; j++) {
-            const __m512 scale = _mm512_loadu_ps((const float *)((const char *)b_packed + (nb + j) * block + kp * 16));
-            const int64_t cols = width - j * 16 < 16 ? width - j * 16 : 16;
-            const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-            for (int64_t r = 0; r < m; r++) {
-                float *out = strip + r * ldc + j * 16;
-                _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, out), scale));
-            }
+        int8_scale_columns(b_packed, kp, nb, width, strip, ldc, m);
+    }
+}
+
+void int8_widen_blocks(const int8_t *b_packed, int64_t kp, int64_t nb, int64_t count, uint16_t *dst) {
+    for (int64_t j = 0; j < count; j++) {
+        const char *q = (const char *)b_packed + (nb + j) * block_bytes(kp, 1);
+        for (int64_t i = 0; i < kp * 16; i += 32)
+            _mm512_store_si512((void *)(dst + j * kp * 16 + i), (__m512i)load_pairs(q + i, 1));
+    }
+}
+
+void int8_scale_columns(const int8_t *b_packed, int64_t kp, int64_t nb, int64_t width, float *c, int64_t ldc,
+                        int64_t m) {
+    for (int64_t j = 0; j * 16 < width; j++) {
+        const char *block = (const char *)b_packed + (nb + j) * block_bytes(kp, 1);
+        const __m512 scale = _mm512_loadu_ps((const float *)(block + kp * 16));
+        const int64_t cols = width - j * 16 < 16 ? width - j * 16 : 16;
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+        for (int64_t r = 0; r < m; r++) {
+            float *out = c + r * ldc + j * 16;
+            _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, out), scale));
         }
     }
 }
