@@ -1,10 +1,13 @@
-"""GEMMs over int8 weights with a float32 scale per output column (`int8_gemm` in host_kernels/csrc/bf16_gemm.c,
-on AVX512-BF16: the weights widened to bfloat16; `int8_gemm_amx` in csrc/amx_gemm.c, on AMX: above 16 rows each
-column block widened to bfloat16 once and multiplied on the tiles, at or below them `int8_gemm`'s stream;
-`int8_gemm_avx2` in csrc/avx2_quantized_gemm.c, on AVX2: integer products with the rows quantized to int8 per 32
-values, `quant.quantize_activations`' rule), and the packed layout
-they read: per 16-column block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's
-16 scales. bfloat16 rows in, float32 out.
+"""GEMMs over int8 weights with a float32 scale per output column, and the packed layout they read: per 16-column
+block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's 16 scales. bfloat16 rows
+in, float32 out. Variants:
+- `int8_gemm` (host_kernels/csrc/bf16_gemm.c, AVX512-BF16 + VNNI): up to 12 rows multiplied as integers with
+  VPDPWSSD (csrc/int8_vnni_gemm.c; the rows quantized to int16 per 128 values, `quant.quantize_activations_int16`),
+  more rows with the weights widened to bfloat16;
+- `int8_gemm_amx` (csrc/amx_gemm.c): above 16 rows each column block widened to bfloat16 once and multiplied on the
+  tiles, at or below them `int8_gemm`;
+- `int8_gemm_avx2` (csrc/avx2_quantized_gemm.c): integer products with the rows quantized to int8 per 32 values
+  (`quant.quantize_activations`' rule).
 
 `status(isa)` says whether this machine can run a variant and, if not, why.
 """
@@ -20,6 +23,7 @@ from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt8
 
+INTEGER_ROWS = 12  # int8_gemm multiplies up to this many rows as integers (WIDEN_ROWS in csrc/bf16_gemm.c)
 SCALE_BYTES = 4 * N_BLOCK  # a block's scales, after its weights
 
 
@@ -77,14 +81,24 @@ def unpack(w: PackedInt8) -> np.ndarray:
 AMX = "amx"  # the tiles variant's name (its symbol: int8_gemm_amx)
 
 
+# each variant's: the bfloat16 kernel's, and on AVX-512 VNNI's VPDPWSSD for a few rows (the AMX variant streams
+# those with the AVX-512 one)
+CPU_FLAGS = {
+    native.AVX512: bf16_gemm.CPU_FLAGS[native.AVX512] + ("avx512_vnni",),
+    native.AVX2: bf16_gemm.CPU_FLAGS[native.AVX2],
+}
+
+
 def status(isa: str = native.AVX512) -> tuple[bool, str]:
-    """The same instructions as the bfloat16 kernel's variant (AMX: the AMX kernel's)."""
-    return amx.status() if isa == AMX else bf16_gemm.status(isa)
+    if isa == AMX:
+        usable, why = amx.status()
+        return (usable, why) if not usable else status(native.AVX512)
+    return native.status(CPU_FLAGS[isa])
 
 
 def statuses() -> dict[str, tuple[bool, str]]:
     """Each variant's status, fastest first."""
-    return {AMX: amx.status(), **native.variant_statuses(bf16_gemm.CPU_FLAGS)}
+    return {AMX: status(AMX), **native.variant_statuses(CPU_FLAGS)}
 
 
 def gemm(

@@ -9,6 +9,7 @@ SOURCES = (
     "amx_gemm.c",
     "bf16_gemm.c",
     "int4_gemm.c",
+    "int8_vnni_gemm.c",
     "f32_gemm.c",
     "swiglu.c",
     "avx2_gemm.c",
@@ -21,7 +22,7 @@ SOURCES = (
 )  # the kernels
 HEADERS = (
     "simd.h", "simd_avx2.h", "moe_forward.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "f32_gemm.h", "int4_gemm.h",
-    "avx2_kernels.h",
+    "int8_vnni_gemm.h", "avx2_kernels.h",
 )  # fmt: skip
 CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the

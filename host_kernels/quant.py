@@ -131,3 +131,24 @@ def quantize_activations(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.rint(chunks * inverse[..., None]).astype(np.int8).reshape(m, k)
     return q, d.astype(np.float32)
+
+
+INT16_ACTIVATION_CHUNK = 128  # values per activation scale in the VNNI int8 kernel's products (int8_vnni_gemm.h)
+
+
+def quantize_activations_int16(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How the AVX-512 int8 kernel's decode-sized products (host_kernels/csrc/int8_vnni_gemm.c) quantize bfloat16
+    rows: per 128 values of a [m, k] row (the last chunk may be shorter), a power-of-two scale d = 2^(e - 14) for e
+    the exponent of the chunk's largest magnitude (at least -112, where 1 / d would overflow), q = round(a / d) to
+    nearest even. Returns (q int16 [m, k], d float32 [m, ceil(k / 128)]); q * d is what the products see."""
+    a32 = np.asarray(a, np.float32)
+    m, k = a32.shape
+    chunks = -(-k // INT16_ACTIVATION_CHUNK)
+    padded = np.zeros((m, chunks * INT16_ACTIVATION_CHUNK), np.float32)
+    padded[:, :k] = a32
+    padded = padded.reshape(m, chunks, INT16_ACTIVATION_CHUNK)
+    largest = np.abs(padded).max(axis=-1)
+    exponent = np.maximum(np.frexp(largest)[1] - 1, -112)
+    d = np.where(largest > 0, np.ldexp(np.float32(1), exponent - 14), 0).astype(np.float32)
+    q = np.rint(padded * np.ldexp(np.float32(1), 14 - exponent)[..., None].astype(np.float32))
+    return q.astype(np.int16).reshape(m, -1)[:, :k], d

@@ -17,7 +17,15 @@ import moe_jax
 from host_kernels import HostKernelError, amx, choose_kernels, int4_gemm, int8_gemm
 from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import KERNELS, QUANTIZED, FusedForward, best_kernel, pack_layer
-from host_kernels.quant import INT4_GROUPS, QuantizedInt4, quantize_activations, quantize_int4, quantize_int8
+from host_kernels.quant import (
+    INT4_GROUPS,
+    INT16_ACTIVATION_CHUNK,
+    QuantizedInt4,
+    quantize_activations,
+    quantize_activations_int16,
+    quantize_int4,
+    quantize_int8,
+)
 from host_kernels.schedule import NOT_ROUTED
 from moe_jax.errors import InputError
 from moe_jax.model.layers import base_matmul
@@ -39,11 +47,21 @@ needs_kernel, needs_int4 = needs("int8"), needs("int4")
 
 
 def quantizer(kernel):
-    """The kernel's quantization of a float weight, and what its products see of bfloat16 rows [m, kp]: the rows
-    themselves (AVX512-BF16's int8 kernel), or int8 per 32 values (the int4 kernels, AVX2's int8 one)."""
+    """The kernel's quantization of a float weight, and what its products see of bfloat16 rows [m, kp]: int8 per
+    32 values (the int4 kernels, AVX2's int8 one), or (AVX-512 and AMX int8) int16 per 128 values up to
+    int8_gemm.INTEGER_ROWS rows and the rows themselves above."""
     if KERNELS[kernel].format.bits == 8:
-        return quantize_int8, seen_by_int4 if kernel.startswith("avx2") else lambda rows: rows.astype(np.float64)
+        return quantize_int8, seen_by_int4 if kernel.startswith("avx2") else seen_by_int8
     return lambda w: quantize_int4(w, KERNELS[kernel].group), seen_by_int4
+
+
+def seen_by_int8(rows_kp):
+    """bfloat16 rows [m, kp] as the AVX-512 int8 kernels multiply them (quantize_activations_int16 at few rows)."""
+    rows = np.asarray(rows_kp, np.float32)
+    if rows.shape[0] > int8_gemm.INTEGER_ROWS:
+        return rows.astype(np.float64)
+    q, d = quantize_activations_int16(rows)
+    return q.astype(np.float64) * np.repeat(d, INT16_ACTIVATION_CHUNK, axis=1)[:, : rows.shape[1]]
 
 
 def seen_by_int4(rows_kp):
@@ -145,6 +163,45 @@ def test_kernel_matches_float64_on_the_same_quantized_weights(kernel, m, k, n):
     if n > 16:
         part = np.full((m, n - 16), np.nan, np.float32)
         np.testing.assert_array_equal(GEMMS[kernel].gemm(rows, packed, part, 16, n, isa=isa(kernel)), out[:, 16:])
+
+
+def test_int16_activations_keep_what_bfloat16_holds_near_the_chunk_largest():
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((4, 160)) * rng.uniform(0.01, 100, (4, 1))).astype(BF16).astype(np.float32)
+    a[1, :128] = 0.0  # a chunk of zeros: scale 0
+    a[2, 3] = 1e4  # an outlier sets its chunk's scale
+    a[3, 128:] = 3e-36 * rng.uniform(1, 2, 32)  # a tiny last chunk (32 values): 1 / d stays finite
+    a = a.astype(BF16).astype(np.float32)
+    q, d = quantize_activations_int16(a)
+    assert q.dtype == np.int16 and d.shape == (4, 2) and d[1, 0] == 0 and (q[1, :128] == 0).all()
+    assert np.abs(q).max() < 2**15 and np.isfinite(d).all() and (np.frexp(d[d > 0])[0] == 0.5).all()  # powers of 2
+    seen = q * np.repeat(d, INT16_ACTIVATION_CHUNK, axis=1)[:, :160]
+    largest = np.repeat(np.abs(np.pad(a, ((0, 0), (0, 96)))).reshape(4, 2, 128).max(-1), 128, axis=1)[:, :160]
+    near = np.abs(a) >= largest / 2**7  # 8 significant bits within 2^7 of the largest: exact
+    assert (seen[near] == a[near]).all() and (~near).any()
+    assert (np.abs(seen - a) <= np.repeat(d, 128, axis=1)[:, :160] / 2).all()
+    assert (seen[3, 128:] == a[3, 128:]).all()
+
+
+@pytest.mark.parametrize("kernel", kernel_variants(KERNELS, QUANTIZED["int8"]))
+@pytest.mark.parametrize("m", [1, 5, int8_gemm.INTEGER_ROWS])
+def test_int8_kernels_multiply_the_activations_they_say(kernel, m):
+    """Rows with outliers, where int16 per 128 (AVX-512 int8 at few rows), int8 per 32 (AVX2) and the rows
+    themselves give products further apart than the tolerance: the kernel matches the rule it names only."""
+    rng = np.random.default_rng(m)
+    k, n = 700, 80
+    qw = quantize_int8(rng.standard_normal((k, n)).astype(np.float32))
+    packed = int8_gemm.pack(qw)
+    rows, _ = bf16_rows(rng, m, k, packed.kp)
+    values = rows.view(BF16).astype(np.float32)
+    values[:, ::97] *= 5e3
+    rows = values.astype(BF16).view(np.uint16)
+    rules = {"int16": seen_by_int8, "int8": seen_by_int4, "exact": lambda r: np.asarray(r, np.float64)}
+    expected = {name: rule(rows.view(BF16))[:, :k] @ qw.dequantize(np.float64) for name, rule in rules.items()}
+    out = int8_gemm.gemm(rows, packed, np.full((m, n), np.nan, np.float32), isa=isa(kernel))
+    error = {name: np.abs(out - e).max() / np.abs(e).max() for name, e in expected.items()}
+    named = "int8" if kernel.startswith("avx2") else "int16"
+    assert error[named] < 1e-6 and all(e > 1e-5 for name, e in error.items() if name != named), error
 
 
 @pytest.mark.skipif(not int8_gemm.status(int8_gemm.AMX)[0], reason=f"AMX: {int8_gemm.status(int8_gemm.AMX)[1]}")

@@ -10,8 +10,9 @@
  *   one 32-bit value. So both bfloat16 kernels share one packing and one weight stream per column block.
  * - int8_gemm: int8 weights Q with a float32 scale per column, B = Q * scale: per 16-column block, k-pair rows of
  *   32 bytes in the same pair order, then the block's 16 scales (one stream of kp * 16 + 64 bytes). A weight-bound
- *   (decode) product reads 1 byte per weight. Each int8 is exact in bfloat16: the pairs are widened in registers
- *   (two sign extensions, two conversions and a pack per 32 weights), and the scale applied once per output.
+ *   (decode) product reads 1 byte per weight and runs int8_vnni_gemm.c's integer products; larger ones widen the
+ *   weights to bfloat16 (exact) and multiply as bf16_gemm does, the scale applied once per output. int8_gemm's
+ *   CPUs need AVX512-VNNI too (every CPU with AVX512-BF16 has it).
  *
  * Register blocking: up to 6 rows x 4 column blocks (64 columns) of C in 24 accumulators, four weight streams read
  * side by side (at decode sizes the product is bound by reading B: one core reads four streams faster than one),
@@ -23,6 +24,7 @@
 #include <stdlib.h>
 
 #include "bf16_gemm.h"
+#include "int8_vnni_gemm.h"
 
 #define ROWS 6
 #define BLOCKS 4
@@ -110,21 +112,27 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t
     gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 0);
 }
 
-/* int8: a product of more than WIDEN_ROWS rows widens each strip of BLOCKS column blocks to bfloat16 once (exact)
- * and multiplies it as bf16_gemm does, then scales its columns; fewer rows are bound by reading the weights and
- * widen them in registers as they stream (block_rows), where each 6 rows would widen them again */
+/* int8: a product of at most WIDEN_ROWS rows is bound by reading the weights and takes int8_vnni_gemm.c's integer
+ * stream (its rows quantized to int16); more rows widen each strip of BLOCKS column blocks to bfloat16 once
+ * (exact) and multiply it as bf16_gemm does, then scale its columns. Where memory for either buffer runs out, the
+ * weights are widened in registers as they stream (block_rows), which needs none. */
 #define WIDEN_ROWS 12
 
 void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
                int64_t n0, int64_t n1) {
     static __thread uint16_t *wide; /* BLOCKS column blocks in bfloat16, per thread (grown, never shrunk) */
     static __thread int64_t wide_kp;
-    if (m > WIDEN_ROWS && wide_kp < kp) {
+    if (m <= WIDEN_ROWS) {
+        if (int8_vnni_gemm(a, lda, b_packed, kp, c, ldc, m, n0, n1))
+            gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
+        return;
+    }
+    if (wide_kp < kp) {
         free(wide);
         wide = aligned_alloc(64, (size_t)kp * 16 * 2 * BLOCKS);
         wide_kp = wide ? kp : 0;
     }
-    if (m <= WIDEN_ROWS || !wide) { /* (no memory for the strip: the streaming form needs none) */
+    if (!wide) {
         gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
         return;
     }

@@ -1,0 +1,165 @@
+/* Decode-sized GEMMs over int8 weights on AVX512-VNNI's VPDPWSSD (16 x 2 products of signed 16-bit words per
+ * instruction, summed into int32), for int8_gemm (bf16_gemm.c) at a few rows, on every CPU with AVX-512 int8
+ * experts (AMD Zen 4/5, Intel Cooper Lake and later; under int8_gemm_amx's tiles on Sapphire Rapids). Only this
+ * file is compiled for avx512vnni; its callers check the CPU first.
+ *
+ * Why: a few rows are bound by turning weights into operands. Widening each 32 int8 weights to bfloat16 takes two
+ * sign extensions, two conversions and a pack (~9 GB/s a core: slower than DRAM); here one sign extension to 16
+ * bits gives the VPDPWSSD operand, because int8_gemm's layout (per 16-column block, k-pair rows of 32 bytes) is
+ * already the word-pair order VPDPWSSD reads.
+ *
+ * Activations: each bfloat16 row is quantized to int16 per CHUNK values with a power-of-two scale d = 2^(e - 14),
+ * e the exponent of the chunk's largest magnitude, q = round(a / d) to nearest even (|q| < 2^15). A bfloat16 value
+ * carries 8 significant bits, so every value within 2^7 of the chunk's largest is exact, and any other is off by at
+ * most d / 2 <= max |a| / 2^15 (llama.cpp's int8 activations: max |a| / 254). quant.quantize_activations_int16 is
+ * the same rule. A chunk's products are exact int32 sums (CHUNK x 2^15 x 127 < 2^31), scaled once by d in float32,
+ * the column scales applied at the end.
+ *
+ * Register blocking: up to 6 rows x 4 column blocks of int32 sums (24 registers; four weight streams side by side
+ * and prefetched ahead, as bf16_gemm.c's stream), the float32 sums beside them updated once per chunk.
+ */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "int8_vnni_gemm.h"
+
+#define ROWS 6
+#define BLOCKS 4
+#define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
+#define SCALE_SHIFT 14      /* d = 2^(e - 14): a largest magnitude below 2^(e + 1) quantizes below 2^15 */
+#define MIN_EXPONENT (-112) /* below it 1 / d would overflow float32: such chunks keep this exponent's d */
+
+static inline int64_t block_bytes(int64_t kp) { return kp * 16 + 64; } /* int8 k-pairs, then 16 float32 scales */
+
+static inline float pow2f(int n) { /* 2^n, n in [-126, 127] */
+    const uint32_t bits = (uint32_t)(n + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 bfloat16 values as float32 bits (moved up 16) */
+static inline __m512i widen(const uint16_t *x) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16);
+}
+
+int64_t int8_vnni_row_bytes(int64_t kp) {
+    return (kp * 2 + (kp + INT8_VNNI_CHUNK - 1) / INT8_VNNI_CHUNK * 4 + 63) / 64 * 64;
+}
+
+void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t kp, char *q) {
+    const int64_t stride = int8_vnni_row_bytes(kp);
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *row = a + i * lda;
+        int16_t *values = (int16_t *)(q + i * stride);
+        float *scales = (float *)(values + kp);
+        for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
+            const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
+            __m512i largest = _mm512_setzero_si512(); /* magnitudes' bits: ordered as the floats are */
+            for (int64_t c = c0; c < c1; c += 16)
+                largest = _mm512_max_epu32(largest, _mm512_and_si512(widen(row + c), _mm512_set1_epi32(0x7FFFFFFF)));
+            const uint32_t top = (uint32_t)_mm512_reduce_max_epu32(largest);
+            int exponent = (int)(top >> 23) - 127;
+            if (exponent < MIN_EXPONENT) exponent = MIN_EXPONENT;
+            const float d = top ? pow2f(exponent - SCALE_SHIFT) : 0.0f;
+            const __m512 inverse = _mm512_set1_ps(top ? pow2f(SCALE_SHIFT - exponent) : 0.0f);
+            for (int64_t c = c0; c < c1; c += 16) {
+                /* x / d is exact (a power of two); the conversion rounds to nearest even */
+                const __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(widen(row + c)), inverse);
+                _mm256_storeu_si256((__m256i *)(values + c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(scaled)));
+            }
+            scales[c0 / INT8_VNNI_CHUNK] = d;
+        }
+    }
+}
+
+/* c rows [0, rows) x `blocks` 16-column blocks from the quantized rows q (row stride int8_vnni_row_bytes(kp)).
+ * rows and blocks are constants at each call site, so the int32 sums stay in registers. cols: valid columns of the
+ * last block (1..16). */
+static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, float *c,
+                                                             int64_t ldc, const int rows, const int blocks, int cols) {
+    const int64_t stride = block_bytes(kp), q_stride = int8_vnni_row_bytes(kp);
+    __m512 acc[ROWS][BLOCKS];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
+        const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
+        __m512i sums[ROWS][BLOCKS];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_setzero_si512();
+        for (int64_t r = c0 / 2; r < c1 / 2; r++) {
+            __m512i w[BLOCKS];
+            for (int j = 0; j < blocks; j++) {
+                const char *row = b + j * stride + r * 32;
+                if (!(r & 1)) _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0); /* one per 64-byte line */
+                w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)row));
+            }
+            for (int i = 0; i < rows; i++) {
+                const __m512i x = _mm512_set1_epi32(((const int32_t *)(q + i * q_stride))[r]);
+                for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_dpwssd_epi32(sums[i][j], x, w[j]);
+            }
+        }
+        for (int i = 0; i < rows; i++) {
+            const __m512 d = _mm512_set1_ps(((const float *)(q + i * q_stride + kp * 2))[c0 / INT8_VNNI_CHUNK]);
+            for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][j]), d, acc[i][j]);
+        }
+    }
+    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    for (int j = 0; j < blocks; j++) {
+        const __m512 scale = _mm512_loadu_ps((const float *)(b + j * stride + kp * 16));
+        for (int i = 0; i < rows; i++)
+            _mm512_mask_storeu_ps(c + i * ldc + j * 16, j == blocks - 1 ? last : (__mmask16)0xFFFF,
+                                  _mm512_mul_ps(acc[i][j], scale));
+    }
+}
+
+#define ROWS_CASES(BLOCKS_N)                                                      \
+    switch (rows) {                                                               \
+        case 1: block_rows(q_rows, kp, b, c_rows, ldc, 1, BLOCKS_N, cols); break; \
+        case 2: block_rows(q_rows, kp, b, c_rows, ldc, 2, BLOCKS_N, cols); break; \
+        case 3: block_rows(q_rows, kp, b, c_rows, ldc, 3, BLOCKS_N, cols); break; \
+        case 4: block_rows(q_rows, kp, b, c_rows, ldc, 4, BLOCKS_N, cols); break; \
+        case 5: block_rows(q_rows, kp, b, c_rows, ldc, 5, BLOCKS_N, cols); break; \
+        default: block_rows(q_rows, kp, b, c_rows, ldc, ROWS, BLOCKS_N, cols); break; \
+    }
+
+void int8_vnni_gemm_quantized(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                              int64_t n0, int64_t n1) {
+    const int64_t q_stride = int8_vnni_row_bytes(kp);
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
+        const int64_t width = n1 - nb * 16; /* columns left from this block on */
+        const int blocks = width >= BLOCKS * 16 ? BLOCKS : (int)((width + 15) / 16);
+        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
+        const char *b = (const char *)b_packed + nb * block_bytes(kp);
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const char *q_rows = q + r0 * q_stride;
+            float *c_rows = c + r0 * ldc + nb * 16 - n0;
+            const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
+            switch (blocks) {
+                case 1: ROWS_CASES(1) break;
+                case 2: ROWS_CASES(2) break;
+                case 3: ROWS_CASES(3) break;
+                default: ROWS_CASES(BLOCKS) break;
+            }
+        }
+    }
+}
+
+int int8_vnni_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                   int64_t m, int64_t n0, int64_t n1) {
+    static __thread char *records; /* per thread, grown, never shrunk: a decode step's rows are a few KB */
+    static __thread int64_t capacity;
+    const int64_t bytes = m * int8_vnni_row_bytes(kp);
+    if (capacity < bytes) {
+        free(records);
+        records = aligned_alloc(64, (size_t)bytes);
+        capacity = records ? bytes : 0;
+        if (!records) return 1;
+    }
+    int8_vnni_quantize_rows(a, lda, m, kp, records);
+    int8_vnni_gemm_quantized(records, kp, b_packed, c, ldc, m, n0, n1);
+    return 0;
+}
