@@ -18,6 +18,18 @@ float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0) runs the sam
 A B A B over `--rounds`: decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode tokens/s:
 llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. Medians; writes
 bench/results/vs_llamacpp[-SHAPE].json.
+
+As on an older CPU, from this one: MOE_JAX_HIDE_CPU_FLAGS hides CPU flags from moe_jax's kernel choice (by prefix),
+XLA_FLAGS=--xla_cpu_max_isa=AVX2 holds XLA's own code to AVX2 (not every library it calls: its YNNPACK dots may
+still use AVX-512), and llama.cpp is built for that CPU's instructions only. An AVX2-only one (AMD Zen 3):
+
+    cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+        -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build-avx2 -j 2 --target ...  # as above
+    # a tree whose build/ is that build: a directory of links to the sources' files, build -> build-avx2
+    MOE_JAX_HIDE_CPU_FLAGS=amx,avx512,avx_vnni XLA_FLAGS=--xla_cpu_max_isa=AVX2 python bench/vs_llamacpp.py ...
+
+With only AMX hidden (MOE_JAX_HIDE_CPU_FLAGS=amx) moe_jax runs its AVX512-BF16 / VNNI kernels as on AMD Zen 4/5,
+against a native llama.cpp build with `--no-repack` (llama.cpp's too: its AMX buffers off).
 """
 
 from __future__ import annotations
@@ -172,6 +184,7 @@ def main():
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, from {', '.join(PAIRS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--no-repack", action="store_true", help="llama.cpp without repacked weights (no AMX)")
     add_shape_argument(parser)
     args = parser.parse_args()
     use_shape(args.shape)
@@ -187,6 +200,8 @@ def main():
     for pair in pairs:
         settings, kind = PAIRS[pair]
         model_file = gguf(tools, source, kind)
+        if args.no_repack:
+            NO_REPACK.add(model_file)
         try:
             runners = moe_jax_runners(settings, args.threads) if settings else None
         except MemoryLimitError as e:  # the other pairs still run; the table says why this one is missing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import os
 from functools import cache
 from pathlib import Path
 
@@ -142,8 +143,18 @@ def built_from_sources(library, hash_symbol: str, source_hash_now, path: Path) -
     return ""
 
 
-@cache
+HIDE_CPU_FLAGS = "MOE_JAX_HIDE_CPU_FLAGS"  # comma-separated prefixes: flags starting with one are treated as absent
+
+
 def cpu_flags() -> frozenset[str]:
+    """This CPU's flags, less those $MOE_JAX_HIDE_CPU_FLAGS names by prefix ("amx,avx512,avx_vnni": run the AVX2
+    kernels as on a CPU without AVX-512, e.g. to compare against such a CPU's other engines on this machine)."""
+    hidden = tuple(prefix.strip() for prefix in os.environ.get(HIDE_CPU_FLAGS, "").split(",") if prefix.strip())
+    return frozenset(flag for flag in _proc_cpu_flags() if not flag.startswith(hidden)) if hidden else _proc_cpu_flags()
+
+
+@cache
+def _proc_cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -1,6 +1,7 @@
 """Every Python wrapper of native code refuses bad arguments with a KernelArgumentError; none may crash the process
 (issue 15, item 11). Each case runs in its own subprocess, so a crash shows as death by a signal, not a lost run."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host_kernels import amx
+from host_kernels import amx, native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +101,24 @@ def test_amx_gemm_without_amx_is_refused_not_sigill():
     w = amx.PackedWeight(np.zeros((2, 1, 512), np.uint16), 32, 32)
     with pytest.raises(KernelArgumentError, match="AMX GEMM unavailable: "):
         amx.gemm(amx.row_buffer(16, 32), 16, w, np.zeros((16, 32), np.float32))
+
+
+def test_hidden_cpu_flags_are_absent_to_every_choice():
+    """MOE_JAX_HIDE_CPU_FLAGS (prefixes) runs this machine as one without them: AMX refused, as on such a CPU,
+    and the kernels chosen from what is left."""
+    script = textwrap.dedent("""
+        import ml_dtypes, numpy as np
+        from host_kernels import amx, native
+        from host_kernels.fused_forward import best_kernel
+        assert not any(flag.startswith(("amx", "avx512")) for flag in native.cpu_flags())
+        print(amx.status()[1])
+        bf16 = ml_dtypes.bfloat16
+        print(best_kernel(bf16)[0], best_kernel(bf16, "int8")[0], best_kernel(np.float32)[0])
+    """)
+    env = {**os.environ, native.HIDE_CPU_FLAGS: "amx, avx512"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr
+    why, kernels = run.stdout.splitlines()
+    assert why.startswith("CPU lacks amx_tile, amx_bf16, avx512_bf16")
+    avx2 = {"avx2", "fma"} <= native.cpu_flags()
+    assert kernels.split() == (["avx2-bf16", "avx2-int8", "avx2-f32"] if avx2 else ["", "", ""])
