@@ -166,11 +166,14 @@ def probe_callback(d: int, repeats: int, calls: int = 8) -> float:
         return x
 
     x = jnp.ones((16, d), jnp.float32)
-    seconds = []
-    for with_callbacks in (True, False):
-        step = jax.jit(functools.partial(chain, with_callbacks=with_callbacks))
-        seconds.append(_median_time(lambda step=step: step(x).block_until_ready(), repeats))
-    return max(0.0, (seconds[0] - seconds[1]) / calls)
+    steps = [jax.jit(functools.partial(chain, with_callbacks=with_callbacks)) for with_callbacks in (True, False)]
+    runs = [lambda step=step: step(x).block_until_ready() for step in steps]
+    for run in runs:
+        run()  # compiled and warm
+    # timed in pairs, side by side: a busy stretch of the shared cores lands in one pair, not in all of one side
+    # (two medians timed one side after the other had come out equal, a callback costing nothing)
+    differences = [np.subtract(*(timeit.timeit(run, number=1) for run in runs)) for _ in range(max(repeats, 5))]
+    return max(0.0, float(np.median(differences)) / calls)
 
 
 def probe_device_dense(d: int, f: int, rows: tuple[int, ...], repeats: int) -> list[dict]:
