@@ -24,9 +24,10 @@
 #include <stdlib.h>
 
 #include "bf16_gemm.h"
+#include "simd.h"
 #include "int8_vnni_gemm.h"
 
-#define ROWS 6
+#define ROWS 6   /* TILES_6X4 (simd.h) tiles rows by 6 and column blocks by 4 */
 #define BLOCKS 4
 #define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
 
@@ -73,38 +74,15 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *a, 
     }
 }
 
-#define ROWS_CASES(BLOCKS_N)                                                                     \
-    switch (rows) {                                                                              \
-        case 1: block_rows(a_rows, lda, b, kp, c_rows, ldc, 1, BLOCKS_N, cols, int8); break;     \
-        case 2: block_rows(a_rows, lda, b, kp, c_rows, ldc, 2, BLOCKS_N, cols, int8); break;     \
-        case 3: block_rows(a_rows, lda, b, kp, c_rows, ldc, 3, BLOCKS_N, cols, int8); break;     \
-        case 4: block_rows(a_rows, lda, b, kp, c_rows, ldc, 4, BLOCKS_N, cols, int8); break;     \
-        case 5: block_rows(a_rows, lda, b, kp, c_rows, ldc, 5, BLOCKS_N, cols, int8); break;     \
-        default: block_rows(a_rows, lda, b, kp, c_rows, ldc, ROWS, BLOCKS_N, cols, int8); break; \
-    }
+/* rows [r0, r0 + R) x B blocks of the strip at b (TILES_6X4) */
+#define TILE_CASE(R, B) block_rows(a + r0 * lda, lda, b, kp, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, int8)
 
 /* Columns [n0, n1) of C, written to c (which points at column n0 of row 0; row stride ldc floats). n0 must be a
  * multiple of 16; kp (the packed k: a multiple of 32) is also the row length A is read over (lda >= kp). */
 static inline __attribute__((always_inline)) void gemm(const uint16_t *a, int64_t lda, const char *b_packed,
                                                        int64_t kp, float *c, int64_t ldc, int64_t m, int64_t n0,
                                                        int64_t n1, const int int8) {
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
-        const int64_t width = n1 - nb * 16; /* columns left from this block on */
-        const int blocks = width >= BLOCKS * 16 ? BLOCKS : (int)((width + 15) / 16);
-        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = b_packed + nb * block_bytes(kp, int8);
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const uint16_t *a_rows = a + r0 * lda;
-            float *c_rows = c + r0 * ldc + nb * 16 - n0;
-            const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-            switch (blocks) {
-                case 1: ROWS_CASES(1) break;
-                case 2: ROWS_CASES(2) break;
-                case 3: ROWS_CASES(3) break;
-                default: ROWS_CASES(BLOCKS) break;
-            }
-        }
-    }
+    TILES_6X4(m, n0, n1, b_packed, block_bytes(kp, int8), TILE_CASE)
 }
 
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t kp, float *c, int64_t ldc,

@@ -25,8 +25,9 @@
 #include <string.h>
 
 #include "int8_vnni_gemm.h"
+#include "simd.h"
 
-#define ROWS 6
+#define ROWS 6   /* TILES_6X4 (simd.h) tiles rows by 6 and column blocks by 4 */
 #define BLOCKS 4
 #define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
 #define SCALE_SHIFT 14      /* d = 2^(e - 14): a largest magnitude below 2^(e + 1) quantizes below 2^15 */
@@ -116,36 +117,13 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
     }
 }
 
-#define ROWS_CASES(BLOCKS_N)                                                      \
-    switch (rows) {                                                               \
-        case 1: block_rows(q_rows, kp, b, c_rows, ldc, 1, BLOCKS_N, cols); break; \
-        case 2: block_rows(q_rows, kp, b, c_rows, ldc, 2, BLOCKS_N, cols); break; \
-        case 3: block_rows(q_rows, kp, b, c_rows, ldc, 3, BLOCKS_N, cols); break; \
-        case 4: block_rows(q_rows, kp, b, c_rows, ldc, 4, BLOCKS_N, cols); break; \
-        case 5: block_rows(q_rows, kp, b, c_rows, ldc, 5, BLOCKS_N, cols); break; \
-        default: block_rows(q_rows, kp, b, c_rows, ldc, ROWS, BLOCKS_N, cols); break; \
-    }
+/* rows [r0, r0 + R) x B blocks of the strip at b (TILES_6X4) */
+#define TILE_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
 
 void int8_vnni_gemm_quantized(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,
                               int64_t n0, int64_t n1) {
     const int64_t q_stride = int8_vnni_row_bytes(kp);
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
-        const int64_t width = n1 - nb * 16; /* columns left from this block on */
-        const int blocks = width >= BLOCKS * 16 ? BLOCKS : (int)((width + 15) / 16);
-        const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);
-        const char *b = (const char *)b_packed + nb * block_bytes(kp);
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const char *q_rows = q + r0 * q_stride;
-            float *c_rows = c + r0 * ldc + nb * 16 - n0;
-            const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-            switch (blocks) {
-                case 1: ROWS_CASES(1) break;
-                case 2: ROWS_CASES(2) break;
-                case 3: ROWS_CASES(3) break;
-                default: ROWS_CASES(BLOCKS) break;
-            }
-        }
-    }
+    TILES_6X4(m, n0, n1, b_packed, block_bytes(kp), TILE_CASE)
 }
 
 int int8_vnni_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
