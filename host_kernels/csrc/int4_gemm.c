@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "int4_gemm.h"
+#include "simd.h"
 
 #define CHUNK 32           /* activations' quantization block, in k */
 #define SCALE_BYTES 32     /* 16 float16 scales per group and block */
@@ -41,9 +42,7 @@ void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, i
         int32_t *offsets = (int32_t *)(scales + kp / CHUNK);
         for (int64_t c = c0; c < c1; c += CHUNK) {
             __m512 x[2];
-            for (int h = 0; h < 2; h++) /* bfloat16 -> float32: the bits moved up 16 */
-                x[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c + 16 * h))), 16));
+            for (int h = 0; h < 2; h++) x[h] = widen_bf16x16(row + c + 16 * h);
             const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1])));
             const float d = absmax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
             __m512i sum = _mm512_setzero_si512();

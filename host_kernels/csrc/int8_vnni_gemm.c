@@ -42,11 +42,6 @@ static inline float pow2f(int n) { /* 2^n, n in [-126, 127] */
     return f;
 }
 
-/* 16 bfloat16 values as float32 bits (moved up 16) */
-static inline __m512i widen(const uint16_t *x) {
-    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16);
-}
-
 int64_t int8_vnni_row_bytes(int64_t kp) {
     return (kp * 2 + (kp + INT8_VNNI_CHUNK - 1) / INT8_VNNI_CHUNK * 4 + 63) / 64 * 64;
 }
@@ -60,8 +55,10 @@ void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t 
         for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
             const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
             __m512i largest = _mm512_setzero_si512(); /* magnitudes' bits: ordered as the floats are */
-            for (int64_t c = c0; c < c1; c += 16)
-                largest = _mm512_max_epu32(largest, _mm512_and_si512(widen(row + c), _mm512_set1_epi32(0x7FFFFFFF)));
+            for (int64_t c = c0; c < c1; c += 16) {
+                const __m512i bits = _mm512_castps_si512(widen_bf16x16(row + c));
+                largest = _mm512_max_epu32(largest, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+            }
             const uint32_t top = (uint32_t)_mm512_reduce_max_epu32(largest);
             int exponent = (int)(top >> 23) - 127;
             if (exponent < MIN_EXPONENT) exponent = MIN_EXPONENT;
@@ -69,7 +66,7 @@ void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t 
             const __m512 inverse = _mm512_set1_ps(top ? pow2f(SCALE_SHIFT - exponent) : 0.0f);
             for (int64_t c = c0; c < c1; c += 16) {
                 /* x / d is exact (a power of two); the conversion rounds to nearest even */
-                const __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(widen(row + c)), inverse);
+                const __m512 scaled = _mm512_mul_ps(widen_bf16x16(row + c), inverse);
                 _mm256_storeu_si256((__m256i *)(values + c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(scaled)));
             }
             scales[c0 / INT8_VNNI_CHUNK] = d;

@@ -17,6 +17,11 @@ static inline void store16(void *dst, int64_t j, __mmask16 k, __m512 v, int bf16
     _mm256_mask_storeu_epi16((uint16_t *)dst + j, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+/* 16 bfloat16 (uint16) widened to float32: the bits moved up 16 (simd_avx2.h's widen_bf16x8, twice as wide) */
+static inline __m512 widen_bf16x16(const uint16_t *src) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+}
+
 static inline __mmask16 tail_mask(int64_t remaining) {
     return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
 }
