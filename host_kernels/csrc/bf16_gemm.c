@@ -27,8 +27,6 @@
 #include "simd.h"
 #include "int8_vnni_gemm.h"
 
-#define ROWS 6   /* TILES_6X4 (simd.h) tiles rows by 6 and column blocks by 4 */
-#define BLOCKS 4
 #define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
 
 /* bytes of one 16-column block of packed B, and of one k-pair row in it */
@@ -48,12 +46,12 @@ static inline __attribute__((always_inline)) __m512bh load_pairs(const char *row
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *a, int64_t lda, const char *b,
                                                              int64_t kp, float *c, int64_t ldc, const int rows,
                                                              const int blocks, int cols, const int int8) {
-    __m512 acc[ROWS][BLOCKS];
+    __m512 acc[TILE_ROWS][TILE_BLOCKS];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
     const int64_t stride = block_bytes(kp, int8), row_bytes = int8 ? 32 : 64;
     for (int64_t r = 0; r < kp / 2; r++) {
-        __m512bh w[BLOCKS];
+        __m512bh w[TILE_BLOCKS];
         for (int j = 0; j < blocks; j++) {
             const char *row = b + j * stride + r * row_bytes;
             _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
@@ -91,14 +89,14 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t
 }
 
 /* int8: a product of at most WIDEN_ROWS rows is bound by reading the weights and takes int8_vnni_gemm.c's integer
- * stream (its rows quantized to int16); more rows widen each strip of BLOCKS column blocks to bfloat16 once
+ * stream (its rows quantized to int16); more rows widen each strip of TILE_BLOCKS column blocks to bfloat16 once
  * (exact) and multiply it as bf16_gemm does, then scale its columns. Where memory for either buffer runs out, the
  * weights are widened in registers as they stream (block_rows), which needs none. */
 #define WIDEN_ROWS 12
 
 void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
                int64_t n0, int64_t n1) {
-    static __thread uint16_t *wide; /* BLOCKS column blocks in bfloat16, per thread (grown, never shrunk) */
+    static __thread uint16_t *wide; /* TILE_BLOCKS column blocks in bfloat16, per thread (grown, never shrunk) */
     static __thread int64_t wide_kp;
     if (m <= WIDEN_ROWS) {
         if (int8_vnni_gemm(a, lda, b_packed, kp, c, ldc, m, n0, n1))
@@ -107,15 +105,15 @@ void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t k
     }
     if (wide_kp < kp) {
         free(wide);
-        wide = aligned_alloc(64, (size_t)kp * 16 * 2 * BLOCKS);
+        wide = aligned_alloc(64, (size_t)kp * 16 * 2 * TILE_BLOCKS);
         wide_kp = wide ? kp : 0;
     }
     if (!wide) {
         gemm(a, lda, (const char *)b_packed, kp, c, ldc, m, n0, n1, 1);
         return;
     }
-    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += BLOCKS) {
-        const int64_t width = n1 - nb * 16 < BLOCKS * 16 ? n1 - nb * 16 : BLOCKS * 16;
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb += TILE_BLOCKS) {
+        const int64_t width = n1 - nb * 16 < TILE_BLOCKS * 16 ? n1 - nb * 16 : TILE_BLOCKS * 16;
         int8_widen_blocks(b_packed, kp, nb, (width + 15) / 16, wide);
         float *strip = c + nb * 16 - n0;
         gemm(a, lda, (const char *)wide, kp, strip, ldc, m, 0, width, 0);

@@ -27,8 +27,6 @@
 #include "int8_vnni_gemm.h"
 #include "simd.h"
 
-#define ROWS 6   /* TILES_6X4 (simd.h) tiles rows by 6 and column blocks by 4 */
-#define BLOCKS 4
 #define PREFETCH_BYTES 2048 /* ahead of the k-pair row loaded, per stream */
 #define SCALE_SHIFT 14      /* d = 2^(e - 14): a largest magnitude below 2^(e + 1) quantizes below 2^15 */
 #define MIN_EXPONENT (-112) /* below it 1 / d would overflow float32: such chunks keep this exponent's d */
@@ -80,16 +78,16 @@ void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t 
 static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, float *c,
                                                              int64_t ldc, const int rows, const int blocks, int cols) {
     const int64_t stride = block_bytes(kp), q_stride = int8_vnni_row_bytes(kp);
-    __m512 acc[ROWS][BLOCKS];
+    __m512 acc[TILE_ROWS][TILE_BLOCKS];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
         const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
-        __m512i sums[ROWS][BLOCKS];
+        __m512i sums[TILE_ROWS][TILE_BLOCKS];
         for (int i = 0; i < rows; i++)
             for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_setzero_si512();
         for (int64_t r = c0 / 2; r < c1 / 2; r++) {
-            __m512i w[BLOCKS];
+            __m512i w[TILE_BLOCKS];
             for (int j = 0; j < blocks; j++) {
                 const char *row = b + j * stride + r * 32;
                 if (!(r & 1)) _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0); /* one per 64-byte line */

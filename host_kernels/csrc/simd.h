@@ -30,6 +30,8 @@ static inline __mmask16 tail_mask(int64_t remaining) {
  * (b: the strip's first block; blocks are block_stride bytes apart), rows in groups of 6. CASE(R, B) computes rows
  * [r0, r0 + R) x B blocks of the strip at block nb (R, B constants: the accumulators stay in registers), the last
  * block's first `cols` columns stored. */
+#define TILE_ROWS 6   /* the most rows, and column blocks, one CASE computes: accumulator arrays size by these */
+#define TILE_BLOCKS 4
 #define TILE_ROWS_6(B, CASE)      \
     switch (rows) {               \
         case 1: CASE(1, B); break; \
@@ -37,21 +39,21 @@ static inline __mmask16 tail_mask(int64_t remaining) {
         case 3: CASE(3, B); break; \
         case 4: CASE(4, B); break; \
         case 5: CASE(5, B); break; \
-        default: CASE(6, B); break; \
+        default: CASE(TILE_ROWS, B); break; \
     }
 #define TILES_6X4(m, n0, n1, b_packed, block_stride, CASE)                                           \
-    for (int64_t nb = (n0) / 16; nb * 16 < (n1); nb += 4) {                                         \
+    for (int64_t nb = (n0) / 16; nb * 16 < (n1); nb += TILE_BLOCKS) {                               \
         const int64_t width = (n1) - nb * 16; /* columns left from this block on */                 \
-        const int blocks = width >= 64 ? 4 : (int)((width + 15) / 16);                              \
+        const int blocks = width >= TILE_BLOCKS * 16 ? TILE_BLOCKS : (int)((width + 15) / 16);      \
         const int cols = (int)(width - (blocks - 1) * 16 < 16 ? width - (blocks - 1) * 16 : 16);     \
         const char *b = (const char *)(b_packed) + nb * (block_stride);                             \
-        for (int64_t r0 = 0; r0 < (m); r0 += 6) {                                                   \
-            const int rows = (m) - r0 < 6 ? (int)((m) - r0) : 6;                                    \
+        for (int64_t r0 = 0; r0 < (m); r0 += TILE_ROWS) {                                           \
+            const int rows = (m) - r0 < TILE_ROWS ? (int)((m) - r0) : TILE_ROWS;                    \
             switch (blocks) {                                                                       \
                 case 1: TILE_ROWS_6(1, CASE) break;                                                 \
                 case 2: TILE_ROWS_6(2, CASE) break;                                                 \
                 case 3: TILE_ROWS_6(3, CASE) break;                                                 \
-                default: TILE_ROWS_6(4, CASE) break;                                                \
+                default: TILE_ROWS_6(TILE_BLOCKS, CASE) break;                                      \
             }                                                                                       \
         }                                                                                           \
     }
