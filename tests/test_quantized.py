@@ -176,10 +176,12 @@ def test_int16_activations_keep_what_bfloat16_holds_near_the_chunk_largest():
     assert q.dtype == np.int16 and d.shape == (4, 2) and d[1, 0] == 0 and (q[1, :128] == 0).all()
     assert np.abs(q).max() < 2**15 and np.isfinite(d).all() and (np.frexp(d[d > 0])[0] == 0.5).all()  # powers of 2
     seen = q * np.repeat(d, INT16_ACTIVATION_CHUNK, axis=1)[:, :160]
-    largest = np.repeat(np.abs(np.pad(a, ((0, 0), (0, 96)))).reshape(4, 2, 128).max(-1), 128, axis=1)[:, :160]
+    chunk = INT16_ACTIVATION_CHUNK
+    largest = np.repeat(np.abs(np.pad(a, ((0, 0), (0, 2 * chunk - 160)))).reshape(4, 2, chunk).max(-1), chunk, 1)
+    largest = largest[:, :160]
     near = np.abs(a) >= largest / 2**7  # 8 significant bits within 2^7 of the largest: exact
     assert (seen[near] == a[near]).all() and (~near).any()
-    assert (np.abs(seen - a) <= np.repeat(d, 128, axis=1)[:, :160] / 2).all()
+    assert (np.abs(seen - a) <= np.repeat(d, chunk, axis=1)[:, :160] / 2).all()
     assert (seen[3, 128:] == a[3, 128:]).all()
 
 
