@@ -14,10 +14,12 @@ EOS, stops, lengths) while the next step runs, so Python and the device-to-host 
 A slot that finished on the token read last has had one more step computed for it; that output is dropped.
 A step with a sampling job is read at once: its token comes from the job's generator on the host.
 
-While every job is greedy and has at least `block_steps` tokens to go, one call runs that many steps (a block:
-GenerationSteps.decode_block) and the host reads their tokens together: a step's Python and dispatch (~0.2 ms on
-2 cores, beside the step) are paid once a block. Tokens past a sequence's end within a block are dropped as the
-one-step-ahead token is; a job admitted meanwhile waits for the block.
+While every job is greedy and has at least two tokens to go, one call runs up to `block_steps` steps, as many as
+the job nearest its end has left (a block: GenerationSteps.decode_block, one compiled loop for every length up to
+`block_steps`), and the host reads their tokens together: a step's Python and dispatch (~0.2 ms on 2 cores, beside
+the step) are paid once a block, also in a sequence's last few tokens (which went one step a call before).
+Tokens past a sequence's end within a block are dropped as the one-step-ahead token is; a job admitted meanwhile
+waits for the block.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from moe_jax.generation.sampling import sample
 
-BLOCK_STEPS = 8  # greedy decode steps per call where every job has that many tokens to go (1: no blocks)
+BLOCK_STEPS = 8  # the most greedy decode steps one call runs (1: no blocks)
 
 
 def row_bucket(n: int) -> int:
@@ -110,7 +112,7 @@ class Batch:
         """`shrink`: decode only the slots up to the highest one in use (in powers of two, one compiled step
         each) rather than all of them: for a server, whose batch is mostly less than full; a fixed list of
         requests fills its batch but in its last steps, which would compile those steps for little.
-        `block_steps`: greedy steps per call where every job has that many tokens to go (1: one step a call)."""
+        `block_steps`: the most greedy steps per call (1: one step a call)."""
         self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.block_steps = block_steps
         self.active: dict[int, _Slot] = {}
@@ -161,7 +163,7 @@ class Batch:
         if not any(n > 0 for n in to_go):
             return None
         greedy = all(s.job.sampling.greedy for s in self.active.values())
-        steps = self.block_steps if greedy and min(to_go) >= self.block_steps else 1
+        steps = max(1, min(self.block_steps, *to_go)) if greedy else 1
         rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
         host_tokens = np.zeros((rows, 1), np.int32)
         from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
@@ -175,7 +177,7 @@ class Batch:
             positions[slot, 0] = s.position
             s.position += steps
         out, self.last_tokens, self.caches = self.engine.decode(
-            self.caches, host_tokens, from_host, self.last_tokens, positions, steps
+            self.caches, host_tokens, from_host, self.last_tokens, positions, steps, self.block_steps
         )
         if steps > 1:
             return _Step(None, out, dict(self.active), steps)
@@ -185,7 +187,7 @@ class Batch:
         """Takes a decode step's tokens for the slots it decoded that are still theirs."""
         mine = {slot: s for slot, s in step.decoded.items() if self.active.get(slot) is s}
         if step.steps > 1:  # a block, all greedy: each slot's tokens in order, until its sequence ends
-            block = np.asarray(step.tokens)
+            block = np.asarray(step.tokens)[: step.steps]  # (the block's rows past its steps are zeros)
             for slot, s in mine.items():
                 for token in block[:, slot]:
                     self.take(slot, s, int(token), fresh=False)

@@ -143,10 +143,11 @@ class GenerationEngine:
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
             yield Batch(self, slots, caches, shrink, self.block_steps if block_steps is None else block_steps)
 
-    def decode(self, caches, host_tokens, from_host, last_tokens, positions, steps: int = 1):
+    def decode(self, caches, host_tokens, from_host, last_tokens, positions, steps: int = 1, block: int = 0):
         """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for): one step's
         (logits, argmax tokens of every slot, caches), or for more than one, greedy throughout, (their argmax
-        tokens [steps, rows], the last step's argmax tokens of every slot, caches)."""
+        tokens [block, rows] (rows past `steps` zeros), the last step's argmax tokens of every slot, caches).
+        `block`: the most steps a call of this batch runs, the compiled block's size (default: `steps`)."""
         if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
             self.model.refresh_expert_cache()  # values only: the compiled step is reused
         self.stats.decode_steps += steps
@@ -155,7 +156,7 @@ class GenerationEngine:
         args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
         if steps == 1:
             return self._steps.decode(*args, rows=rows)
-        return self._steps.decode_block(*args, rows=rows, steps=steps)
+        return self._steps.decode_block(*args, np.int32(steps), rows=rows, block=max(block, steps))
 
     def prefill(self, caches, admitted: list[tuple[int, Job]]):
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
@@ -285,11 +286,14 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         logits = logits[:, 0]
         return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
-    def decode_block(leaves, caches, host_tokens, from_host, last_tokens, positions, rows=None, steps=BLOCK_STEPS):
-        """`steps` greedy decode steps in one call (static: a compiled block per count): the first as `decode`'s,
-        each next one on the previous one's argmax at the next positions. Returns (their argmax tokens [steps,
-        rows], the last step's argmax tokens of all slots, caches). The host dispatches and reads once per block:
-        its ~0.2 ms a step of Python and dispatch ran beside the step on the same cores."""
+    def decode_block(
+        leaves, caches, host_tokens, from_host, last_tokens, positions, steps, rows=None, block=BLOCK_STEPS
+    ):
+        """`steps` (traced: one compiled loop for any count up to `block`) greedy decode steps in one call: the
+        first as `decode`'s, each next one on the previous one's argmax at the next positions. Returns (their argmax
+        tokens [block, rows], zeros past `steps`, the last step's argmax tokens of all slots, caches). The host
+        dispatches and reads once per block: its ~0.2 ms a step of Python and dispatch ran beside the step on the
+        same cores."""
         count = host_tokens.shape[0]
 
         def step(i, carry):
@@ -297,8 +301,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
             _, last, caches = decode(leaves, caches, host_tokens, from_host & (i == 0), last, positions + i, rows)
             return out.at[i].set(last[:count, 0]), last, caches
 
-        out = jnp.zeros((steps, count), last_tokens.dtype)
-        return jax.lax.fori_loop(0, steps, step, (out, last_tokens, caches))
+        out = jnp.zeros((block, count), last_tokens.dtype)
+        return jax.lax.fori_loop(0, jnp.minimum(steps, block), step, (out, last_tokens, caches))
 
     def write_prefix(caches, slot, prefix):
         """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
@@ -319,7 +323,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         jax.jit(
             decode_block,
             donate_argnums=1,
-            static_argnames=("rows", "steps"),
+            static_argnames=("rows", "block"),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},
         ),
         jax.jit(write_prefix, donate_argnums=0),
