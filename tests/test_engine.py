@@ -94,6 +94,7 @@ def test_greedy_steps_stop_with_the_last_token(model):
     # the host knows when a sequence's length runs out: no step is dispatched whose output would all be dropped
     engine, (completion,) = run(model, [Request([9, 4, 30], max_new_tokens=5)], slots=1)
     assert len(completion.tokens) == 5 and engine.stats.decode_steps == 4 and engine.stats.decode_tokens == 4
+    assert engine.stats.decode_calls == 1  # the 4 tokens after the prefill's: one block as long as what is left
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch(model):
