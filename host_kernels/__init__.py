@@ -4,7 +4,8 @@ What the rest of the project uses, importable from here:
 - the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `QuantizedLayerExperts` and
   `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`; `pack_int4_layer`
   for weights quantized elsewhere), `StoreWriter`,
-  `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS);
+  `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS),
+  `keep_freed_buffers` (the C heap keeps large buffers it frees, for the next use);
 - computing experts: `ExpertCompute`, the one face a caller computes through (forward, keeping pre-activations
   or not, backward, the native forward's address for XLA's FFI handler, and `HostTotals`: what the fused forward
   and the engine did, in one record), over `HostMoE` (the engine: tiled forward and backward; its
@@ -33,7 +34,7 @@ from host_kernels.layer_experts import (
     quantized_expert_bytes,
 )
 from host_kernels.lora import ExpertLoRA
-from host_kernels.native import cpu_lacks, trim_heap, xla_ffi_library
+from host_kernels.native import cpu_lacks, keep_freed_buffers, trim_heap, xla_ffi_library
 from host_kernels.pool import MAX_THREADS, default_threads
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pages
@@ -64,6 +65,7 @@ __all__ = [
     "default_threads",
     "file_sha256",
     "is_live_call",
+    "keep_freed_buffers",
     "library_status",
     "pack_int4_layer",
     "quantize_layer",

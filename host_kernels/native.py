@@ -203,6 +203,19 @@ def trim_heap():
         libc.malloc_trim(0)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_buffers(up_to_bytes: int) -> bool:
+    """Has glibc serve allocations of up to `up_to_bytes` from its heap and keep freed heap pages, instead of mapping
+    each large buffer anew and unmapping it when freed (so the kernel zeroes its pages again at every first touch).
+    Freed memory then stays resident until `trim_heap`. Returns whether the C library took both settings."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, up_to_bytes)) & bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * up_to_bytes))
+
+
 def require(usable: tuple[bool, str], what: str):
     """Refuses a native call this machine cannot make (a SIGILL otherwise): `usable` is a status() pair."""
     if not usable[0]:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from moe_jax import distributed
 from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
+from moe_jax.compile_memory import keep_step_buffers
 from moe_jax.model.layers import lora_dropout_key
 from moe_jax.model.lora import split_trainable
 
@@ -43,6 +44,7 @@ def lora_value_and_grad(model):
     steps is used at once; a change of structure (a resized cache) recompiles.
     """
     model.prepare_for_training()
+    keep_step_buffers()  # each step's logits and attention weights reuse the last step's memory
     graphdef, lora_state, rest = split_trainable(model.transformer)
     parallel = model.expert_shard is not None
     compiled = {"graphdef": model.graphdef, "state": model.state, "step": _compile(graphdef, parallel), "rest": rest}
