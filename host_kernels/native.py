@@ -213,7 +213,9 @@ def keep_freed_buffers(up_to_bytes: int) -> bool:
     libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, up_to_bytes)) & bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * up_to_bytes))
+    int_max = 2**31 - 1  # mallopt takes a C int
+    mmap_set = libc.mallopt(M_MMAP_THRESHOLD, min(up_to_bytes, int_max))
+    return bool(mmap_set) & bool(libc.mallopt(M_TRIM_THRESHOLD, min(2 * up_to_bytes, int_max)))
 
 
 def require(usable: tuple[bool, str], what: str):

@@ -9,9 +9,9 @@ after a long one the heap is trimmed (a trim walks the heap: ~ms, nothing beside
 A training step's large buffers (its logits and attention weights: tens of MB) were mapped anew and unmapped every
 step by glibc (above its mmap threshold, at most 32 MB by default), and the kernel zeroed their pages again at each
 first touch: ~8% of a step's thread time at Qwen3-30B-A3B's dims (AMD Zen 5). Kept in the heap up to
-KEEP_BUFFER_BYTES (`keep_step_buffers`, once a process builds a training step), those steps ran 0.79-0.84 -> 0.68-0.71
-s. Generation keeps glibc's default: its steps' buffers are small, and a decoding process's RSS stays closer to its
-model (int4 experts at Qwen3-30B-A3B's dims: 1.10x against 1.09x with the buffers kept).
+KEEP_BUFFER_BYTES (`keep_step_buffers`, once a process builds a training step), those steps ran 0.82-0.94 -> 0.73-0.76
+s (alternating processes). Generation keeps glibc's defaults: its steps' buffers are small, and a decoding process's
+RSS stays closer to its model (int4 experts at Qwen3-30B-A3B's dims: 1.09x, against 1.10x with the buffers kept).
 """
 
 from __future__ import annotations
