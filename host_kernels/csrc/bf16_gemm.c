@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *a, 
             for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, w[j]);
         }
     }
-    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 last = tail_mask(cols);
     for (int j = 0; j < blocks; j++) {
         const __m512 scale = int8 ? _mm512_loadu_ps((const float *)(b + j * stride + kp * 16)) : _mm512_set1_ps(1);
         for (int i = 0; i < rows; i++) {
@@ -182,8 +182,7 @@ void int8_scale_columns(const int8_t *b_packed, int64_t kp, int64_t nb, int64_t 
     for (int64_t j = 0; j * 16 < width; j++) {
         const char *block = (const char *)b_packed + (nb + j) * block_bytes(kp, 1);
         const __m512 scale = _mm512_loadu_ps((const float *)(block + kp * 16));
-        const int64_t cols = width - j * 16 < 16 ? width - j * 16 : 16;
-        const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+        const __mmask16 mask = tail_mask(width - j * 16);
         for (int64_t r = 0; r < m; r++) {
             float *out = c + r * ldc + j * 16;
             _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, out), scale));
