@@ -117,7 +117,7 @@ class Model:
         """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
         transposed weights for the backward, `ExecutionPlan.transposed_weights`); once."""
         if self.plan.transposed_weights:
-            self._edit(lambda transformer: transformer.keep_transposed_weights())
+            self._edit(lambda transformer: transformer.keep_transposed_weights(self.plan.training_head))
 
     def set_lora_state(self, lora_state):
         """Replaces the LoRA parameters' values (same structure); compiled steps are reused."""

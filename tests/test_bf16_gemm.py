@@ -21,7 +21,8 @@ def rows(a: np.ndarray, kp: int) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", variants(bf16_gemm.status))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 16, 33])  # up to 4: one weight stream (bf16_gemm.c)
-@pytest.mark.parametrize("k,n", [(45, 17), (64, 64), (200, 130), (32, 1), (96, 65)])
+# k past 2048: the tiled products (m > 4) run in k-chunks, each after the first added to C (the last one shorter)
+@pytest.mark.parametrize("k,n", [(45, 17), (64, 64), (200, 130), (32, 1), (96, 65), (2070, 70), (4100, 40)])
 def test_matches_float64_on_the_same_bfloat16_values(m, k, n, isa):
     rng = np.random.default_rng(m * 1000 + k + n)
     a = rng.standard_normal((m, k)).astype(BF16)

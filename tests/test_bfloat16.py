@@ -10,6 +10,7 @@ import pytest
 import moe_jax
 from host_kernels import choose_kernels
 from moe_jax.model.lora import LoRAConfig
+from moe_jax.native.dense import dense_kernel, pack_dense
 from moe_jax.train.objective import lora_value_and_grad
 from tests.hf_models import hf_logits, make_hf_model, save_hf_model, torch
 
@@ -31,10 +32,12 @@ def test_logits_as_close_to_float32_as_transformers_in_bfloat16(variant, backend
     assert error < 2 * hf_bf16_error + 1e-3, (error, hf_bf16_error)
 
 
-def loss_and_grads(path, dtype, keep_transposed=True, native=None):
+def loss_and_grads(path, dtype, keep_transposed=True, native=None, native_head=True):
     model = moe_jax.load_model(path, backend="host", dtype=dtype, native=native)
     if not keep_transposed:
         model.plan = dataclasses.replace(model.plan, transposed_weights=False)
+    if not native_head:
+        model.plan = dataclasses.replace(model.plan, training_head="")
     model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "experts")), seed=3)
     value_and_grad, lora_state = lora_value_and_grad(model)
     # non-zero B matrices, so every adapter gradient is non-trivial
@@ -55,7 +58,11 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path):
     assert (
         model.placement.runtime.compute.engine.kernel == choose_kernels(ml_dtypes.bfloat16).gemm
     )  # native where it runs
-    assert model.transformer.head_copy is not None  # the transposed copies for the fast backward are in use
+    # the head's fast backward: packed for the native product where the plan says, else a transposed copy
+    if model.plan.training_head:
+        assert model.transformer.training_head is not None and model.transformer.head_copy is None
+    else:
+        assert model.transformer.head_copy is not None
     assert abs(loss16 - loss32) < 2e-2 * abs(loss32)
     assert grads16.keys() == grads32.keys() and any("experts" in k for k in grads16)
     # this test model's wide random weights make bfloat16 rounding cost 4-19% per gradient (the same with the
@@ -69,6 +76,12 @@ def test_training_step_in_bfloat16_follows_float32(tmp_path):
     assert numpy_model.placement.runtime.compute.engine.kernel == "numpy"
     for name in grads16:
         assert relative_error(grads16[name], grads_numpy[name]) < 0.12, name
+
+    # the head's products on XLA (its transposed copy) instead of natively: the same up to summation order
+    _, grads_xla_head, xla_head = loss_and_grads(tmp_path, "bfloat16", native_head=False)
+    assert xla_head.transformer.head_copy is not None and xla_head.transformer.training_head is None
+    for name in grads16:
+        assert relative_error(grads_xla_head[name], grads16[name]) < 2e-2, name
 
     # without the transposed copies (both numpy): the same up to summation order, which routing amplifies here
     _, grads_plain, plain = loss_and_grads(tmp_path, "bfloat16", keep_transposed=False, native=False)
@@ -111,3 +124,28 @@ def test_one_row_product_equals_its_row_of_a_two_row_product():
     one = jax.jit(frozen_matmul)(x[:1], w)
     assert one.shape == (1, 1, 40) and one.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(jax.jit(frozen_matmul)(x, w)[:1], np.float32))
+
+
+@pytest.mark.skipif(not dense_kernel()[0], reason=f"no native dense kernel: {dense_kernel()[1]}")
+def test_native_head_product_and_its_input_gradient():
+    import jax.numpy as jnp
+
+    from moe_jax.model.layers import native_frozen_matmul
+
+    kernel = dense_kernel()[0]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 7, 70)), jnp.bfloat16)  # k and n off the kernels' 32 and 16
+    w = jnp.asarray(rng.standard_normal((70, 45)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((2, 7, 45)), jnp.float32)
+    packed, packed_t = pack_dense(w, kernel), pack_dense(w.T, kernel)
+
+    def loss(x):
+        return jnp.sum(native_frozen_matmul(x, packed, packed_t, 45, kernel, out_dtype=jnp.float32) * c)
+
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    y = native_frozen_matmul(x, packed, packed_t, 45, kernel, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), x64 @ w64, rtol=1e-5, atol=1e-4)  # float32 sums of exact products
+    grad = jax.jit(jax.grad(loss))(x)
+    assert grad.dtype == jnp.bfloat16 and grad.shape == x.shape
+    exact = np.asarray(c, np.float64) @ w64.T  # the cotangent rounded to bfloat16, then the result: ~0.4% a value
+    assert relative_error(np.asarray(grad, np.float64), exact) < 1e-2

@@ -47,27 +47,29 @@ static inline __attribute__((always_inline)) __m512bh load_pairs(const char *row
 /* A product of more than TILE_ROWS rows reads each strip once from memory (its first pass over 6 rows) and again
  * from L2 per further 6 rows; alone, that first pass waits on memory while the others wait on nothing. So the
  * further passes also bring the next strip into L2, each a share of its k-pair rows (`every`-th row from `phase`):
- * 32 rows x [2048, 1536] from DRAM (AMD Zen 5) 340 -> 420 GFLOP/s on one thread, 560 -> ~700 on two. Only while two
- * strips fit in L2 beside the rows (kp <= NEXT_STRIP_KP: 384 KB a strip; at kp 7168 two threads ran slower). */
-#define NEXT_STRIP_KP 3072
+ * 32 rows x [2048, 1536] from DRAM (AMD Zen 5) 340 -> 420 GFLOP/s on one thread, 560 -> ~700 on two. For that a
+ * strip must stay in L2 between passes, beside the next: a bfloat16 product over more than K_CHUNK k-rows runs in
+ * k-chunks of at most that (256 KB strips), each after the first adding to C (a [512, 32768] x [32768, 64] strip
+ * would be 4 MB, re-read from L3 or memory per 6 rows). */
+#define K_CHUNK 2048
 typedef struct {
     const char *b; /* NULL: nothing to prefetch in this pass */
     int blocks, every, phase;
 } next_strip;
 
-/* c rows [0, rows) x `blocks` 16-column blocks = A @ B over all kp / 2 k-pairs. `rows`, `blocks` and `int8` are
- * constants at each call site below, so the accumulators stay in registers. cols: valid columns of the last block
- * (1..16). */
+/* c rows [0, rows) x `blocks` 16-column blocks = A @ B over k-pairs [0, pairs) of the blocks at b (stride bytes
+ * apart), added to c where `add`. `rows`, `blocks` and `int8` are constants at each call site below, so the
+ * accumulators stay in registers. cols: valid columns of the last block (1..16). */
 static inline __attribute__((always_inline)) void block_rows(const uint16_t *a, int64_t lda, const char *b,
-                                                             int64_t kp, float *c, int64_t ldc, const int rows,
-                                                             const int blocks, int cols, const int int8,
-                                                             const next_strip next) {
+                                                             int64_t stride, int64_t pairs, float *c, int64_t ldc,
+                                                             const int rows, const int blocks, int cols,
+                                                             const int int8, int add, const next_strip next) {
     __m512 acc[TILE_ROWS][TILE_BLOCKS];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
-    const int64_t stride = block_bytes(kp, int8), row_bytes = int8 ? 32 : 64;
+    const int64_t row_bytes = int8 ? 32 : 64;
     int turn = next.phase;
-    for (int64_t r = 0; r < kp / 2; r++) {
+    for (int64_t r = 0; r < pairs; r++) {
         if (next.b && turn-- == 0) { /* the next strip's k-pair row r, every `every`-th row of this pass */
             turn = next.every - 1;
             for (int j = 0; j < next.blocks; j++) _mm_prefetch(next.b + j * stride + r * row_bytes, _MM_HINT_T1);
@@ -84,36 +86,46 @@ static inline __attribute__((always_inline)) void block_rows(const uint16_t *a, 
         }
     }
     const __mmask16 last = tail_mask(cols);
-    for (int j = 0; j < blocks; j++) {
-        const __m512 scale = int8 ? _mm512_loadu_ps((const float *)(b + j * stride + kp * 16)) : _mm512_set1_ps(1);
+    for (int j = 0; j < blocks; j++) { /* int8: the scales follow the block's pairs (never chunked) */
+        const __m512 scale = int8 ? _mm512_loadu_ps((const float *)(b + j * stride + pairs * 32)) : _mm512_set1_ps(1);
         for (int i = 0; i < rows; i++) {
-            const __m512 out = int8 ? _mm512_mul_ps(acc[i][j], scale) : acc[i][j];
-            _mm512_mask_storeu_ps(c + i * ldc + j * 16, j == blocks - 1 ? last : (__mmask16)0xFFFF, out);
+            const __mmask16 k = j == blocks - 1 ? last : (__mmask16)0xFFFF;
+            float *out = c + i * ldc + j * 16;
+            __m512 v = int8 ? _mm512_mul_ps(acc[i][j], scale) : acc[i][j];
+            if (add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
+            _mm512_mask_storeu_ps(out, k, v);
         }
     }
 }
 
-/* rows [r0, r0 + R) x B blocks of the strip at b (TILES_6X4) */
-#define TILE_CASE(R, B)                                                                                          \
-    block_rows(a + r0 * lda, lda, b, kp, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, int8,                       \
-               next_strip_of(b, block_bytes(kp, int8), kp, m, r0, n1, nb))
-
 /* What the pass over rows [r0, r0 + 6) of the strip at block nb (at b) prefetches: a share of the next strip in
  * [.., n1), for every pass but the first */
-static inline next_strip next_strip_of(const char *b, int64_t stride, int64_t kp, int64_t m, int64_t r0, int64_t n1,
+static inline next_strip next_strip_of(const char *b, int64_t stride, int64_t m, int64_t r0, int64_t n1,
                                        int64_t nb) {
     const int64_t left = (n1 - (nb + TILE_BLOCKS) * 16 + 15) / 16; /* blocks after this strip */
-    if (r0 < TILE_ROWS || left <= 0 || kp > NEXT_STRIP_KP) return (next_strip){0, 0, 1, 0};
+    if (r0 < TILE_ROWS || left <= 0) return (next_strip){0, 0, 1, 0};
     return (next_strip){b + TILE_BLOCKS * stride, left > TILE_BLOCKS ? TILE_BLOCKS : (int)left,
                         (int)((m - 1) / TILE_ROWS), (int)(r0 / TILE_ROWS - 1)};
 }
+
+/* rows [r0, r0 + R) x B blocks of the strip at b (TILES_6X4), over the k-chunk [k0, k0 + kc) */
+#define TILE_CASE(R, B)                                                                                          \
+    block_rows(a + r0 * lda + k0, lda, b, stride, kc / 2, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, int8,     \
+               k0 > 0, next_strip_of(b, stride, m, r0, n1, nb))
 
 /* Columns [n0, n1) of C, written to c (which points at column n0 of row 0; row stride ldc floats). n0 must be a
  * multiple of 16; kp (the packed k: a multiple of 32) is also the row length A is read over (lda >= kp). */
 static inline __attribute__((always_inline)) void gemm(const uint16_t *a, int64_t lda, const char *b_packed,
                                                        int64_t kp, float *c, int64_t ldc, int64_t m, int64_t n0,
                                                        int64_t n1, const int int8) {
-    TILES_6X4(m, n0, n1, b_packed, block_bytes(kp, int8), TILE_CASE)
+    const int64_t stride = block_bytes(kp, int8);
+    const int64_t chunks = int8 ? 1 : (kp + K_CHUNK - 1) / K_CHUNK;
+    const int64_t chunk = (kp / 32 + chunks - 1) / chunks * 32; /* even chunks, each a multiple of 32 */
+    for (int64_t k0 = 0; k0 < kp; k0 += chunk) {
+        const int64_t kc = kp - k0 < chunk ? kp - k0 : chunk;
+        const char *b_chunk = b_packed + k0 / 2 * 64; /* its first k-pair row in every block */
+        TILES_6X4(m, n0, n1, b_chunk, stride, TILE_CASE)
+    }
 }
 
 #define STREAM_ROWS 4

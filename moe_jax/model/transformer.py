@@ -14,7 +14,16 @@ from flax import nnx
 
 from moe_jax.formats import hf_names
 from moe_jax.model.config import ModelConfig
-from moe_jax.model.layers import Attention, Frozen, Projection, RMSNorm, SwiGLU, base_matmul, micro_batch_rows
+from moe_jax.model.layers import (
+    Attention,
+    Frozen,
+    Projection,
+    RMSNorm,
+    SwiGLU,
+    base_matmul,
+    micro_batch_rows,
+    native_frozen_matmul,
+)
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
 from moe_jax.native.dense import pack_dense
@@ -74,17 +83,27 @@ class Transformer(nnx.Module):
         # while training in bfloat16 on a CPU (layers.frozen_matmul): the head's transpose — lm_head.T, or for a
         # tied head the embedding's transpose, which is then the head itself
         self.head_copy = nnx.data(None)
+        # ... or, where the plan's `training_head` names a native kernel, the head and its transpose packed for it
+        # (layers.native_frozen_matmul)
+        self.training_head = nnx.data(None)
+        self.training_head_t = nnx.data(None)
+        self.training_kernel = ""
         self.head_packed = nnx.data(None)  # the head packed for decode steps' native product (layers.base_matmul)
         self.dense_kernel = ""  # the kernel that multiplies it
 
-    def keep_transposed_weights(self):
-        """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul)."""
+    def keep_transposed_weights(self, head_kernel: str = ""):
+        """Holds transposed copies of the base weights for a faster bfloat16 backward (layers.frozen_matmul); the
+        head's, with `head_kernel`, packed for that native kernel with the head itself (native_frozen_matmul)."""
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Projection) and module.weight_t is None:
                 module.keep_transposed()
-        if self.head_copy is None:
-            head = self.lm_head if self.lm_head is not None else self.embed
-            self.head_copy = Frozen(jnp.array(head[...].T))
+        head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
+        if head_kernel and self.training_head is None:
+            self.training_head = Frozen(pack_dense(head, head_kernel))
+            self.training_head_t = Frozen(pack_dense(head.T, head_kernel))
+            self.training_kernel = head_kernel
+        elif not head_kernel and self.head_copy is None:
+            self.head_copy = Frozen(jnp.array(head.T))
 
     def pack_for_decode(self, kernel: str):
         """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
@@ -162,6 +181,10 @@ class Transformer(nnx.Module):
         if last_b is not None:
             x = x[jnp.arange(x.shape[0]), last_b][:, None]
         x = self.norm(x)
+        vocab = self.lm_head.shape[-1] if self.lm_head is not None else self.embed.shape[0]
+        if self.training_head is not None and x.shape[1] > 1 and x.dtype == jnp.bfloat16:  # a training step's rows
+            head, head_t = self.training_head[...], self.training_head_t[...]
+            return native_frozen_matmul(x, head, head_t, vocab, self.training_kernel, out_dtype=jnp.float32)
         copy = None if self.head_copy is None else self.head_copy[...]
         if self.lm_head is not None:
             head, head_t = self.lm_head[...], copy

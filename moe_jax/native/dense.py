@@ -66,6 +66,14 @@ def pack_dense(w_kn, kernel: str) -> jax.Array:
     return jax.device_put(k.pack(np.asarray(w_kn, k.pack_dtype)).data)
 
 
+def dense_rows_call(x_mk, packed_w, n: int, kernel: str):
+    """`dense_call` for any number of rows: PREFILL_MAX_ROWS at a time (a training step's batch x positions)."""
+    if x_mk.shape[0] <= PREFILL_MAX_ROWS:
+        return dense_call(x_mk, packed_w, n, kernel)
+    parts = range(0, x_mk.shape[0], PREFILL_MAX_ROWS)
+    return jnp.concatenate([dense_call(x_mk[r : r + PREFILL_MAX_ROWS], packed_w, n, kernel) for r in parts])
+
+
 def dense_call(x_mk, packed_w, n: int, kernel: str):
     """x @ W in float32 for x [m <= PREFILL_MAX_ROWS, k] (`row_dtype(kernel)`), W given as `pack_dense(W, kernel)`
     with n columns, on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""

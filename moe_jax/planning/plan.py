@@ -15,6 +15,7 @@ prints it for each dtype on this machine.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -41,6 +42,9 @@ class ExecutionPlan:
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
+    # the native kernel of bfloat16 training's head products (forward and input gradient; "": XLA's, on a
+    # transposed copy): AVX512-BF16 or AVX2, where XLA:CPU's bfloat16 GEMMs are slower; on AMX XLA's own
+    training_head: str = ""
     # multi-head latent attention's decode steps: "absorbed" (over the compressed cache), "expanded"; "": not MLA
     mla_decode: str = ""
     # rows split into this many micro-batches whose host experts and device attention ping-pong (1: no pipeline;
@@ -85,6 +89,13 @@ class ExecutionPlan:
             out.append("training: LoRA on the quantized experts' base (the backward dequantizes each expert)")
         if self.transposed_weights:
             out.append("training: transposed copies of the frozen weights (bfloat16 backward on XLA:CPU)")
+            out.append(
+                line(
+                    "training head products",
+                    f"native ({self.training_head})" if self.training_head else "XLA",
+                    "training head",
+                )
+            )
         return out
 
     def summary(self) -> str:
@@ -164,6 +175,8 @@ def make_plan(
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
     float32_model = "float32 model: the kernel works on bfloat16"
+    training_head, training_why = training_head_kernel()
+    on_cpu = jax.default_backend() == "cpu"
     micro_batches, decode_micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
     return ExecutionPlan(
         platform=jax.default_backend(),
@@ -178,12 +191,24 @@ def make_plan(
         ),
         dense_decode=dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else "",
         argmax=native_part("argmax", True, "", native_argmax.status),
-        transposed_weights=bf16 and jax.default_backend() == "cpu",
+        transposed_weights=bf16 and on_cpu,
+        training_head=training_head
+        if native_part("training head", bf16 and on_cpu, "not bfloat16 on XLA:CPU", training_why)
+        else "",
         mla_decode=mla_decode,
         micro_batches=micro_batches,
         decode_micro_batches=decode_micro_batches,
         why=tuple(why.items()),
     )
+
+
+def training_head_kernel() -> tuple[str, Callable[[], tuple[bool, str]]]:
+    """(the bfloat16 dense kernel for a training step's head, its status()): AVX512-BF16 or AVX2, whose head
+    products outran XLA:CPU's bfloat16 GEMMs; on AMX, XLA's own (oneDNN's AMX GEMMs, not measured against)."""
+    kernel, why = native_dense.dense_kernel(model_dtype(BFLOAT16))
+    if kernel and kernel.startswith("amx"):
+        return "", lambda: (False, "AMX: XLA's own bfloat16 GEMMs")
+    return kernel, lambda: (bool(kernel), why)
 
 
 def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, int, str]:
