@@ -1,13 +1,14 @@
 """LoRA fine-tuning throughput: this project (host and device backends) against transformers + peft on torch CPU.
 
-    python bench/train.py [--steps 5] [--batch 4 --seq 512] [--quick] [--sides moe_jax-host-bfloat16,...]
+    python bench/train.py [--steps 5] [--batch 4 --seq 512] [--rounds 1] [--quick] [--sides moe_jax-host-bfloat16,...]
 
 Same bench model (bench/models.py; --shape), same random token batches, LoRA r=8 alpha=16 on the attention
 projections (q/k/v/o; DeepSeek: the latent attention's), AdamW, each side in float32 and in bfloat16 (base weights
 and activations; adapters and optimizer state stay float32 on both sides, as peft keeps them by default), and
 moe_jax also on int8 and int4 experts (bfloat16 otherwise: LoRA on a quantized base). Each side runs in its own
-process (so peak RSS is its own), two warm-up steps, then `--steps` timed steps. Prints a table with each side's speed
-against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
+process (so peak RSS is its own), two warm-up steps, then `--steps` timed steps; with `--rounds`, the sides
+alternate that many times and each side's figure is the median over all its rounds' steps. Prints a table with
+each side's speed against transformers+peft in its faster dtype of this run, and writes bench/results/train.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -112,11 +114,20 @@ def child(side, batch, seq, steps):
     print(json.dumps({"times": times, "losses": losses, "metrics": metrics, "peak_rss_mb": peak_mb}))
 
 
+def run_child(side: str, args) -> dict:
+    """One side's steps in a process of its own: {times, losses, metrics, peak_rss_mb}."""
+    cmd = [sys.executable, __file__, "--child", side, "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--steps", str(args.steps), "--shape", args.shape]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every side, alternating (medians over all)")
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, 2 steps")
     parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ", ".join(SIDES))
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
@@ -128,40 +139,33 @@ def main():
     if args.child:
         return child(args.child, args.batch, args.seq, args.steps)
     bench_model_dir()  # made once, outside the timed processes
-    rows, raw = [], {}
     sides = args.sides.split(",")
     unknown = sorted(set(sides) - set(SIDES))
     if unknown:
         parser.error(f"unknown side(s) {unknown}; choose from {', '.join(SIDES)}")
-    for side in sides:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            side,
-            "--batch",
-            str(args.batch),
-            "--seq",
-            str(args.seq),
-            "--steps",
-            str(args.steps),
-            "--shape",
-            args.shape,
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        result = json.loads(out)
-        raw[side] = result
-        median = sorted(result["times"])[len(result["times"]) // 2]
-        print(f"{side}: {args.batch * args.seq / median:,.0f} tokens/s ({median:.2f} s a step)", file=sys.stderr)
+    raw = {side: [] for side in sides}  # one child's result per round
+    for round_ in range(args.rounds):  # A B A B: a slow minute of the machine falls on every side alike
+        for side in sides:
+            result = run_child(side, args)
+            raw[side].append(result)
+            median = statistics.median(result["times"])
+            print(
+                f"round {round_ + 1}: {side}: {args.batch * args.seq / median:,.0f} tokens/s ({median:.2f} s a step)",
+                file=sys.stderr,
+            )
+    rows = []
+    for side, results in raw.items():
+        median = statistics.median([t for r in results for t in r["times"]])  # over every round's timed steps
+        metrics = [r["metrics"] for r in results]
         rows.append(
             {
                 "side": side,
                 "step_s": median,
                 "tokens_per_s": args.batch * args.seq / median,
-                "peak_rss_MB": result["peak_rss_mb"],
-                "first_loss": result["losses"][0],
-                "host_busy_s_per_step": result["metrics"].get("host_busy_s", 0) / args.steps,
-                "device_wait_s_per_step": result["metrics"].get("device_wait_s", 0) / args.steps,
+                "peak_rss_MB": max(r["peak_rss_mb"] for r in results),
+                "first_loss": results[0]["losses"][0],
+                "host_busy_s_per_step": sum(m.get("host_busy_s", 0) for m in metrics) / (args.steps * len(results)),
+                "device_wait_s_per_step": sum(m.get("device_wait_s", 0) for m in metrics) / (args.steps * len(results)),
             }
         )
     reference = [r["tokens_per_s"] for r in rows if r["side"].startswith("transformers")]
@@ -172,7 +176,15 @@ def main():
     print_table(f"LoRA fine-tuning, batch {args.batch} x {args.seq}, r=8 on the attention projections", rows)
     write_json(
         f"train-{args.shape}" if args.shape != "bench" else "train",
-        {"shape": args.shape, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rows": rows, "raw": raw},
+        {
+            "shape": args.shape,
+            "batch": args.batch,
+            "seq": args.seq,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "rows": rows,
+            "raw": raw,
+        },
     )
 
 
