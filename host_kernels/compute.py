@@ -65,7 +65,13 @@ class ExpertCompute:
         return y.astype(x.dtype), saved
 
     def backward(self, layer: int, x, ids, weights, dy, lora: ExpertLoRA | None = None, saved=None):
-        """(dx in x's dtype, routing-weight gradients in weights' dtype, ExpertLoRA of LoRA gradients or None)."""
+        """(dx in x's dtype, routing-weight gradients in weights' dtype, ExpertLoRA of LoRA gradients or None).
+        Without expert LoRA, given this call's kept pre-activations, on bfloat16 kernels: the fused backward
+        (csrc/moe_backward.c; the engine's arithmetic in one native call), else the engine's."""
+        fused = self.fused is not None and self.fused.has_backward and lora is None
+        if fused and saved is not None and saved.layer == layer and np.array_equal(saved.ids_tk, np.asarray(ids)):
+            dx, dweights = self.fused.backward(layer, np.asarray(x), np.asarray(ids), weights, dy, saved.h)
+            return dx.astype(x.dtype), dweights.astype(weights.dtype), None
         dx, dweights, dlora = self.engine.backward(
             layer,
             np.asarray(x, np.float32),

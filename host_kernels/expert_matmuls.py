@@ -138,6 +138,11 @@ class AMXExpertMatmuls:
         self.prepare(backward=False)
         return self._forward
 
+    def backward_weights(self) -> list[tuple[amx.PackedWeight, amx.PackedWeight]]:
+        """(W2ᵀ, W13ᵀ) packed per expert, as the backward reads them (the fused backward shares them)."""
+        self.prepare(backward=True)
+        return self._backward
+
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
         w13 = self._forward[e][0]
         fp = w13.n // 2

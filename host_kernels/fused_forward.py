@@ -131,7 +131,7 @@ class FusedTotals:
 @dataclass
 class _NativeLayer:
     pointer: int  # the moe_layer
-    routed: np.ndarray  # pairs routed to each expert, counted by the native code
+    routed: np.ndarray | None  # pairs routed to each expert, counted by the native code (a forward layer's)
     call: MoeCall
     weights: list  # the packed weights the moe_layer points into: kept alive with it
 
@@ -168,13 +168,18 @@ def pack_layer(w: LayerExperts | QuantizedLayerExperts, kernel: str) -> list:
     ]
 
 
+# the kernels whose layers also run the fused backward (csrc/moe_backward.c): bfloat16 weights in amx.pack's layout
+BACKWARD_KERNELS = (AMX_BF16, AVX512_BF16, AVX2_BF16)
+
+
 class FusedForward:
     """Native runner (threads and buffers) plus one native layer per MoE layer, computed by `kernel` (default:
     `best_kernel`) over packed weights that `packed(layer)` returns as [(w13, w2) per expert] when the layer is
     first used: the engine's AMX forward weights, or `pack_layer`'s. The native layer points into them: they are
-    kept with it."""
+    kept with it. With a BACKWARD_KERNELS kernel, `backward` runs a training step's backward over the weights that
+    `packed_backward(layer)` returns as [(W2ᵀ, W13ᵀ) per expert] (the engine's backward GEMMs' packed weights)."""
 
-    def __init__(self, store: ExpertStore, packed, threads: int, kernel: str | None = None):
+    def __init__(self, store: ExpertStore, packed, threads: int, kernel: str | None = None, packed_backward=None):
         if kernel is None:
             kernel, reason = best_kernel(store.dtype)
             if not kernel:
@@ -189,17 +194,18 @@ class FusedForward:
             raise HostKernelError(f"fused forward unavailable: {kernel}: {reason}")
         check_thread_count(threads)
         self.store, self._packed, self.kernel = store, packed, kernel
+        self._packed_backward = packed_backward if kernel in BACKWARD_KERNELS else None
         self._lib = native.lib()
         self._runner = self._lib.moe_runner_new(threads)
         if not self._runner:
             raise HostKernelError(f"cannot start the fused forward's {threads} threads")
         self.threads = self._lib.moe_runner_threads(self._runner)
         self._layers: dict[int, _NativeLayer] = {}
+        self._backward_layers: dict[int, _NativeLayer] = {}
         self._lock = threading.Lock()
         self._reported = np.zeros(len(TOTAL_NAMES), np.uint64)
         self._routed_reported: dict[int, np.ndarray] = {}
-        layers = self._layers
-        self._finalizer = weakref.finalize(self, _free, self._lib, self._runner, layers)
+        self._finalizer = weakref.finalize(self, _free, self._lib, self._runner, self._layers, self._backward_layers)
 
     def _layer(self, layer: int) -> _NativeLayer:
         with self._lock:
@@ -208,19 +214,44 @@ class FusedForward:
                 w = self.store[layer]
                 weights = self._packed(layer)
                 self._check_packed(layer, w, weights)
-                w13 = np.array([p[0].data.ctypes.data for p in weights], np.uint64)
-                w2 = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
                 routed = np.zeros(w.num_experts, np.int64)
-                pointer = self._lib.moe_layer_new(
-                    KERNELS[self.kernel].code, w.num_experts, w.hidden, w.ffn, w13.ctypes.data, w2.ctypes.data,
-                    routed.ctypes.data, KERNELS[self.kernel].group,
-                )  # fmt: skip
-                if not pointer:
-                    raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")
-                call = MoeCall()
-                self._lib.moe_call_init(ctypes.addressof(call), self._runner, pointer)
-                entry = self._layers[layer] = _NativeLayer(pointer, routed, call, weights)
+                entry = self._layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, routed)
                 self._routed_reported[layer] = np.zeros_like(routed)
+            return entry
+
+    def _native_layer(self, layer: int, hidden: int, ffn: int, weights, routed) -> _NativeLayer:
+        """A moe_layer over `weights` [(first, second GEMM's packed weight) per expert], counting routed pairs
+        into `routed` (None: not counted)."""
+        first = np.array([p[0].data.ctypes.data for p in weights], np.uint64)
+        second = np.array([p[1].data.ctypes.data for p in weights], np.uint64)
+        pointer = self._lib.moe_layer_new(
+            KERNELS[self.kernel].code, len(weights), hidden, ffn, first.ctypes.data, second.ctypes.data,
+            None if routed is None else routed.ctypes.data, KERNELS[self.kernel].group,
+        )  # fmt: skip
+        if not pointer:
+            raise HostKernelError(f"layer {layer}: out of memory for the fused forward's layer table")
+        call = MoeCall()
+        self._lib.moe_call_init(ctypes.addressof(call), self._runner, pointer)
+        return _NativeLayer(pointer, routed, call, weights)
+
+    @property
+    def has_backward(self) -> bool:
+        return self._packed_backward is not None
+
+    def _backward_layer(self, layer: int) -> _NativeLayer:
+        with self._lock:
+            entry = self._backward_layers.get(layer)
+            if entry is None:
+                w = self.store[layer]
+                weights = self._packed_backward(layer)
+                want = ((w.hidden, w.ffn), (2 * w.ffn, w.hidden))  # W2ᵀ, W13ᵀ
+                for e, pair in enumerate(weights):
+                    for name, packed, (k, n) in zip(("W2ᵀ", "W13ᵀ"), pair, want, strict=True):
+                        if not isinstance(packed, amx.PackedWeight) or (packed.k, packed.n) != (k, n):
+                            raise KernelArgumentError(f"layer {layer} expert {e} {name}: expected k={k}, n={n}")
+                if len(weights) != w.num_experts:
+                    raise KernelArgumentError(f"layer {layer}: {len(weights)} packed experts for {w.num_experts}")
+                entry = self._backward_layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, None)
             return entry
 
     def _check_packed(self, layer: int, w: LayerExperts, weights):
@@ -278,6 +309,39 @@ class FusedForward:
             raise HostKernelError(f"layer {layer}: {message.value.decode()}")
         return (y, h) if keep else y
 
+    def backward(self, layer: int, x_td, ids_tk, weights_tk, dy_td, kept: np.ndarray):
+        """(dx [t, d], d_weights [t, k]), float32, of `layer`'s routed experts given the output gradient dy, the
+        forward's x (for its shape and dtype), ids, routing weights and the pre-activations its `forward(...,
+        keep=True)` returned; the engine's `backward(..., saved=)` computes the same from Python."""
+        if not self.has_backward:
+            raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")
+        pointer = self._backward_layer(layer).pointer
+        w = self.store[layer]
+        tokens = np.shape(x_td)[0]
+        ids_tk = check_expert_ids(layer, ids_tk, tokens, w.num_experts)
+        weights_tk = np.ascontiguousarray(weights_tk, np.float32)
+        dy_td = np.ascontiguousarray(dy_td, np.float32)
+        pairs = int(np.count_nonzero(ids_tk != NOT_ROUTED))
+        if weights_tk.shape != ids_tk.shape or dy_td.shape != (tokens, w.hidden):
+            raise KernelArgumentError(
+                f"layer {layer}: routing weights {weights_tk.shape} and dy {dy_td.shape} do not fit ids "
+                f"{ids_tk.shape} and hidden {w.hidden}"
+            )
+        if kept.dtype != np.float32 or kept.shape != (pairs, 2 * w.ffn) or not kept.flags.c_contiguous:
+            raise KernelArgumentError(
+                f"layer {layer}: kept pre-activations are {kept.dtype} {kept.shape}, expected float32 "
+                f"[{pairs}, {2 * w.ffn}]"
+            )
+        dx, dweights = np.empty((tokens, w.hidden), np.float32), np.empty(ids_tk.shape, np.float32)
+        message = ctypes.create_string_buffer(256)
+        status = self._lib.moe_backward(
+            self._runner, pointer, dy_td.ctypes.data, ids_tk.ctypes.data, weights_tk.ctypes.data, kept.ctypes.data,
+            tokens, w.hidden, ids_tk.shape[1], dx.ctypes.data, dweights.ctypes.data, message, len(message),
+        )  # fmt: skip
+        if status:
+            raise HostKernelError(f"layer {layer}: {message.value.decode()}")
+        return dx, dweights
+
     def take_totals(self) -> FusedTotals:
         """Calls, time, tokens, bytes and routing since the previous take."""
         now = np.zeros(len(TOTAL_NAMES), np.uint64)
@@ -301,8 +365,8 @@ def is_live_call(address: int) -> bool:
     return address in _LIVE_CALLS
 
 
-def _free(lib, runner, layers):
+def _free(lib, runner, layers, backward_layers):
     _LIVE_CALLS.difference_update(ctypes.addressof(entry.call) for entry in layers.values())
     lib.moe_runner_free(runner)
-    for entry in layers.values():
+    for entry in (*layers.values(), *backward_layers.values()):
         lib.moe_layer_free(entry.pointer)

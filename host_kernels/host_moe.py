@@ -78,10 +78,19 @@ class HostMoE:
 
     def fused_forward(self) -> FusedForward | None:
         """The native fused forward (host_kernels/fused_forward.py), or None where the kernel choice has none.
-        Made once; on AMX it shares the packed weights with `forward`."""
+        Made once; with a bfloat16 kernel it shares the packed weights with `forward` and, for its fused
+        backward, with `backward`."""
         if self._fused is None and self.kernels.fused:
-            self._fused = FusedForward(self.store, self._packed_forward_weights, self.threads, self.kernels.fused)
+            shared = self.kernels.fused == self.kernels.gemm  # one packing: the fused backward reads the engine's too
+            backward = self._packed_backward_weights if shared else None
+            self._fused = FusedForward(
+                self.store, self._packed_forward_weights, self.threads, self.kernels.fused, packed_backward=backward
+            )
         return self._fused
+
+    def _packed_backward_weights(self, layer: int) -> list:
+        """(W2ᵀ, W13ᵀ) of `layer`'s experts, packed as the engine's backward GEMMs read them (made once)."""
+        return self._layer_matmuls(layer, backward=True).backward_weights()
 
     def _packed_forward_weights(self, layer: int) -> list:
         """The fused forward's packed weights of `layer`: with a bfloat16 kernel on both, the engine's (one copy,

@@ -50,6 +50,7 @@ SIGNATURES = {
     "moe_forward": ([_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int),
     "moe_forward_keeping": ([_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int),
     "moe_call_init": ([_P, _P, _P], None),
+    "moe_backward": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int),
 }
 
 

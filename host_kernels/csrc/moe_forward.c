@@ -30,16 +30,15 @@
 #include "bf16_gemm.h"
 #include "f32_gemm.h"
 #include "int4_gemm.h"
+#include "moe_call.h"
 #include "moe_forward.h"
 #include "runner.h"
 
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
 
-#define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
-#define NOT_ROUTED (-1) /* an expert id: this pair is computed elsewhere (host_kernels/schedule.py) */
 #define SUM_BLOCK 512      /* columns of one combine step (a stack buffer) */
 static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
@@ -79,22 +78,6 @@ ROW_LOOP static void add_row(float *sum, const float *row, int64_t n) {
 
 /* ------------------------------------------------------------------------------------------------ one layer */
 
-typedef struct {
-    int64_t experts, hidden, ffn;
-    int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
-    int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
-    int avx2;                  /* the AVX2 kernels (SwiGLU and int4's row quantizer too), else AVX-512 ones */
-    int records;               /* its GEMMs read quantized row records (int4 kernels, AVX2's int8; quantize_rows) */
-    int64_t group;             /* int4: k-rows per scale */
-    int64_t weight_bits;       /* bits per packed weight: 32, 16, 8 or 4 (scales aside) */
-    int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */
-    int64_t kp_hidden, kp_ffn; /* row strides of the gathered inputs and activations: k padded to the AMX tile (32) */
-    int64_t ffn_padded;        /* up columns start here in packed w13 (a 16-column AMX tile or 32-column f32 block) */
-    const void **w13;          /* [experts] packed [hidden, 2 * ffn_padded]: gate at [0, ffn), up at [ffn_padded, ...) */
-    const void **w2;           /* [experts] packed [ffn, hidden] */
-    int64_t *routed;           /* [experts] pairs routed to each expert, accumulated over calls (owner reads them) */
-} moe_layer;
-
 void moe_layer_free(moe_layer *l) {
     if (!l) return;
     free(l->w13), free(l->w2), free(l);
@@ -132,31 +115,6 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
 
 /* ------------------------------------------------------------------------------------------------ one call */
 
-typedef struct {
-    int32_t expert;
-    int32_t c0, c1; /* output columns */
-} tile;
-
-typedef struct {
-    moe_runner *runner;
-    const moe_layer *layer;
-    const void *x;
-    int x_bf16;
-    int64_t tokens, top_k, pairs;
-    int64_t *offsets;       /* [experts + 1] start of each expert's rows in sorted order */
-    int64_t *token_of;      /* [pairs] token of each sorted row */
-    int64_t *position;      /* [tokens * top_k] sorted row of each pair */
-    float *weight_sorted;   /* [pairs] */
-    char *rows;             /* [pairs + 16, kp_hidden] inputs in sorted order, bfloat16 or float32 (row_bytes) */
-    char *act;              /* [pairs + 16, kp_ffn] SwiGLU outputs, the same */
-    char *rows_q, *act_q;   /* layers whose GEMMs read records: both quantized (record_bytes a row) */
-    float *out;             /* [pairs, hidden] weighted expert outputs */
-    float *keep;            /* NULL, or [pairs, 2 * ffn]: the gate/up pre-activations, for a backward */
-    void *y;
-    tile *tiles;
-    int64_t tile_count;
-} call_state;
-
 /* Bytes of one quantized row record of kp values, for a layer whose GEMMs read records */
 static int64_t record_bytes(const moe_layer *l, int64_t kp) {
     return l->kernel == MOE_KERNEL_INT8_AVX2 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
@@ -173,7 +131,11 @@ static void quantize_rows(const moe_layer *l, const uint16_t *a, int64_t lda, in
         int4_quantize_rows(a, lda, m, c0, c1, q, lda);
 }
 
-static void gather_task(void *state, int worker, int64_t task) {
+int64_t moe_gather_tasks(const call_state *s) { return (s->pairs + GATHER_BLOCK - 1) / GATHER_BLOCK; }
+
+int64_t moe_combine_tasks(const call_state *s) { return (s->tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK; }
+
+void moe_gather_task(void *state, int worker, int64_t task) {
     call_state *s = state;
     (void)worker;
     const moe_layer *l = s->layer;
@@ -191,15 +153,15 @@ static void gather_task(void *state, int worker, int64_t task) {
             f32_to_bf16((const float *)src, (uint16_t *)dst, d);
         /* k padding (bfloat16 rows) meets the weights' zero padding: it must not be NaN */
         memset(dst + d * size, 0, (kp - d) * size);
-        char *act_row = s->act + i * l->kp_ffn * size;
-        memset(act_row + l->ffn * size, 0, (l->kp_ffn - l->ffn) * size);
+        char *act_row = s->act + i * s->act_kp * size;
+        memset(act_row + s->act_width * size, 0, (s->act_kp - s->act_width) * size);
         if (l->records) quantize_rows(l, (const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * record_bytes(l, kp));
     }
 }
 
 /* Columns [n0, n1) of the rows at `a` (m of them, the layer's row type and stride; or their quantized records)
  * times packed weight w. */
-static void expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
+void moe_expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                         int64_t n0, int64_t n1) {
     switch (l->kernel) {
         case MOE_KERNEL_F32_AVX512: f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
@@ -239,8 +201,8 @@ static void gate_up_task(void *state, int worker, int64_t task) {
             amx_gemm_4_streams((const uint16_t *)a, kp, kp, b, out, COLUMN_BLOCK, m);
         }
     if (c < t.c1) {
-        expert_gemm(l, a, l->kp_hidden, w13, hg + (c - t.c0), COLUMN_BLOCK, m, c, t.c1);
-        expert_gemm(l, a, l->kp_hidden, w13, hu + (c - t.c0), COLUMN_BLOCK, m, l->ffn_padded + c,
+        moe_expert_gemm(l, a, l->kp_hidden, w13, hg + (c - t.c0), COLUMN_BLOCK, m, c, t.c1);
+        moe_expert_gemm(l, a, l->kp_hidden, w13, hu + (c - t.c0), COLUMN_BLOCK, m, l->ffn_padded + c,
                     l->ffn_padded + t.c1);
     }
     if (s->keep) /* the pre-activations as computed, gate then up, in the sorted rows (the engine's backward reads them) */
@@ -249,7 +211,7 @@ static void gate_up_task(void *state, int worker, int64_t task) {
             memcpy(kept + t.c0, hg + i * COLUMN_BLOCK, width * 4);
             memcpy(kept + l->ffn + t.c0, hu + i * COLUMN_BLOCK, width * 4);
         }
-    char *act = s->act + r0 * l->kp_ffn * l->row_bytes;
+    char *act = s->act + r0 * s->act_kp * l->row_bytes;
     (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes,
                                                       l->kp_ffn, !l->f32, m, width);
     if (l->records) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
@@ -277,12 +239,12 @@ static void down_task(void *state, int worker, int64_t task) {
             float *outs[4] = {o, o + 16, o + 32, o + 48};
             amx_gemm_4_streams((const uint16_t *)a, kp, kp, b, outs, d, m);
         }
-    if (c < t.c1) expert_gemm(l, a, kp, w2, out + (c - t.c0), d, m, c, t.c1);
+    if (c < t.c1) moe_expert_gemm(l, a, kp, w2, out + (c - t.c0), d, m, c, t.c1);
     for (int64_t i = 0; i < m; i++) scale_row(out + i * d, s->weight_sorted[r0 + i], t.c1 - t.c0);
 }
 
 /* y[t] = sum over t's pairs, in slot order, of the weighted expert rows (the engine's combine, same order) */
-static void combine_task(void *state, int worker, int64_t task) {
+void moe_combine_task(void *state, int worker, int64_t task) {
     call_state *s = state;
     (void)worker;
     const int64_t d = s->layer->hidden;
@@ -302,16 +264,15 @@ static void combine_task(void *state, int worker, int64_t task) {
 }
 
 /* Tiles of one phase: every routed expert's rows x column blocks of `width`, the experts with most rows first. */
-static int64_t plan_tiles(const moe_layer *l, const int64_t *sizes, const int32_t *by_size, int64_t width,
-                          tile *tiles) {
+void moe_plan_tiles(call_state *s, int64_t width) {
     int64_t n = 0;
-    for (int64_t i = 0; i < l->experts; i++) {
-        const int32_t e = by_size[i];
-        if (!sizes[e]) break;
+    for (int64_t i = 0; i < s->layer->experts; i++) {
+        const int32_t e = s->by_size[i];
+        if (!s->sizes[e]) break;
         for (int64_t c = 0; c < width; c += COLUMN_BLOCK)
-            tiles[n++] = (tile){e, (int32_t)c, (int32_t)(c + COLUMN_BLOCK < width ? c + COLUMN_BLOCK : width)};
+            s->tiles[n++] = (tile){e, (int32_t)c, (int32_t)(c + COLUMN_BLOCK < width ? c + COLUMN_BLOCK : width)};
     }
-    return n;
+    s->tile_count = n;
 }
 
 static float load_weight(const void *weights, int bf16, int64_t i) {
@@ -322,21 +283,20 @@ static float load_weight(const void *weights, int bf16, int64_t i) {
     return f;
 }
 
-static int fail(char *err, int64_t err_len, const char *message, long long a, long long b) {
+int moe_fail(char *err, int64_t err_len, const char *message, long long a, long long b) {
     if (err && err_len > 0) snprintf(err, (size_t)err_len, message, a, b);
     return 1;
 }
 
-static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
-                          const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
-                          float *keep, const moe_helpers *helpers, char *err, int64_t err_len) {
+int moe_open_call(moe_runner *r, const moe_layer *l, call_state *s, const int32_t *ids, const void *weights,
+                  int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, int64_t act_width, int64_t act_kp,
+                  int64_t scratch, char *err, int64_t err_len) {
     const int64_t experts = l->experts, d = l->hidden;
-    if (hidden != d) return fail(err, err_len, "inputs have %lld columns, the layer's experts take %lld", hidden, d);
-    if (tokens <= 0) return 0;
+    if (hidden != d) return moe_fail(err, err_len, "inputs have %lld columns, the layer's experts take %lld", hidden, d);
     int64_t pairs = 0; /* routed here: NOT_ROUTED pairs are computed elsewhere (hybrid placements) and add nothing */
     for (int64_t p = 0; p < tokens * top_k; p++) {
         if (ids[p] < NOT_ROUTED || ids[p] >= experts)
-            return fail(err, err_len, "expert id %lld out of range (the layer has %lld experts)", ids[p], experts);
+            return moe_fail(err, err_len, "expert id %lld out of range (the layer has %lld experts)", ids[p], experts);
         pairs += ids[p] != NOT_ROUTED;
     }
     /* index arrays: offsets, sizes, fill, order by size, token_of, position, weight_sorted, tiles */
@@ -345,12 +305,12 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
         (3 * (experts + 1) + pairs + tokens * top_k) * 8 + experts * 4 + pairs * 4 + tile_cap * sizeof(tile);
     char *index = runner_reserve(&r->index, index_bytes);
     char *rows = runner_reserve(&r->rows, (size_t)(pairs + 16) * l->kp_hidden * l->row_bytes);
-    char *act = runner_reserve(&r->act, (size_t)(pairs + 16) * l->kp_ffn * l->row_bytes);
+    char *act = runner_reserve(&r->act, (size_t)(pairs + 16) * act_kp * l->row_bytes);
     float *out = runner_reserve(&r->out, (size_t)(pairs + 1) * d * 4); /* + a zero row, where NOT_ROUTED pairs point */
     char *rows_q = l->records ? runner_reserve(&r->rows_q, (size_t)(pairs + 16) * record_bytes(l, l->kp_hidden)) : NULL;
     char *act_q = l->records ? runner_reserve(&r->act_q, (size_t)(pairs + 16) * record_bytes(l, l->kp_ffn)) : NULL;
     if (!index || !rows || !act || !out || (l->records && (!rows_q || !act_q)))
-        return fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
+        return moe_fail(err, err_len, "out of memory for %lld pairs (%lld)", pairs, 0);
     int64_t *offsets = (int64_t *)index, *sizes = offsets + experts + 1, *fill = sizes + experts + 1;
     int64_t *token_of = fill + experts + 1, *position = token_of + pairs;
     int32_t *by_size = (int32_t *)(position + tokens * top_k);
@@ -383,32 +343,49 @@ static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int 
             by_size[j] = by_size[j - 1], by_size[j - 1] = swap;
         }
     for (int i = 0; i < r->threads; i++)
-        if (!runner_reserve(&r->scratch[i], (size_t)2 * largest * COLUMN_BLOCK * 4))
-            return fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
+        if (!runner_reserve(&r->scratch[i], (size_t)largest * scratch * 4))
+            return moe_fail(err, err_len, "out of memory for %lld rows of one expert (%lld)", largest, 0);
+    *s = (call_state){.runner = r, .layer = l, .tokens = tokens, .top_k = top_k, .pairs = pairs, .offsets = offsets,
+                      .token_of = token_of, .position = position, .weight_sorted = weight_sorted, .rows = rows,
+                      .act = act, .act_width = act_width, .act_kp = act_kp, .rows_q = rows_q, .act_q = act_q,
+                      .out = out, .tiles = tiles, .sizes = sizes, .by_size = by_size};
+    return 0;
+}
 
-    call_state s = {r, l, x, x_dtype == MOE_BFLOAT16, tokens, top_k, pairs, offsets, token_of, position,
-                    weight_sorted, rows, act, rows_q, act_q, out, keep, y, tiles, 0};
-    runner_open_call(r, helpers);
-    runner_run_phase(r, gather_task, &s, (pairs + GATHER_BLOCK - 1) / GATHER_BLOCK);
-    s.tile_count = plan_tiles(l, sizes, by_size, l->ffn, tiles);
-    runner_run_phase(r, gate_up_task, &s, s.tile_count);
-    s.tile_count = plan_tiles(l, sizes, by_size, d, tiles);
-    runner_run_phase(r, down_task, &s, s.tile_count);
-    runner_run_phase(r, combine_task, &s, (tokens + TOKEN_BLOCK - 1) / TOKEN_BLOCK);
-    runner_close_call(r);
-
+void moe_count_call(moe_runner *r, const moe_layer *l, const call_state *s, int64_t bytes_in, int64_t bytes_out,
+                    int forward) {
     int64_t active = 0;
-    for (int64_t e = 0; e < experts; e++) {
-        active += sizes[e] > 0;
-        if (l->routed) l->routed[e] += sizes[e];
+    for (int64_t e = 0; e < l->experts; e++) {
+        active += s->sizes[e] > 0;
+        if (l->routed && forward) l->routed[e] += s->sizes[e];
     }
+    if (forward) r->totals[TOKENS] += s->tokens, r->totals[PAIRS] += s->pairs;
+    r->totals[FLOPS] += 2 * s->pairs * 3 * l->hidden * l->ffn;
+    r->totals[WEIGHT_BYTES] += active * 3 * l->hidden * l->ffn * l->weight_bits / 8;
+    r->totals[BYTES_IN] += bytes_in;
+    r->totals[BYTES_OUT] += bytes_out;
+}
+
+static int forward_locked(moe_runner *r, const moe_layer *l, const void *x, int x_dtype, const int32_t *ids,
+                          const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                          float *keep, const moe_helpers *helpers, char *err, int64_t err_len) {
+    if (tokens <= 0 && hidden == l->hidden) return 0;
+    call_state s;
+    if (moe_open_call(r, l, &s, ids, weights, w_dtype, tokens, hidden, top_k, l->ffn, l->kp_ffn, 2 * COLUMN_BLOCK,
+                      err, err_len))
+        return 1;
+    s.x = x, s.x_bf16 = x_dtype == MOE_BFLOAT16, s.keep = keep, s.y = y;
+    runner_open_call(r, helpers);
+    runner_run_phase(r, moe_gather_task, &s, moe_gather_tasks(&s));
+    moe_plan_tiles(&s, l->ffn);
+    runner_run_phase(r, gate_up_task, &s, s.tile_count);
+    moe_plan_tiles(&s, l->hidden);
+    runner_run_phase(r, down_task, &s, s.tile_count);
+    runner_run_phase(r, moe_combine_task, &s, moe_combine_tasks(&s));
+    runner_close_call(r);
     const int64_t x_size = x_dtype == MOE_BFLOAT16 ? 2 : 4, w_size = w_dtype == MOE_BFLOAT16 ? 2 : 4;
-    r->totals[TOKENS] += tokens;
-    r->totals[PAIRS] += pairs;
-    r->totals[FLOPS] += 2 * pairs * 3 * d * l->ffn;
-    r->totals[WEIGHT_BYTES] += active * 3 * d * l->ffn * l->weight_bits / 8;
-    r->totals[BYTES_IN] += tokens * d * x_size + tokens * top_k * (4 + w_size);
-    r->totals[BYTES_OUT] += tokens * d * x_size;
+    moe_count_call(r, l, &s, tokens * l->hidden * x_size + tokens * top_k * (4 + w_size), tokens * l->hidden * x_size,
+                   1);
     return 0;
 }
 

@@ -177,7 +177,7 @@ void moe_runner_free(moe_runner *r) {
         nanosleep(&(struct timespec){0, 1000000}, NULL);
     }
     free(r->rows.data), free(r->act.data), free(r->out.data), free(r->index.data);
-    free(r->rows_q.data), free(r->act_q.data);
+    free(r->rows_q.data), free(r->act_q.data), free(r->dw_parts.data);
     for (int i = 0; i < MAX_THREADS; i++) free(r->scratch[i].data);
     pthread_mutex_destroy(&r->mutex), pthread_mutex_destroy(&r->one_call), pthread_cond_destroy(&r->wake);
     free(r);

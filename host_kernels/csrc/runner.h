@@ -53,6 +53,7 @@ typedef struct {
     void *state;
     pthread_mutex_t one_call; /* calls share the buffers */
     buffer rows, act, out, index, rows_q, act_q, scratch[MAX_THREADS]; /* _q: int4 layers' int8 rows */
+    buffer dw_parts; /* the fused backward's routing-weight gradient shares (moe_backward.c) */
     uint64_t totals[TOTALS];           /* over calls, read by moe_runner_totals */
     _Atomic uint64_t busy_nanoseconds; /* summed over threads */
 } moe_runner;
