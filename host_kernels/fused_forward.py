@@ -244,25 +244,22 @@ class FusedForward:
             if entry is None:
                 w = self.store[layer]
                 weights = self._packed_backward(layer)
-                want = ((w.hidden, w.ffn), (2 * w.ffn, w.hidden))  # W2ᵀ, W13ᵀ
-                for e, pair in enumerate(weights):
-                    for name, packed, (k, n) in zip(("W2ᵀ", "W13ᵀ"), pair, want, strict=True):
-                        if not isinstance(packed, amx.PackedWeight) or (packed.k, packed.n) != (k, n):
-                            raise KernelArgumentError(f"layer {layer} expert {e} {name}: expected k={k}, n={n}")
-                if len(weights) != w.num_experts:
-                    raise KernelArgumentError(f"layer {layer}: {len(weights)} packed experts for {w.num_experts}")
+                self._check_packed(layer, w, weights, backward=True)
                 entry = self._backward_layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, None)
             return entry
 
-    def _check_packed(self, layer: int, w: LayerExperts, weights):
-        """The packed weights the native layer will read: one (w13, w2) per expert, of this store's kind and
-        the layer's shape (each one's data was checked against its k and n when it was made)."""
+    def _check_packed(self, layer: int, w: LayerExperts, weights, backward: bool = False):
+        """The packed weights the native layer will read: one (w13, w2) per expert (a backward layer: (W2ᵀ,
+        W13ᵀ)), of this store's kind and the layer's shape (each one's data was checked against its k and n when
+        it was made)."""
         kind, block = KERNELS[self.kernel].packed, KERNELS[self.kernel].block
-        want = ((w.hidden, 2 * amx.padded(w.ffn, block)), (w.ffn, w.hidden))
+        names, want = ("w13", "w2"), ((w.hidden, 2 * amx.padded(w.ffn, block)), (w.ffn, w.hidden))
+        if backward:
+            names, want = ("W2ᵀ", "W13ᵀ"), ((w.hidden, w.ffn), (2 * w.ffn, w.hidden))
         if len(weights) != w.num_experts:
             raise KernelArgumentError(f"layer {layer}: {len(weights)} packed experts for {w.num_experts}")
         for e, pair in enumerate(weights):
-            for name, packed, (k, n) in zip(("w13", "w2"), pair, want, strict=True):
+            for name, packed, (k, n) in zip(names, pair, want, strict=True):
                 where = f"layer {layer} expert {e} {name}"
                 if not isinstance(packed, kind) or (packed.k, packed.n) != (k, n):
                     raise KernelArgumentError(f"{where}: expected a {kind.__name__} of k={k}, n={n}")
