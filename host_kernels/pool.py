@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from threadpoolctl import ThreadpoolController
@@ -53,10 +54,13 @@ class WorkerPool:
             check_thread_count(threads)
         self.threads = threads or default_threads()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        # the helpers hold the queue, not the pool: when the pool goes, its finalizer tells them to end (a model
+        # freed in a long process left one sleeping thread per engine before)
         self._helpers = [
-            threading.Thread(target=self._helper_loop, name=f"host-kernels-{i}", daemon=True)
+            threading.Thread(target=_helper_loop, args=(self._tasks,), name=f"host-kernels-{i}", daemon=True)
             for i in range(self.threads - 1)
         ]
+        weakref.finalize(self, _stop_helpers, self._tasks, len(self._helpers))
         try:
             for t in self._helpers:
                 t.start()
@@ -103,10 +107,19 @@ class WorkerPool:
                 _running.worker = None
             busy[worker] += time.perf_counter() - start
 
-    def _helper_loop(self):
-        while True:
-            work, busy, worker, errors, done = self._tasks.get()
-            try:
-                self._drain(work, busy, worker, errors)
-            finally:
-                done.wait()
+
+def _helper_loop(tasks: queue.SimpleQueue):
+    while True:
+        job = tasks.get()
+        if job is None:  # the pool is gone
+            return
+        work, busy, worker, errors, done = job
+        try:
+            WorkerPool._drain(work, busy, worker, errors)
+        finally:
+            done.wait()
+
+
+def _stop_helpers(tasks: queue.SimpleQueue, helpers: int):
+    for _ in range(helpers):
+        tasks.put(None)

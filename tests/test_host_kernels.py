@@ -271,6 +271,23 @@ def test_worker_failure_surfaces_in_caller(monkeypatch):
     )
 
 
+def test_a_freed_engine_ends_its_worker_threads():
+    import gc
+    import threading
+
+    rng = np.random.default_rng(6)
+    engine = HostMoE(ExpertStore({2: make_layer(rng)}), threads=3)
+    x = rng.standard_normal((40, D)).astype(np.float32)
+    engine.forward(2, x, *routing("uniform", 40, rng))
+    helpers = engine.pool._helpers
+    assert len(helpers) == 2 and all(t.is_alive() for t in helpers)
+    del engine
+    gc.collect()
+    for t in helpers:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in helpers), [t.name for t in threading.enumerate()]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_decode_size_products_match_numpy(rows):
     from host_kernels.matmul import matmul_w
