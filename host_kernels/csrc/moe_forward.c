@@ -16,6 +16,9 @@
  *
  * On CPUs without AVX-512 the same GEMMs and SwiGLU run on AVX2 + FMA (avx2_*.c) over the same packed weights.
  *
+ * The parts of a call that the fused backward (moe_backward.c) runs too (the routing and buffers, the gather, the
+ * tiles, one expert's GEMM, the combine) are defined here and declared in moe_call.h.
+ *
  * The threads and their meeting points are runner.c's. This file is compiled for no instruction set beyond the
  * baseline: the kernels it calls are each compiled for theirs (host_kernels/fused_forward.py checks the CPU before
  * a layer is made), and its own few loops over rows (gather conversions, routing weights, the combine) are cloned
