@@ -308,7 +308,7 @@ class FusedForward:
 
     def backward(self, layer: int, x_td, ids_tk, weights_tk, dy_td, kept: np.ndarray):
         """(dx [t, d], d_weights [t, k]), float32, of `layer`'s routed experts given the output gradient dy, the
-        forward's x (for its shape and dtype), ids, routing weights and the pre-activations its `forward(...,
+        forward's x (for its row count), ids, routing weights and the pre-activations its `forward(...,
         keep=True)` returned; the engine's `backward(..., saved=)` computes the same from Python."""
         if not self.has_backward:
             raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")

@@ -14,8 +14,6 @@
  * A backward layer is a moe_layer (moe_layer_new) whose w13 are each expert's packed W2ᵀ and whose w2 are its packed
  * W13ᵀ: the weights each phase reads, in the order it reads them.
  */
-#include <string.h>
-
 #include "avx2_kernels.h"
 #include "moe_call.h"
 #include "moe_forward.h"
@@ -31,8 +29,6 @@ typedef struct {
     float *dw_parts;   /* [pairs, blocks]: each column block's share of dL/dw */
     int64_t blocks;
 } backward_state;
-
-static int64_t column_blocks(const moe_layer *l) { return (l->ffn + COLUMN_BLOCK - 1) / COLUMN_BLOCK; }
 
 /* phase 1: one expert's rows x columns [c0, c1) of ffn: g, then dh (bfloat16, in act) and dw's share */
 static void activation_grad_task(void *state, int worker, int64_t task) {
@@ -65,13 +61,12 @@ static void input_grad_task(void *state, int worker, int64_t task) {
 static int backward_locked(moe_runner *r, const moe_layer *l, const float *dy, const int32_t *ids,
                            const float *weights, const float *kept, int64_t tokens, int64_t hidden, int64_t top_k,
                            float *dx, float *dweights, char *err, int64_t err_len) {
-    if (l->f32 || l->records || (l->kernel != MOE_KERNEL_BF16_AMX && l->kernel != MOE_KERNEL_BF16_AVX512 &&
-                                 l->kernel != MOE_KERNEL_BF16_AVX2))
+    if (l->kernel != MOE_KERNEL_BF16_AMX && l->kernel != MOE_KERNEL_BF16_AVX512 && l->kernel != MOE_KERNEL_BF16_AVX2)
         return moe_fail(err, err_len, "the fused backward runs bfloat16 kernels only (kernel %lld)", l->kernel, 0);
     if (tokens <= 0 && hidden == l->hidden) return 0;
-    backward_state b = {.kept = kept, .blocks = column_blocks(l)};
+    backward_state b = {.kept = kept, .blocks = padded(l->ffn, COLUMN_BLOCK) / COLUMN_BLOCK};
     call_state *s = &b.call;
-    const int64_t kp_dh = (2 * l->ffn + 31) / 32 * 32; /* W13ᵀ's k: gate and up rows, padded */
+    const int64_t kp_dh = padded(2 * l->ffn, 32); /* W13ᵀ's k: gate and up rows, padded */
     if (moe_open_call(r, l, s, ids, weights, MOE_FLOAT32, tokens, hidden, top_k, 2 * l->ffn, kp_dh, COLUMN_BLOCK, err,
                       err_len))
         return 1;

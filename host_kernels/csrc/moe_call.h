@@ -11,6 +11,8 @@
 #define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
 #define NOT_ROUTED (-1) /* an expert id: this pair is computed elsewhere (host_kernels/schedule.py) */
 
+static inline int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
+
 typedef struct {
     int64_t experts, hidden, ffn;
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */

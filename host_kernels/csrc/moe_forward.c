@@ -43,7 +43,6 @@ void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
 #define SUM_BLOCK 512      /* columns of one combine step (a stack buffer) */
-static int64_t padded(int64_t n, int64_t block) { return (n + block - 1) / block * block; }
 
 /* ------------------------------------------------------------------------------- loops over rows, per ISA */
 
