@@ -29,7 +29,7 @@ CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the
 # kernels above directly, and the experts' handler goes through moe_forward.h's moe_call
 XLA_FFI_SOURCES = ("xla_host_experts.c", "xla_decode_attention.c", "xla_argmax.c", "xla_dense.c")
-XLA_FFI_HEADERS = ("ffi_common.h",)
+XLA_FFI_HEADERS = ("ffi_common.h", "decode_attention_head.h", "decode_attention_heads.h")
 
 
 def hash_files(paths) -> str:

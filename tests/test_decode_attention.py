@@ -1,6 +1,6 @@
 """The native decode attention (host_kernels/csrc/xla_decode_attention.c), each instruction-set variant this CPU
-runs, against XLA's own path (layers.attend over the select-written cache): the same cache bits, outputs equal to
-bfloat16 rounding, in place when donated."""
+runs, over bfloat16 and float32 caches, against XLA's own path (layers.attend over the select-written cache): the
+same cache bits, outputs equal to the dtype's rounding, in place when donated."""
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +16,11 @@ from tests.isa import variants
 pytestmark = pytest.mark.skipif(not native_attention.status()[0], reason=f"not here: {native_attention.status()[1]}")
 
 
-def inputs(b, kv, g, s, d, seed=0):
+def inputs(b, kv, g, s, d, seed=0, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
 
     def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        return jnp.asarray(rng.standard_normal(shape), dtype)
 
     positions = rng.integers(0, s, (b, 1)).astype(np.int32)
     positions[0, 0], positions[-1, 0] = 0, s - 1  # the cache's first and last entries
@@ -72,6 +72,31 @@ def test_matches_the_xla_path(b, kv, g, s, d, window, isa):
 
 
 @pytest.mark.parametrize("isa", variants(native_attention.status))
+@pytest.mark.parametrize(
+    "b, kv, g, s, d, window",
+    [(16, 2, 4, 96, 64, None), (3, 1, 1, 40, 24, None), (5, 4, 2, 200, 128, 17), (4, 1, 3, 7, 20, None),
+     (3, 2, 5, 19, 12, 9)],
+)  # fmt: skip
+def test_float32_caches_match_the_xla_path(b, kv, g, s, d, window, isa):
+    args = inputs(b, kv, g, s, d, dtype=jnp.float32)
+    want_out, want_k, want_v = xla_path(window)(*args)
+    out, k_all, v_all = native_path(window, isa=isa)(*args)
+    assert out.dtype == k_all.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(k_all), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(v_all), np.asarray(want_v))
+    # float32 throughout, probabilities not rounded: summation order and the exp polynomial (4e-6) apart
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-6)
+
+
+def test_mixed_dtypes_are_refused():
+    q, k_new, v_new, positions, k_cache, v_cache = inputs(2, 1, 2, 16, 32)
+    with pytest.raises(Exception, match="all bf16 or all f32"):
+        jax.block_until_ready(
+            native_path(None)(q.astype(jnp.float32), k_new, v_new, positions, k_cache, v_cache)
+        )
+
+
+@pytest.mark.parametrize("isa", variants(native_attention.status))
 def test_updates_a_donated_cache_in_place_and_leaves_an_undonated_one(isa):
     q, k_new, v_new, positions, k_cache, v_cache = inputs(4, 2, 4, 48, 64, seed=1)
     before = np.asarray(k_cache).copy()
@@ -96,12 +121,11 @@ def decode_hlo(model):
     return decode.lower(model.state_leaves(), caches, tokens, np.ones((2, 1), bool), tokens, tokens).as_text()
 
 
-def test_bfloat16_decode_steps_call_it_where_the_plan_says(tmp_path):
+def test_decode_steps_call_it_where_the_plan_says(tmp_path):
     save_hf_model(make_hf_model("mixtral", seed=3), tmp_path)
-    model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16")
-    assert model.plan.decode_attention and "moe_jax_decode_attention" in decode_hlo(model)
-    model = moe_jax.load_model(tmp_path, backend="host")  # float32
-    assert not model.plan.decode_attention and "moe_jax_decode_attention" not in decode_hlo(model)
+    for dtype in ("bfloat16", "float32"):
+        model = moe_jax.load_model(tmp_path, backend="host", dtype=dtype)
+        assert model.plan.decode_attention and "moe_jax_decode_attention" in decode_hlo(model)
     model = moe_jax.load_model(tmp_path, backend="host", dtype="bfloat16", xla_ffi=False)
     assert model.plan.reason("attention") == "XLA FFI handlers turned off by the caller"
     assert "moe_jax_decode_attention" not in decode_hlo(model)

@@ -336,6 +336,14 @@ def test_native_swiglu_passes_match_numpy(with_act, out_dtype, isa):
             np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-5)
 
 
+def test_every_native_source_is_in_the_build_hash():
+    """An edit to any file in csrc/ makes the built library stale (the loader compares this hash)."""
+    from host_kernels import native_sources as ns
+
+    hashed = set(ns.SOURCES + ns.HEADERS + ns.XLA_FFI_SOURCES + ns.XLA_FFI_HEADERS)
+    assert hashed == {path.name for path in ns.CSRC.iterdir() if path.suffix in (".c", ".h")}
+
+
 def test_stale_native_library_is_refused(monkeypatch):
     from host_kernels import native
 

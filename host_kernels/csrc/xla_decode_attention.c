@@ -1,4 +1,4 @@
-/* XLA FFI handler "moe_jax_decode_attention": one decode step's attention on XLA:CPU, bfloat16 KV cache.
+/* XLA FFI handler "moe_jax_decode_attention": one decode step's attention on XLA:CPU, bfloat16 or float32 KV cache.
  *
  * For each row and KV head it writes the step's new key and value into the cache at the row's position (the
  * cache buffers are aliased to the results, so this is in place) and attends the group's queries to the cache
@@ -7,7 +7,7 @@
  * position are not read at all).
  *
  * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
- * [b, kv, s, d]; all bf16 but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attributes (s64): `window`,
+ * [b, kv, s, d]; all bf16, or all float32 (a float32 model's cache), but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attributes (s64): `window`,
  * a sliding window's length, 0 for none; `avx512`, 1 for the AVX-512 variant, 0 for the AVX2 + FMA one (the same
  * arithmetic 16 or 8 lanes wide: decode_attention_head.h, written once for both). Arithmetic as the XLA path (layers.attend): q.k products summed in
  * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
@@ -72,6 +72,7 @@ static inline V avx512_keep(V x, int64_t count) { return _mm512_maskz_mov_ps(avx
 static inline float avx512_hmax(V x) { return _mm512_reduce_max_ps(x); }
 static inline float avx512_hsum(V x) { return _mm512_reduce_add_ps(x); }
 /* W bf16 values (the first `count` of them; the rest read as 0) as float32: bf16 is float32's upper half */
+static inline V avx512_load_f32(const float *p, int64_t count) { return _mm512_maskz_loadu_ps(avx512_mask(count), p); }
 static inline V avx512_load_bf16(const uint16_t *p, int64_t count) {
     __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(avx512_mask(count), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -107,7 +108,7 @@ static inline V avx512_sum_lanes(const V *v) {
     /* s holds sum(v[4l + r]) at 4r + l */
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
-#include "decode_attention_head.h"
+#include "decode_attention_heads.h"
 #undef SET1
 #undef W
 #undef V
@@ -140,6 +141,7 @@ static inline void avx2_store_n(float *p, V x, int64_t count) { store8(p, x, cou
 static inline V avx2_keep(V x, int64_t count) { return _mm256_and_ps(x, _mm256_castsi256_ps(avx2_mask(count))); }
 static inline float avx2_hmax(V x) { return hmax8(x); }
 static inline float avx2_hsum(V x) { return hsum8(x); }
+static inline V avx2_load_f32(const float *p, int64_t count) { return avx2_load_n(p, count, 0.0f); }
 static inline V avx2_load_bf16(const uint16_t *p, int64_t count) {
     uint16_t part[8] = {0};
     if (count < 8) memcpy(part, p, (size_t)lanes_of(count, 8) * 2);
@@ -166,43 +168,52 @@ static inline V avx2_sum_lanes(const V *v) {
     /* b0: sums of v[0..3]'s low halves, then of their high halves; b1 the same for v[4..7] */
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
-#include "decode_attention_head.h"
+#include "decode_attention_heads.h"
 #undef SET1
 #undef W
 #undef V
 #undef ISA
 #pragma GCC pop_options
 
-/* One call's operands, shared by the tasks: one task a (row, kv head). */
+/* One call's operands, shared by the tasks: one task a (row, kv head). Arrays of `elem`-byte values (bf16 or
+ * float32), addressed in bytes. */
+typedef void (*attend_head_fn)(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int64_t,
+                               float *, int64_t);
 typedef struct {
-    const uint16_t *q, *k_new, *v_new;
+    const char *q, *k_new, *v_new;
     const int32_t *positions;
-    uint16_t *k_cache, *v_cache, *out;
-    int64_t kv, s, d, g, window;
-    void (*attend_head)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t,
-                        int64_t, float *, int64_t);
+    char *k_cache, *v_cache, *out;
+    int64_t kv, s, d, g, window, elem;
+    attend_head_fn attend_head;
     _Atomic int failed; /* a task could not allocate its work space */
 } attention_call;
 
 /* Writes the row's new key and value into the cache at its position, then attends its queries to the keys it sees. */
 static void attend_one(void *data, int64_t head) {
     attention_call *c = data;
-    const int64_t d = c->d, g = c->g, dp = (d + 15) / 16 * 16, stride = (c->s + 15) / 16 * 16;
+    const int64_t d = c->d, g = c->g, dp = (d + 15) / 16 * 16, stride = (c->s + 15) / 16 * 16, row = d * c->elem;
     const int64_t last = c->positions[head / c->kv];
     const int64_t first = c->window > 0 && last - c->window + 1 > 0 ? last - c->window + 1 : 0;
-    uint16_t *k = c->k_cache + head * c->s * d, *v = c->v_cache + head * c->s * d;
-    memcpy(k + last * d, c->k_new + head * d, (size_t)d * 2);
-    memcpy(v + last * d, c->v_new + head * d, (size_t)d * 2);
+    char *k = c->k_cache + head * c->s * row, *v = c->v_cache + head * c->s * row;
+    memcpy(k + last * row, c->k_new + head * row, (size_t)row);
+    memcpy(v + last * row, c->v_new + head * row, (size_t)row);
     float *work = malloc((size_t)(2 * g * dp + 16 * dp + g * stride) * sizeof(float));
     if (!work) {
         atomic_store(&c->failed, 1);
         return;
     }
-    c->attend_head(c->q + head * g * d, k, v, c->out + head * g * d, g, d, first, last, work, stride);
+    c->attend_head(c->q + head * g * row, k, v, c->out + head * g * row, g, d, first, last, work, stride);
     free(work);
 }
 
-static int is_bf16(const XLA_FFI_Buffer *b, int64_t rank) { return b->dtype == XLA_FFI_DataType_BF16 && b->rank == rank; }
+static attend_head_fn variant(int avx512, int f32) {
+    if (avx512) return f32 ? avx512_attend_head_f32 : avx512_attend_head_bf16;
+    return f32 ? avx2_attend_head_f32 : avx2_attend_head_bf16;
+}
+
+static int is_type(const XLA_FFI_Buffer *b, XLA_FFI_DataType type, int64_t rank) {
+    return b->dtype == type && b->rank == rank;
+}
 
 XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
@@ -221,9 +232,14 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Buffer *q = frame->args.args[0], *k_new = frame->args.args[1], *v_new = frame->args.args[2];
     const XLA_FFI_Buffer *positions = frame->args.args[3], *k_in = frame->args.args[4], *v_in = frame->args.args[5];
     const XLA_FFI_Buffer *out = frame->rets.rets[0], *k_out = frame->rets.rets[1], *v_out = frame->rets.rets[2];
-    if (!is_bf16(q, 4) || !is_bf16(k_new, 4) || !is_bf16(v_new, 4) || !is_bf16(k_in, 4) || !is_bf16(v_in, 4) ||
-        !is_bf16(out, 4) || !is_bf16(k_out, 4) || !is_bf16(v_out, 4) || positions->dtype != XLA_FFI_DataType_S32)
-        return ffi_error(api, "moe_jax_decode_attention: bf16 arrays of rank 4 and s32 positions expected");
+    const XLA_FFI_DataType type = q->dtype;
+    if ((type != XLA_FFI_DataType_BF16 && type != XLA_FFI_DataType_F32) || !is_type(q, type, 4) ||
+        !is_type(k_new, type, 4) || !is_type(v_new, type, 4) || !is_type(k_in, type, 4) || !is_type(v_in, type, 4) ||
+        !is_type(out, type, 4) || !is_type(k_out, type, 4) || !is_type(v_out, type, 4) ||
+        positions->dtype != XLA_FFI_DataType_S32)
+        return ffi_error(api, "moe_jax_decode_attention: arrays of rank 4, all bf16 or all f32, and s32 positions "
+                              "expected");
+    const int64_t elem = type == XLA_FFI_DataType_F32 ? 4 : 2;
     const int64_t b = k_in->dims[0], kv = k_in->dims[1], s = k_in->dims[2], d = k_in->dims[3], g = q->dims[2];
     for (int i = 0; i < 4; i++)
         if (v_in->dims[i] != k_in->dims[i] || k_out->dims[i] != k_in->dims[i] || v_out->dims[i] != k_in->dims[i] ||
@@ -237,11 +253,11 @@ XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
     const int32_t *pos = positions->data;
     for (int64_t r = 0; r < b; r++)
         if (pos[r] < 0 || pos[r] >= s) return ffi_error(api, "moe_jax_decode_attention: a position is outside the cache");
-    const size_t cache_bytes = (size_t)(b * kv * s * d) * 2;
+    const size_t cache_bytes = (size_t)(b * kv * s * d * elem);
     if (k_out->data != k_in->data) memcpy(k_out->data, k_in->data, cache_bytes); /* not aliased: copy, then write */
     if (v_out->data != v_in->data) memcpy(v_out->data, v_in->data, cache_bytes);
     attention_call call = {q->data, k_new->data, v_new->data, pos, k_out->data, v_out->data, out->data, kv, s, d, g,
-                           window, avx512 ? avx512_attend_head : avx2_attend_head, 0};
+                           window, elem, variant(avx512, elem == 4), 0};
     if (ffi_parallel_for(api, frame->ctx, b * kv, attend_one, &call) || atomic_load(&call.failed))
         return ffi_error(api, "moe_jax_decode_attention: out of memory for its work space");
     return NULL;

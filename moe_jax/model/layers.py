@@ -297,8 +297,9 @@ class Attention(nnx.Module):
         native_decode_attention: bool = False,
     ):
         """`native_decode_attention` (the execution plan's choice, moe_jax/planning/plan.py): a decode step's attention
-        over the bfloat16 cache runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c). XLA's own path
-        (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on XLA:CPU."""
+        over the cache (bfloat16 or float32) runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c).
+        XLA's own path (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on
+        XLA:CPU."""
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None

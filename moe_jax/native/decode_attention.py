@@ -1,4 +1,4 @@
-"""A decode step's attention over a bfloat16 KV cache, the new entries written in place
+"""A decode step's attention over a bfloat16 or float32 KV cache, the new entries written in place
 (host_kernels/csrc/xla_decode_attention.c), on AVX-512 or AVX2 + FMA."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def status(isa: str | None = None) -> tuple[bool, str]:
 def decode_attention_call(
     q_bkgd, k_new_bk1d, v_new_bk1d, positions_b1, k_cache, v_cache, window: int | None, isa: str | None = None
 ):
-    """One decode step's attention (bfloat16): (out [b, kv, g, d], k_cache, v_cache) with the new entries written
-    at `positions_b1`; the caches are aliased to the results, so a donated cache is updated in place. On `isa`, by
-    default the fastest variant this CPU runs."""
+    """One decode step's attention (arrays all bfloat16 or all float32, the model's dtype): (out [b, kv, g, d],
+    k_cache, v_cache) with the new entries written at `positions_b1`; the caches are aliased to the results, so a
+    donated cache is updated in place. On `isa`, by default the fastest variant this CPU runs."""
     isa = ffi.fastest(CPU_FLAGS, isa)
     ffi.require(status(isa), f"decode attention ({isa})")
     results = (

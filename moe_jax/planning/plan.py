@@ -37,7 +37,7 @@ class ExecutionPlan:
     dtype: str  # the model's: "float32" or "bfloat16"
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
     experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
-    decode_attention: bool  # native decode attention over the bfloat16 KV cache
+    decode_attention: bool  # native decode attention over the KV cache (bfloat16 or float32)
     # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
@@ -174,7 +174,6 @@ def make_plan(
     bf16 = dtype == BFLOAT16
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
-    float32_model = "float32 model: the kernel works on bfloat16"
     training_head, training_why = training_head_kernel()
     on_cpu = jax.default_backend() == "cpu"
     micro_batches, decode_micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
@@ -185,8 +184,8 @@ def make_plan(
         experts_ffi=experts_ffi,
         decode_attention=native_part(
             "attention",
-            bf16 and not mla_decode,
-            "latent attention (the native handler computes grouped-query attention)" if mla_decode else float32_model,
+            not mla_decode,
+            "latent attention (the native handler computes grouped-query attention)",
             native_attention.status,
         ),
         dense_decode=dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else "",
