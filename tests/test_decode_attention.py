@@ -91,9 +91,7 @@ def test_float32_caches_match_the_xla_path(b, kv, g, s, d, window, isa):
 def test_mixed_dtypes_are_refused():
     q, k_new, v_new, positions, k_cache, v_cache = inputs(2, 1, 2, 16, 32)
     with pytest.raises(Exception, match="all bf16 or all f32"):
-        jax.block_until_ready(
-            native_path(None)(q.astype(jnp.float32), k_new, v_new, positions, k_cache, v_cache)
-        )
+        jax.block_until_ready(native_path(None)(q.astype(jnp.float32), k_new, v_new, positions, k_cache, v_cache))
 
 
 @pytest.mark.parametrize("isa", variants(native_attention.status))

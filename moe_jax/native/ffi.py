@@ -3,10 +3,10 @@
 The handlers (host_kernels/csrc/xla_*.c) are built into host_kernels' native library with its kernels (one build,
 one source hash), when jaxlib's headers were there to build them. Each handler has its module beside this one:
 `host_experts` (the host's fused expert forward), `decode_attention` (a decode step's attention over a bfloat16 or
-float32 KV cache), `argmax` (a greedy step's tokens) and `dense` (a decode step's dense products over packed weights). Where
-the handlers are not built, are turned off (the execution plan, moe_jax/planning/plan.py), or the jitted step runs on
-an accelerator (they serve XLA:CPU only), the host backend calls the same fused forward through `jax.pure_callback`
-instead, and attention, products and argmax stay in XLA.
+float32 KV cache), `argmax` (a greedy step's tokens) and `dense` (a decode step's dense products over packed
+weights). Where the handlers are not built, are turned off (the execution plan, moe_jax/planning/plan.py), or the
+jitted step runs on an accelerator (they serve XLA:CPU only), the host backend calls the same fused forward through
+`jax.pure_callback` instead, and attention, products and argmax stay in XLA.
 """
 
 from __future__ import annotations
