@@ -9,8 +9,10 @@ import pytest
 from flax import nnx
 
 import moe_jax
+from moe_jax.model.config import Router
 from moe_jax.model.layers import base_matmul, native_prefill
 from moe_jax.model.lora import LoRAConfig, LoRAParam
+from moe_jax.model.moe import MoEBlock
 from moe_jax.native import dense as native_dense
 from tests.hf_models import make_hf_model, save_hf_model
 
@@ -129,7 +131,7 @@ def with_lora(model):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, dtype):
-    # every attention projection and the head natively; LoRA updates added to the native products
+    # every attention projection, router and the head natively; LoRA updates added to the native products
     if dtype == "float32" and not F32_KERNEL:
         pytest.skip(F32_WHY_NOT)
     save_hf_model(make_hf_model("mixtral", seed=8), tmp_path)
@@ -140,6 +142,34 @@ def test_generation_packs_once_and_gives_the_same_tokens(tmp_path, dtype):
     decode = model.generation.steps().decode
     caches, tokens = model.kv.new_caches(2, 16), np.zeros((2, 1), np.int32)
     hlo = decode.lower(model.state_leaves(), caches, tokens, tokens > 0, tokens, tokens).as_text()
-    assert hlo.count(f"@{native_dense.TARGET}(") == 2 * model.config.num_layers + 1  # q, k and v in one; o; head
+    # per layer: q, k and v in one, o, the router; then the head
+    assert hlo.count(f"@{native_dense.TARGET}(") == 3 * model.config.num_layers + 1
     plain = with_lora(moe_jax.load_model(tmp_path, backend="host", dtype=dtype, xla_ffi=False))
     assert plain.generate(prompts, max_new_tokens=6) == packed and "head_packed" not in plain.state
+
+
+@pytest.mark.parametrize("float32_logits", [False, True])
+@pytest.mark.parametrize("model_dtype", [jnp.bfloat16, jnp.float32])
+def test_router_logits_natively_as_routing_computes_them(model_dtype, float32_logits):
+    """A packed router gives `route`'s logits (rounded to the model's dtype, or float32 from float32 inputs as
+    DeepSeek's are) to summation order, and so its choices; it is packed in that float dtype, never quantized."""
+    if (model_dtype == jnp.float32 or float32_logits) and not F32_KERNEL:
+        pytest.skip(F32_WHY_NOT)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((6, 1, 96)), model_dtype)
+    router = jnp.asarray(rng.standard_normal((96, 40)) * 0.3, model_dtype)
+    block = MoEBlock(router, experts=None, spec=Router(top_k=4, float32_logits=float32_logits))
+    plain = block._route(x)
+    block.pack_for_decode()
+    assert block.router_kernel == (F32_KERNEL if model_dtype == jnp.float32 or float32_logits else KERNEL)
+    native = block._native_logits(x)
+    assert native is not None and native.dtype == jnp.float32
+    x_td = x.reshape(6, 96)
+    want = x_td.astype(jnp.float32) @ router.astype(jnp.float32)
+    if not float32_logits:
+        want = want.astype(model_dtype).astype(jnp.float32)  # (x @ W) in the model's dtype
+    rounded = not float32_logits and model_dtype == jnp.bfloat16  # one bf16 step apart where the sums straddle one
+    np.testing.assert_allclose(np.asarray(native), np.asarray(want), rtol=2**-7 if rounded else 1e-5, atol=1e-5)
+    routed = block._route(x)
+    np.testing.assert_array_equal(np.asarray(routed[1]), np.asarray(plain[1]))  # the same experts
+    np.testing.assert_allclose(np.asarray(routed[2], np.float32), np.asarray(plain[2], np.float32), rtol=2**-7)

@@ -36,13 +36,13 @@ def test_cache_holds_latent_and_rotary_key_per_token(checkpoint):
 
 
 def test_absorbed_decode_gives_the_expanded_forms_tokens(checkpoint):
-    # bfloat16 on the V3 variant only (test time); its rounding differs between the forms, its tokens do not here
-    for dtype in ("float32", "bfloat16") if "deepseek_v3" in str(checkpoint) else ("float32",):
-        absorbed = moe_jax.load_model(checkpoint, backend="host", dtype=dtype)
-        expanded = moe_jax.load_model(checkpoint, backend="host", dtype=dtype, mla_decode="expanded")
-        assert (absorbed.plan.mla_decode, expanded.plan.mla_decode) == ("absorbed", "expanded")
-        assert not absorbed.plan.decode_attention and "latent attention" in absorbed.plan.reason("attention")
-        assert absorbed.generate(PROMPTS, max_new_tokens=10) == expanded.generate(PROMPTS, max_new_tokens=10)
+    # float32: the forms agree to its rounding (bfloat16 rounds them apart, so greedy tokens may part at a near
+    # tie: its logits are compared below instead)
+    absorbed = moe_jax.load_model(checkpoint, backend="host")
+    expanded = moe_jax.load_model(checkpoint, backend="host", mla_decode="expanded")
+    assert (absorbed.plan.mla_decode, expanded.plan.mla_decode) == ("absorbed", "expanded")
+    assert not absorbed.plan.decode_attention and "latent attention" in absorbed.plan.reason("attention")
+    assert absorbed.generate(PROMPTS, max_new_tokens=10) == expanded.generate(PROMPTS, max_new_tokens=10)
 
 
 def jitted_steps(model):
@@ -51,21 +51,35 @@ def jitted_steps(model):
     return jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args)), state, model
 
 
-def test_absorbed_decode_logits_equal_the_expanded_forms(checkpoint):
-    """A prefill over the cache, then decode steps in each form: logits equal to float32 rounding."""
+def decode_logits(checkpoint, dtype: str, form: str):
+    """A prefill over the cache, then three decode steps: their logits [2, 3, vocab] in float32."""
     tokens = np.array([PROMPTS[0] + [11, 12, 13], PROMPTS[3][:8]], dtype=np.int32)
     positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-    logits = {}
-    for form in ("absorbed", "expanded"):
-        run, state, model = jitted_steps(moe_jax.load_model(checkpoint, backend="device", mla_decode=form))
-        _, caches = run(state, tokens[:, :5], positions[:, :5], model.kv.new_caches(2, 12))
-        steps = []
-        for t in range(5, 8):
-            step, caches = run(state, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
-            steps.append(np.asarray(step))
-        logits[form] = np.concatenate(steps, axis=1)
-    np.testing.assert_allclose(logits["absorbed"], logits["expanded"], atol=1e-5, rtol=0)
-    assert np.abs(logits["absorbed"]).max() > 0.5  # real logits, not zeros
+    model = moe_jax.load_model(checkpoint, backend="device", dtype=dtype, mla_decode=form)
+    run, state, model = jitted_steps(model)
+    _, caches = run(state, tokens[:, :5], positions[:, :5], model.kv.new_caches(2, 12))
+    steps = []
+    for t in range(5, 8):
+        step, caches = run(state, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        steps.append(np.asarray(step, np.float32))
+    return np.concatenate(steps, axis=1)
+
+
+def test_absorbed_decode_logits_equal_the_expanded_forms(checkpoint):
+    """Decode steps in each form: logits equal to float32 rounding."""
+    absorbed, expanded = (decode_logits(checkpoint, "float32", form) for form in ("absorbed", "expanded"))
+    np.testing.assert_allclose(absorbed, expanded, atol=1e-5, rtol=0)
+    assert np.abs(absorbed).max() > 0.5  # real logits, not zeros
+
+
+def test_bfloat16_forms_agree_to_bfloat16_rounding(checkpoint):
+    """In bfloat16 the forms round differently (greedy tokens may part at a near tie), by what rounding gives: here
+    2.6% of the largest logit (either form is ~2.4% from float32's); a wrong form is off by the logits' size."""
+    if "deepseek_v3" not in str(checkpoint):
+        pytest.skip("bfloat16 on the V3 variant only (test time)")
+    exact = decode_logits(checkpoint, "float32", "expanded")
+    absorbed, expanded = (decode_logits(checkpoint, "bfloat16", form) for form in ("absorbed", "expanded"))
+    assert np.abs(absorbed - expanded).max() <= 0.05 * np.abs(exact).max()
 
 
 def test_anchor_cache_stores_the_compressed_entries(checkpoint):

@@ -12,12 +12,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.model.config import Router
-from moe_jax.model.layers import Frozen, SwiGLU, lora_arrays
+from moe_jax.model.layers import Frozen, SwiGLU, lora_arrays, native_product
+from moe_jax.native.dense import dense_kernel, pack_dense, row_dtype
 
 
-def route(x_td, router_de, spec: Router, bias_e=None):
-    """(weights [t, k] float32, expert ids [t, k]) as each family's TopKRouter in transformers (see `Router`)."""
-    if spec.float32_logits:
+def route(x_td, router_de, spec: Router, bias_e=None, logits_te=None):
+    """(weights [t, k] float32, expert ids [t, k]) as each family's TopKRouter in transformers (see `Router`), from
+    the router's logits `logits_te` where they were computed already (float32), else from x and the router."""
+    if logits_te is not None:
+        logits = logits_te
+    elif spec.float32_logits:
         logits = x_td.astype(jnp.float32) @ router_de.astype(jnp.float32)
     else:
         logits = (x_td @ router_de).astype(jnp.float32)
@@ -162,6 +166,8 @@ class MoEBlock(nnx.Module):
         shared_gate_d1=None,
     ):
         self.router = Frozen(router_de)
+        self.router_packed = nnx.data(None)  # the router packed for the native product (`pack_for_decode`)
+        self.router_kernel = ""
         self.router_bias = Frozen(router_bias_e) if router_bias_e is not None else None
         self.experts = experts
         self.spec = spec
@@ -197,13 +203,33 @@ class MoEBlock(nnx.Module):
             y_td = y_td + shared_td
         return y_td.reshape(shape), chain
 
+    def pack_for_decode(self):
+        """Packs the router for generation's native dense products, in the dtype its logits are computed in
+        (float32 where the family computes them from float32 inputs) and never quantized, so the routing stays the
+        model's. In XLA a bfloat16 router was widened to float32 inside every decode step (a loop-carried weight is
+        not hoisted): Qwen3-30B-A3B's [2048, 128] took ~30 us to widen and ~50 us to multiply, a layer and step."""
+        dtype = jnp.float32 if self.spec.float32_logits else self.router[...].dtype
+        kernel, _ = dense_kernel(dtype)
+        if kernel and self.router_packed is None:
+            self.router_packed = Frozen(pack_dense(self.router[...], kernel))
+            self.router_kernel = kernel
+
     def _route(self, x_btd):
         """(x [b*t, d], expert ids [b*t, k], routing weights [b*t, k] in x's dtype)"""
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         bias = None if self.router_bias is None else self.router_bias[...]
-        weights_tk, ids_tk = route(x_td, self.router[...], self.spec, bias)
+        weights_tk, ids_tk = route(x_td, self.router[...], self.spec, bias, self._native_logits(x_btd))
         return x_td, ids_tk, weights_tk.astype(x_td.dtype)
+
+    def _native_logits(self, x_btd):
+        """The router's logits [b*t, e] in float32 from its packed copy, rounded as `route` rounds them (to x's
+        dtype, or none for float32 inputs); None where it is not packed or the kernel does not take these rows."""
+        if self.router_packed is None:
+            return None
+        n = self.router[...].shape[1]
+        y = native_product(x_btd.astype(row_dtype(self.router_kernel)), self.router_packed[...], n, self.router_kernel)
+        return None if y is None else y.reshape(-1, n).astype(jnp.float32)
 
     def _shared(self, x_td):
         shared_td = self.shared(x_td)

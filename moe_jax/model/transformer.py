@@ -106,8 +106,9 @@ class Transformer(nnx.Module):
             self.head_copy = Frozen(jnp.array(head.T))
 
     def pack_for_decode(self, kernel: str):
-        """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul); made once,
-        when the model first generates, where the plan says so (`ExecutionPlan.dense_decode`)."""
+        """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul), the routers
+        too (MoEBlock.pack_for_decode); made once, when the model first generates, where the plan says so
+        (`ExecutionPlan.dense_decode`)."""
         fused = set()  # attention's q, k and v: packed together (Attention.pack_for_decode)
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Attention):
@@ -117,6 +118,8 @@ class Transformer(nnx.Module):
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Projection) and module.packed is None and id(module) not in fused:
                 module.pack_for_decode(kernel)
+            if isinstance(module, MoEBlock):
+                module.pack_for_decode()  # in its logits' float dtype, whatever `kernel` is (quantized or not)
         self.dense_kernel = kernel
         if self.head_packed is None:
             head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
