@@ -16,7 +16,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 sys.path.insert(0, str(Path(__file__).parent / "host_kernels"))
-from native_sources import SOURCES, XLA_FFI_SOURCES, source_hash  # noqa: E402
+from native_sources import HEADERS, SOURCES, XLA_FFI_HEADERS, XLA_FFI_SOURCES, source_hash  # noqa: E402
 
 
 def xla_ffi_include() -> str | None:
@@ -37,6 +37,8 @@ sources = SOURCES + (XLA_FFI_SOURCES if include else ())
 native = Extension(
     "host_kernels._native",
     sources=[f"host_kernels/csrc/{name}" for name in sources],
+    # a header's edit rebuilds too (build_ext compares times; the hash below would have the stale build refused)
+    depends=[f"host_kernels/csrc/{name}" for name in HEADERS + XLA_FFI_HEADERS],
     include_dirs=[include] if include else [],
     extra_compile_args=["-O3"],
     define_macros=[("NATIVE_SOURCE_HASH", f'"{source_hash()}"')],

@@ -2,9 +2,10 @@
  * xla_decode_attention.c includes this once per (instruction set, element type), after defining ISA (the name
  * prefix of that set's vector operations, and of the function defined here), V (its float32 vector type), W (its
  * lanes), and ELEM (bf16 or f32: the type of q, the cache and the output; ELEM_T its C type, ELEM_IS_BF16 1 or 0),
- * inside a `#pragma GCC target` for that set (decode_attention_heads.h includes it for both types). The operations (ISA_zero, ISA_set1, ISA_load, ISA_store, ISA_add, ISA_sub,
- * ISA_mul, ISA_max, ISA_fmadd, ISA_load_n, ISA_store_n, ISA_keep, ISA_hmax, ISA_hsum, ISA_load_bf16, ISA_load_f32,
- * ISA_exp_nonpositive, ISA_round_to_bf16, ISA_sum_lanes) are that file's; `_n` ones take how many of the W lanes
+ * inside a `#pragma GCC target` for that set (decode_attention_heads.h includes it for both types). The operations
+ * (ISA_zero, ISA_set1, ISA_load, ISA_store, ISA_add, ISA_sub, ISA_mul, ISA_max, ISA_fmadd, ISA_load_n, ISA_store_n,
+ * ISA_keep, ISA_hmax, ISA_hsum, ISA_load_bf16, ISA_load_f32, ISA_exp_nonpositive, ISA_round_to_bf16,
+ * ISA_sum_lanes) are that file's; `_n` ones take how many of the W lanes
  * are real (<= 0: none, >= W: all), and ISA_load_n fills the others with its last argument.
  *
  * A bf16 cache's probabilities are rounded to bf16 before p.v, as XLA's path feeds them to its product in the

@@ -7,12 +7,13 @@
  * position are not read at all).
  *
  * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
- * [b, kv, s, d]; all bf16, or all float32 (a float32 model's cache), but positions. Results: out [b, kv, g, d], k_cache, v_cache. Attributes (s64): `window`,
- * a sliding window's length, 0 for none; `avx512`, 1 for the AVX-512 variant, 0 for the AVX2 + FMA one (the same
- * arithmetic 16 or 8 lanes wide: decode_attention_head.h, written once for both). Arithmetic as the XLA path (layers.attend): q.k products summed in
- * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16, p.v summed in float32, rounded to
- * bf16 (summation order and exp differ: results agree to bf16 rounding, not bit for bit). The (row, kv head) pairs
- * are shared by the calling thread and helpers from XLA's pool.
+ * [b, kv, s, d]; all bf16, or all float32 (a float32 model's cache), but positions. Results: out [b, kv, g, d],
+ * k_cache, v_cache. Attributes (s64): `window`, a sliding window's length, 0 for none; `avx512`, 1 for the AVX-512
+ * variant, 0 for the AVX2 + FMA one (the same arithmetic 16 or 8 lanes wide: decode_attention_head.h, written once
+ * for both, and for both element types). Arithmetic as the XLA path (layers.attend): q.k products summed in
+ * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16 for a bf16 cache, p.v summed in
+ * float32, rounded to bf16 for a bf16 cache (summation order and exp differ: results agree to the dtype's rounding,
+ * not bit for bit). The (row, kv head) pairs are shared by the calling thread and helpers from XLA's pool.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */
 #include <immintrin.h>
@@ -71,8 +72,9 @@ static inline void avx512_store_n(float *p, V x, int64_t count) { _mm512_mask_st
 static inline V avx512_keep(V x, int64_t count) { return _mm512_maskz_mov_ps(avx512_mask(count), x); }
 static inline float avx512_hmax(V x) { return _mm512_reduce_max_ps(x); }
 static inline float avx512_hsum(V x) { return _mm512_reduce_add_ps(x); }
-/* W bf16 values (the first `count` of them; the rest read as 0) as float32: bf16 is float32's upper half */
+/* W float32 values (the first `count` of them; the rest read as 0) */
 static inline V avx512_load_f32(const float *p, int64_t count) { return _mm512_maskz_loadu_ps(avx512_mask(count), p); }
+/* the same from bf16 values, as float32: bf16 is float32's upper half */
 static inline V avx512_load_bf16(const uint16_t *p, int64_t count) {
     __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(avx512_mask(count), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
