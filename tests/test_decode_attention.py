@@ -19,18 +19,18 @@ pytestmark = pytest.mark.skipif(not native_attention.status()[0], reason=f"not h
 def inputs(b, kv, g, s, d, seed=0, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
 
-    def bf16(*shape):
+    def array(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
     positions = rng.integers(0, s, (b, 1)).astype(np.int32)
     positions[0, 0], positions[-1, 0] = 0, s - 1  # the cache's first and last entries
     return (
-        bf16(b, kv, g, d),
-        bf16(b, kv, 1, d),
-        bf16(b, kv, 1, d),
+        array(b, kv, g, d),
+        array(b, kv, 1, d),
+        array(b, kv, 1, d),
         jnp.asarray(positions),
-        bf16(b, kv, s, d),
-        bf16(b, kv, s, d),
+        array(b, kv, s, d),
+        array(b, kv, s, d),
     )
 
 
