@@ -33,6 +33,29 @@ def timed(fn, repeats: int = 5, warmup: int = 1, best: bool = False) -> float:
     return min(times) if best else statistics.median(times)
 
 
+def gemv_streaming_gbps(rng, nbytes, threads, repeats):
+    """The weight-streaming ceiling (GB/s, best of `repeats`): `threads` threads each running GEMVs (one BLAS thread
+    each) over their own share of 4 distinct float32 matrices totalling `nbytes`: what reading weights once per token
+    can reach."""
+    import threading
+
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    mats = [rng.standard_normal((nbytes // 16 // 4096, 4096), np.float32) for _ in range(4)]
+    x = rng.standard_normal(4096).astype(np.float32)
+
+    def stream():
+        workers = [threading.Thread(target=lambda ms=mats[i::threads]: [m @ x for m in ms]) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    with threadpool_limits(1, "blas"):
+        return sum(m.nbytes for m in mats) / timed(stream, repeats, best=True) / 1e9
+
+
 def machine_info() -> dict:
     from threadpoolctl import threadpool_info
 

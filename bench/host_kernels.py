@@ -19,7 +19,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine_info, print_table, reexec_with_native_blas_if_asked, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    gemv_streaming_gbps,
+    machine_info,
+    print_table,
+    reexec_with_native_blas_if_asked,
+    write_json,
+)
 from bench.common import timed as common_timed  # noqa: E402
 
 reexec_with_native_blas_if_asked(sys.argv)
@@ -57,27 +63,6 @@ def memcpy_gbps(rng, nbytes, repeats):
     src = rng.standard_normal(nbytes // 4).astype(np.float32)
     dst = np.empty_like(src)
     return nbytes / timed(lambda: np.copyto(dst, src), repeats) / 1e9
-
-
-def gemv_streaming_gbps(rng, nbytes, threads, repeats):
-    """The weight-streaming ceiling: `threads` threads each running GEMVs (one BLAS thread each) over their own
-    share of 4 distinct float32 matrices totalling `nbytes`: what reading weights once per token can reach."""
-    import threading
-
-    from threadpoolctl import threadpool_limits
-
-    mats = [rng.standard_normal((nbytes // 16 // 4096, 4096), np.float32) for _ in range(4)]
-    x = rng.standard_normal(4096).astype(np.float32)
-
-    def stream():
-        workers = [threading.Thread(target=lambda ms=mats[i::threads]: [m @ x for m in ms]) for i in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-
-    with threadpool_limits(1, "blas"):
-        return sum(m.nbytes for m in mats) / timed(stream, repeats) / 1e9
 
 
 def jax_layer(layer: LayerExperts):
