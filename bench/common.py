@@ -56,6 +56,14 @@ def gemv_streaming_gbps(rng, nbytes, threads, repeats):
         return sum(m.nbytes for m in mats) / timed(stream, repeats, best=True) / 1e9
 
 
+def comma_choices(parser, value: str, choices, flag: str) -> list[str]:
+    """The names in a comma-separated option, each one of `choices`; a parser error naming them otherwise."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names or any(n not in choices for n in names):
+        parser.error(f"{flag} from {', '.join(choices)}")
+    return names
+
+
 def machine_info() -> dict:
     from threadpoolctl import threadpool_info
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, print_table, write_json  # noqa: E402
+from bench.common import comma_choices, machine_info, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 BATCH, PROMPT, NEW = 16, 32, 64
@@ -88,9 +88,7 @@ def main():
     add_shape_argument(parser)
     args = parser.parse_args()
     use_shape(args.shape)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if not formats or any(f not in FORMATS for f in formats):
-        parser.error(f"--formats from {', '.join(FORMATS)}")
+    formats = comma_choices(parser, args.formats, FORMATS, "--formats")
     print(machine_info())
     rows = [measure(fmt) for fmt in formats]
     print_table(f"host RAM, shape {args.shape}: batch {BATCH}, {PROMPT} + {NEW} tokens", rows)

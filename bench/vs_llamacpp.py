@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import moe_jax  # noqa: E402
-from bench.common import machine_info, print_table, write_json  # noqa: E402
+from bench.common import comma_choices, machine_info, print_table, write_json  # noqa: E402
 from bench.infer import NEW, PREFILL, PROMPT, engine_runner  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from host_kernels import default_threads  # noqa: E402
@@ -190,9 +190,7 @@ def main():
     use_shape(args.shape)
     if args.llama_cpp is None:
         parser.error("give --llama-cpp DIR or set LLAMA_CPP_DIR (how to build one: --help)")
-    pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
-    if not pairs or any(p not in PAIRS for p in pairs):
-        parser.error(f"--pairs from {', '.join(PAIRS)}")
+    pairs = comma_choices(parser, args.pairs, PAIRS, "--pairs")
     tools = llama_tools(args.llama_cpp)
     source = with_tokenizer(bench_model_dir())
     print(machine_info())
