@@ -33,10 +33,10 @@ def timed(fn, repeats: int = 5, warmup: int = 1, best: bool = False) -> float:
     return min(times) if best else statistics.median(times)
 
 
-def gemv_streaming_gbps(rng, nbytes, threads, repeats):
-    """The weight-streaming ceiling (GB/s, best of `repeats`): `threads` threads each running GEMVs (one BLAS thread
-    each) over their own share of 4 distinct float32 matrices totalling `nbytes`: what reading weights once per token
-    can reach."""
+def gemv_streaming(rng, nbytes, threads):
+    """The weight-streaming ceiling: a function of `repeats` that returns the GB/s (best of `repeats`) of `threads`
+    threads each running GEMVs (one BLAS thread each) over their own share of 4 distinct float32 matrices totalling
+    `nbytes`, made once here: what reading weights once per token can reach."""
     import threading
 
     import numpy as np
@@ -52,8 +52,11 @@ def gemv_streaming_gbps(rng, nbytes, threads, repeats):
         for w in workers:
             w.join()
 
-    with threadpool_limits(1, "blas"):
-        return sum(m.nbytes for m in mats) / timed(stream, repeats, best=True) / 1e9
+    def gbps(repeats: int) -> float:
+        with threadpool_limits(1, "blas"):
+            return sum(m.nbytes for m in mats) / timed(stream, repeats, best=True) / 1e9
+
+    return gbps
 
 
 def comma_choices(parser, value: str, choices, flag: str) -> list[str]:

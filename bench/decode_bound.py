@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import moe_jax  # noqa: E402
-from bench.common import comma_choices, gemv_streaming_gbps, machine_info, print_table, write_json  # noqa: E402
+from bench.common import comma_choices, gemv_streaming, machine_info, print_table, write_json  # noqa: E402
 from bench.infer import NEW, PROMPT, engine_runner  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from host_kernels import default_threads  # noqa: E402
@@ -82,7 +82,7 @@ def step_bytes(model, settings) -> dict:
     }
 
 
-def measure(name: str, settings: dict, rounds: int, threads: int, rng) -> dict:
+def measure(name: str, settings: dict, rounds: int, threads: int, read_gbps) -> dict:
     model = moe_jax.load_model(bench_model_dir(), backend="host", host_threads=threads, **settings)
     run = engine_runner(model, 1, NEW)  # compiles, and packs the dense weights for the native products
     if not model.plan.dense_decode:
@@ -92,8 +92,10 @@ def measure(name: str, settings: dict, rounds: int, threads: int, rng) -> dict:
     steps, rates, ratios = [], [], []
     for _ in range(rounds):
         step = 1 / run()["decode_tok_s"]
-        rate = gemv_streaming_gbps(rng, STREAM_BYTES, threads, repeats=3) * 1e9
-        steps.append(step), rates.append(rate), ratios.append(step / (total / rate))
+        rate = read_gbps(repeats=3) * 1e9
+        steps.append(step)
+        rates.append(rate)
+        ratios.append(step / (total / rate))
     return {
         "format": name,
         "MB a step": total / 1e6,
@@ -117,8 +119,8 @@ def main():
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     print(machine_info())
-    rng = np.random.default_rng(0)
-    rows = [measure(name, FORMATS[name], args.rounds, args.threads, rng) for name in names]
+    read_gbps = gemv_streaming(np.random.default_rng(0), STREAM_BYTES, args.threads)
+    rows = [measure(name, FORMATS[name], args.rounds, args.threads, read_gbps) for name in names]
     print_table(f"decode batch 1 against reading its bytes once, {args.threads} threads, shape {args.shape}",
                 [{k: v for k, v in r.items() if k != "rounds"} for r in rows])  # fmt: skip
     name = "decode_bound" if args.shape == "bench" else f"decode_bound-{args.shape}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
-    gemv_streaming_gbps,
+    gemv_streaming,
     machine_info,
     print_table,
     reexec_with_native_blas_if_asked,
@@ -150,7 +150,7 @@ def main():
     # together exceed the last-level cache: time a pass over enough distinct layer copies (>= 256 MiB), or
     # one layer would be served from cache and overstate RAM streaming.
     copy = memcpy_gbps(rng, 256 << 20, args.repeats)
-    gemv = gemv_streaming_gbps(rng, 256 << 20, engine.threads, args.repeats)
+    gemv = gemv_streaming(rng, 256 << 20, engine.threads)(args.repeats)
     n_layers = max(1, -(-(256 << 20) // (layer.w13.nbytes + layer.w2.nbytes)))
     decode_store = ExpertStore({i: LayerExperts(layer.w13.copy(), layer.w2.copy()) for i in range(n_layers)})
     decode_engine = HostMoE(decode_store, threads=args.threads)
