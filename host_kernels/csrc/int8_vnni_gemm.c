@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
             __m512i w[TILE_BLOCKS];
             for (int j = 0; j < blocks; j++) {
                 const char *row = b + j * stride + r * 32;
-                if (rows > 2 && !(r & 1)) _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0); /* one a 64-byte line */
+                if (rows > 2 && !(r & 1)) _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0); /* one per line */
                 w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)row));
             }
             for (int i = 0; i < rows; i++) {
