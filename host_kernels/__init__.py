@@ -16,7 +16,8 @@ What the rest of the project uses, importable from here:
 - errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
 - for moe_jax's XLA FFI handlers, which are built into the same native library: `xla_ffi_library` (the library,
   or why the handlers are not there), `cpu_lacks`, the fused forward's kernel table `KERNELS` (each kernel's packing,
-  which the dense decode handler reads too) and `best_kernel`, `BF16`.
+  which the dense decode handler reads too) and `best_kernel`, `BF16`; `HugePageArena`, where the packings it
+  makes for those handlers go onto huge pages.
 The native library's own wrappers (amx, f32_gemm, native, ...) serve the engine; nothing outside imports them.
 """
 
@@ -26,6 +27,7 @@ from host_kernels.compute import ExpertCompute, HostTotals
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
 from host_kernels.fused_forward import KERNELS, QUANTIZED, best_kernel, is_live_call
 from host_kernels.host_moe import HostMoE
+from host_kernels.huge_pages import HugePageArena
 from host_kernels.layer_experts import (
     LayerExperts,
     QuantizedLayerExperts,
@@ -51,6 +53,7 @@ __all__ = [
     "HostKernelError",
     "HostMoE",
     "HostTotals",
+    "HugePageArena",
     "KernelChoice",
     "KernelArgumentError",
     "LayerExperts",

@@ -62,22 +62,23 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def pack(w: np.ndarray) -> PackedWeight:
+def pack(w: np.ndarray, empty=aligned_empty) -> PackedWeight:
     """Packs a [k, n] weight (float32 or bfloat16; float32 is rounded to nearest even) for `gemm`. Refuses on a
     machine where `gemm` cannot run (and asks the OS for the tile state, once, where it can)."""
     usable, reason = status()
     if not usable:
         raise RuntimeError(f"AMX GEMM unavailable: {reason}")
-    return pack_layout(w)
+    return pack_layout(w, empty)
 
 
-def pack_layout(w: np.ndarray) -> PackedWeight:
+def pack_layout(w: np.ndarray, empty=aligned_empty) -> PackedWeight:
     """The packed layout itself: also what the AVX512-BF16 GEMM reads (host_kernels/bf16_gemm.py). Written tile
     by tile natively (csrc/pack_layout.c: any strides, so the backward's transposed weights pack from views), or
-    with numpy where the library is not built."""
+    with numpy where the library is not built. Into an array from `empty` (aligned_empty's signature: a
+    HugePageArena's `empty` puts it on huge pages)."""
     k, n = w.shape
     kp, np_ = padded(k, K_BLOCK), padded(n, N_BLOCK)
-    data = aligned_empty((np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK * N_BLOCK), np.uint16)
+    data = empty((np_ // N_BLOCK, kp // K_BLOCK, K_BLOCK * N_BLOCK), np.uint16)
     bits = (w if w.dtype == BF16 else w.astype(BF16)).view(np.uint16)
     if native.status(())[0] and min(bits.strides) > 0 and k and n:
         strides = [s // bits.itemsize for s in bits.strides]

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from host_kernels import amx, bf16_gemm, native
+from host_kernels.huge_pages import HugePageArena
 from host_kernels.layer_experts import LayerExperts, gate_up_blocks
 from host_kernels.matmul import matmul_w
 from host_kernels.workspace import Workspace
@@ -114,19 +115,24 @@ class AMXExpertMatmuls:
         """Packs the weights a forward (and, when asked, a backward) reads; call before running tiles."""
         with self._lock:
             if self._forward is None:
+                empty = HugePageArena().empty
                 self._forward = [
-                    (self._pack(gate_up_blocks(self.w, e, amx.N_BLOCK, amx.BF16)), self._pack(self.w.w2[e]))
+                    (
+                        self._pack(gate_up_blocks(self.w, e, amx.N_BLOCK, amx.BF16), empty),
+                        self._pack(self.w.w2[e], empty),
+                    )
                     for e in range(self.w.num_experts)
                 ]
             if backward and self._backward is None:
+                empty = HugePageArena().empty
                 self._backward = [
-                    (self._pack(np.asarray(self.w.w2[e]).T), self._pack(np.asarray(self.w.w13[e]).T))
+                    (self._pack(np.asarray(self.w.w2[e]).T, empty), self._pack(np.asarray(self.w.w13[e]).T, empty))
                     for e in range(self.w.num_experts)
                 ]
 
     @staticmethod
-    def _pack(w) -> amx.PackedWeight:
-        return amx.pack(w)
+    def _pack(w, empty) -> amx.PackedWeight:
+        return amx.pack(w, empty)
 
     @staticmethod
     def _mul(a, m: int, w: amx.PackedWeight, out, n0: int, n1: int):
@@ -189,8 +195,8 @@ class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
     name = "avx512-bf16"
 
     @staticmethod
-    def _pack(w) -> amx.PackedWeight:
-        return amx.pack_layout(w)
+    def _pack(w, empty) -> amx.PackedWeight:
+        return amx.pack_layout(w, empty)
 
     @staticmethod
     def _mul(a, m: int, w: amx.PackedWeight, out, n0: int, n1: int):

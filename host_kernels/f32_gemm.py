@@ -35,11 +35,11 @@ class PackedF32:
         native.check_packed(what, self.data, np.float32, (padded(self.n, N_BLOCK) // N_BLOCK, self.k, N_BLOCK))
 
 
-def pack(w: np.ndarray) -> PackedF32:
-    """A [k, n] weight (any float dtype, widened to float32) in column blocks of 32."""
+def pack(w: np.ndarray, empty=aligned_empty) -> PackedF32:
+    """A [k, n] weight (any float dtype, widened to float32) in column blocks of 32, in an array from `empty`."""
     k, n = w.shape
     blocks = padded(n, N_BLOCK) // N_BLOCK
-    data = aligned_empty((blocks, k, N_BLOCK), np.float32)
+    data = empty((blocks, k, N_BLOCK), np.float32)
     full = np.zeros((k, blocks * N_BLOCK), np.float32)
     full[:, :n] = w
     data[...] = full.reshape(k, blocks, N_BLOCK).transpose(1, 0, 2)

@@ -26,6 +26,7 @@ import numpy as np
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
+from host_kernels.huge_pages import HugePageArena
 from host_kernels.layer_experts import LayerExperts, QuantizedLayerExperts, gate_up_blocks
 from host_kernels.pool import check_thread_count
 from host_kernels.quant_formats import FORMATS, QuantFormat
@@ -162,8 +163,12 @@ def pack_layer(w: LayerExperts | QuantizedLayerExperts, kernel: str) -> list:
         if k.format is None or k.format.name != w.quant:
             raise HostKernelError(f"{w.quant} experts cannot run on the {kernel} kernel")
         return [w.packed(e) for e in range(w.num_experts)]
+    empty = HugePageArena().empty  # the layer's weights on huge pages (host_kernels/huge_pages.py)
     return [
-        (k.pack(gate_up_blocks(w, e, k.block, k.pack_dtype)), k.pack(w.w2[e].astype(k.pack_dtype, copy=False)))
+        (
+            k.pack(gate_up_blocks(w, e, k.block, k.pack_dtype), empty),
+            k.pack(w.w2[e].astype(k.pack_dtype, copy=False), empty),
+        )
         for e in range(w.num_experts)
     ]
 

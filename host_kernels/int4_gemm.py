@@ -57,8 +57,9 @@ class PackedInt4:
         native.check_packed(what, self.data, np.uint8, shape)
 
 
-def pack(w: QuantizedInt4) -> PackedInt4:
-    """A [k, n] quantized weight in the packed layout (zeros in the padding: q = 0, scale 0 past k and n)."""
+def pack(w: QuantizedInt4, empty=aligned_empty) -> PackedInt4:
+    """A [k, n] quantized weight in the packed layout (zeros in the padding: q = 0, scale 0 past k and n), in an
+    array from `empty`."""
     if w.q.ndim != 2:
         raise KernelArgumentError(f"pack takes one [k, n] weight, got {w.q.shape}")
     k, n = w.q.shape
@@ -73,7 +74,7 @@ def pack(w: QuantizedInt4) -> PackedInt4:
     scales = np.zeros((groups, np_), np.float16)
     scales[: w.scale.shape[0], :n] = w.scale
     scales = scales.reshape(groups, blocks, N_BLOCK).transpose(1, 0, 2).view(np.uint8)  # [block][group][32 bytes]
-    data = aligned_empty((blocks, block_bytes(kp, group)), np.uint8)
+    data = empty((blocks, block_bytes(kp, group)), np.uint8)
     for g in range(groups):
         rows = nibbles[:, g * group // 8 : (g + 1) * group // 8]  # the last group may be shorter
         start = g * group_bytes(group)

@@ -51,8 +51,9 @@ class PackedInt8:
         native.check_packed(what, self.data, np.uint8, shape)
 
 
-def pack(w: QuantizedInt8) -> PackedInt8:
-    """A [k, n] quantized weight in the packed layout (zeros in the padding, scale 0 for padded columns)."""
+def pack(w: QuantizedInt8, empty=aligned_empty) -> PackedInt8:
+    """A [k, n] quantized weight in the packed layout (zeros in the padding, scale 0 for padded columns), in an
+    array from `empty`."""
     if w.q.ndim != 2:
         raise KernelArgumentError(f"pack takes one [k, n] weight, got {w.q.shape}")
     k, n = w.q.shape
@@ -63,7 +64,7 @@ def pack(w: QuantizedInt8) -> PackedInt8:
     pairs = full.reshape(kp // 2, 2, blocks, N_BLOCK).transpose(2, 0, 3, 1)  # [block][k-pair][column][2]
     scales = np.zeros(np_, np.float32)
     scales[:n] = w.scale
-    data = aligned_empty((blocks, block_bytes(kp)), np.uint8)
+    data = empty((blocks, block_bytes(kp)), np.uint8)
     data[:, : kp * N_BLOCK] = pairs.reshape(blocks, kp * N_BLOCK).view(np.uint8)
     data[:, kp * N_BLOCK :] = scales.reshape(blocks, N_BLOCK).view(np.uint8)
     return PackedInt8(data, k, n)

@@ -14,6 +14,7 @@ import numpy as np
 
 from host_kernels.amx import N_BLOCK, padded
 from host_kernels.errors import KernelArgumentError, StoreError
+from host_kernels.huge_pages import HugePageArena
 from host_kernels.quant import QuantizedInt4
 from host_kernels.quant_formats import FORMATS, INT4_BY_GROUP, QuantFormat
 
@@ -182,7 +183,12 @@ def pack_layer(quant: str, experts, hidden: int, ffn: int) -> QuantizedLayerExpe
     packed for `quant`'s kernel (quantize_layer's, or weights quantized elsewhere: a GGUF file's Q4_0)."""
     fmt = FORMATS[quant]
     packed = [(fmt.pack_quantized(w13).data, fmt.pack_quantized(w2).data) for w13, w2 in experts]
-    return QuantizedLayerExperts(quant, np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), hidden, ffn)
+    arena = HugePageArena()  # the layer's weights on huge pages (host_kernels/huge_pages.py)
+
+    def stacked(arrays):
+        return np.stack(arrays, out=arena.empty((len(arrays), *arrays[0].shape), arrays[0].dtype))
+
+    return QuantizedLayerExperts(quant, stacked([p[0] for p in packed]), stacked([p[1] for p in packed]), hidden, ffn)
 
 
 def pack_int4_layer(w13_q, w13_scale, w2_q, w2_scale, group: int = 32) -> QuantizedLayerExperts:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels import int4_gemm, int8_gemm
-from host_kernels.amx import K_BLOCK, N_BLOCK, padded
+from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.quant import INT4_GROUPS, quantize_int4, quantize_int8
 
 
@@ -28,9 +28,9 @@ class QuantFormat:
     block_bytes: Callable[[int], int]  # kp -> bytes of one packed 16-column block
     unpack: Callable  # packed -> float32 [k, n]
 
-    def pack(self, w: np.ndarray):
-        """A float [k, n] weight quantized and packed for this format's kernel."""
-        return self.pack_quantized(self.quantize(w))
+    def pack(self, w: np.ndarray, empty=aligned_empty):
+        """A float [k, n] weight quantized and packed for this format's kernel (in an array from `empty`)."""
+        return self.pack_quantized(self.quantize(w), empty)
 
     def packed_shape(self, k: int, n: int) -> tuple[int, int]:
         """The packed array's shape (uint8) for a [k, n] weight."""

@@ -10,7 +10,9 @@ A quantized store (layout version 2; `quant` in the manifest names a quant_forma
   w2  [experts, blocks, block bytes]  [ffn, hidden], packed
 so the kernel reads the mapped file itself: such a model's experts take their quantized bytes in RAM, no more.
 On disk: `manifest.json` plus one raw little-endian file per tensor. Opening maps the files read-only, so loading a
-model costs neither a copy nor a conversion. Sizes are checked at open (a truncated store fails there, not at first
+model costs neither a copy nor a conversion, advised MADV_HUGEPAGE: the page cache then holds them in 2 MB folios where
+the filesystem can (ext4 on Linux 6.18: all of a 256 MB file, against 84% unadvised), which decode steps stream
+faster (host_kernels/huge_pages.py). Sizes are checked at open (a truncated store fails there, not at first
 use); SHA-256 checksums are checked when asked (`verify=True`), since hashing a large model takes minutes.
 """
 
@@ -145,6 +147,7 @@ class ExpertStore:
                 if verify and file_sha256(file) != sha256:
                     raise StoreError(f"{file}: layer {key} {name} checksum mismatch (file is corrupt)")
                 arrays[name] = np.memmap(file, dtype=file_dtype, mode="r", shape=shape)
+                _advise(arrays[name], "MADV_HUGEPAGE")  # page cache in 2 MB folios where the filesystem has them
                 files[int(key)].append((file, opened))
             if quant is None:
                 layers[int(key)] = LayerExperts(arrays["w13"], arrays["w2"])
@@ -260,11 +263,16 @@ def release_pages(array: np.ndarray):
     """madvise(MADV_DONTNEED) on the file mapping under a np.memmap (or a view of one): its resident pages leave the
     process's memory, to be read again from the file if touched (so every array stays valid). Nothing for arrays
     that map no file."""
+    _advise(array, "MADV_DONTNEED")
+
+
+def _advise(array: np.ndarray, advice: str):
+    """madvise(`advice`) on the whole file mapping under a np.memmap or a view of one, where this OS has it."""
     while isinstance(array, np.ndarray) and not isinstance(array, np.memmap):
         array = array.base
     mapping = getattr(array, "_mmap", None)
-    if mapping is not None and hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_DONTNEED)
+    if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, advice):
+        mapping.madvise(getattr(mmap, advice))
 
 
 def file_sha256(file) -> str:

@@ -240,8 +240,8 @@ class Projection(nnx.Module):
     def keep_transposed(self):
         self.weight_t = Frozen(jnp.array(self.weight[...].T))
 
-    def pack_for_decode(self, kernel: str):
-        self.packed = Frozen(pack_dense(self.weight[...], kernel))
+    def pack_for_decode(self, kernel: str, empty=None):
+        self.packed = Frozen(pack_dense(self.weight[...], kernel, empty))
         self.dense_kernel = kernel
 
     def merged_weight(self):
@@ -314,10 +314,10 @@ class Attention(nnx.Module):
         self.qkv_packed = nnx.data(None)
         self.qkv_kernel = ""
 
-    def pack_for_decode(self, kernel: str):
+    def pack_for_decode(self, kernel: str, empty=None):
         """Packs q, k and v's base weights side by side for `kernel` (in place of a packing of each)."""
         w = jnp.concatenate([p.weight[...] for p in (self.q_proj, self.k_proj, self.v_proj)], axis=1)
-        self.qkv_packed = Frozen(pack_dense(w, kernel))
+        self.qkv_packed = Frozen(pack_dense(w, kernel, empty))
         self.qkv_kernel = kernel
 
     def _qkv(self, x_btd):

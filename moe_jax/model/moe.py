@@ -203,7 +203,7 @@ class MoEBlock(nnx.Module):
             y_td = y_td + shared_td
         return y_td.reshape(shape), chain
 
-    def pack_for_decode(self):
+    def pack_for_decode(self, empty=None):
         """Packs the router for generation's native dense products, in the dtype its logits are computed in
         (float32 where the family computes them from float32 inputs) and never quantized, so the routing stays the
         model's. In XLA a bfloat16 router was widened to float32 inside every decode step (a loop-carried weight is
@@ -211,7 +211,7 @@ class MoEBlock(nnx.Module):
         dtype = jnp.float32 if self.spec.float32_logits else self.router[...].dtype
         kernel, _ = dense_kernel(dtype)
         if kernel and self.router_packed is None:
-            self.router_packed = Frozen(pack_dense(self.router[...], kernel))
+            self.router_packed = Frozen(pack_dense(self.router[...], kernel, empty))
             self.router_kernel = kernel
 
     def _route(self, x_btd):

@@ -26,7 +26,7 @@ from moe_jax.model.layers import (
 )
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
-from moe_jax.native.dense import pack_dense
+from moe_jax.native.dense import huge_page_packing, pack_dense
 from moe_jax.planning.plan import ExecutionPlan
 
 
@@ -108,22 +108,23 @@ class Transformer(nnx.Module):
     def pack_for_decode(self, kernel: str):
         """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul), the routers
         too (MoEBlock.pack_for_decode); made once, when the model first generates, where the plan says so
-        (`ExecutionPlan.dense_decode`)."""
+        (`ExecutionPlan.dense_decode`), side by side on huge pages."""
+        empty = huge_page_packing()
         fused = set()  # attention's q, k and v: packed together (Attention.pack_for_decode)
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Attention):
                 if module.qkv_packed is None:
-                    module.pack_for_decode(kernel)
+                    module.pack_for_decode(kernel, empty)
                 fused.update(id(p) for p in (module.q_proj, module.k_proj, module.v_proj))
         for _, module in nnx.iter_modules(self):
             if isinstance(module, Projection) and module.packed is None and id(module) not in fused:
-                module.pack_for_decode(kernel)
+                module.pack_for_decode(kernel, empty)
             if isinstance(module, MoEBlock):
-                module.pack_for_decode()  # in its logits' float dtype, whatever `kernel` is (quantized or not)
+                module.pack_for_decode(empty)  # in its logits' float dtype, whatever `kernel` is (quantized or not)
         self.dense_kernel = kernel
         if self.head_packed is None:
             head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
-            self.head_packed = Frozen(pack_dense(head, kernel))
+            self.head_packed = Frozen(pack_dense(head, kernel, empty))
 
     def __call__(self, tokens_bt, positions_bt, caches=None, last_b=None):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).

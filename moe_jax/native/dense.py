@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import BF16, KERNELS, best_kernel
+from host_kernels import BF16, KERNELS, HugePageArena, best_kernel
 from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
@@ -56,14 +56,22 @@ def takes(kernel: str, x, prefill: bool = False) -> bool:
     return 1 <= x.shape[0] <= MAX_ROWS
 
 
-def pack_dense(w_kn, kernel: str) -> jax.Array:
+def huge_page_packing():
+    """An `empty` for `pack_dense` that puts the weights it packs side by side on huge pages: a decode step
+    streams them all, and on 4 KB pages the prefetchers stop at every page (host_kernels/huge_pages.py)."""
+    return HugePageArena().empty
+
+
+def pack_dense(w_kn, kernel: str, empty=None) -> jax.Array:
     """A [k, n] weight packed for `kernel` (as the fused forward packs for it: bfloat16 in the AMX tile layout,
-    which the AVX512-BF16 kernel reads too, int8 with a scale per column, or int4 with one per group)."""
+    which the AVX512-BF16 kernel reads too, int8 with a scale per column, or int4 with one per group), in an
+    array from `empty` where given (a HugePageArena's `empty` puts it on huge pages)."""
     k = KERNELS[kernel]
     # device_put on XLA:CPU takes the aligned packed array as it is, with the huge pages numpy's allocator asked
     # for; jnp.asarray copied it onto 4 KB pages, where the kernels streamed a [2048, 32768] bfloat16 head from
     # DRAM 1.15x slower (AMD Zen 5, two threads, interleaved rounds)
-    return jax.device_put(k.pack(np.asarray(w_kn, k.pack_dtype)).data)
+    w_kn = np.asarray(w_kn, k.pack_dtype)
+    return jax.device_put((k.pack(w_kn) if empty is None else k.pack(w_kn, empty)).data)
 
 
 def dense_rows_call(x_mk, packed_w, n: int, kernel: str):
