@@ -1,6 +1,6 @@
 """moe_jax against llama.cpp on the same model, side by side in one run.
 
-    python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8,int4] [--rounds 3]
+    python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8,int4] [--rounds 5]
 
 DIR (or $LLAMA_CPP_DIR) is a llama.cpp source tree with its tools built. llama.cpp is not a dependency of this
 project; to build one here (~10 minutes on 2 cores), from the sources the llama-cpp-python sdist carries:
@@ -15,9 +15,10 @@ The bench checkpoint (bench/models.py) is converted to GGUF by llama.cpp's own c
 q8_0; q4_0 with llama-quantize), in a directory beside it with a small sentencepiece tokenizer added (the converter
 needs one; it pads the vocab; for Qwen MoE it is told to read that one too, see CONVERT). Each pair (moe_jax
 float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0) runs the same cases with the same threads,
-A B A B over `--rounds`: decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode tokens/s:
-llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. Medians; writes
-bench/results/vs_llamacpp[-SHAPE].json.
+back to back over `--rounds` (A B, B A, ...): decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode
+tokens/s: llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. Each side's
+median tokens/s, and moe_jax / llama.cpp as the median of the rounds' own ratios (each round's two runs saw the
+same stretch of a noisy machine) with the lowest round's beside it; writes bench/results/vs_llamacpp[-SHAPE].json.
 
 As on an older CPU, from this one: MOE_JAX_HIDE_CPU_FLAGS hides CPU flags from moe_jax's kernel choice (by prefix),
 XLA_FLAGS=--xla_cpu_max_isa=AVX2 holds XLA's own code to AVX2 (not every library it calls: its YNNPACK dots may
@@ -42,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -178,11 +180,23 @@ def moe_jax_round(runners) -> dict[str, float]:
     }
 
 
+def round_ratios(rounds: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Per case, moe_jax / llama.cpp of each round: the two ran back to back, so each ratio saw one stretch of the
+    machine (whose memory speed moves by up to 1.5x from minute to minute here), which the ratio of the two sides'
+    medians would not (rounds where llama.cpp printed no result for a case are left out of that case)."""
+    ratios: dict[str, list[float]] = {}
+    for llama, ours in zip(rounds["llama.cpp"], rounds["moe_jax"], strict=True):
+        for case, value in ours.items():
+            if case in llama:
+                ratios.setdefault(case, []).append(value / llama[case])
+    return ratios
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, from {', '.join(PAIRS)}")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--no-repack", action="store_true", help="llama.cpp without repacked weights (no AMX)")
     add_shape_argument(parser)
@@ -206,10 +220,13 @@ def main():
             rows.append({"pair": pair, "side": f"moe_jax: not run ({e})"})
             runners = None
         rounds = {"llama.cpp": [], "moe_jax": []}
-        for _ in range(args.rounds):  # A B A B: a noisy stretch of the machine hits both alike
-            rounds["llama.cpp"].append(llama_round(tools, model_file, args.threads))
+        for i in range(args.rounds):
+            # A B, then B A: a noisy stretch of the machine hits both alike, and neither always goes first
+            sides = [("llama.cpp", partial(llama_round, tools, model_file, args.threads))]
             if runners:
-                rounds["moe_jax"].append(moe_jax_round(runners))
+                sides.append(("moe_jax", partial(moe_jax_round, runners)))
+            for side, run in sides if i % 2 == 0 else sides[::-1]:
+                rounds[side].append(run())
         raw[pair] = rounds
         for side, results in rounds.items():
             if results:
@@ -219,9 +236,10 @@ def main():
                 llama = f"llama.cpp {kind}" + (" --no-repack" if model_file in NO_REPACK else "")
                 rows.append({"pair": pair, "side": side if side == "moe_jax" else llama, **median})
         if runners:
-            llama, ours = rows[-2], rows[-1]
-            ratios = {c: ours[c] / llama[c] for c in runners if c in llama}
-            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | ratios)
+            ratios = round_ratios(rounds)
+            medians = {case: float(np.median(r)) for case, r in ratios.items()}
+            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | medians)
+            rows.append({"pair": pair, "side": "  lowest round"} | {c: min(r) for c, r in ratios.items()})
         print_table(f"{pair}, tokens/s (medians of {args.rounds} rounds)", [r for r in rows if r["pair"] == pair])
         del runners
         gc.collect()

@@ -90,6 +90,28 @@ def test_blocks_of_greedy_steps_give_the_tokens_of_single_steps(model, slots):
         assert engine.stats.decode_calls < one.stats.decode_calls  # blocks ran
 
 
+def test_a_block_ends_on_the_step_that_made_an_eos(model):
+    # a block stops on the device after a watched row's EOS: no step is spent past that sequence's end, and the
+    # rows that go on continue at the positions the block reached (their tokens as one step a call makes them)
+    rng = np.random.default_rng(12)
+    requests = [Request(rng.integers(8, 96, size=n).tolist(), max_new_tokens=24) for n in (5, 8, 3)]
+    full = [c.tokens for c in GenerationEngine(model, 1, 96, block_steps=1).run(requests)]
+    # request 0 ends on a token it makes first well inside the first block (the prefill makes its token 0)
+    ends = next(i for i in range(4, 20) if full[0][i] not in full[0][:i])
+    eos = full[0][ends]
+    engine = GenerationEngine(model, 1, 96, block_steps=32)
+    (alone,) = engine.run(requests[:1], eos_ids=[eos])
+    assert (alone.tokens, alone.finish_reason) == (full[0][: ends + 1], "eos")
+    assert engine.stats.decode_steps == ends and engine.stats.decode_calls == 1
+    # three sequences in three slots: the block ends where request 0 (or another) makes the EOS, the others go on
+    expected = [t[: t.index(eos) + 1] if eos in t else t for t in full]
+    engine = GenerationEngine(model, 3, 96, block_steps=32)
+    together = engine.run(requests, eos_ids=[eos])
+    assert [c.tokens for c in together] == expected
+    assert engine.stats.decode_calls >= 2  # the first block ended early and the next one went on from there
+    assert engine.stats.decode_steps == max(len(t) for t in expected) - 1
+
+
 def test_greedy_steps_stop_with_the_last_token(model):
     # the host knows when a sequence's length runs out: no step is dispatched whose output would all be dropped
     engine, (completion,) = run(model, [Request([9, 4, 30], max_new_tokens=5)], slots=1)
