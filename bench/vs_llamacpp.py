@@ -15,10 +15,11 @@ The bench checkpoint (bench/models.py) is converted to GGUF by llama.cpp's own c
 q8_0; q4_0 with llama-quantize), in a directory beside it with a small sentencepiece tokenizer added (the converter
 needs one; it pads the vocab; for Qwen MoE it is told to read that one too, see CONVERT). Each pair (moe_jax
 float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0) runs the same cases with the same threads,
-back to back over `--rounds` (A B, B A, ...): decode of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode
-tokens/s: llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of one 512-token prompt. Each side's
-median tokens/s, and moe_jax / llama.cpp as the median of the rounds' own ratios (each round's two runs saw the
-same stretch of a noisy machine) with the lowest round's beside it; writes bench/results/vs_llamacpp[-SHAPE].json.
+each case back to back, A B in one round and B A in the next, over `--rounds`: decode of 32-token prompts, 64 new
+tokens, at batch 1 and 16 (decode tokens/s: llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of
+one 512-token prompt. Each side's median tokens/s, and moe_jax / llama.cpp as the median of the rounds' own ratios
+(a round's two runs of a case saw the same stretch of a noisy machine) with the lowest round's beside it; writes
+bench/results/vs_llamacpp[-SHAPE].json.
 
 As on an older CPU, from this one: MOE_JAX_HIDE_CPU_FLAGS hides CPU flags from moe_jax's kernel choice (by prefix),
 XLA_FLAGS=--xla_cpu_max_isa=AVX2 holds XLA's own code to AVX2 (not every library it calls: its YNNPACK dots may
@@ -58,6 +59,7 @@ from host_kernels import default_threads  # noqa: E402
 from moe_jax.errors import MemoryLimitError  # noqa: E402
 
 BATCHES = (1, 16)
+CASES = [*(f"decode b{b}" for b in BATCHES), f"prefill 1 x {PREFILL}"]
 # pair -> (moe_jax load_model settings, llama.cpp GGUF type)
 PAIRS = {
     "f32": ({"dtype": "float32"}, "f32"),
@@ -138,8 +140,9 @@ runpy.run_path(script, run_name="__main__")
 NO_REPACK: set[Path] = set()  # GGUF files llama.cpp runs with --no-repack (its repacked kernels crashed on them)
 
 
-def llama_round(tools, model: Path, threads: int) -> dict[str, float]:
-    """One llama-batched-bench run of every case: decode tokens/s at each batch, prefill tokens/s."""
+def llama_case(tools, model: Path, threads: int, case: str) -> float | None:
+    """One llama-batched-bench run of one case (CASES): its tokens/s, decode's S_TG or prefill's S_PP; None where
+    it printed no result twice (now and then a run prints none: the case is then left out of this round)."""
 
     def run(*args) -> list[dict]:
         cmd = [str(tools["batched_bench"]), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512"]
@@ -159,12 +162,12 @@ def llama_round(tools, model: Path, threads: int) -> dict[str, float]:
             out.seek(0)
             return [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
 
-    decode = run("-npp", str(PROMPT), "-ntg", str(NEW), "-npl", ",".join(map(str, BATCHES)))
-    result = {f"decode b{r['pl']}": r["speed_tg"] for r in decode}
-    prefill = run("-npp", str(PREFILL), "-ntg", "1", "-npl", "1") or run("-npp", str(PREFILL), "-ntg", "1", "-npl", "1")
-    if prefill:  # (a run now and then prints no result: once more, then the case is left out of this round)
-        result[f"prefill 1 x {PREFILL}"] = prefill[0]["speed_pp"]
-    return result
+    if case.startswith("prefill"):
+        args, speed = ("-npp", str(PREFILL), "-ntg", "1", "-npl", "1"), "speed_pp"
+    else:
+        args, speed = ("-npp", str(PROMPT), "-ntg", str(NEW), "-npl", case.removeprefix("decode b")), "speed_tg"
+    results = run(*args) or run(*args)
+    return results[0][speed] if results else None
 
 
 def moe_jax_runners(settings: dict, threads: int) -> dict:
@@ -174,10 +177,8 @@ def moe_jax_runners(settings: dict, threads: int) -> dict:
     return runners
 
 
-def moe_jax_round(runners) -> dict[str, float]:
-    return {
-        case: run()["prefill_tok_s" if case.startswith("prefill") else "decode_tok_s"] for case, run in runners.items()
-    }
+def moe_jax_case(runner, case: str) -> float:
+    return runner()["prefill_tok_s" if case.startswith("prefill") else "decode_tok_s"]
 
 
 def round_ratios(rounds: dict[str, list[dict]]) -> dict[str, list[float]]:
@@ -219,17 +220,23 @@ def main():
         except MemoryLimitError as e:  # the other pairs still run; the table says why this one is missing
             rows.append({"pair": pair, "side": f"moe_jax: not run ({e})"})
             runners = None
-        rounds = {"llama.cpp": [], "moe_jax": []}
+        rounds = {"llama.cpp": [], "moe_jax": []} if runners else {"llama.cpp": []}
         for i in range(args.rounds):
-            # A B, then B A: a noisy stretch of the machine hits both alike, and neither always goes first
-            sides = [("llama.cpp", partial(llama_round, tools, model_file, args.threads))]
-            if runners:
-                sides.append(("moe_jax", partial(moe_jax_round, runners)))
-            for side, run in sides if i % 2 == 0 else sides[::-1]:
-                rounds[side].append(run())
+            results = {side: {} for side in rounds}
+            for case in CASES:
+                # each case A B, then B A the next round: the two runs a few seconds apart see the same stretch of
+                # a noisy machine, and neither always goes first
+                sides = [("llama.cpp", partial(llama_case, tools, model_file, args.threads, case))]
+                if runners:
+                    sides.append(("moe_jax", partial(moe_jax_case, runners[case], case)))
+                for side, run in sides if i % 2 == 0 else sides[::-1]:
+                    if (value := run()) is not None:
+                        results[side][case] = value
+            for side, values in results.items():  # (a dict each round, empty or not: rounds pair up by position)
+                rounds[side].append(values)
         raw[pair] = rounds
         for side, results in rounds.items():
-            if results:
+            if any(results):
                 # a llama-batched-bench run now and then leaves a case out of its output: the others' median
                 cases = dict.fromkeys(case for r in results for case in r)
                 median = {case: float(np.median([r[case] for r in results if case in r])) for case in cases}
