@@ -18,7 +18,7 @@ While every job is greedy and has at least two tokens to go, one call runs up to
 the job nearest its end has left (a block: GenerationSteps.decode_block, one compiled loop for every length up to
 `block_steps`), and the host reads their tokens together: a call's Python and dispatch (~0.5 ms on 2 cores, beside
 the steps) are paid once a block, also in a sequence's last few tokens (which went one step a call before). Long
-blocks pay: on 2 cores (AMD Zen 4), batch-1 decode ran 1.07-1.09x faster in blocks of 32 than of 8 on the bench
+blocks pay: on 2 cores (AMD Zen 4), batch-1 decode ran 1.07-1.10x faster in blocks of 32 than of 8 on the bench
 model, 1.14x at Qwen3-30B-A3B's dims, whose single steps take ~13 ms alone and ~10 in a loop. A block ends on the
 device after the step in which a row with EOS ids made one (stop_ids, watched), so a sequence that ends spends no
 further steps and a waiting job takes its slot at once; such a block is read before the next dispatch, as the
