@@ -25,16 +25,7 @@ from flax import nnx
 
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
-from moe_jax.generation.batch import (
-    BLOCK_STEPS,
-    Batch,
-    Completion,
-    Job,
-    Request,
-    Sampling,
-    row_bucket,
-    stop_id_array,
-)
+from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.model.layers import native_prefill
 from moe_jax.native.argmax import argmax_tokens
 
@@ -167,8 +158,9 @@ class GenerationEngine:
         """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for): one step's
         (logits, argmax tokens of every slot, caches), or for more than one, greedy throughout, (their argmax
         tokens [block, rows] (rows past the steps run zeros), the last step's argmax tokens of every slot, caches,
-        the steps run: fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads)).
-        `block`: the most steps a call of this batch runs, the compiled block's size (default: `steps`)."""
+        the steps run: fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads;
+        batch.stop_id_array), both given for a block). `block`: the most steps a call of this batch runs, the compiled
+        block's size (default: `steps`)."""
         if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
             self.model.refresh_expert_cache()  # values only: the compiled step is reused
         self.stats.decode_steps += steps
@@ -177,8 +169,6 @@ class GenerationEngine:
         args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
         if steps == 1:
             return self._steps.decode(*args, rows=rows)
-        if stop_ids is None:
-            stop_ids, watched = stop_id_array(()), np.zeros(len(host_tokens), bool)
         block = max(block, steps)
         return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=block)
 
