@@ -227,7 +227,7 @@ class StoreWriter:
             self._write_layer(layer, w13, w2)
 
     def add_quantized_layer(self, layer: int, quantized: QuantizedLayerExperts):
-        """A layer already quantized in this store's format (pack_layer's)."""
+        """A layer already quantized in this store's format (quantize_layer's or pack_int4_layer's)."""
         if quantized.quant != self.quant:
             raise StoreError(f"layer {layer}: {quantized.quant} experts in a {self.quant} store")
         sizes = {"hidden": quantized.hidden, "ffn": quantized.ffn}
