@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from moe_jax.errors import MoeJaxError
 from moe_jax.generation.sampling import sample
 
 
@@ -62,3 +63,10 @@ def test_sampler_edge_settings():
     assert drawn == {0, 1, 2, 3}
     assert {int(sample(logits, rng, 5.0, 1.0, top_k=2)[0]) for _ in range(300)} == {1, 3}
     assert sample(logits, rng, 0.0, 0.5, top_k=2).tolist() == [1]  # temperature 0: argmax, settings aside
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_logits_that_are_not_finite_are_named(bad):
+    logits = np.array([[0.5, bad, 1.0]], np.float32)
+    with pytest.raises(MoeJaxError, match="not finite"):
+        sample(logits, np.random.default_rng(0), 1.0, 0.9)

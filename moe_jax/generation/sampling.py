@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_jax.errors import InputError
+from moe_jax.errors import InputError, MoeJaxError
 
 # probabilities above which the nucleus is looked for first (at most 1/floor tokens to sort); the next floor when
 # the cut is not among them
@@ -52,7 +52,10 @@ def _draw(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_
     else:
         tokens = np.arange(z.size)
     probs = np.exp(z[tokens])
-    probs /= probs.sum()
+    total = probs.sum()
+    if not np.isfinite(total):  # (a NaN logit, or +inf: inf - inf)
+        raise MoeJaxError(f"a row of logits to sample from is not finite (max {logits.max()}): the model overflowed")
+    probs /= total
     if top_p < 1:
         tokens, probs = _nucleus(tokens, probs, top_p)
     cdf = np.cumsum(probs)  # in token order, as choice's over the whole vocabulary (its zeros add nothing)
