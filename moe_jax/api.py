@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class Model:
         self.kv = KVCacheMemory(self.config, DTYPES[dtype])
         self.generation = CompiledGeneration(self)
         self._leaves, self._leaves_of = [], None  # state_leaves() and the state they are of
+        self._closed = False
         self._set_transformer(transformer)
 
     def _set_transformer(self, transformer: Transformer):
@@ -81,6 +83,33 @@ class Model:
             self._forward_jit = jax.jit(forward)
         else:  # a step of every process, each with its rows (the experts' tokens travel between them)
             self._forward_jit = over_processes(forward, (SAME, ROWS, ROWS), ROWS)
+
+    def close(self):
+        """Lets go of the model's weights now rather than at the end of the process: its state, its compiled
+        steps and its expert placement (the host store, the device cache). JAX's caches keep each compiled
+        step's host-expert call, and through it the expert store, past the model's last reference (a model merely
+        dropped stays in memory until they are cleared): close clears them (`jax.clear_caches()`), so other
+        models of the process compile their steps again on their next call. Using the model after is an error;
+        what was taken from it (its `transformer`) keeps what it holds. Also `with load_model(...) as model:`."""
+        if self._closed:
+            return
+        self._closed = True
+        self.graphdef = self.state = self._forward_jit = self.placement = self.checkpoint = None
+        self._leaves, self._leaves_of = [], None
+        self.generation = CompiledGeneration(self)  # none compiled
+        jax.clear_caches()
+        gc.collect()  # the host engine's objects refer to each other: freed by the cycle collector, now
+        trim_heap()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise InputError("this model was closed (Model.close): load it again to use it")
 
     @property
     def quantized_experts(self) -> bool:
@@ -168,6 +197,7 @@ class Model:
     def refresh_expert_cache(self) -> bool:
         """auto: updates the device expert cache from the routing seen since the last call (bounded churn).
         The generation engine and the trainer call this between steps."""
+        self._check_open()
         if not self.placement.cache_in_use:  # nothing to place, or every call shape runs on the host path
             return False
         return self._edit(self.placement.refresh_expert_cache)
@@ -185,6 +215,7 @@ class Model:
 
     def state_leaves(self) -> list:
         """The state's arrays in flattening order (what the generation steps take), kept until it changes."""
+        self._check_open()
         if self._leaves_of is not self.state:
             self._leaves, self._leaves_of = jax.tree.leaves(self.state), self.state
         return self._leaves
@@ -209,10 +240,12 @@ class Model:
 
     def metrics(self) -> BackendMetrics:
         """Backend figures (bytes moved, host busy, device wait, ...) since the previous call."""
+        self._check_open()
         return self.placement.take_metrics()
 
     @property
     def transformer(self) -> Transformer:
+        self._check_open()
         return nnx.merge(self.graphdef, self.state)
 
     def check_token_ids(self, input_ids) -> np.ndarray:
@@ -231,6 +264,7 @@ class Model:
     def logits(self, input_ids) -> np.ndarray:
         """float32 logits [batch, seq, vocab] for integer token ids [batch, seq] (expert parallel: this process's
         rows of the batch, in a call every process of the run makes with its own)."""
+        self._check_open()
         ids = self.check_token_ids(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise InputError(f"input_ids must have shape [batch, seq] with seq >= 1, got {ids.shape}")
@@ -248,6 +282,7 @@ class Model:
     def engine(self, slots: int, max_len: int, anchor_cache=None):
         """A generation engine over this model for `slots` sequences of up to `max_len` tokens (see
         CompiledGeneration.engine)."""
+        self._check_open()
         return self.generation.engine(slots, max_len, anchor_cache)
 
     def generate(

@@ -45,7 +45,8 @@ def sample(
 def _draw(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float, top_k: int) -> int:
     z = logits.astype(np.float64)
     # shifted before dividing: a tiny temperature sends the others to -inf, never the best to inf (inf - inf = NaN)
-    z = (z - z.max()) / temperature
+    with np.errstate(invalid="ignore"):  # (an inf logit: inf - inf, refused below by name)
+        z = (z - z.max()) / temperature
     if top_k and top_k < z.size:  # a top-k at or above the vocabulary keeps every token
         kth = np.partition(z, z.size - top_k)[z.size - top_k]
         tokens = np.flatnonzero(z >= kth)  # ties with the k-th are kept
