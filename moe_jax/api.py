@@ -85,12 +85,13 @@ class Model:
             self._forward_jit = over_processes(forward, (SAME, ROWS, ROWS), ROWS)
 
     def close(self):
-        """Lets go of the model's weights now rather than at the end of the process: its state, its compiled
-        steps and its expert placement (the host store, the device cache). JAX's caches keep each compiled
-        step's host-expert call, and through it the expert store, past the model's last reference (a model merely
-        dropped stays in memory until they are cleared): close clears them (`jax.clear_caches()`), so other
-        models of the process compile their steps again on their next call. Using the model after is an error;
-        what was taken from it (its `transformer`) keeps what it holds. Also `with load_model(...) as model:`."""
+        """Lets go of the model's weights now: its state, its compiled steps and its expert placement (the host
+        store, the device cache). A model merely dropped stayed in memory (Qwen3-30B-A3B's dims cut to 2 layers,
+        bfloat16: 5.2 of 5.75 GB, until `jax.clear_caches()`): JAX's caches keep its compiled steps, which reach
+        the host experts. Close drops the model's own references and clears those caches too (other models of
+        the process compile their steps again on their next call); there 5.75 GB went to 0.30. Using the model
+        after is an error; what was taken from it (its `transformer`) keeps what it holds.
+        Also `with load_model(...) as model:`."""
         if self._closed:
             return
         self._closed = True
