@@ -73,7 +73,6 @@ class Model:
 
     def _set_transformer(self, transformer: Transformer):
         self.graphdef, self.state = nnx.split(transformer)
-        self.generation.structure_changed()
         graphdef = self.graphdef
 
         def forward(state, tokens_bt, positions_bt):
@@ -85,20 +84,16 @@ class Model:
             self._forward_jit = over_processes(forward, (SAME, ROWS, ROWS), ROWS)
 
     def close(self):
-        """Lets go of the model's weights now: its state, its compiled steps and its expert placement (the host
-        store, the device cache). A model merely dropped stayed in memory (Qwen3-30B-A3B's dims cut to 2 layers,
-        bfloat16: 5.2 of 5.75 GB, until `jax.clear_caches()`): JAX's caches keep its compiled steps, which reach
-        the host experts. Close drops the model's own references and clears those caches too (other models of
-        the process compile their steps again on their next call); there 5.75 GB went to 0.30. Using the model
-        after is an error; what was taken from it (its `transformer`) keeps what it holds.
-        Also `with load_model(...) as model:`."""
+        """Lets go of the model's weights now, as dropping its last reference does (the model, its state, its
+        compiled steps and its expert placement: the host store, the device cache), while something else still
+        refers to the model. Using it after is an error; what was taken from it (its `transformer`) keeps what it
+        holds. Also `with load_model(...) as model:`."""
         if self._closed:
             return
         self._closed = True
         self.graphdef = self.state = self._forward_jit = self.placement = self.checkpoint = None
         self._leaves, self._leaves_of = [], None
         self.generation = CompiledGeneration(self)  # none compiled
-        jax.clear_caches()
         gc.collect()  # the host engine's objects refer to each other: freed by the cycle collector, now
         trim_heap()
 

@@ -1,24 +1,28 @@
 """A model's compiled generation: the jitted prefill/decode steps of its last few structures (a memory split moved
-back and forth does not recompile each time), and the engines kept for reuse (an evaluation loop does not recompile
-each time)."""
+back and forth does not recompile each time; engines, made fresh for each use, share them)."""
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 
-from moe_jax.generation.engine import TOKEN_BUCKET, GenerationEngine, compile_generation_steps, round_up
+from moe_jax.generation.engine import GenerationEngine, compile_generation_steps
 
 KEPT_STRUCTURES = 4
 
 
 class CompiledGeneration:
     def __init__(self, model):
-        self.model = model
+        # the model holds this; a reference back would make a cycle, and a model dropped in one stayed in memory:
+        # the cycle collector left its host experts, which JAX's caches of the compiled steps reach (plain
+        # reference counting frees them)
+        self._model = weakref.ref(model)
         self._steps = []  # [(graphdef, generation steps)], most recent first
-        self._engines = {}  # (slots, bucketed max_len) -> engine, for the current structure
 
-    def structure_changed(self):
-        self._engines = {}  # their steps were compiled for the old structure
+    @property
+    def model(self):
+        return self._model()
 
     def steps(self):
         """The jitted GenerationSteps for the model's current structure, after the plan's decode packing."""
@@ -32,12 +36,5 @@ class CompiledGeneration:
         return steps
 
     def engine(self, slots: int, max_len: int, anchor_cache=None) -> GenerationEngine:
-        """An engine with fresh stats; engines without an anchor cache are kept and reused, with their steps."""
-        if anchor_cache is not None:
-            return GenerationEngine(self.model, slots, max_len, anchor_cache)
-        key = (slots, round_up(max_len, TOKEN_BUCKET))
-        if key not in self._engines:
-            self._engines[key] = GenerationEngine(self.model, *key)
-        engine = self._engines[key]
-        engine.stats = type(engine.stats)()
-        return engine
+        """A new engine (fresh stats) over the model's compiled steps."""
+        return GenerationEngine(self.model, slots, max_len, anchor_cache)
