@@ -68,5 +68,5 @@ def test_sampler_edge_settings():
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_logits_that_are_not_finite_are_named(bad):
     logits = np.array([[0.5, bad, 1.0]], np.float32)
-    with pytest.raises(MoeJaxError, match="not finite"):
+    with pytest.raises(MoeJaxError, match="NaN or inf"):
         sample(logits, np.random.default_rng(0), 1.0, 0.9)

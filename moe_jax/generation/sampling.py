@@ -54,8 +54,8 @@ def _draw(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_
         tokens = np.arange(z.size)
     probs = np.exp(z[tokens])
     total = probs.sum()
-    if not np.isfinite(total):  # (a NaN logit, or +inf: inf - inf)
-        raise MoeJaxError(f"a row of logits to sample from holds NaN or inf (max {logits.max()}): the model's output is broken")
+    if not np.isfinite(total):  # (a NaN logit, or +inf: inf - inf is NaN)
+        raise MoeJaxError(f"a row of logits to sample from holds NaN or inf (max {logits.max()}): the model is broken")
     probs /= total
     if top_p < 1:
         tokens, probs = _nucleus(tokens, probs, top_p)
