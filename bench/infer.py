@@ -173,7 +173,6 @@ def decode_table(cases, sides=CPU_SIDES):
                 row[f"{name}_vs_transformers"] = row[f"{name}_{measure}"] / max(references)
         rows.append(row)
         del runners  # their models, before the next case loads its own (a real shape's two float32 models do not fit)
-        jax.clear_caches()  # its compiled steps hold the host callbacks, and so the model
         gc.collect()
     return rows
 

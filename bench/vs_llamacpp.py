@@ -49,7 +49,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import moe_jax  # noqa: E402
@@ -250,7 +249,6 @@ def main():
             rows.append({"pair": pair, "side": "  lowest round"} | {c: min(r) for c, r in ratios.items()})
         print_table(f"{pair}, tokens/s (medians of {args.rounds} rounds)", [r for r in rows if r["pair"] == pair])
         del runners  # and their model, before the next pair loads its own (on Qwen3's dims float32 holds ~11 GB)
-        jax.clear_caches()  # its compiled steps hold the host callbacks, and so the model
         gc.collect()
     print_table(f"tokens/s, {args.threads} threads, shape {args.shape}: decode (32-token prompts) and prefill", rows)
     name = "vs_llamacpp" if args.shape == "bench" else f"vs_llamacpp-{args.shape}"
