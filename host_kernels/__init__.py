@@ -40,6 +40,7 @@ from host_kernels.native import cpu_lacks, keep_freed_buffers, trim_heap, xla_ff
 from host_kernels.pool import MAX_THREADS, default_threads
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pages
+from host_kernels.stream_worker import StreamWorker, is_live_worker
 
 __all__ = [
     "BF16",
@@ -61,6 +62,7 @@ __all__ = [
     "NonFiniteError",
     "StoreError",
     "StoreWriter",
+    "StreamWorker",
     "best_kernel",
     "choose_kernels",
     "cpu_lacks",
@@ -68,6 +70,7 @@ __all__ = [
     "default_threads",
     "file_sha256",
     "is_live_call",
+    "is_live_worker",
     "keep_freed_buffers",
     "library_status",
     "pack_int4_layer",

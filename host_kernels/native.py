@@ -51,6 +51,25 @@ SIGNATURES = {
     "moe_forward_keeping": ([_P, _P, _P, ctypes.c_int, _P, _P, ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int),
     "moe_call_init": ([_P, _P, _P], None),
     "moe_backward": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I], ctypes.c_int),
+    # the host worker of stream-ordered expert calls (csrc/stream_worker.h; host_kernels/stream_worker.py)
+    "moe_stream_worker_new": ([_P, _I, _I], _P),
+    "moe_stream_worker_stop": ([_P], None),
+    "moe_stream_worker_free": ([_P], None),
+    "moe_stream_worker_stopped": ([_P], ctypes.c_int),
+    "moe_stream_site": ([_P, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, _P, _I], _I),
+    "moe_stream_site_staging": ([_P, _I, _P], ctypes.c_int),
+    "moe_stream_post": ([_P, _I], None),
+    "moe_stream_wait": ([_P, _I, _I], ctypes.c_int),
+    "moe_stream_ring": ([_P], None),
+    "moe_stream_take_error": ([_P, _P, _P, _I], ctypes.c_int),
+    "moe_stream_peek_error": ([_P, _P, _P, _I], ctypes.c_int),
+    "moe_stream_counters": ([_P, _P], None),
+}
+# built only where CUDA's cuda.h was found (setup.py): looked up by `cuda_function`
+CUDA_SIGNATURES = {
+    "moe_cuda_stream_status": ([], ctypes.c_char_p),
+    "moe_cuda_stream_memops": ([ctypes.c_int], ctypes.c_int),
+    "moe_cuda_pinned_memory": ([], _P),
 }
 
 
@@ -185,6 +204,16 @@ def lib():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
     return library
+
+
+def cuda_function(name: str):
+    """The library's CUDA-side function `name` (CUDA_SIGNATURES), or None where the build has no CUDA handlers."""
+    library = lib()
+    if not hasattr(library, name):
+        return None
+    function = getattr(library, name)
+    function.argtypes, function.restype = CUDA_SIGNATURES[name]
+    return function
 
 
 @cache

@@ -19,17 +19,23 @@ SOURCES = (
     "moe_forward.c",
     "moe_backward.c",
     "pack_layout.c",
+    "stream_worker.c",
     "source_hash.c",
-)  # the kernels
+)  # the kernels, and the host worker of stream-ordered expert calls
 HEADERS = (
     "simd.h", "simd_avx2.h", "moe_forward.h", "moe_call.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "f32_gemm.h",
-    "int4_gemm.h", "int8_vnni_gemm.h", "avx2_kernels.h",
+    "int4_gemm.h", "int8_vnni_gemm.h", "avx2_kernels.h", "stream_worker.h",
 )  # fmt: skip
 CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the
 # kernels above directly, and the experts' handler goes through moe_forward.h's moe_call
-XLA_FFI_SOURCES = ("xla_host_experts.c", "xla_decode_attention.c", "xla_argmax.c", "xla_dense.c")
-XLA_FFI_HEADERS = ("ffi_common.h", "decode_attention_head.h", "decode_attention_heads.h")
+XLA_FFI_SOURCES = (
+    "xla_host_experts.c", "xla_decode_attention.c", "xla_argmax.c", "xla_dense.c", "xla_stream_experts.c",
+)  # fmt: skip
+XLA_FFI_HEADERS = ("ffi_common.h", "decode_attention_head.h", "decode_attention_heads.h", "stream_handlers.h")
+# the stream-ordered expert calls' CUDA handlers, built with the FFI handlers where CUDA's cuda.h is found too (they
+# open the driver at run time: the same build runs where there is no GPU)
+CUDA_SOURCES = ("xla_cuda_host_experts.c",)
 
 
 def hash_files(paths) -> str:
@@ -41,4 +47,4 @@ def hash_files(paths) -> str:
 
 def source_hash() -> str:
     """One hash over every native source, handlers included (whether or not this build compiled them)."""
-    return hash_files(CSRC / name for name in SOURCES + HEADERS + XLA_FFI_SOURCES + XLA_FFI_HEADERS)
+    return hash_files(CSRC / name for name in SOURCES + HEADERS + XLA_FFI_SOURCES + XLA_FFI_HEADERS + CUDA_SOURCES)

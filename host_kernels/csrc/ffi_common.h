@@ -91,30 +91,45 @@ static inline int ffi_parallel_for(const XLA_FFI_Api *api, XLA_FFI_ExecutionCont
     return 0;
 }
 
-/* The s64 scalar attribute `name` into *value; non-zero where the call has none of that name and type. */
-static inline int ffi_s64_attr(const XLA_FFI_CallFrame *frame, const char *name, int64_t *value) {
+/* The scalar attribute `name` of `dtype`, or NULL where the call has none of that name and type. */
+static inline const XLA_FFI_Scalar *ffi_scalar_attr(const XLA_FFI_CallFrame *frame, const char *name,
+                                                    XLA_FFI_DataType dtype) {
     const size_t length = strlen(name);
     for (int64_t i = 0; i < frame->attrs.size; i++) {
         const XLA_FFI_ByteSpan *attr_name = frame->attrs.names[i];
         if (attr_name->len != length || memcmp(attr_name->ptr, name, length)) continue;
         const XLA_FFI_Scalar *scalar = frame->attrs.attrs[i];
-        if (frame->attrs.types[i] != XLA_FFI_AttrType_SCALAR || scalar->dtype != XLA_FFI_DataType_S64) return 1;
-        *value = *(const int64_t *)scalar->value;
-        return 0;
+        return frame->attrs.types[i] == XLA_FFI_AttrType_SCALAR && scalar->dtype == dtype ? scalar : NULL;
     }
-    return 1;
+    return NULL;
+}
+
+/* The s64 scalar attribute `name` into *value; non-zero where the call has none of that name and type. */
+static inline int ffi_s64_attr(const XLA_FFI_CallFrame *frame, const char *name, int64_t *value) {
+    const XLA_FFI_Scalar *scalar = ffi_scalar_attr(frame, name, XLA_FFI_DataType_S64);
+    if (scalar) *value = *(const int64_t *)scalar->value;
+    return !scalar;
+}
+
+/* The same for a u64 attribute (an address). */
+static inline int ffi_u64_attr(const XLA_FFI_CallFrame *frame, const char *name, uint64_t *value) {
+    const XLA_FFI_Scalar *scalar = ffi_scalar_attr(frame, name, XLA_FFI_DataType_U64);
+    if (scalar) *value = *(const uint64_t *)scalar->value;
+    return !scalar;
 }
 
 /* At registration XLA calls the handler with a metadata extension, asking which FFI version it was built
- * against: answers and returns 1 for that call, 0 for a real one. */
-static inline int ffi_answer_metadata(XLA_FFI_CallFrame *frame) {
+ * against and its traits (XLA_FFI_HANDLER_TRAITS_*): answers and returns 1 for that call, 0 for a real one. */
+static inline int ffi_answer_metadata_traits(XLA_FFI_CallFrame *frame, XLA_FFI_Handler_Traits traits) {
     if (!frame->extension_start || frame->extension_start->type != XLA_FFI_Extension_Metadata) return 0;
     XLA_FFI_Metadata *metadata = ((XLA_FFI_Metadata_Extension *)frame->extension_start)->metadata;
     metadata->api_version = (XLA_FFI_Api_Version){XLA_FFI_Api_Version_STRUCT_SIZE, NULL, XLA_FFI_API_MAJOR,
                                                   XLA_FFI_API_MINOR};
-    metadata->traits = 0;
+    metadata->traits = traits;
     metadata->state_type_id = (XLA_FFI_TypeId){0};
     return 1;
 }
+
+static inline int ffi_answer_metadata(XLA_FFI_CallFrame *frame) { return ffi_answer_metadata_traits(frame, 0); }
 
 #endif

@@ -3,8 +3,9 @@
 `make_plan` answers, from the model's dtype, whether the placement runs a host engine, the platform jax runs on,
 this CPU, the native libraries, and the caller's explicit choice (`load_model(native=...)`, the CLIs'
 `--no-native`; the environment variables MOE_JAX_XLA_FFI=0 and MOE_JAX_HOST_KERNEL=numpy only supply defaults):
-- the host experts: which kernels (host_kernels.choose_kernels), and whether a jitted step calls their fused
-  forward through XLA's FFI (moe_jax/native/ffi.py) or through a `pure_callback`;
+- the host experts: which kernels (host_kernels.choose_kernels), and how a jitted step reaches their fused forward
+  (`host_call`): XLA:CPU's FFI handler calling it directly (moe_jax/native/host_experts.py), two stream-ordered FFI
+  calls to a host worker beside an accelerator (moe_jax/native/stream_experts.py), or a `pure_callback`;
 - a decode step's attention, its dense products and greedy argmax: the native FFI handlers or XLA;
 - training in bfloat16 on XLA:CPU: transposed copies of the frozen weights for the backward (layers.frozen_matmul).
 The model is built with these answers (`model.build_transformer`, `engine.compile_generation_steps`,
@@ -22,13 +23,20 @@ import jax
 import numpy as np
 
 from host_kernels import KernelChoice, choose_kernels
+from host_kernels.stream_worker import cuda_memops
 from moe_jax.errors import InputError
 from moe_jax.native import argmax as native_argmax
 from moe_jax.native import decode_attention as native_attention
 from moe_jax.native import dense as native_dense
 from moe_jax.native import ffi as native_ffi
+from moe_jax.native import stream_experts
 
 BFLOAT16 = "bfloat16"
+# how a jitted step reaches the host experts' fused forward: XLA:CPU's direct FFI handler, the stream-ordered
+# submit/sync calls (an accelerator's stream), or a Python callback
+FFI, STREAM, CALLBACK = "ffi", "stream", "callback"
+HOST_CALLS = (FFI, STREAM, CALLBACK)
+HOST_CALL_NAMES = {FFI: "through XLA FFI", STREAM: "by stream-ordered FFI calls", CALLBACK: "by pure_callback"}
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class ExecutionPlan:
     platform: str  # where jax runs the jitted steps: "cpu", "gpu", ...
     dtype: str  # the model's: "float32" or "bfloat16"
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
-    experts_ffi: bool  # a jitted step calls the fused host forward through XLA's FFI (else a pure_callback)
+    host_call: str  # how a jitted step reaches the fused host forward: FFI, STREAM or CALLBACK
     decode_attention: bool  # native decode attention over the KV cache (bfloat16 or float32)
     # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
     dense_decode: str
@@ -51,10 +59,17 @@ class ExecutionPlan:
     # model/transformer.Transformer.pipelined); why in `reason("pipeline")`
     micro_batches: int = 1
     decode_micro_batches: int = 1  # the same for decode steps (one token a row)
+    # the stream calls' signal on CUDA (stream_experts.SIGNALS); "" where the host call is not STREAM
+    stream_signal: str = ""
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
 
     def reason(self, part: str) -> str:
         return dict(self.why).get(part, "")
+
+    @property
+    def experts_ffi(self) -> bool:
+        """XLA:CPU's FFI handler calls the fused host forward directly."""
+        return self.host_call == FFI
 
     @property
     def quant(self) -> str | None:
@@ -71,8 +86,10 @@ class ExecutionPlan:
         out = [f"platform: {self.platform}, dtype: {self.dtype}"]
         if self.host_kernels is not None:
             out += [f"host {part}" for part in self.host_kernels.describe()]
-            called = "through XLA FFI" if self.experts_ffi else "by pure_callback"
-            out.append(line("host experts called", called, "ffi"))
+            called = HOST_CALL_NAMES[self.host_call]
+            if self.stream_signal:
+                called += f", signalled by {self.stream_signal}"
+            out.append(line("host experts called", called, "host call"))
         out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
         if self.mla_decode:
             out.append(f"latent attention decode: {self.mla_decode} form")
@@ -103,7 +120,7 @@ class ExecutionPlan:
         parts = []
         if self.host_kernels is not None:
             fused = self.host_kernels.fused or f"engine {self.host_kernels.gemm}"
-            parts.append(f"experts {fused} via {'FFI' if self.experts_ffi else 'callback'}")
+            parts.append(f"experts {fused} via {self.host_call}")
         parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
         parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
         parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
@@ -134,6 +151,7 @@ def make_plan(
     quant: str | None = None,
     mla_decode: str = "",
     pipeline: int | None = None,
+    host_call: str | None = None,
 ) -> ExecutionPlan:
     """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
     `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
@@ -141,19 +159,20 @@ def make_plan(
     environment's defaults: on, unless MOE_JAX_XLA_FFI=0 / MOE_JAX_HOST_KERNEL=numpy. `host_kernels` replaces
     the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
     ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
-    quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded" (moe_jax/model/mla.py);
-    their decode attention is XLA's (the native handler computes grouped-query attention). `pipeline`: micro-batches
-    of the device/host ping-pong (`pipeline_choice`)."""
+    quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded"
+    (moe_jax/model/mla.py); their decode attention is XLA's (the native handler computes grouped-query attention).
+    `pipeline`: micro-batches of the device/host ping-pong (`pipeline_choice`). `host_call` (FFI, STREAM or
+    CALLBACK; default: MOE_JAX_HOST_CALL, else `host_call_choice`'s): how a jitted step reaches the host experts."""
     if mla_decode not in ("", "absorbed", "expanded"):
         raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
     why = {}
     xla_ffi = native if xla_ffi is None else xla_ffi
+    turned_off = ""
     if xla_ffi is False:
-        ffi_on, ffi_off = False, "XLA FFI handlers turned off by the caller"
+        turned_off = "XLA FFI handlers turned off by the caller"
     elif xla_ffi is None and os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
-        ffi_on, ffi_off = False, "MOE_JAX_XLA_FFI=0"
-    else:
-        ffi_on, ffi_off = native_ffi.status()
+        turned_off = "MOE_JAX_XLA_FFI=0"
+    ffi_on, ffi_off = (False, turned_off) if turned_off else native_ffi.status()
 
     def native_part(part: str, applies: bool, not_applicable: str, status) -> bool:
         """Whether `part` runs natively; its reason recorded where not."""
@@ -168,9 +187,10 @@ def make_plan(
     host = host_kernels
     if host is None and store_dtype is not None:
         host = choose_kernels(store_dtype, native, quant)
-    experts_ffi = host is not None and native_part(
-        "ffi", bool(host.fused), "no fused forward to call", lambda: (True, "")
-    )
+    call, signal = CALLBACK, ""
+    if host is not None:
+        call, why["host call"] = host_call_choice(host_call, bool(host.fused), turned_off)
+        signal = stream_signal_choice() if call == STREAM else ""
     bf16 = dtype == BFLOAT16
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
@@ -181,7 +201,8 @@ def make_plan(
         platform=jax.default_backend(),
         dtype=dtype,
         host_kernels=host,
-        experts_ffi=experts_ffi,
+        host_call=call,
+        stream_signal=signal,
         decode_attention=native_part(
             "attention",
             not mla_decode,
@@ -199,6 +220,50 @@ def make_plan(
         decode_micro_batches=decode_micro_batches,
         why=tuple(why.items()),
     )
+
+
+def host_call_choice(asked: str | None, fused: bool, turned_off: str = "") -> tuple[str, str]:
+    """(how a jitted step reaches the host experts, why not another way). Asked for (the caller, else
+    MOE_JAX_HOST_CALL), or by default: on XLA:CPU its FFI handler, which calls the fused forward on the step's own
+    buffers and threads; beside an accelerator the stream-ordered calls, whose device side only enqueues copies and
+    signals (a pure_callback there copies through unpinned buffers, synchronises the stream and takes the GIL);
+    a callback where neither can run (no fused forward, FFI turned off, handlers not built). An unusable choice
+    that was asked for is an error."""
+    source = "asked by the caller"
+    if asked is None and os.environ.get("MOE_JAX_HOST_CALL"):
+        asked, source = os.environ["MOE_JAX_HOST_CALL"], "MOE_JAX_HOST_CALL"
+    if asked is not None and asked not in HOST_CALLS:
+        raise InputError(f"host call must be one of {', '.join(HOST_CALLS)}, got {asked!r}")
+    if asked == CALLBACK:
+        return CALLBACK, source
+    unusable = "no fused forward to call" if not fused else turned_off
+    if asked is None and unusable:
+        return CALLBACK, unusable
+    on_cpu = jax.default_backend() == "cpu"
+    if asked is None:
+        asked = FFI if on_cpu else STREAM
+        usable, reason = native_ffi.status() if asked == FFI else stream_experts.status()
+        if not usable:
+            return CALLBACK, reason
+        return asked, "on XLA:CPU the handler calls the fused forward directly" if on_cpu else ""
+    usable, reason = native_ffi.status() if asked == FFI else stream_experts.status()
+    if unusable or not usable:
+        raise InputError(f"host call {asked!r} ({source}) unavailable: {unusable or reason}")
+    return asked, source
+
+
+def stream_signal_choice() -> str:
+    """How the stream calls' device side signals the host worker: MOE_JAX_STREAM_SIGNAL, else stream memory
+    operations on the mapped flags where the GPU runs them (FreeToken measured CUDA's host functions at ~30-50 us a
+    call and moved off them; bench/accelerator.sh measures both here), else host functions."""
+    asked = os.environ.get("MOE_JAX_STREAM_SIGNAL")
+    if asked is not None:
+        if asked not in stream_experts.SIGNALS:
+            raise InputError(f"MOE_JAX_STREAM_SIGNAL must be one of {', '.join(stream_experts.SIGNALS)}, got {asked!r}")
+        return asked
+    if stream_experts.platform_name() != "cuda":
+        return "host-functions"  # XLA:CPU's device side is host code either way
+    return "memops" if cuda_memops() else "host-functions"
 
 
 def training_head_kernel() -> tuple[str, Callable[[], tuple[bool, str]]]:

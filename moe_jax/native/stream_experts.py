@@ -1,0 +1,111 @@
+"""The host experts as two stream-ordered XLA FFI calls, `submit` and `sync` (host_kernels/csrc/stream_handlers.h).
+
+Beside a GPU, submit enqueues on XLA's stream the copy of a layer's activations and routing into the host worker's
+pinned staging buffers and a go; sync enqueues the wait for the worker's done and the copy of y back. Neither runs
+Python or synchronises the stream, both may be captured in a CUDA graph, and the device computes whatever XLA
+places between them (the shared expert, the other micro-batch's attention). The same two targets are registered
+for XLA:CPU, where the device side is host code, so the protocol and its ordering run inside jitted steps on any
+machine; there the direct handler (host_experts.py) is the faster path and the plan picks it.
+
+Each call site gets a slot (`HostRuntime.stream_call`): consecutive sites of a program take consecutive slots, so
+calls in flight at once never share staging memory.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from host_kernels import KernelArgumentError, is_live_call, is_live_worker, xla_ffi_library
+from host_kernels.stream_worker import DTYPE_CODES, SLOTS, cuda_status
+
+SUBMIT, SYNC = "moe_jax_stream_submit", "moe_jax_stream_sync"
+# the native library's symbol of each target on each platform (registered under the target's name)
+SYMBOLS = {
+    "cpu": {SUBMIT: "moe_jax_stream_submit", SYNC: "moe_jax_stream_sync"},
+    "cuda": {SUBMIT: "moe_jax_cuda_stream_submit", SYNC: "moe_jax_cuda_stream_sync"},
+}
+# how the device side signals the worker on CUDA: stream memory operations on flags in mapped pinned memory (the
+# worker polls them), or host functions on CUDA's callback thread
+SIGNALS = {"memops": 0, "host-functions": 1}
+REGISTERED_AS = {"cpu": "cpu", "cuda": "CUDA"}  # jax.ffi.register_ffi_target's platform names
+
+
+class StreamCall(NamedTuple):
+    """One call site's static settings: the worker, the layer's moe_call, the layer, its slot, the signal form."""
+
+    worker: int
+    call: int
+    layer: int
+    slot: int
+    signal: str = "memops"
+
+
+def platform_name() -> str:
+    """jax's platform as the handlers are registered for it: "cpu" or "cuda" (else jax's own name)."""
+    backend = jax.default_backend()
+    return "cuda" if backend == "gpu" else backend
+
+
+def status() -> tuple[bool, str]:
+    """(usable, why not) of the stream calls on jax's platform: the handlers built and registered (on CUDA, the
+    driver loaded too)."""
+    platform = platform_name()
+    if platform not in SYMBOLS:
+        return False, f"no stream handlers for {platform}"
+    if platform == "cuda":
+        usable, reason = cuda_status()
+        if not usable:
+            return False, reason
+    return _registered(platform)
+
+
+@cache
+def _registered(platform: str) -> tuple[bool, str]:
+    library, reason = xla_ffi_library(tuple(SYMBOLS[platform].values()))
+    if library is None:
+        return False, reason
+    for target, symbol in SYMBOLS[platform].items():
+        capsule = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, capsule, platform=REGISTERED_AS[platform])
+    return True, ""
+
+
+def _attributes(site: StreamCall) -> dict:
+    if not is_live_worker(site.worker):
+        raise KernelArgumentError(f"{site.worker:#x} is not a live stream worker")
+    if not is_live_call(site.call):
+        raise KernelArgumentError(f"{site.call:#x} is not the moe_call of a live fused forward")
+    if not 0 <= site.slot < SLOTS or site.signal not in SIGNALS:
+        raise KernelArgumentError(f"stream call: slot {site.slot} of {SLOTS}, signal {site.signal!r}")
+    return dict(
+        worker=np.uint64(site.worker),
+        call=np.uint64(site.call),
+        layer=np.int64(site.layer),
+        slot=np.int64(site.slot),
+        signal=np.int64(SIGNALS[site.signal]),
+    )
+
+
+def submit(site: StreamCall, x_td, ids_tk, weights_tk):
+    """Enqueues the layer's experts for these rows; returns the ticket (an int32 scalar) that `sync` takes."""
+    call = jax.ffi.ffi_call(SUBMIT, jax.ShapeDtypeStruct((), jnp.int32), vmap_method="sequential")
+    return call(x_td, ids_tk.astype(jnp.int32), weights_tk, **_attributes(site))
+
+
+def sync(site: StreamCall, ticket, like_x, weights_tk, after=None):
+    """The result y (shaped as `like_x`) of the submit that returned `ticket`, after `after` (a float32 scalar that
+    orders this call after other work; default none)."""
+    after = jnp.zeros((), jnp.float32) if after is None else after
+    call = jax.ffi.ffi_call(SYNC, jax.ShapeDtypeStruct(like_x.shape, like_x.dtype), vmap_method="sequential")
+    w_dtype = DTYPE_CODES[np.dtype(weights_tk.dtype)]
+    return call(ticket, after, top_k=np.int64(weights_tk.shape[1]), w_dtype=np.int64(w_dtype), **_attributes(site))
+
+
+def host_experts_call(site: StreamCall, x_td, ids_tk, weights_tk):
+    """y = the routed experts of the site's layer, submitted and synced at once (no work between them)."""
+    return sync(site, submit(site, x_td, ids_tk, weights_tk), x_td, weights_tk)
