@@ -308,6 +308,7 @@ def load_model(
     mla_decode: str = "absorbed",
     expert_shard: ExpertShard | None = None,
     pipeline: int | None = None,
+    host_call: str | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
 
@@ -338,7 +339,9 @@ def load_model(
     `pipeline`: split each step's rows into that many micro-batches whose host experts and device attention
     ping-pong (backends/pipeline.py); default (None): MOE_JAX_PIPELINE, else beside an accelerator 2 for prefill
     and training steps and none for decode steps (for auto: what its probe profile predicts fastest), and off where
-    jax's device is this CPU (`Model.plan` says why).
+    jax's device is this CPU (`Model.plan` says why). `host_call`: how jitted steps reach the host experts, "ffi"
+    (XLA:CPU's handler), "stream" (stream-ordered calls to a host worker: the default beside an accelerator) or
+    "callback" (`jax.pure_callback`, to compare against); default MOE_JAX_HOST_CALL, else the plan's choice.
     """
     distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
     if backend not in BACKENDS:
@@ -370,7 +373,7 @@ def load_model(
         if pipeline not in (None, 1):
             raise InputError("expert parallel runs without the micro-batch pipeline; leave pipeline unset")
         pipeline = 1
-    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode, pipeline)
+    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode, pipeline, host_call)
     shards = expert_shard.count if expert_shard else 1
     parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels, shards)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""

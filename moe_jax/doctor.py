@@ -20,8 +20,10 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels import HostKernelError, cpu_features, default_threads, library_status
+from host_kernels.stream_worker import cuda_status
 from moe_jax.cli import run_cli
 from moe_jax.native import ffi as native_ffi
+from moe_jax.native import stream_experts
 from moe_jax.planning.plan import make_plan
 
 STORE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -42,6 +44,8 @@ def report(native: bool | None = None) -> dict:
     host_ok, host_why = library_status()
     unavailable = {}
     ffi_ok, ffi_why = native_ffi.status()
+    stream_ok, stream_why = stream_experts.status()
+    cuda_ok, cuda_why = cuda_status()
     plans = {dtype: make_plan(dtype, store, native) for dtype, store in STORE_DTYPES.items()}
     for quant in ("int8", "int4"):
         try:
@@ -60,8 +64,15 @@ def report(native: bool | None = None) -> dict:
         "native_libraries": {
             "host_kernels._native": host_why or "ok",
             "xla_ffi_handlers": ffi_why or "ok",
+            "stream_handlers": stream_why or "ok",  # the stream-ordered expert calls on jax's platform
+            "cuda_stream_handlers": cuda_why or "ok",  # their CUDA side: built in, and the driver loaded
         },
-        "usable": {"host_kernels._native": host_ok, "xla_ffi_handlers": ffi_ok},
+        "usable": {
+            "host_kernels._native": host_ok,
+            "xla_ffi_handlers": ffi_ok,
+            "stream_handlers": stream_ok,
+            "cuda_stream_handlers": cuda_ok,
+        },
         "plans": {dtype: {"lines": p.lines(), **_plan_data(p)} for dtype, p in plans.items()},
         "unavailable": unavailable,
     }

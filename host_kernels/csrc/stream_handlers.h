@@ -1,8 +1,9 @@
 /* What the stream-ordered host expert handlers share, on XLA:CPU (xla_stream_experts.c) and on CUDA
  * (xla_cuda_host_experts.c): reading a call frame into its worker and site.
  *
- * "moe_jax_stream_submit": (x [t, d], ids [t, k] s32, weights [t, k]) -> ticket (s32 scalar: the site)
- * "moe_jax_stream_sync":   (ticket, after (f32 scalar: orders the call after other work)) -> y [t, d] like x
+ * "moe_jax_stream_submit": (x [t, d], ids [t, k] s32, weights [t, k], after) -> ticket (s32 scalar: the site)
+ * "moe_jax_stream_sync":   (ticket, after) -> (y [t, d] like x, the ticket again once y is there)
+ * `after` (an f32 scalar, not read) orders a call after other work: a micro-batch pipeline chains its calls so.
  * Attributes of both: worker (u64: a stream_worker), call (u64: the layer's moe_call), layer (s64), slot (s64);
  * the sync's also top_k and w_dtype (s64: MOE_FLOAT32 / MOE_BFLOAT16), which with y's shape name the same site
  * as the submit's operands. moe_jax/native/stream_experts.py registers them and builds the calls.
@@ -63,11 +64,11 @@ static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *
 /* A submit's operands and result, checked; its site. */
 static inline stream_site *stream_submit_site(XLA_FFI_CallFrame *frame, XLA_FFI_Error **error) {
     const char *what = "moe_jax_stream_submit";
-    if (frame->args.size != 3 || frame->rets.size != 1) {
-        *error = stream_error(frame->api, what, "takes (x, ids, weights) and returns a ticket");
+    if (frame->args.size != 4 || frame->rets.size != 1) {
+        *error = stream_error(frame->api, what, "takes (x, ids, weights, after) and returns a ticket");
         return NULL;
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) {
             *error = stream_error(frame->api, what, "operands are arrays");
             return NULL;
@@ -89,15 +90,17 @@ static inline stream_site *stream_submit_site(XLA_FFI_CallFrame *frame, XLA_FFI_
 static inline stream_site *stream_sync_site(XLA_FFI_CallFrame *frame, XLA_FFI_Error **error) {
     const char *what = "moe_jax_stream_sync";
     int64_t top_k, w_dtype;
-    if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+    if (frame->args.size != 2 || frame->rets.size != 2 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
         ffi_s64_attr(frame, "top_k", &top_k) || ffi_s64_attr(frame, "w_dtype", &w_dtype)) {
-        *error = stream_error(frame->api, what, "takes (ticket, after), returns y, and has top_k and w_dtype");
+        *error = stream_error(frame->api, what, "takes (ticket, after), returns (y, ticket), and has top_k and "
+                                                "w_dtype");
         return NULL;
     }
-    const XLA_FFI_Buffer *ticket = frame->args.args[0], *y = frame->rets.rets[0];
+    const XLA_FFI_Buffer *ticket = frame->args.args[0], *y = frame->rets.rets[0], *done = frame->rets.rets[1];
     const int y_code = stream_dtype_code(y->dtype);
-    if (ticket->dtype != XLA_FFI_DataType_S32 || ticket->rank != 0 || y_code < 0 || y->rank != 2) {
-        *error = stream_error(frame->api, what, "the ticket an s32 scalar, y [t, d] f32/bf16");
+    if (ticket->dtype != XLA_FFI_DataType_S32 || ticket->rank != 0 || done->dtype != XLA_FFI_DataType_S32 ||
+        done->rank != 0 || y_code < 0 || y->rank != 2) {
+        *error = stream_error(frame->api, what, "the tickets s32 scalars, y [t, d] f32/bf16");
         return NULL;
     }
     return stream_site_of(frame, what, y->dims[0], y->dims[1], top_k, y_code, (int)w_dtype, error);

@@ -2,7 +2,8 @@
  * (stream_worker.h) on XLA's stream and returns; no Python, no GIL, no stream synchronisation.
  *
  * "moe_jax_stream_submit" enqueues the copies of x, ids and weights into the site's pinned staging buffers, the
- * ticket, and the go; "moe_jax_stream_sync" the wait for the worker's done, its reset, and the copy of y back.
+ * ticket, and the go; "moe_jax_stream_sync" the wait for the worker's done, its reset, the copy of y back and the
+ * ticket again.
  * Between the two the stream runs whatever XLA put there (the shared expert, the other micro-batch's attention).
  * The go and the wait are either stream memory operations on the flags in mapped pinned memory (attribute
  * `signal` 0: the worker polls them) or host functions that run moe_stream_post / moe_stream_wait on CUDA's
@@ -248,5 +249,6 @@ XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) {
         CU_CHECK(cu.LaunchHostFunc(stream, host_wait, site), what);
     }
     CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes, stream), what);
+    CU_CHECK(cu.MemsetD32Async((CUdeviceptr)stream_ret(frame, 1)->data, (unsigned int)site->id, 1, stream), what);
     return NULL;
 }

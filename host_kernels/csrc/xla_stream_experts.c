@@ -39,5 +39,6 @@ XLA_FFI_Error *moe_jax_stream_sync(XLA_FFI_CallFrame *frame) {
         return stream_error(frame->api, "moe_jax_stream_sync", message);
     }
     memcpy(stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes);
+    *(int32_t *)stream_ret(frame, 1)->data = (int32_t)site->id;
     return NULL;
 }

@@ -1,10 +1,11 @@
 """backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
 
 Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
-second callback. Where the kernel choice has a fused native forward (a bfloat16 store on AMX or a float32 one on
-AVX-512; no expert LoRA), the forward callbacks use it, and a forward that is not being differentiated calls it
-directly instead, through XLA's FFI where the execution plan says so (moe_jax/planning/plan.py,
-moe_jax/native/host_experts.py).
+second callback. Where the kernel choice has a fused native forward (no expert LoRA), the forward callbacks use it,
+and a forward that is not being differentiated reaches it without Python as the execution plan says
+(moe_jax/planning/plan.py `host_call`): on XLA:CPU through the FFI handler that calls it directly
+(moe_jax/native/host_experts.py), beside an accelerator through stream-ordered submit/sync calls to a host worker
+(moe_jax/native/stream_experts.py).
 Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
 (small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
 shared expert stay in XLA.
@@ -25,6 +26,7 @@ from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.model.layers import lora_arrays
 from moe_jax.native import host_experts as native_experts
+from moe_jax.native import stream_experts
 
 
 class HostLayer(NamedTuple):
@@ -37,11 +39,14 @@ class HostLayer(NamedTuple):
 
 def _forward(call: HostLayer, x_td, ids_tk, weights_tk, lora):
     """y = routed experts of the layer applied to x, computed by the host engine: the fused native forward through
-    XLA's FFI where the plan says so, else a callback (which uses the fused forward where it can, _run_forward)."""
+    XLA's FFI or the stream calls where the plan says so, else a callback (which uses the fused forward where it
+    can, _run_forward)."""
     runtime, layer, scale = call
     if runtime.experts_ffi and not lora:
         address = runtime.compute.call_address(layer)
         return native_experts.host_experts_call(address, x_td, ids_tk, weights_tk)
+    if runtime.stream is not None and not lora:
+        return stream_experts.host_experts_call(runtime.stream_call(layer), x_td, ids_tk, weights_tk)
     return jax.pure_callback(
         functools.partial(runtime.forward, layer, scale),
         jax.ShapeDtypeStruct(x_td.shape, x_td.dtype),
@@ -110,8 +115,9 @@ class HostExperts(nnx.Module):
     def start(self, x_td, ids_tk, weights_tk, chain, micro_batch: int, opens: bool = False):
         if self.experts_per_shard is not None:  # expert parallel's collectives run in the call: no split
             return self(x_td, ids_tk, weights_tk), chain
-        call = pipeline.PipelinedLayer(self.runtime, self.layer, self.lora_scale, micro_batch, opens)
         ids_tk, lora = ids_tk.astype(jnp.int32), lora_arrays(self.lora)
+        stream = self.runtime.stream_call(self.layer) if self.runtime.stream is not None and not lora else None
+        call = pipeline.PipelinedLayer(self.runtime, self.layer, self.lora_scale, micro_batch, opens, stream=stream)
         ticket, chain = pipeline.start(call, x_td, ids_tk, weights_tk, lora, chain)
         return (call, ticket, x_td, ids_tk, weights_tk, lora), chain
 

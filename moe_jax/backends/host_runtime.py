@@ -13,9 +13,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from host_kernels import ExpertCompute, ExpertLoRA
+from host_kernels import ExpertCompute, ExpertLoRA, HostKernelError, StreamWorker
 from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
+from moe_jax.native import stream_experts
+from moe_jax.planning.plan import CALLBACK, FFI, STREAM
 
 # tickets wrap here so that one survives a round trip through float32 (the pipeline's tickets are floats: their
 # cotangents carry the backward's tickets, backends/pipeline.py); far more than can ever be pending at once
@@ -68,7 +70,8 @@ class HostRuntime:
         compute: ExpertCompute,
         metrics: MetricsRecorder | None = None,
         keep_bytes: int | None = None,
-        experts_ffi: bool = False,
+        host_call: str = CALLBACK,
+        stream_signal: str = "",
     ):
         self.compute = compute
         self.metrics = metrics or MetricsRecorder()
@@ -82,13 +85,37 @@ class HostRuntime:
         self._tickets = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
-        # the plan's choice: an undifferentiated call without expert LoRA goes through XLA's FFI handler
-        self.experts_ffi = experts_ffi and compute.fused is not None
+        # the plan's choice for an undifferentiated call without expert LoRA: XLA:CPU's FFI handler, the stream
+        # calls to a host worker (whose thread starts with the runtime), or a callback (also every other call)
+        self.host_call = host_call if compute.fused is not None else CALLBACK
+        self.stream_signal = stream_signal
+        self.stream: StreamWorker | None = None
+        if self.host_call == STREAM:
+            self.stream = StreamWorker(memory="cuda" if stream_experts.platform_name() == "cuda" else "host")
+        self._slots = itertools.count()
         # per-lane timestamps of the pipelined calls while a LaneTimeline records them (LaneTimeline.recording)
         self.timeline: LaneTimeline | None = None
 
     def __hash__(self):  # part of a static custom_vjp argument: identity is what matters
         return id(self)
+
+    @property
+    def experts_ffi(self) -> bool:
+        return self.host_call == FFI
+
+    def stream_call(self, layer: int) -> stream_experts.StreamCall:
+        """A new call site of `layer`'s experts on the stream worker, on the next slot (consecutive sites of a
+        traced program take consecutive slots, so calls in flight together never share one)."""
+        slot = next(self._slots) % stream_experts.SLOTS
+        address = self.compute.call_address(layer)
+        return stream_experts.StreamCall(self.stream.address, address, layer, slot, self.stream_signal)
+
+    def take_stream_error(self) -> BaseException | None:
+        """A failed stream call's error, by layer (its results were NaN), or None."""
+        error = self.stream.take_error() if self.stream is not None else None
+        if error is None:
+            return None
+        return HostKernelError(f"host experts failed at layer {error.layer}: {error.message}")
 
     # --- the callbacks (the jitted step waits on each: its wait is the device waiting for the host)
     def forward(self, layer: int, scale: float, x, ids, weights, lora: dict) -> np.ndarray:

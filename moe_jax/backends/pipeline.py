@@ -14,6 +14,10 @@ pass, so the backward ping-pongs too (the device's backward of micro-batch B's a
 A's experts' backward), and the chain's cotangents order the backward's callbacks the same way.
 
 Tickets are float32 so that they can travel as cotangents (`host_runtime.TICKET_WRAP` keeps them exact).
+
+Where the plan reaches the host experts by stream-ordered calls (a layer's `stream` site), an undifferentiated
+start and finish are those calls' submit and sync (moe_jax/native/stream_experts.py) instead of two callbacks: the
+device enqueues the hand-off and computes the other micro-batch's attention meanwhile, with no Python between.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import numpy as np
 
 from moe_jax.backends.expert_vjp import gradient_shapes
 from moe_jax.backends.host_runtime import HostRuntime
+from moe_jax.native import stream_experts
+from moe_jax.native.stream_experts import StreamCall
 
 SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -42,6 +48,7 @@ class PipelinedLayer(NamedTuple):
     micro_batch: int
     opens: bool = False
     closes: bool = False
+    stream: StreamCall | None = None  # the stream calls' site, where an undifferentiated call takes them
 
 
 def _timed(call: PipelinedLayer, kind: str, opens_pass: bool, fn, *args):
@@ -91,7 +98,10 @@ def _collect(call: PipelinedLayer, kind: str, shapes, ticket, after):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def start(call: PipelinedLayer, x_td, ids_tk, weights_tk, lora, chain):
     """Submits the layer's experts for these rows; returns (ticket, chain)."""
-    ticket = _submit(call, "forward", x_td, ids_tk, weights_tk, lora, chain)
+    if call.stream is not None:
+        ticket = stream_experts.submit(call.stream, x_td, ids_tk, weights_tk, after=chain).astype(jnp.float32)
+    else:
+        ticket = _submit(call, "forward", x_td, ids_tk, weights_tk, lora, chain)
     return ticket, ticket
 
 
@@ -123,6 +133,9 @@ def _collect_forward(call: PipelinedLayer, ticket, chain, x_td):
 def finish(call: PipelinedLayer, ticket, chain, x_td, ids_tk, weights_tk, lora):
     """The layer's expert output for the rows `start` submitted (the same arguments again, for the backward);
     returns (y, chain)."""
+    if call.stream is not None:
+        y, token = stream_experts.sync(call.stream, ticket.astype(jnp.int32), x_td, weights_tk, after=chain)
+        return y, token.astype(jnp.float32)
     y, _, token = _collect_forward(call, ticket, chain, x_td)
     return y, token
 

@@ -114,7 +114,7 @@ class ExpertPlacement:
         if self.runtime is None:
             return None
         error, self.runtime.error = self.runtime.error, None
-        return error
+        return error or self.runtime.take_stream_error()
 
 
 class DevicePlacement(ExpertPlacement):
@@ -174,7 +174,9 @@ class HostPlacement(ExpertPlacement):
         self.expert_shard = options.expert_shard
         experts = self.expert_shard.experts(checkpoint.config.num_experts) if self.expert_shard else None
         engine = HostMoE(self._host_store(experts), threads=options.host_threads, kernels=plan.host_kernels)
-        self.runtime = HostRuntime(ExpertCompute(engine), self.metrics, experts_ffi=plan.experts_ffi)
+        self.runtime = HostRuntime(
+            ExpertCompute(engine), self.metrics, host_call=plan.host_call, stream_signal=plan.stream_signal
+        )
         self.experts_per_shard = len(experts) if experts else None
 
     def _host_store(self, experts: range | None) -> ExpertStore:

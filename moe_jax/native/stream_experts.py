@@ -91,21 +91,27 @@ def _attributes(site: StreamCall) -> dict:
     )
 
 
-def submit(site: StreamCall, x_td, ids_tk, weights_tk):
-    """Enqueues the layer's experts for these rows; returns the ticket (an int32 scalar) that `sync` takes."""
+def _after(after):
+    return jnp.zeros((), jnp.float32) if after is None else after
+
+
+def submit(site: StreamCall, x_td, ids_tk, weights_tk, after=None):
+    """Enqueues the layer's experts for these rows, after `after` (a float32 scalar that orders this call after
+    other work; default none); returns the ticket (an int32 scalar) that `sync` takes."""
     call = jax.ffi.ffi_call(SUBMIT, jax.ShapeDtypeStruct((), jnp.int32), vmap_method="sequential")
-    return call(x_td, ids_tk.astype(jnp.int32), weights_tk, **_attributes(site))
+    return call(x_td, ids_tk.astype(jnp.int32), weights_tk, _after(after), **_attributes(site))
 
 
 def sync(site: StreamCall, ticket, like_x, weights_tk, after=None):
-    """The result y (shaped as `like_x`) of the submit that returned `ticket`, after `after` (a float32 scalar that
-    orders this call after other work; default none)."""
-    after = jnp.zeros((), jnp.float32) if after is None else after
-    call = jax.ffi.ffi_call(SYNC, jax.ShapeDtypeStruct(like_x.shape, like_x.dtype), vmap_method="sequential")
+    """(y shaped as `like_x`, the ticket again once y is there) of the submit that returned `ticket`, after
+    `after`."""
+    shapes = (jax.ShapeDtypeStruct(like_x.shape, like_x.dtype), jax.ShapeDtypeStruct((), jnp.int32))
+    call = jax.ffi.ffi_call(SYNC, shapes, vmap_method="sequential")
     w_dtype = DTYPE_CODES[np.dtype(weights_tk.dtype)]
-    return call(ticket, after, top_k=np.int64(weights_tk.shape[1]), w_dtype=np.int64(w_dtype), **_attributes(site))
+    attributes = dict(top_k=np.int64(weights_tk.shape[1]), w_dtype=np.int64(w_dtype), **_attributes(site))
+    return call(ticket, _after(after), **attributes)
 
 
 def host_experts_call(site: StreamCall, x_td, ids_tk, weights_tk):
     """y = the routed experts of the site's layer, submitted and synced at once (no work between them)."""
-    return sync(site, submit(site, x_td, ids_tk, weights_tk), x_td, weights_tk)
+    return sync(site, submit(site, x_td, ids_tk, weights_tk), x_td, weights_tk)[0]

@@ -233,7 +233,7 @@ def host_call_choice(asked: str | None, fused: bool, turned_off: str = "") -> tu
     if asked is None and os.environ.get("MOE_JAX_HOST_CALL"):
         asked, source = os.environ["MOE_JAX_HOST_CALL"], "MOE_JAX_HOST_CALL"
     if asked is not None and asked not in HOST_CALLS:
-        raise InputError(f"host call must be one of {', '.join(HOST_CALLS)}, got {asked!r}")
+        raise InputError(f"host call must be one of {', '.join(HOST_CALLS)}, got {asked!r} ({source})")
     if asked == CALLBACK:
         return CALLBACK, source
     unusable = "no fused forward to call" if not fused else turned_off

@@ -1,0 +1,106 @@
+"""The stream-ordered host expert calls inside jitted steps (moe_jax/native/stream_experts.py), here on XLA:CPU,
+whose submit/sync handlers drive the same host worker the CUDA handlers drive beside a GPU: the same bits as the
+direct FFI handler, plain and pipelined (submit and sync split around the other micro-batch's attention), the same
+losses and LoRA gradients, errors by layer, and the plan's choice of host call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from host_kernels import choose_kernels
+from moe_jax import doctor
+from moe_jax.errors import InputError
+from moe_jax.native import stream_experts
+from moe_jax.planning.plan import CALLBACK, FFI, STREAM, host_call_choice, make_plan
+from tests.hf_models import make_hf_model, save_hf_model
+from tests.test_pipeline import assert_same, outputs
+
+KERNELS = choose_kernels(np.dtype(np.float32))
+pytestmark = pytest.mark.skipif(not KERNELS.fused, reason="no fused forward kernel for float32 experts here")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return save_hf_model(make_hf_model("mixtral", seed=11), tmp_path_factory.mktemp("mixtral"))
+
+
+def hlo(model, rows=2, length=7):
+    ids = np.zeros((rows, length), np.int32)
+    return model._forward_jit.lower(model.state, ids, np.zeros(ids.shape, np.int32)).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stream_calls_give_the_direct_handlers_bits(mixtral, dtype):
+    ffi = moe_jax.load_model(mixtral, backend="host", dtype=dtype, host_call=FFI)
+    stream = moe_jax.load_model(mixtral, backend="host", dtype=dtype, host_call=STREAM)
+    if not stream.placement.runtime.compute.fused:
+        pytest.skip(f"no fused forward for {dtype} experts here")
+    assert stream.plan.host_call == STREAM and ffi.plan.host_call == FFI
+    text = hlo(stream)
+    assert stream_experts.SUBMIT in text and stream_experts.SYNC in text and "moe_jax_host_experts" not in text
+    ids = np.random.default_rng(0).integers(0, 96, size=(3, 11))
+    np.testing.assert_array_equal(stream.logits(ids), ffi.logits(ids))
+    prompts = [[5, 9, 2], [7, 1, 1, 3, 8]]
+    assert stream.generate(prompts, max_new_tokens=6) == ffi.generate(prompts, max_new_tokens=6)
+    counters = stream.placement.runtime.stream.counters()
+    assert counters["calls"] > 0 and counters["failed"] == 0
+
+
+def test_pipelined_stream_calls_equal_the_plain_pass(mixtral):
+    plain = outputs(moe_jax.load_model(mixtral, backend="host", pipeline=1, host_call=FFI))
+    model = moe_jax.load_model(mixtral, backend="host", pipeline=2, host_call=STREAM)
+    text = hlo(model, rows=5)
+    # every MoE layer's two micro-batches: a submit and a sync each, no callback left in the forward
+    layers = len(model.config.moe_layers)
+    assert text.count(f"custom_call @{stream_experts.SUBMIT}(") == 2 * layers
+    assert text.count(f"custom_call @{stream_experts.SYNC}(") == 2 * layers
+    assert "callback" not in text
+    assert_same(outputs(model), plain)  # logits, and the loss and LoRA gradients (callbacks under differentiation)
+
+
+def test_generation_pipelined_on_stream_calls(mixtral):
+    prompts = [[5, 9, 2], [7, 1, 1, 3, 8], [4, 4], [1, 2, 3, 4, 5, 6]]
+    plain = moe_jax.load_model(mixtral, backend="host", host_call=FFI).generate(prompts, max_new_tokens=5)
+    model = moe_jax.load_model(mixtral, backend="host", pipeline=2, host_call=STREAM)
+    assert model.generate(prompts, max_new_tokens=5) == plain
+
+
+def test_a_failed_stream_call_names_its_layer(mixtral):
+    model = moe_jax.load_model(mixtral, backend="host", host_call=STREAM)
+    runtime = model.placement.runtime
+    site = runtime.stream_call(1)
+    x = jnp.ones((3, model.config.hidden_size), jnp.float32)
+    bad_ids = jnp.full((3, 2), 1000, jnp.int32)  # no such expert
+    call = jax.jit(lambda x, ids: stream_experts.host_experts_call(site, x, ids, jnp.ones((3, 2), jnp.float32)))
+    with pytest.raises(Exception, match="layer 1") as failure:
+        jax.block_until_ready(call(x, bad_ids))
+    assert "1000" in str(failure.value)
+
+
+def test_the_plan_chooses_the_host_call_and_says_why(mixtral, monkeypatch):
+    model = moe_jax.load_model(mixtral, backend="host")
+    assert model.plan.host_call == FFI  # on XLA:CPU the direct handler
+    assert "directly" in model.plan.reason("host call")
+    assert any(line.startswith("host experts called: through XLA FFI") for line in model.plan.lines())
+    assert host_call_choice(None, fused=False) == (CALLBACK, "no fused forward to call")
+    assert host_call_choice(None, fused=True, turned_off="MOE_JAX_XLA_FFI=0") == (CALLBACK, "MOE_JAX_XLA_FFI=0")
+    assert host_call_choice(CALLBACK, fused=True)[0] == CALLBACK  # selectable, to compare against
+    assert make_plan("float32", np.float32, host_call=STREAM).host_call == STREAM
+    with pytest.raises(InputError, match="XLA FFI handlers turned off"):
+        make_plan("float32", np.float32, xla_ffi=False, host_call=STREAM)
+    with pytest.raises(InputError, match="host call must be one of"):
+        make_plan("float32", np.float32, host_call="rpc")
+    monkeypatch.setenv("MOE_JAX_HOST_CALL", STREAM)
+    assert make_plan("float32", np.float32).host_call == STREAM
+    monkeypatch.setenv("MOE_JAX_HOST_CALL", "carrier-pigeon")
+    with pytest.raises(InputError, match="MOE_JAX_HOST_CALL"):
+        make_plan("float32", np.float32)
+
+
+def test_doctor_reports_the_stream_calls():
+    report = doctor.report()
+    assert report["native_libraries"]["stream_handlers"] == "ok"
+    assert report["native_libraries"]["cuda_stream_handlers"]  # here: why not (no driver), never empty
+    assert all(p["host_call"] in (FFI, STREAM, CALLBACK) for p in report["plans"].values())
