@@ -248,6 +248,13 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--no-measure", action="store_true", help="the model's tables only")
     parser.add_argument("--split-cores", action="store_true", help="XLA on one thread, the host engine on one worker")
+    parser.add_argument(
+        "--call-us",
+        type=float,
+        action="append",
+        help="a host call's cost in microseconds, a modelled table each (default: pure_callback's 1000, and 100); "
+        "bench/stream_calls.py measures the stream calls'",
+    )
     args = parser.parse_args()
     if args.split_cores and ONE_THREAD_XLA not in os.environ.get("XLA_FLAGS", ""):  # before jax starts
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA}".strip()}
@@ -265,9 +272,9 @@ def main():
         out["measured"] = measured
     out["h200_model"] = {}
     for host_scale, host in HOSTS:
-        for callback_s in H200["callback_s"]:
+        for callback_s in [us * 1e-6 for us in args.call_us] if args.call_us else H200["callback_s"]:
             table = simulated_h200(host_scale, callback_s)
-            title = f"{host}, callback {callback_s * 1e3:g} ms"
+            title = f"{host}, host call {callback_s * 1e6:g} us"
             print_table(f"modelled: Qwen3-30B-A3B beside an H200; host lane: {title}", table)
             out["h200_model"][title] = table
     out["h200_rates"] = H200

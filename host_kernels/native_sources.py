@@ -45,6 +45,9 @@ def hash_files(paths) -> str:
     return digest.hexdigest()
 
 
+ALL_SOURCES = SOURCES + HEADERS + XLA_FFI_SOURCES + XLA_FFI_HEADERS + CUDA_SOURCES
+
+
 def source_hash() -> str:
     """One hash over every native source, handlers included (whether or not this build compiled them)."""
-    return hash_files(CSRC / name for name in SOURCES + HEADERS + XLA_FFI_SOURCES + XLA_FFI_HEADERS + CUDA_SOURCES)
+    return hash_files(CSRC / name for name in ALL_SOURCES)

@@ -72,11 +72,24 @@ def test_a_failed_stream_call_names_its_layer(mixtral):
     runtime = model.placement.runtime
     site = runtime.stream_call(1)
     x = jnp.ones((3, model.config.hidden_size), jnp.float32)
+    weights = jnp.ones((3, 2), jnp.float32)
+
+    def late_sync(x, ids):
+        """The sync after other work that needs the ticket: the worker has failed before the sync starts."""
+        ticket = stream_experts.submit(site, x, ids, weights)
+        busy = jnp.linalg.matrix_power(jnp.eye(256) * 1.001 + ticket.astype(jnp.float32) * 0, 64).sum()
+        return stream_experts.sync(site, ticket, x, weights, after=busy)[0]
+
     bad_ids = jnp.full((3, 2), 1000, jnp.int32)  # no such expert
-    call = jax.jit(lambda x, ids: stream_experts.host_experts_call(site, x, ids, jnp.ones((3, 2), jnp.float32)))
     with pytest.raises(Exception, match="layer 1") as failure:
-        jax.block_until_ready(call(x, bad_ids))
+        jax.block_until_ready(jax.jit(late_sync)(x, bad_ids))
     assert "1000" in str(failure.value)
+    # the sync took its call's error and reset its slot: the model's own steps run on and agree with the direct
+    # handler (a sync that refused on the error it found kept instead left it for the next submit to fail on)
+    ids = np.random.default_rng(3).integers(0, 96, size=(2, 9))
+    ffi = moe_jax.load_model(mixtral, backend="host", host_call=FFI)
+    np.testing.assert_array_equal(model.logits(ids), ffi.logits(ids))
+    assert runtime.stream.counters()["failed"] == 1
 
 
 def test_the_plan_chooses_the_host_call_and_says_why(mixtral, monkeypatch):

@@ -30,11 +30,12 @@ static inline XLA_FFI_Error *stream_error(const XLA_FFI_Api *api, const char *wh
 }
 
 /* The site named by the attributes and (tokens, hidden, top_k, dtypes); NULL with *error set where the frame is
- * malformed, the worker stopped, or it failed before (its error, by layer: a device step that read its NaN
- * results reaches the caller here at the latest). */
+ * malformed or the worker stopped, and for a submit (`refuse_after_failure`) where a call failed before and its
+ * error was not taken yet (by layer: a device step that read its NaN results reaches the caller here at the
+ * latest). A sync never refuses so: it must wait for its own submit's call, which may be the one that failed. */
 static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *what, int64_t tokens,
                                           int64_t hidden, int64_t top_k, int x_dtype, int w_dtype,
-                                          XLA_FFI_Error **error) {
+                                          int refuse_after_failure, XLA_FFI_Error **error) {
     const XLA_FFI_Api *api = frame->api;
     uint64_t worker_address, call_address;
     int64_t layer, slot;
@@ -46,7 +47,7 @@ static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *
     stream_worker *worker = (stream_worker *)(uintptr_t)worker_address;
     char message[256];
     int64_t failed_layer;
-    if (moe_stream_peek_error(worker, &failed_layer, message, sizeof message)) {
+    if (refuse_after_failure && moe_stream_peek_error(worker, &failed_layer, message, sizeof message)) {
         char full[320];
         snprintf(full, sizeof full, "host experts failed at layer %lld: %s", (long long)failed_layer, message);
         *error = stream_error(api, what, full);
@@ -83,7 +84,7 @@ static inline stream_site *stream_submit_site(XLA_FFI_CallFrame *frame, XLA_FFI_
                                                 "the ticket an s32 scalar");
         return NULL;
     }
-    return stream_site_of(frame, what, x->dims[0], x->dims[1], ids->dims[1], x_code, w_code, error);
+    return stream_site_of(frame, what, x->dims[0], x->dims[1], ids->dims[1], x_code, w_code, 1, error);
 }
 
 /* A sync's operands and result, checked; its site (the submit's). */
@@ -103,7 +104,7 @@ static inline stream_site *stream_sync_site(XLA_FFI_CallFrame *frame, XLA_FFI_Er
         *error = stream_error(frame->api, what, "the tickets s32 scalars, y [t, d] f32/bf16");
         return NULL;
     }
-    return stream_site_of(frame, what, y->dims[0], y->dims[1], top_k, y_code, (int)w_dtype, error);
+    return stream_site_of(frame, what, y->dims[0], y->dims[1], top_k, y_code, (int)w_dtype, 0, error);
 }
 
 #endif

@@ -9,7 +9,8 @@
  * `signal` 0: the worker polls them) or host functions that run moe_stream_post / moe_stream_wait on CUDA's
  * callback thread (`signal` 1). Both handlers launch the same operations for the same attributes and shapes, so
  * they are marked command-buffer compatible: XLA may capture them in a CUDA graph, whose replays reuse the sites'
- * staging buffers (they never move).
+ * staging buffers (they never move). Registered for the initialize stage too, where they make their site (and its
+ * pinned staging memory) before any capture.
  *
  * The CUDA driver is opened with dlopen at first use, so the library built here loads and runs where there is no
  * GPU; only cuda.h's types are needed to build it (setup.py finds the header).
@@ -167,7 +168,9 @@ static XLA_FFI_Error *cuda_error(const XLA_FFI_Api *api, const char *what, const
         if (result_ != CUDA_SUCCESS) return cuda_error(api, what, #call, result_); \
     } while (0)
 
-/* XLA's stream, the site, the signal form and (memory operations) the flags' device addresses. */
+/* The site, the signal form, (memory operations) the flags' device addresses and, at the execute stage, XLA's
+ * stream. At the initialize stage (before XLA captures a command buffer) this is all a call does: the site's
+ * staging memory is allocated then, not while a graph is being captured. */
 static stream_site *prepare(XLA_FFI_CallFrame *frame, int submit, CUstream *stream, int64_t *signal,
                             XLA_FFI_Error **error) {
     const XLA_FFI_Api *api = frame->api;
@@ -183,9 +186,11 @@ static stream_site *prepare(XLA_FFI_CallFrame *frame, int submit, CUstream *stre
     }
     stream_site *site = submit ? stream_submit_site(frame, error) : stream_sync_site(frame, error);
     if (!site) return NULL;
-    XLA_FFI_Stream_Get_Args args = {XLA_FFI_Stream_Get_Args_STRUCT_SIZE, NULL, frame->ctx, NULL};
-    if ((*error = api->XLA_FFI_Stream_Get(&args))) return NULL;
-    *stream = (CUstream)args.stream;
+    if (frame->stage == XLA_FFI_ExecutionStage_EXECUTE) {
+        XLA_FFI_Stream_Get_Args args = {XLA_FFI_Stream_Get_Args_STRUCT_SIZE, NULL, frame->ctx, NULL};
+        if ((*error = api->XLA_FFI_Stream_Get(&args))) return NULL;
+        *stream = (CUstream)args.stream;
+    }
     if (*signal == 0 && !site->device_done) { /* the same values for every call of a site: set once */
         stream_flags *flags = moe_stream_flags(site->worker, site->slot);
         CUdeviceptr go, done;
@@ -215,10 +220,10 @@ XLA_FFI_Error *moe_jax_cuda_stream_submit(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
     const char *what = "moe_jax_stream_submit";
     XLA_FFI_Error *error = NULL;
-    CUstream stream;
+    CUstream stream = NULL;
     int64_t signal;
     stream_site *site = prepare(frame, 1, &stream, &signal, &error);
-    if (!site) return error;
+    if (!site || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error;
     CU_CHECK(cu.MemcpyDtoHAsync(site->x, (CUdeviceptr)stream_arg(frame, 0)->data, (size_t)site->x_bytes, stream), what);
     CU_CHECK(cu.MemcpyDtoHAsync(site->ids, (CUdeviceptr)stream_arg(frame, 1)->data, (size_t)site->ids_bytes, stream), what);
     CU_CHECK(cu.MemcpyDtoHAsync(site->weights, (CUdeviceptr)stream_arg(frame, 2)->data, (size_t)site->weights_bytes, stream),
@@ -237,10 +242,10 @@ XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
     const char *what = "moe_jax_stream_sync";
     XLA_FFI_Error *error = NULL;
-    CUstream stream;
+    CUstream stream = NULL;
     int64_t signal;
     stream_site *site = prepare(frame, 0, &stream, &signal, &error);
-    if (!site) return error;
+    if (!site || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error;
     if (signal == 0) {
         CU_CHECK(cu.StreamWaitValue64(stream, site->device_done, (cuuint64_t)site->id + 1, CU_STREAM_WAIT_VALUE_EQ),
                  what);

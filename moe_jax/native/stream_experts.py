@@ -71,7 +71,9 @@ def _registered(platform: str) -> tuple[bool, str]:
         return False, reason
     for target, symbol in SYMBOLS[platform].items():
         capsule = jax.ffi.pycapsule(getattr(library, symbol))
-        jax.ffi.register_ffi_target(target, capsule, platform=REGISTERED_AS[platform])
+        # CUDA: the initialize stage makes the site (allocates its pinned staging) before a graph is captured
+        stages = {"initialize": capsule, "execute": capsule} if platform == "cuda" else capsule
+        jax.ffi.register_ffi_target(target, stages, platform=REGISTERED_AS[platform])
     return True, ""
 
 

@@ -37,6 +37,7 @@ BFLOAT16 = "bfloat16"
 FFI, STREAM, CALLBACK = "ffi", "stream", "callback"
 HOST_CALLS = (FFI, STREAM, CALLBACK)
 HOST_CALL_NAMES = {FFI: "through XLA FFI", STREAM: "by stream-ordered FFI calls", CALLBACK: "by pure_callback"}
+HOST_CALL_SHORT = {FFI: "FFI", STREAM: "stream calls", CALLBACK: "callback"}  # the one-line summary's
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class ExecutionPlan:
         parts = []
         if self.host_kernels is not None:
             fused = self.host_kernels.fused or f"engine {self.host_kernels.gemm}"
-            parts.append(f"experts {fused} via {self.host_call}")
+            parts.append(f"experts {fused} via {HOST_CALL_SHORT[self.host_call]}")
         parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
         parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
         parts.append(f"argmax {'native' if self.argmax else 'XLA'}")

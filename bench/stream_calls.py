@@ -1,0 +1,210 @@
+"""The host expert hand-off's cost: the stream worker's protocol round trip, and per-layer call overhead inside a
+jitted step for each way a step reaches the host experts.
+
+    python bench/stream_calls.py [--layers 48] [--rounds 5] [--runs 2000]
+
+(a) protocol: a device thread posts a go and waits for the done against the real worker (host_kernels
+    StreamWorker) over a layer's fused forward with no tokens and with one token: the go -> done round trip that
+    the CUDA handlers add to a layer, less the copies.
+(b) in a jitted step: `--layers` chained calls of one tiny MoE layer (1 token) through XLA:CPU's direct FFI
+    handler, the stream calls' submit/sync, and `jax.pure_callback`; the step's time divided by the layers, the
+    three interleaved (A B C, C B A) over `--rounds`, medians.
+On XLA:CPU the stream calls' device side is host code, so (b) measures their handlers and the worker, not a GPU's
+stream: `bench/accelerator.sh` runs the CUDA side. Writes bench/results/stream_calls.json and
+bench/reports/stream_calls.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import print_table, write_json
+from host_kernels import StreamWorker
+from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer
+from host_kernels.layer_experts import LayerExperts
+from host_kernels.store import ExpertStore
+from moe_jax.native import host_experts as native_experts
+from moe_jax.native import stream_experts
+from moe_jax.native.ffi import status as ffi_status
+
+HIDDEN, FFN, EXPERTS, TOP_K = 64, 64, 8, 2
+REPORTS = Path(__file__).parent / "reports"
+
+
+def tiny_layer(threads: int) -> FusedForward:
+    rng = np.random.default_rng(0)
+    w13 = (rng.standard_normal((EXPERTS, HIDDEN, 2 * FFN)) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((EXPERTS, FFN, HIDDEN)) * 0.1).astype(np.float32)
+    store = ExpertStore({0: LayerExperts(w13, w2)})
+    kernel, why = best_kernel(np.float32)
+    if not kernel:
+        raise SystemExit(f"no fused forward kernel here: {why}")
+    return FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads=threads, kernel=kernel)
+
+
+def percentiles(seconds: list[float]) -> dict:
+    us = np.array(seconds) * 1e6
+    return {
+        "median_us": float(np.median(us)),
+        "p10_us": float(np.percentile(us, 10)),
+        "p90_us": float(np.percentile(us, 90)),
+    }
+
+
+def _device_side(worker: StreamWorker, site: int, runs: int, seconds: list[float]):
+    """Posts `site`'s go and waits for its done, `runs` times, appending each round trip."""
+    for _ in range(runs):
+        start = time.perf_counter()
+        worker.post(site)
+        worker.wait(site)
+        seconds.append(time.perf_counter() - start)
+
+
+def protocol_round_trip(fused: FusedForward, runs: int) -> list[dict]:
+    rows = []
+    worker = StreamWorker()
+    for tokens in (0, 1):
+        site = worker.site(fused.call_address(0), 0, 0, tokens, HIDDEN, TOP_K, np.float32, np.float32)
+        x, ids, weights, _ = worker.staging(site, tokens, HIDDEN, TOP_K, np.float32, np.float32)
+        x[...], ids[...], weights[...] = 0.5, 1, 0.5
+        seconds = []
+        thread = threading.Thread(target=_device_side, args=(worker, site, runs, seconds))
+        thread.start()
+        thread.join()
+        rows.append({"tokens": tokens, "calls": runs, **percentiles(seconds[runs // 10 :])})
+    worker.stop()
+    return rows
+
+
+def step_functions(fused: FusedForward, layers: int) -> dict:
+    """ffi / stream / callback: a jitted step of `layers` chained calls of the layer."""
+    worker = StreamWorker()
+    address = fused.call_address(0)
+    ids = jnp.asarray([[1, 3]], jnp.int32)
+    weights = jnp.asarray([[0.5, 0.5]], jnp.float32)
+
+    def chained(call):
+        def step(x):
+            for _ in range(layers):
+                x = x + call(x)
+            return x
+
+        return jax.jit(step)
+
+    def callback(x):
+        return jax.pure_callback(
+            lambda x: fused.forward(0, np.asarray(x), np.asarray(ids), np.asarray(weights)),
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            x,
+            vmap_method="sequential",
+        )
+
+    def stream(x):
+        site = stream_experts.StreamCall(worker.address, address, 0, stream.slot % stream_experts.SLOTS)
+        stream.slot += 1
+        return stream_experts.host_experts_call(site, x, ids, weights)
+
+    stream.slot = 0
+    steps = {"stream": chained(stream), "callback": chained(callback)}
+    if ffi_status()[0]:
+        steps["ffi"] = chained(lambda x: native_experts.host_experts_call(address, x, ids, weights))
+    return steps, worker
+
+
+def per_layer_overhead(fused: FusedForward, layers: int, rounds: int, calls: int) -> list[dict]:
+    steps, worker = step_functions(fused, layers)
+    x = jnp.full((1, HIDDEN), 0.01, jnp.float32)
+    results = {name: [] for name in steps}
+    for step in steps.values():
+        jax.block_until_ready(step(x))  # compile
+    names = list(steps)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(steps[name](x))
+            results[name].append((time.perf_counter() - start) / calls / layers)
+    outputs = {name: np.asarray(step(x)) for name, step in steps.items()}
+    reference = next(iter(outputs.values()))
+    rows = [
+        {
+            "host call": name,
+            "per layer us (median)": statistics.median(seconds) * 1e6,
+            "lowest round us": min(seconds) * 1e6,
+            "same output": bool(np.allclose(outputs[name], reference, rtol=1e-5, atol=1e-6)),
+        }
+        for name, seconds in results.items()
+    ]
+    worker.stop()
+    return rows
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def write_report(args, protocol, overhead) -> Path:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# Host expert hand-off: the stream worker's round trip and per-layer call overhead",
+        "",
+        f"{datetime.date.today()}, commit {commit or 'unknown'}, CPU {cpu_model()}, jax {jax.__version__} on "
+        f"{jax.default_backend()}; `python bench/stream_calls.py --layers {args.layers} --rounds {args.rounds} "
+        f"--runs {args.runs}`.",
+        "",
+        "## Protocol round trip (go -> done, a device thread against the worker), microseconds",
+        "",
+        "| tokens | median | p10 | p90 |",
+        "|---|---|---|---|",
+        *(f"| {r['tokens']} | {r['median_us']:.1f} | {r['p10_us']:.1f} | {r['p90_us']:.1f} |" for r in protocol),
+        "",
+        f"## Per-layer overhead in a jitted step ({args.layers} chained 1-token layers, XLA:CPU), microseconds",
+        "",
+        "| host call | median | lowest round | same output |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['host call']} | {r['per layer us (median)']:.1f} | {r['lowest round us']:.1f} | {r['same output']} |"
+            for r in overhead
+        ),
+        "",
+    ]
+    REPORTS.mkdir(exist_ok=True)
+    path = REPORTS / "stream_calls.md"
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=2000, help="round trips per protocol measurement")
+    parser.add_argument("--calls", type=int, default=20, help="jitted steps per round")
+    parser.add_argument("--threads", type=int, default=1, help="the fused forward's threads")
+    args = parser.parse_args()
+    fused = tiny_layer(args.threads)
+    protocol = protocol_round_trip(fused, args.runs)
+    print_table("protocol round trip (go -> done)", protocol)
+    overhead = per_layer_overhead(fused, args.layers, args.rounds, args.calls)
+    print_table(f"per-layer host call overhead in a jitted step of {args.layers} layers", overhead)
+    write_json("stream_calls", {"protocol": protocol, "per_layer": overhead, "args": vars(args)})
+    write_report(args, protocol, overhead)
+
+
+if __name__ == "__main__":
+    main()
