@@ -20,22 +20,25 @@ import argparse
 import datetime
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_json
-from host_kernels import StreamWorker
-from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer
-from host_kernels.layer_experts import LayerExperts
-from host_kernels.store import ExpertStore
-from moe_jax.native import host_experts as native_experts
-from moe_jax.native import stream_experts
-from moe_jax.native.ffi import status as ffi_status
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import print_table, write_json  # noqa: E402
+from host_kernels import StreamWorker, cpu_features  # noqa: E402
+from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer  # noqa: E402
+from host_kernels.layer_experts import LayerExperts  # noqa: E402
+from host_kernels.store import ExpertStore  # noqa: E402
+from moe_jax.native import host_experts as native_experts  # noqa: E402
+from moe_jax.native import stream_experts  # noqa: E402
+from moe_jax.native.ffi import status as ffi_status  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOP_K = 64, 64, 8, 2
 REPORTS = Path(__file__).parent / "reports"
@@ -87,11 +90,14 @@ def protocol_round_trip(fused: FusedForward, runs: int) -> list[dict]:
 
 
 def step_functions(fused: FusedForward, layers: int) -> dict:
-    """ffi / stream / callback: a jitted step of `layers` chained calls of the layer."""
-    worker = StreamWorker()
+    """ffi / stream / callback: a jitted step of `layers` chained calls of the layer (the handlers registered)."""
+    usable, why = stream_experts.status()
+    if not usable:
+        raise SystemExit(f"stream calls unavailable: {why}")
+    worker = StreamWorker(memory="cuda" if stream_experts.platform_name() == "cuda" else "host")
     address = fused.call_address(0)
-    ids = jnp.asarray([[1, 3]], jnp.int32)
-    weights = jnp.asarray([[0.5, 0.5]], jnp.float32)
+    ids_np, weights_np = np.array([[1, 3]], np.int32), np.array([[0.5, 0.5]], np.float32)  # the callback's: numpy only
+    ids, weights = jnp.asarray(ids_np), jnp.asarray(weights_np)
 
     def chained(call):
         def step(x):
@@ -103,19 +109,25 @@ def step_functions(fused: FusedForward, layers: int) -> dict:
 
     def callback(x):
         return jax.pure_callback(
-            lambda x: fused.forward(0, np.asarray(x), np.asarray(ids), np.asarray(weights)),
+            lambda x: fused.forward(0, np.asarray(x), ids_np, weights_np),
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             x,
             vmap_method="sequential",
         )
 
-    def stream(x):
-        site = stream_experts.StreamCall(worker.address, address, 0, stream.slot % stream_experts.SLOTS)
-        stream.slot += 1
-        return stream_experts.host_experts_call(site, x, ids, weights)
+    slots = iter(range(1 << 30))
 
-    stream.slot = 0
-    steps = {"stream": chained(stream), "callback": chained(callback)}
+    def stream(signal):
+        def call(x):
+            site = stream_experts.StreamCall(worker.address, address, 0, next(slots) % stream_experts.SLOTS, signal)
+            return stream_experts.host_experts_call(site, x, ids, weights)
+
+        return call
+
+    # on CUDA both signal forms (the plan's default is memops where the GPU runs them); on XLA:CPU they are the same
+    signals = stream_experts.SIGNALS if stream_experts.platform_name() == "cuda" else ("host-functions",)
+    steps = {f"stream ({signal})": chained(stream(signal)) for signal in signals}
+    steps["callback"] = chained(callback)
     if ffi_status()[0]:
         steps["ffi"] = chained(lambda x: native_experts.host_experts_call(address, x, ids, weights))
     return steps, worker
@@ -159,12 +171,13 @@ def cpu_model() -> str:
 
 def write_report(args, protocol, overhead) -> Path:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    flags = ", ".join(name for name, present in cpu_features().items() if present) or "no listed flags"
     lines = [
         "# Host expert hand-off: the stream worker's round trip and per-layer call overhead",
         "",
-        f"{datetime.date.today()}, commit {commit or 'unknown'}, CPU {cpu_model()}, jax {jax.__version__} on "
-        f"{jax.default_backend()}; `python bench/stream_calls.py --layers {args.layers} --rounds {args.rounds} "
-        f"--runs {args.runs}`.",
+        f"{datetime.date.today()}, commit {commit or 'unknown'}, CPU {cpu_model()} ({flags}), jax {jax.__version__} "
+        f"on {jax.default_backend()}, the fused forward on {args.threads} thread(s); `python bench/stream_calls.py "
+        f"--layers {args.layers} --rounds {args.rounds} --runs {args.runs} --threads {args.threads}`.",
         "",
         "## Protocol round trip (go -> done, a device thread against the worker), microseconds",
         "",

@@ -50,6 +50,11 @@ class ExpertCompute:
         """The address of `layer`'s native forward (`moe_call`), which XLA's FFI handler calls; needs `fused`."""
         return self.fused.call_address(layer)
 
+    def backward_call_address(self, layer: int) -> int:
+        """The address of `layer`'s backward layer as a `moe_call` (a stream worker's backward); needs the fused
+        backward (`fused.has_backward`)."""
+        return self.fused.backward_call_address(layer)
+
     def forward(self, layer: int, x, ids, weights, lora: ExpertLoRA | None = None, keep: bool = False):
         """(y in x's dtype, pre-activations for `backward` when `keep`, else None). Without expert LoRA the fused
         forward computes it, keeping the pre-activations where asked and `keeps_activations` (on AMX the same bits

@@ -275,6 +275,15 @@ class FusedForward:
         _LIVE_CALLS.add(address)
         return address
 
+    def backward_call_address(self, layer: int) -> int:
+        """Address of the `moe_call` naming this layer's backward layer (its packed W2ᵀ / W13ᵀ) and the runner: a
+        stream worker's backward runs the fused backward on it. Needs `has_backward`."""
+        if not self.has_backward:
+            raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")
+        address = ctypes.addressof(self._backward_layer(layer).call)
+        _LIVE_CALLS.add(address)
+        return address
+
     def forward(self, layer: int, x_td: np.ndarray, ids_tk: np.ndarray, weights_tk: np.ndarray, keep: bool = False):
         """y [t, d] in x's dtype (float32 or bfloat16) = routed experts of `layer` applied to x. An id of
         schedule.NOT_ROUTED marks a pair computed elsewhere: it adds nothing here. With `keep`, (y, h): h float32
@@ -368,7 +377,9 @@ def is_live_call(address: int) -> bool:
 
 
 def _free(lib, runner, layers, backward_layers):
-    _LIVE_CALLS.difference_update(ctypes.addressof(entry.call) for entry in layers.values())
+    _LIVE_CALLS.difference_update(
+        ctypes.addressof(entry.call) for entry in (*layers.values(), *backward_layers.values())
+    )
     lib.moe_runner_free(runner)
     for entry in (*layers.values(), *backward_layers.values()):
         lib.moe_layer_free(entry.pointer)

@@ -23,6 +23,10 @@ from host_kernels.amx import BF16
 from host_kernels.errors import HostKernelError, KernelArgumentError
 
 SLOTS = 8  # csrc/stream_worker.h STREAM_SLOTS: calls in flight at once at most
+# a site's kind of call (STREAM_FORWARD, ...): a forward; a training forward that keeps its pre-activations in
+# its site; a backward that reads them (float32 dy and routing weights in, dx and dweights out)
+FORWARD, FORWARD_KEEPING, BACKWARD = "forward", "forward-keeping", "backward"
+KINDS = {FORWARD: 0, FORWARD_KEEPING: 1, BACKWARD: 2}
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(BF16): 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # what moe_stream_wait returns besides 0 (answered)
 FAILED, STOPPED, TIMED_OUT, UNKNOWN_SITE = 1, 2, -1, -2
@@ -83,29 +87,45 @@ class StreamWorker:
         """The native worker's address (the handlers' `worker` attribute); valid while this object lives."""
         return self._pointer
 
-    def site(self, call_address: int, layer: int, slot: int, tokens: int, hidden: int, top_k: int, x_dtype, w_dtype):
-        """The id of the call site (made on first use) of the moe_call at `call_address` for these shapes and
-        dtypes (float32 or bfloat16), on `slot`."""
+    def site(
+        self,
+        call_address: int,
+        layer: int,
+        slot: int,
+        tokens: int,
+        hidden: int,
+        top_k: int,
+        x_dtype,
+        w_dtype,
+        kind: str = FORWARD,
+    ) -> int:
+        """The id of the call site (made on first use) of the moe_call at `call_address` (a backward's: the
+        backward layer's) for these shapes and dtypes (float32 or bfloat16), on `slot`, of `kind`."""
         codes = [DTYPE_CODES.get(np.dtype(d)) for d in (x_dtype, w_dtype)]
         if None in codes:
             raise KernelArgumentError(f"layer {layer}: activations and routing weights are float32 or bfloat16")
+        if kind not in KINDS:
+            raise KernelArgumentError(f"layer {layer}: a call is one of {', '.join(KINDS)}, not {kind!r}")
         message = ctypes.create_string_buffer(256)
         site = self._lib.moe_stream_site(
-            self._pointer, call_address, layer, slot, tokens, hidden, top_k, *codes, message, len(message)
+            self._pointer, call_address, layer, slot, KINDS[kind], tokens, hidden, top_k, *codes, message, len(message)
         )
         if site < 0:
             raise KernelArgumentError(f"stream site: {message.value.decode()}")
         return site
 
     def staging(self, site: int, tokens: int, hidden: int, top_k: int, x_dtype, w_dtype):
-        """numpy views of the site's staging buffers (x, ids, weights, y), shaped as the site was made."""
-        buffers = (ctypes.c_void_p * 4)()
+        """numpy views of the site's staging buffers (x, ids, weights, y), shaped as the site was made; a
+        backward's also its forward's ticket ([1, 1] int32) and dweights ([tokens, top_k] float32)."""
+        buffers = (ctypes.c_void_p * 6)()
         if self._lib.moe_stream_site_staging(self._pointer, site, buffers):
             raise KernelArgumentError(f"no stream site {site}")
         x, routing = (tokens, hidden, x_dtype), (tokens, top_k)
-        shapes = (x, (*routing, np.int32), (*routing, w_dtype), x)
+        shapes = (x, (*routing, np.int32), (*routing, w_dtype), x, (1, 1, np.int32), (*routing, np.float32))
+        count = 6 if buffers[4] else 4
         return tuple(
-            _view(address, (rows, cols), dtype) for address, (rows, cols, dtype) in zip(buffers, shapes, strict=True)
+            _view(address, (rows, cols), dtype)
+            for address, (rows, cols, dtype) in zip(buffers[:count], shapes[:count], strict=True)
         )
 
     def post(self, site: int):

@@ -7,14 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import moe_jax
 from host_kernels import choose_kernels
 from moe_jax import doctor
 from moe_jax.errors import InputError
+from moe_jax.model.lora import LoRAConfig, split_trainable
 from moe_jax.native import stream_experts
 from moe_jax.planning.plan import CALLBACK, FFI, STREAM, host_call_choice, make_plan
 from tests.hf_models import make_hf_model, save_hf_model
+from tests.test_backends import randomized
 from tests.test_pipeline import assert_same, outputs
 
 KERNELS = choose_kernels(np.dtype(np.float32))
@@ -65,6 +68,66 @@ def test_generation_pipelined_on_stream_calls(mixtral):
     plain = moe_jax.load_model(mixtral, backend="host", host_call=FFI).generate(prompts, max_new_tokens=5)
     model = moe_jax.load_model(mixtral, backend="host", pipeline=2, host_call=STREAM)
     assert model.generate(prompts, max_new_tokens=5) == plain
+
+
+def attention_lora_loss(model, tokens):
+    """(jitted value_and_grad of the LM loss in the attention LoRA state, that state, randomized): no expert
+    adapters, so the experts' forward and backward may take the stream calls."""
+    model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("attention",)), seed=0)
+    graphdef, lora_state, rest = split_trainable(model.transformer)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+    def loss(lora_state):
+        logits, _ = nnx.merge(graphdef, lora_state, rest)(tokens[:, :-1], positions[:, :-1])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    return jax.jit(jax.value_and_grad(loss)), randomized(lora_state, 1)
+
+
+def test_training_steps_take_the_stream_calls(mixtral):
+    # bfloat16 experts (the fused backward's kernels): the training forward keeps its pre-activations in its
+    # stream site and the backward reads them there, no callback in the step; loss and LoRA gradients equal the
+    # direct handler's model, whose training forward and backward are callbacks into the same native code
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(3, 10)))
+    stream = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
+    if not stream.placement.runtime.stream_training:
+        pytest.skip("no fused backward for bfloat16 experts here (the training step keeps its callbacks)")
+    ffi = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=FFI)
+    step, state = attention_lora_loss(stream, tokens)
+    text = step.lower(state).as_text()
+    assert "callback" not in text
+    assert text.count(f"custom_call @{stream_experts.SUBMIT}(") == 2 * len(stream.config.moe_layers)  # fwd, bwd
+    loss, grads = step(state)
+    want_loss, want_grads = attention_lora_loss(ffi, tokens)[0](state)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    leaves = jax.tree.leaves(want_grads)
+    assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
+    for g, w in zip(jax.tree.leaves(grads), leaves, strict=True):
+        scale = float(jnp.abs(w).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, np.asarray(w, np.float32) / scale, atol=1e-5)
+    assert stream.placement.runtime.stream.counters()["failed"] == 0
+
+
+def test_a_backward_naming_no_keeping_forward_is_refused(mixtral):
+    model = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
+    runtime = model.placement.runtime
+    if not runtime.stream_training:
+        pytest.skip("no fused backward for bfloat16 experts here")
+    forward, backward = runtime.stream_call(0), runtime.stream_call(0, "backward")
+    hidden = model.config.hidden_size
+    x, ids = jnp.ones((2, hidden), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32)
+    weights = jnp.full((2, 2), 0.5, jnp.float32)
+
+    def step(x):
+        ticket = stream_experts.submit(forward, x, ids, weights)  # a plain forward: it keeps nothing
+        y, done = stream_experts.sync(forward, ticket, x, weights)
+        dy = y.astype(jnp.float32)
+        submitted = stream_experts.submit(backward, dy, ids, weights, forward_ticket=done)
+        return stream_experts.sync(backward, submitted, dy, weights)[0]
+
+    with pytest.raises(Exception, match="names no keeping forward"):
+        jax.block_until_ready(jax.jit(step)(x))
 
 
 def test_a_failed_stream_call_names_its_layer(mixtral):

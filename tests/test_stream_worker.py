@@ -13,10 +13,20 @@ import numpy as np
 import pytest
 
 from host_kernels import StreamWorker, native
-from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer
+from host_kernels.fused_forward import BACKWARD_KERNELS, FusedForward, best_kernel, pack_layer
+from host_kernels.host_moe import HostMoE
 from host_kernels.native_sources import CSRC, CUDA_SOURCES
-from host_kernels.stream_worker import FAILED, SLOTS, STOPPED, TIMED_OUT, UNKNOWN_SITE, cuda_status
-from tests.test_fused_forward import make_store, routing
+from host_kernels.stream_worker import (
+    BACKWARD,
+    FAILED,
+    FORWARD_KEEPING,
+    SLOTS,
+    STOPPED,
+    TIMED_OUT,
+    UNKNOWN_SITE,
+    cuda_status,
+)
+from tests.test_fused_forward import BF16, make_store, routing
 
 HIDDEN, EXPERTS, TOP_K = 96, 8, 2
 KERNEL, WHY = best_kernel(np.float32)
@@ -243,6 +253,48 @@ def test_staging_grows_without_moving_earlier_sites(fused):
     status, y = device.sync(device.submit(0, 0, *small), 2)  # the first site, at its own (kept) buffers
     assert status == 0
     np.testing.assert_array_equal(y, fused.forward(0, *small))
+
+
+BF16_KERNEL, BF16_WHY = best_kernel(BF16)
+
+
+@pytest.mark.skipif(BF16_KERNEL not in BACKWARD_KERNELS, reason=f"no fused backward kernel here: {BF16_WHY}")
+def test_a_training_forward_and_its_backward_equal_the_direct_calls():
+    store = make_store(experts=EXPERTS, hidden=HIDDEN, dtype=BF16)
+    engine = HostMoE(store, threads=2)
+    fused = engine.fused_forward()
+    assert fused is not None and fused.has_backward
+    worker = StreamWorker()
+    rng = np.random.default_rng(7)
+    tokens = 6
+    x = rng.standard_normal((tokens, HIDDEN)).astype(BF16)
+    ids, weights = routing(rng, tokens, EXPERTS, TOP_K)
+    dy = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+
+    def device():
+        keep = worker.site(fused.call_address(1), 1, 0, tokens, HIDDEN, TOP_K, BF16, np.float32, FORWARD_KEEPING)
+        x_in, ids_in, w_in, y_out = worker.staging(keep, tokens, HIDDEN, TOP_K, BF16, np.float32)
+        x_in[...], ids_in[...], w_in[...] = x, ids, weights
+        worker.post(keep)
+        assert worker.wait(keep, 30) == 0
+        y = y_out.copy()
+        back = worker.site(
+            fused.backward_call_address(1), 1, 1, tokens, HIDDEN, TOP_K, np.float32, np.float32, BACKWARD
+        )
+        dy_in, ids_in, w_in, dx_out, ticket_in, dw_out = worker.staging(
+            back, tokens, HIDDEN, TOP_K, np.float32, np.float32
+        )
+        dy_in[...], ids_in[...], w_in[...], ticket_in[...] = dy, ids, weights, keep
+        worker.post(back)
+        assert worker.wait(back, 30) == 0
+        return y, dx_out.copy(), dw_out.copy()
+
+    y, dx, dweights = on_device_thread(device)
+    want_y, kept = fused.forward(1, x, ids, weights, keep=True)
+    want_dx, want_dweights = fused.backward(1, x, ids, weights, dy, kept)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(dx, want_dx)
+    np.testing.assert_array_equal(dweights, want_dweights)
 
 
 def test_cuda_side_says_why_it_cannot_run_here():

@@ -1,4 +1,5 @@
-/* What the fused forward (moe_forward.c) and the fused backward (moe_backward.c) share, private to the two: one
+/* What the fused forward (moe_forward.c) and the fused backward (moe_backward.c) share (and the stream worker,
+ * stream_worker.c, which calls both and sizes what a forward keeps from a layer's ffn): one
  * layer's packed weights (`moe_layer`), one call's state, and the parts of a call both run: the routing (pairs
  * sorted by expert) with the call's buffers, the gather of each pair's input row, the tiles of a phase, the GEMM
  * of one expert's rows and the combine of each token's pairs. */
@@ -74,6 +75,14 @@ void moe_plan_tiles(call_state *s, int64_t width);
 /* columns [n0, n1) of m rows at a (the layer's row type, row stride kp; or their records) times packed w */
 void moe_expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                      int64_t n0, int64_t n1);
+/* The entry points the stream worker (stream_worker.c) calls besides moe_call's forward: a training forward that
+ * keeps its gate/up pre-activations (moe_forward.c) and the fused backward (moe_backward.c). */
+int moe_forward_keeping(void *runner, const void *layer, const void *x, int x_dtype, const int32_t *ids,
+                        const void *weights, int w_dtype, int64_t tokens, int64_t hidden, int64_t top_k, void *y,
+                        float *keep, char *err, int64_t err_len);
+int moe_backward(void *runner, const void *layer, const float *dy, const int32_t *ids, const float *weights,
+                 const float *kept, int64_t tokens, int64_t hidden, int64_t top_k, float *dx, float *dweights,
+                 char *err, int64_t err_len);
 /* adds a finished call to the runner's totals: its FLOPs and bytes, and (a forward's) tokens and routed pairs */
 void moe_count_call(moe_runner *r, const moe_layer *l, const call_state *s, int64_t bytes_in, int64_t bytes_out,
                     int forward);

@@ -1,12 +1,15 @@
 /* What the stream-ordered host expert handlers share, on XLA:CPU (xla_stream_experts.c) and on CUDA
  * (xla_cuda_host_experts.c): reading a call frame into its worker and site.
  *
- * "moe_jax_stream_submit": (x [t, d], ids [t, k] s32, weights [t, k], after) -> ticket (s32 scalar: the site)
- * "moe_jax_stream_sync":   (ticket, after) -> (y [t, d] like x, the ticket again once y is there)
+ * "moe_jax_stream_submit": (x [t, d], ids [t, k] s32, weights [t, k], after) -> ticket (s32 scalar: the site);
+ *                          a backward's: (dy [t, d] f32, ids, weights f32, its forward's ticket, after)
+ * "moe_jax_stream_sync":   (ticket, after) -> (y [t, d] like x, the ticket again once y is there);
+ *                          a backward's: (dx [t, d] f32, dweights [t, k] f32, the ticket)
  * `after` (an f32 scalar, not read) orders a call after other work: a micro-batch pipeline chains its calls so.
- * Attributes of both: worker (u64: a stream_worker), call (u64: the layer's moe_call), layer (s64), slot (s64);
- * the sync's also top_k and w_dtype (s64: MOE_FLOAT32 / MOE_BFLOAT16), which with y's shape name the same site
- * as the submit's operands. moe_jax/native/stream_experts.py registers them and builds the calls.
+ * Attributes of both: worker (u64: a stream_worker), call (u64: the layer's moe_call; a backward's names the
+ * backward layer), layer, slot and kind (s64: STREAM_FORWARD, _FORWARD_KEEPING or _BACKWARD); the sync's also
+ * top_k and w_dtype (s64: MOE_FLOAT32 / MOE_BFLOAT16), which with y's shape name the same site as the submit's
+ * operands. moe_jax/native/stream_experts.py registers them and builds the calls.
  */
 #ifndef MOE_STREAM_HANDLERS_H
 #define MOE_STREAM_HANDLERS_H
@@ -33,8 +36,8 @@ static inline XLA_FFI_Error *stream_error(const XLA_FFI_Api *api, const char *wh
  * malformed or the worker stopped, and for a submit (`refuse_after_failure`) where a call failed before and its
  * error was not taken yet (by layer: a device step that read its NaN results reaches the caller here at the
  * latest). A sync never refuses so: it must wait for its own submit's call, which may be the one that failed. */
-static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *what, int64_t tokens,
-                                          int64_t hidden, int64_t top_k, int x_dtype, int w_dtype,
+static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *what, int64_t kind,
+                                          int64_t tokens, int64_t hidden, int64_t top_k, int x_dtype, int w_dtype,
                                           int refuse_after_failure, XLA_FFI_Error **error) {
     const XLA_FFI_Api *api = frame->api;
     uint64_t worker_address, call_address;
@@ -53,8 +56,8 @@ static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *
         *error = stream_error(api, what, full);
         return NULL;
     }
-    const int64_t site = moe_stream_site(worker, (const moe_call *)(uintptr_t)call_address, layer, slot, tokens,
-                                         hidden, top_k, x_dtype, w_dtype, message, sizeof message);
+    const int64_t site = moe_stream_site(worker, (const moe_call *)(uintptr_t)call_address, layer, slot, kind,
+                                         tokens, hidden, top_k, x_dtype, w_dtype, message, sizeof message);
     if (site < 0) {
         *error = stream_error(api, what, message);
         return NULL;
@@ -62,14 +65,28 @@ static inline stream_site *stream_site_of(XLA_FFI_CallFrame *frame, const char *
     return moe_stream_site_at(worker, site);
 }
 
+/* The call's kind attribute; -1 (with *error set) where it has none. */
+static inline int64_t stream_kind(XLA_FFI_CallFrame *frame, const char *what, XLA_FFI_Error **error) {
+    int64_t kind;
+    if (ffi_s64_attr(frame, "kind", &kind)) {
+        *error = stream_error(frame->api, what, "s64 attribute kind expected");
+        return -1;
+    }
+    return kind;
+}
+
 /* A submit's operands and result, checked; its site. */
 static inline stream_site *stream_submit_site(XLA_FFI_CallFrame *frame, XLA_FFI_Error **error) {
     const char *what = "moe_jax_stream_submit";
-    if (frame->args.size != 4 || frame->rets.size != 1) {
-        *error = stream_error(frame->api, what, "takes (x, ids, weights, after) and returns a ticket");
+    const int64_t kind = stream_kind(frame, what, error);
+    if (kind < 0) return NULL;
+    const int64_t operands = kind == STREAM_BACKWARD ? 5 : 4;
+    if (frame->args.size != operands || frame->rets.size != 1) {
+        *error = stream_error(frame->api, what, "takes (x, ids, weights, after) (a backward: (dy, ids, weights, "
+                                                "forward ticket, after)) and returns a ticket");
         return NULL;
     }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < operands; i++)
         if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) {
             *error = stream_error(frame->api, what, "operands are arrays");
             return NULL;
@@ -79,32 +96,42 @@ static inline stream_site *stream_submit_site(XLA_FFI_CallFrame *frame, XLA_FFI_
     const int x_code = stream_dtype_code(x->dtype), w_code = stream_dtype_code(weights->dtype);
     if (x_code < 0 || w_code < 0 || ids->dtype != XLA_FFI_DataType_S32 || x->rank != 2 || ids->rank != 2 ||
         weights->rank != 2 || ids->dims[0] != x->dims[0] || weights->dims[0] != ids->dims[0] ||
-        weights->dims[1] != ids->dims[1] || ticket->dtype != XLA_FFI_DataType_S32 || ticket->rank != 0) {
+        weights->dims[1] != ids->dims[1] || ticket->dtype != XLA_FFI_DataType_S32 || ticket->rank != 0 ||
+        (kind == STREAM_BACKWARD &&
+         (stream_arg(frame, 3)->dtype != XLA_FFI_DataType_S32 || stream_arg(frame, 3)->rank != 0))) {
         *error = stream_error(frame->api, what, "x [t, d] f32/bf16, ids [t, k] s32, weights [t, k] f32/bf16; "
-                                                "the ticket an s32 scalar");
+                                                "the tickets s32 scalars");
         return NULL;
     }
-    return stream_site_of(frame, what, x->dims[0], x->dims[1], ids->dims[1], x_code, w_code, 1, error);
+    return stream_site_of(frame, what, kind, x->dims[0], x->dims[1], ids->dims[1], x_code, w_code, 1, error);
 }
 
 /* A sync's operands and result, checked; its site (the submit's). */
 static inline stream_site *stream_sync_site(XLA_FFI_CallFrame *frame, XLA_FFI_Error **error) {
     const char *what = "moe_jax_stream_sync";
     int64_t top_k, w_dtype;
-    if (frame->args.size != 2 || frame->rets.size != 2 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+    const int64_t kind = stream_kind(frame, what, error);
+    if (kind < 0) return NULL;
+    const int64_t results = kind == STREAM_BACKWARD ? 3 : 2;
+    if (frame->args.size != 2 || frame->rets.size != results || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
         ffi_s64_attr(frame, "top_k", &top_k) || ffi_s64_attr(frame, "w_dtype", &w_dtype)) {
-        *error = stream_error(frame->api, what, "takes (ticket, after), returns (y, ticket), and has top_k and "
-                                                "w_dtype");
+        *error = stream_error(frame->api, what, "takes (ticket, after), returns (y, ticket) (a backward: (dx, "
+                                                "dweights, ticket)), and has top_k and w_dtype");
         return NULL;
     }
-    const XLA_FFI_Buffer *ticket = frame->args.args[0], *y = frame->rets.rets[0], *done = frame->rets.rets[1];
+    const XLA_FFI_Buffer *ticket = stream_arg(frame, 0), *y = stream_ret(frame, 0);
+    const XLA_FFI_Buffer *done = stream_ret(frame, results - 1);
     const int y_code = stream_dtype_code(y->dtype);
     if (ticket->dtype != XLA_FFI_DataType_S32 || ticket->rank != 0 || done->dtype != XLA_FFI_DataType_S32 ||
-        done->rank != 0 || y_code < 0 || y->rank != 2) {
-        *error = stream_error(frame->api, what, "the tickets s32 scalars, y [t, d] f32/bf16");
+        done->rank != 0 || y_code < 0 || y->rank != 2 ||
+        (kind == STREAM_BACKWARD && (stream_ret(frame, 1)->dtype != XLA_FFI_DataType_F32 ||
+                                     stream_ret(frame, 1)->rank != 2 || stream_ret(frame, 1)->dims[0] != y->dims[0] ||
+                                     stream_ret(frame, 1)->dims[1] != top_k))) {
+        *error = stream_error(frame->api, what, "the tickets s32 scalars, y [t, d] f32/bf16 (a backward's dweights "
+                                                "[t, k] f32)");
         return NULL;
     }
-    return stream_site_of(frame, what, y->dims[0], y->dims[1], top_k, y_code, (int)w_dtype, 0, error);
+    return stream_site_of(frame, what, kind, y->dims[0], y->dims[1], top_k, y_code, (int)w_dtype, 0, error);
 }
 
 #endif

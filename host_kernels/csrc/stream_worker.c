@@ -8,6 +8,8 @@
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "stream_worker.h"
 
+#include "moe_call.h"
+
 #include <immintrin.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -121,13 +123,40 @@ static void answer(stream_worker *w, int64_t slot, uint64_t value, int status) {
     if (atomic_load(&w->waiters)) futex_wake_all(&w->answers);
 }
 
-/* y of a failed call: NaN, so that nothing downstream mistakes it for a result */
+/* y (and a backward's dweights) of a failed call: NaN, so that nothing downstream mistakes it for a result */
 static void fill_nan(const stream_site *site) {
     const int64_t values = site->tokens * site->hidden;
     if (site->x_dtype == MOE_BFLOAT16)
         for (int64_t i = 0; i < values; i++) ((uint16_t *)site->y)[i] = 0x7fc0;
     else
         for (int64_t i = 0; i < values; i++) ((uint32_t *)site->y)[i] = 0x7fc00000u;
+    for (int64_t i = 0; site->dweights && i < site->tokens * site->top_k; i++) ((uint32_t *)site->dweights)[i] = 0x7fc00000u;
+}
+
+/* A backward: the fused backward over what its forward (named by the staged ticket) kept. */
+static int run_backward(stream_worker *w, const stream_site *site, char *message, int64_t len) {
+    const int32_t forward_id = *(const int32_t *)site->forward_ticket;
+    const stream_site *f = moe_stream_site_at(w, forward_id);
+    if (!f || f->kind != STREAM_FORWARD_KEEPING || f->layer != site->layer || f->tokens != site->tokens ||
+        f->top_k != site->top_k) {
+        snprintf(message, (size_t)len, "the backward's forward ticket %d names no keeping forward of this layer "
+                 "and shape", forward_id);
+        return 1;
+    }
+    const moe_call *call = site->call;
+    return moe_backward(call->runner, call->layer, site->x, site->ids, site->weights, f->kept, site->tokens,
+                        site->hidden, site->top_k, site->y, site->dweights, message, len) != 0;
+}
+
+static int run(stream_worker *w, const stream_site *site, char *message, int64_t len) {
+    const moe_call *call = site->call;
+    if (site->kind == STREAM_BACKWARD) return run_backward(w, site, message, len);
+    if (site->kind == STREAM_FORWARD_KEEPING)
+        return moe_forward_keeping(call->runner, call->layer, site->x, site->x_dtype, site->ids, site->weights,
+                                   site->w_dtype, site->tokens, site->hidden, site->top_k, site->y, site->kept,
+                                   message, len) != 0;
+    return call->forward(call->runner, call->layer, site->x, site->x_dtype, site->ids, site->weights, site->w_dtype,
+                         site->tokens, site->hidden, site->top_k, site->y, NULL, message, len) != 0;
 }
 
 static void serve(stream_worker *w, int64_t slot, uint64_t value) {
@@ -138,11 +167,8 @@ static void serve(stream_worker *w, int64_t slot, uint64_t value) {
         snprintf(message, sizeof message, "a go on slot %lld names site %lld, which is not one of that slot's",
                  (long long)slot, (long long)value - 1);
     } else {
-        const moe_call *call = site->call;
         const uint64_t start = now_ns();
-        status = call->forward(call->runner, call->layer, site->x, site->x_dtype, site->ids, site->weights,
-                               site->w_dtype, site->tokens, site->hidden, site->top_k, site->y, NULL, message,
-                               sizeof message) != 0;
+        status = run(w, site, message, sizeof message);
         atomic_fetch_add_explicit(&w->counters[STREAM_BUSY_NS], now_ns() - start, memory_order_relaxed);
     }
     if (status) {
@@ -241,7 +267,10 @@ int moe_stream_worker_stopped(stream_worker *w) { return atomic_load(&w->stop); 
 void moe_stream_worker_free(stream_worker *w) {
     if (!w) return;
     moe_stream_worker_stop(w);
-    for (int64_t i = 0; i < atomic_load(&w->site_count); i++) free(w->sites[i]);
+    for (int64_t i = 0; i < atomic_load(&w->site_count); i++) {
+        free(w->sites[i]->kept);
+        free(w->sites[i]);
+    }
     for (int slot = 0; slot < STREAM_SLOTS; slot++)
         if (w->slot_buffer[slot]) w->memory.release(w->memory.context, w->slot_buffer[slot]);
     for (retired *r = w->old, *next; r; r = next) {
@@ -257,19 +286,19 @@ void moe_stream_worker_free(stream_worker *w) {
 
 /* --- sites */
 
-static uint64_t site_hash(const moe_call *call, int64_t layer, int64_t slot, int64_t tokens, int64_t hidden,
-                          int64_t top_k, int x_dtype, int w_dtype) {
-    const uint64_t parts[] = {(uint64_t)(uintptr_t)call, (uint64_t)layer, (uint64_t)slot, (uint64_t)tokens,
-                              (uint64_t)hidden, (uint64_t)top_k, (uint64_t)(x_dtype * 2 + w_dtype)};
+static uint64_t site_hash(const moe_call *call, int64_t layer, int64_t slot, int64_t kind, int64_t tokens,
+                          int64_t hidden, int64_t top_k, int x_dtype, int w_dtype) {
+    const uint64_t parts[] = {(uint64_t)(uintptr_t)call, (uint64_t)layer, (uint64_t)slot, (uint64_t)kind,
+                              (uint64_t)tokens, (uint64_t)hidden, (uint64_t)top_k, (uint64_t)(x_dtype * 2 + w_dtype)};
     uint64_t h = 0x9e3779b97f4a7c15u;
     for (size_t i = 0; i < sizeof parts / sizeof *parts; i++) h = (h ^ parts[i]) * 0xff51afd7ed558ccdu, h ^= h >> 32;
     return h;
 }
 
-static int same_site(const stream_site *s, const moe_call *call, int64_t layer, int64_t slot, int64_t tokens,
-                     int64_t hidden, int64_t top_k, int x_dtype, int w_dtype) {
-    return s->call == call && s->layer == layer && s->slot == slot && s->tokens == tokens && s->hidden == hidden &&
-           s->top_k == top_k && s->x_dtype == x_dtype && s->w_dtype == w_dtype;
+static int same_site(const stream_site *s, const moe_call *call, int64_t layer, int64_t slot, int64_t kind,
+                     int64_t tokens, int64_t hidden, int64_t top_k, int x_dtype, int w_dtype) {
+    return s->call == call && s->layer == layer && s->slot == slot && s->kind == kind && s->tokens == tokens &&
+           s->hidden == hidden && s->top_k == top_k && s->x_dtype == x_dtype && s->w_dtype == w_dtype;
 }
 
 static int64_t site_error(char *err, int64_t err_len, const char *message, long long a, long long b) {
@@ -294,50 +323,67 @@ static char *slot_staging(stream_worker *w, int64_t slot, size_t bytes) {
     return buffer;
 }
 
-int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, int64_t slot, int64_t tokens,
-                        int64_t hidden, int64_t top_k, int x_dtype, int w_dtype, char *err, int64_t err_len) {
+int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, int64_t slot, int64_t kind,
+                        int64_t tokens, int64_t hidden, int64_t top_k, int x_dtype, int w_dtype, char *err,
+                        int64_t err_len) {
     if (!call || !call->forward || !call->runner || !call->layer)
-        return site_error(err, err_len, "layer %lld: no moe_call to run (%lld)", (long long)layer, 0);
+        return site_error(err, err_len, "layer %lld: no moe_call to run", (long long)layer, 0);
     if (slot < 0 || slot >= STREAM_SLOTS)
         return site_error(err, err_len, "slot %lld is not in [0, %lld)", (long long)slot, STREAM_SLOTS);
+    if (kind < STREAM_FORWARD || kind > STREAM_BACKWARD)
+        return site_error(err, err_len, "layer %lld: call kind %lld is not a forward, keeping forward or backward",
+                          (long long)layer, (long long)kind);
     if (tokens < 0 || hidden < 1 || top_k < 1 || tokens > (1ll << 24) || hidden > (1ll << 20) || top_k > 1024)
         return site_error(err, err_len, "layer %lld: %lld tokens of that hidden size and top-k cannot be staged",
                           (long long)layer, (long long)tokens);
     if ((x_dtype != MOE_FLOAT32 && x_dtype != MOE_BFLOAT16) || (w_dtype != MOE_FLOAT32 && w_dtype != MOE_BFLOAT16))
         return site_error(err, err_len, "dtype codes %lld and %lld: activations and routing weights are float32 "
                           "or bfloat16", x_dtype, w_dtype);
+    if (kind == STREAM_BACKWARD && (x_dtype != MOE_FLOAT32 || w_dtype != MOE_FLOAT32))
+        return site_error(err, err_len, "layer %lld: a backward takes float32 dy and routing weights", (long long)layer,
+                          0);
     if (atomic_load(&w->stop))
-        return site_error(err, err_len, "layer %lld: the host worker was stopped (%lld)", (long long)layer, 0);
+        return site_error(err, err_len, "layer %lld: the host worker was stopped", (long long)layer, 0);
     pthread_mutex_lock(&w->lock);
-    const uint64_t hash = site_hash(call, layer, slot, tokens, hidden, top_k, x_dtype, w_dtype);
+    const uint64_t hash = site_hash(call, layer, slot, kind, tokens, hidden, top_k, x_dtype, w_dtype);
     int64_t at = (int64_t)(hash % SITE_TABLE);
     for (; w->table[at]; at = (at + 1) % SITE_TABLE) {
         const stream_site *s = w->sites[w->table[at] - 1];
-        if (same_site(s, call, layer, slot, tokens, hidden, top_k, x_dtype, w_dtype)) {
+        if (same_site(s, call, layer, slot, kind, tokens, hidden, top_k, x_dtype, w_dtype)) {
             pthread_mutex_unlock(&w->lock);
             return s->id;
         }
     }
     const int64_t id = atomic_load(&w->site_count);
+    const int backward = kind == STREAM_BACKWARD;
     const int64_t x_bytes = tokens * hidden * element_bytes(x_dtype), ids_bytes = tokens * top_k * 4;
     const int64_t weights_bytes = tokens * top_k * element_bytes(w_dtype);
-    const int64_t staged = 2 * aligned(x_bytes) + aligned(ids_bytes) + aligned(weights_bytes);
+    const int64_t dweights_bytes = backward ? tokens * top_k * 4 : 0, ticket_bytes = backward ? 4 : 0;
+    const int64_t staged = 2 * aligned(x_bytes) + aligned(ids_bytes) + aligned(weights_bytes) + aligned(ticket_bytes) +
+                           aligned(dweights_bytes);
     const int64_t bytes = staged ? staged : STAGING_ALIGN; /* a call of no tokens still gets (valid) buffers */
+    const int64_t ffn = ((const moe_layer *)call->layer)->ffn;
     stream_site *site = id < STREAM_MAX_SITES ? calloc(1, sizeof *site) : NULL;
-    char *staging = site ? slot_staging(w, slot, (size_t)bytes) : NULL;
+    float *kept = site && kind == STREAM_FORWARD_KEEPING ? malloc((size_t)(tokens * top_k * 2 * ffn + 1) * 4) : NULL;
+    char *staging = site && (kept || kind != STREAM_FORWARD_KEEPING) ? slot_staging(w, slot, (size_t)bytes) : NULL;
     if (!staging) {
         pthread_mutex_unlock(&w->lock);
-        free(site);
+        free(site), free(kept);
         return site_error(err, err_len,
                           id < STREAM_MAX_SITES ? "layer %lld: out of staging memory for %lld bytes"
                                                 : "layer %lld: more than the %lld call sites a worker keeps",
                           (long long)layer, id < STREAM_MAX_SITES ? bytes : STREAM_MAX_SITES);
     }
-    site->worker = w, site->call = call, site->id = id, site->layer = layer, site->slot = slot;
+    site->worker = w, site->call = call, site->id = id, site->layer = layer, site->slot = slot, site->kind = kind;
     site->tokens = tokens, site->hidden = hidden, site->top_k = top_k, site->x_dtype = x_dtype, site->w_dtype = w_dtype;
     site->x = staging, site->ids = staging + aligned(x_bytes);
     site->weights = (char *)site->ids + aligned(ids_bytes), site->y = (char *)site->weights + aligned(weights_bytes);
+    if (backward) {
+        site->forward_ticket = (char *)site->y + aligned(x_bytes);
+        site->dweights = (char *)site->forward_ticket + aligned(ticket_bytes);
+    }
     site->x_bytes = x_bytes, site->ids_bytes = ids_bytes, site->weights_bytes = weights_bytes;
+    site->dweights_bytes = dweights_bytes, site->kept = kept;
     w->sites[id] = site;
     w->table[at] = (int32_t)id + 1;
     atomic_store_explicit(&w->site_count, id + 1, memory_order_release);
@@ -355,6 +401,7 @@ int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers) {
     const stream_site *s = moe_stream_site_at(w, site);
     if (!s) return 1;
     buffers[0] = s->x, buffers[1] = s->ids, buffers[2] = s->weights, buffers[3] = s->y;
+    buffers[4] = s->forward_ticket, buffers[5] = s->dweights;
     return 0;
 }
 

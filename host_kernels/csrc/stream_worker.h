@@ -16,6 +16,11 @@
  * once made (a captured CUDA graph replays them): a slot that needs more memory gets a new buffer and keeps the old
  * one until the worker is freed.
  *
+ * Three kinds of call: a forward; a training forward that also keeps the layer's gate/up pre-activations in
+ * its site (host memory, until the site's next call); and a backward (dy, ids, routing weights and the keeping
+ * forward's ticket in, dx and the routing weights' gradients out, float32), which reads the pre-activations its
+ * forward kept and runs the fused backward (moe_backward.c) on the backward layer its call names.
+ *
  * A failed call fills y with NaN, marks its slot's status and keeps the first error (layer and message) for
  * moe_stream_take_error; the device side never waits forever: a stopped worker answers every pending go with an
  * error, and moe_stream_wait can time out.
@@ -30,6 +35,8 @@
 
 #define STREAM_SLOTS 8
 #define STREAM_MAX_SITES 65536
+
+enum { STREAM_FORWARD = 0, STREAM_FORWARD_KEEPING = 1, STREAM_BACKWARD = 2 }; /* a site's kind of call */
 
 /* One slot's flags: each on its own cache line (the device writes go and done, the worker reads them). */
 typedef struct {
@@ -53,11 +60,14 @@ typedef struct stream_worker stream_worker;
 
 typedef struct {
     stream_worker *worker;
-    const moe_call *call;
-    int64_t id, layer, slot, tokens, hidden, top_k;
-    int x_dtype, w_dtype; /* MOE_FLOAT32 or MOE_BFLOAT16 */
-    void *x, *ids, *weights, *y; /* staging buffers in the worker's memory */
-    int64_t x_bytes, ids_bytes, weights_bytes; /* y has x_bytes */
+    const moe_call *call; /* a backward's: its runner and the backward layer (FusedForward's) */
+    int64_t id, layer, slot, kind, tokens, hidden, top_k;
+    int x_dtype, w_dtype; /* MOE_FLOAT32 or MOE_BFLOAT16 (a backward's dy and weights: float32) */
+    /* staging buffers in the worker's memory: x (a backward's dy), ids, weights, y (a backward's dx); a backward's
+     * also its forward's ticket (s32) and the routing weights' gradients (float32 [tokens, top_k]) */
+    void *x, *ids, *weights, *y, *forward_ticket, *dweights;
+    int64_t x_bytes, ids_bytes, weights_bytes, dweights_bytes; /* y has x_bytes */
+    float *kept; /* a keeping forward's pre-activations: [tokens * top_k, 2 * ffn] at most, in host memory */
     uint64_t device_go, device_done; /* the flags' device addresses (set by a device handler; 0 until then) */
 } stream_site;
 
@@ -72,11 +82,13 @@ void moe_stream_worker_stop(stream_worker *w);
 void moe_stream_worker_free(stream_worker *w);
 int moe_stream_worker_stopped(stream_worker *w);
 
-/* The site of (call, layer, slot, shapes, dtypes), made on first use: its id (>= 0), or -1 with a message. */
-int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, int64_t slot, int64_t tokens,
-                        int64_t hidden, int64_t top_k, int x_dtype, int w_dtype, char *err, int64_t err_len);
+/* The site of (call, layer, slot, kind, shapes, dtypes), made on first use: its id (>= 0), or -1 with a message. */
+int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, int64_t slot, int64_t kind,
+                        int64_t tokens, int64_t hidden, int64_t top_k, int x_dtype, int w_dtype, char *err,
+                        int64_t err_len);
 stream_site *moe_stream_site_at(stream_worker *w, int64_t site); /* NULL for an unknown id */
-/* The site's staging buffers (x, ids, weights, y) into buffers[4]; non-zero for an unknown id. */
+/* The site's staging buffers (x, ids, weights, y, forward_ticket, dweights; the last two NULL but for a backward)
+ * into buffers[6]; non-zero for an unknown id. */
 int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers);
 stream_flags *moe_stream_flags(stream_worker *w, int64_t slot);
 

@@ -228,6 +228,8 @@ XLA_FFI_Error *moe_jax_cuda_stream_submit(XLA_FFI_CallFrame *frame) {
     CU_CHECK(cu.MemcpyDtoHAsync(site->ids, (CUdeviceptr)stream_arg(frame, 1)->data, (size_t)site->ids_bytes, stream), what);
     CU_CHECK(cu.MemcpyDtoHAsync(site->weights, (CUdeviceptr)stream_arg(frame, 2)->data, (size_t)site->weights_bytes, stream),
              what);
+    if (site->forward_ticket) /* a backward: the forward whose kept pre-activations it reads */
+        CU_CHECK(cu.MemcpyDtoHAsync(site->forward_ticket, (CUdeviceptr)stream_arg(frame, 3)->data, 4, stream), what);
     CU_CHECK(cu.MemsetD32Async((CUdeviceptr)stream_ret(frame, 0)->data, (unsigned int)site->id, 1, stream), what);
     if (signal == 0)
         CU_CHECK(cu.StreamWriteValue64(stream, site->device_go, (cuuint64_t)site->id + 1, 0), what);
@@ -254,6 +256,11 @@ XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) {
         CU_CHECK(cu.LaunchHostFunc(stream, host_wait, site), what);
     }
     CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes, stream), what);
-    CU_CHECK(cu.MemsetD32Async((CUdeviceptr)stream_ret(frame, 1)->data, (unsigned int)site->id, 1, stream), what);
+    if (site->dweights)
+        CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 1)->data, site->dweights,
+                                    (size_t)site->dweights_bytes, stream),
+                 what);
+    const XLA_FFI_Buffer *ticket = stream_ret(frame, frame->rets.size - 1);
+    CU_CHECK(cu.MemsetD32Async((CUdeviceptr)ticket->data, (unsigned int)site->id, 1, stream), what);
     return NULL;
 }

@@ -16,6 +16,7 @@ XLA_FFI_Error *moe_jax_stream_submit(XLA_FFI_CallFrame *frame) {
     memcpy(site->x, stream_arg(frame, 0)->data, (size_t)site->x_bytes);
     memcpy(site->ids, stream_arg(frame, 1)->data, (size_t)site->ids_bytes);
     memcpy(site->weights, stream_arg(frame, 2)->data, (size_t)site->weights_bytes);
+    if (site->forward_ticket) memcpy(site->forward_ticket, stream_arg(frame, 3)->data, 4);
     *(int32_t *)stream_ret(frame, 0)->data = (int32_t)site->id;
     moe_stream_post(site->worker, site->id);
     return NULL;
@@ -39,6 +40,7 @@ XLA_FFI_Error *moe_jax_stream_sync(XLA_FFI_CallFrame *frame) {
         return stream_error(frame->api, "moe_jax_stream_sync", message);
     }
     memcpy(stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes);
-    *(int32_t *)stream_ret(frame, 1)->data = (int32_t)site->id;
+    if (site->dweights) memcpy(stream_ret(frame, 1)->data, site->dweights, (size_t)site->dweights_bytes);
+    *(int32_t *)stream_ret(frame, frame->rets.size - 1)->data = (int32_t)site->id;
     return NULL;
 }

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from host_kernels.stream_worker import BACKWARD, FORWARD_KEEPING
 from moe_jax.backends import pipeline
 from moe_jax.backends.expert_parallel import sharded_experts
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
@@ -59,8 +60,13 @@ def _forward(call: HostLayer, x_td, ids_tk, weights_tk, lora):
 
 
 def _forward_keeping(call: HostLayer, x_td, ids_tk, weights_tk, lora):
-    """Under differentiation: the forward keeps what the backward reads, under a ticket the backward redeems."""
+    """Under differentiation: the forward keeps what the backward reads, under a ticket the backward redeems (on
+    the stream calls: the keeping forward's site, which holds them)."""
     runtime, layer, scale = call
+    if runtime.stream_training and not lora:
+        site = runtime.stream_call(layer, FORWARD_KEEPING)
+        y, ticket = stream_experts.sync(site, stream_experts.submit(site, x_td, ids_tk, weights_tk), x_td, weights_tk)
+        return y, ticket
     return jax.pure_callback(
         functools.partial(runtime.forward_keeping, layer, scale),
         (jax.ShapeDtypeStruct(x_td.shape, x_td.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
@@ -75,6 +81,12 @@ def _forward_keeping(call: HostLayer, x_td, ids_tk, weights_tk, lora):
 def _backward(call: HostLayer, arguments, ticket, dy_td):
     runtime, layer, scale = call
     x_td, ids_tk, weights_tk, lora = arguments
+    if runtime.stream_training and not lora:  # the fused backward over what the keeping forward's site holds
+        site = runtime.stream_call(layer, BACKWARD)
+        dy, weights = dy_td.astype(jnp.float32), weights_tk.astype(jnp.float32)
+        submitted = stream_experts.submit(site, dy, ids_tk, weights, forward_ticket=ticket)
+        dx, dweights, _ = stream_experts.sync(site, submitted, dy, weights)
+        return dx.astype(x_td.dtype), dweights.astype(weights_tk.dtype), {}
     return jax.pure_callback(
         functools.partial(runtime.backward, layer, scale),
         gradient_shapes(x_td, weights_tk, lora),

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from host_kernels import ExpertCompute, ExpertLoRA, HostKernelError, StreamWorker
+from host_kernels.stream_worker import BACKWARD, FORWARD
 from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 from moe_jax.native import stream_experts
@@ -103,12 +104,20 @@ class HostRuntime:
     def experts_ffi(self) -> bool:
         return self.host_call == FFI
 
-    def stream_call(self, layer: int) -> stream_experts.StreamCall:
-        """A new call site of `layer`'s experts on the stream worker, on the next slot (consecutive sites of a
-        traced program take consecutive slots, so calls in flight together never share one)."""
+    @property
+    def stream_training(self) -> bool:
+        """A training step's expert forward and backward take the stream calls too: the fused backward runs
+        (bfloat16 kernels) over what the fused forward keeps; elsewhere they stay callbacks."""
+        fused = self.compute.fused
+        return self.stream is not None and fused.has_backward and self.compute.keeps_activations
+
+    def stream_call(self, layer: int, kind: str = FORWARD) -> stream_experts.StreamCall:
+        """A new call site of `layer`'s experts (`kind`: host_kernels.stream_worker.KINDS) on the stream worker, on
+        the next slot (consecutive sites of a traced program take consecutive slots, so calls in flight together
+        never share one)."""
         slot = next(self._slots) % stream_experts.SLOTS
-        address = self.compute.call_address(layer)
-        return stream_experts.StreamCall(self.stream.address, address, layer, slot, self.stream_signal)
+        address = self.compute.backward_call_address(layer) if kind == BACKWARD else self.compute.call_address(layer)
+        return stream_experts.StreamCall(self.stream.address, address, layer, slot, self.stream_signal, kind)
 
     def take_stream_error(self) -> BaseException | None:
         """A failed stream call's error, by layer (its results were NaN), or None."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_kernels import KernelArgumentError, is_live_call, is_live_worker, xla_ffi_library
-from host_kernels.stream_worker import DTYPE_CODES, SLOTS, cuda_status
+from host_kernels.stream_worker import BACKWARD, DTYPE_CODES, FORWARD, KINDS, SLOTS, cuda_status
 
 SUBMIT, SYNC = "moe_jax_stream_submit", "moe_jax_stream_sync"
 # the native library's symbol of each target on each platform (registered under the target's name)
@@ -36,13 +36,15 @@ REGISTERED_AS = {"cpu": "cpu", "cuda": "CUDA"}  # jax.ffi.register_ffi_target's 
 
 
 class StreamCall(NamedTuple):
-    """One call site's static settings: the worker, the layer's moe_call, the layer, its slot, the signal form."""
+    """One call site's static settings: the worker, the layer's moe_call (a backward's: its backward layer's), the
+    layer, its slot, the signal form and the kind of call (host_kernels.stream_worker.KINDS)."""
 
     worker: int
     call: int
     layer: int
     slot: int
     signal: str = "memops"
+    kind: str = FORWARD
 
 
 def platform_name() -> str:
@@ -82,14 +84,15 @@ def _attributes(site: StreamCall) -> dict:
         raise KernelArgumentError(f"{site.worker:#x} is not a live stream worker")
     if not is_live_call(site.call):
         raise KernelArgumentError(f"{site.call:#x} is not the moe_call of a live fused forward")
-    if not 0 <= site.slot < SLOTS or site.signal not in SIGNALS:
-        raise KernelArgumentError(f"stream call: slot {site.slot} of {SLOTS}, signal {site.signal!r}")
+    if not 0 <= site.slot < SLOTS or site.signal not in SIGNALS or site.kind not in KINDS:
+        raise KernelArgumentError(f"stream call: slot {site.slot} of {SLOTS}, signal {site.signal!r}, {site.kind!r}")
     return dict(
         worker=np.uint64(site.worker),
         call=np.uint64(site.call),
         layer=np.int64(site.layer),
         slot=np.int64(site.slot),
         signal=np.int64(SIGNALS[site.signal]),
+        kind=np.int64(KINDS[site.kind]),
     )
 
 
@@ -97,17 +100,23 @@ def _after(after):
     return jnp.zeros((), jnp.float32) if after is None else after
 
 
-def submit(site: StreamCall, x_td, ids_tk, weights_tk, after=None):
+def submit(site: StreamCall, x_td, ids_tk, weights_tk, after=None, forward_ticket=None):
     """Enqueues the layer's experts for these rows, after `after` (a float32 scalar that orders this call after
-    other work; default none); returns the ticket (an int32 scalar) that `sync` takes."""
+    other work; default none); returns the ticket (an int32 scalar) that `sync` takes. A backward's x is dy
+    (float32, as are its weights) and it names its keeping forward by that forward's `forward_ticket`."""
     call = jax.ffi.ffi_call(SUBMIT, jax.ShapeDtypeStruct((), jnp.int32), vmap_method="sequential")
-    return call(x_td, ids_tk.astype(jnp.int32), weights_tk, _after(after), **_attributes(site))
+    operands = (x_td, ids_tk.astype(jnp.int32), weights_tk)
+    if site.kind == BACKWARD:
+        operands += (forward_ticket.astype(jnp.int32),)
+    return call(*operands, _after(after), **_attributes(site))
 
 
 def sync(site: StreamCall, ticket, like_x, weights_tk, after=None):
     """(y shaped as `like_x`, the ticket again once y is there) of the submit that returned `ticket`, after
-    `after`."""
+    `after`; a backward's (dx, dweights, the ticket), float32."""
     shapes = (jax.ShapeDtypeStruct(like_x.shape, like_x.dtype), jax.ShapeDtypeStruct((), jnp.int32))
+    if site.kind == BACKWARD:
+        shapes = (shapes[0], jax.ShapeDtypeStruct(weights_tk.shape, jnp.float32), shapes[1])
     call = jax.ffi.ffi_call(SYNC, shapes, vmap_method="sequential")
     w_dtype = DTYPE_CODES[np.dtype(weights_tk.dtype)]
     attributes = dict(top_k=np.int64(weights_tk.shape[1]), w_dtype=np.int64(w_dtype), **_attributes(site))
