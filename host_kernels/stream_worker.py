@@ -138,6 +138,14 @@ class StreamWorker:
         timeout = -1 if timeout_s is None else int(timeout_s * 1e9)
         return self._lib.moe_stream_wait(self._pointer, site, timeout)
 
+    def answer(self, site: int) -> int:
+        """The ticket the worker answered `site`'s last call with (a keeping forward's names the call: its backward
+        takes this one)."""
+        ticket = self._lib.moe_stream_answer(self._pointer, site)
+        if ticket < 0:
+            raise KernelArgumentError(f"no stream site {site}")
+        return ticket
+
     def ring(self):
         """Wakes the worker if it sleeps (a call is coming)."""
         self._lib.moe_stream_ring(self._pointer)

@@ -130,6 +130,32 @@ def test_a_backward_naming_no_keeping_forward_is_refused(mixtral):
         jax.block_until_ready(jax.jit(step)(x))
 
 
+def test_a_backward_after_its_forward_ran_again_is_refused(mixtral):
+    # a keeping forward's site holds the pre-activations of its last call: a backward of an earlier call would
+    # read another call's, so it is refused by name (the answered ticket names the call)
+    model = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
+    runtime = model.placement.runtime
+    if not runtime.stream_training:
+        pytest.skip("no fused backward for bfloat16 experts here")
+    forward, backward = runtime.stream_call(0, "forward-keeping"), runtime.stream_call(0, "backward")
+    x = jnp.ones((2, model.config.hidden_size), jnp.bfloat16)
+    ids, weights = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.full((2, 2), 0.5, jnp.float32)
+
+    def step(x, again: bool):
+        y, first = stream_experts.sync(forward, stream_experts.submit(forward, x, ids, weights), x, weights)
+        after = None
+        if again:  # the same site again, on other inputs, before the first call's backward (`after` orders it)
+            _, second = stream_experts.sync(forward, stream_experts.submit(forward, 2 * y, ids, weights), x, weights)
+            after = second.astype(jnp.float32)
+        dy = jnp.ones(x.shape, jnp.float32)
+        submitted = stream_experts.submit(backward, dy, ids, weights, after=after, forward_ticket=first)
+        return stream_experts.sync(backward, submitted, dy, weights)[0]
+
+    assert np.isfinite(np.asarray(jax.jit(step, static_argnums=1)(x, False))).all()
+    with pytest.raises(Exception, match="overwritten"):
+        jax.block_until_ready(jax.jit(step, static_argnums=1)(x, True))
+
+
 def test_a_failed_stream_call_names_its_layer(mixtral):
     model = moe_jax.load_model(mixtral, backend="host", host_call=STREAM)
     runtime = model.placement.runtime

@@ -284,10 +284,15 @@ def test_a_training_forward_and_its_backward_equal_the_direct_calls():
         dy_in, ids_in, w_in, dx_out, ticket_in, dw_out = worker.staging(
             back, tokens, HIDDEN, TOP_K, np.float32, np.float32
         )
-        dy_in[...], ids_in[...], w_in[...], ticket_in[...] = dy, ids, weights, keep
+        dy_in[...], ids_in[...], w_in[...], ticket_in[...] = dy, ids, weights, worker.answer(keep)
         worker.post(back)
         assert worker.wait(back, 30) == 0
-        return y, dx_out.copy(), dw_out.copy()
+        answered = dx_out.copy(), dw_out.copy()
+        ticket_in[...] = keep  # the site without its call: the first call's ticket, not the one answered
+        worker.post(back)
+        assert worker.wait(back, 30) == FAILED
+        assert "overwritten" in worker.take_error().message
+        return y, *answered
 
     y, dx, dweights = on_device_thread(device)
     want_y, kept = fused.forward(1, x, ids, weights, keep=True)

@@ -3,8 +3,9 @@
  *
  * "moe_jax_stream_submit": (x [t, d], ids [t, k] s32, weights [t, k], after) -> ticket (s32 scalar: the site);
  *                          a backward's: (dy [t, d] f32, ids, weights f32, its forward's ticket, after)
- * "moe_jax_stream_sync":   (ticket, after) -> (y [t, d] like x, the ticket again once y is there);
- *                          a backward's: (dx [t, d] f32, dweights [t, k] f32, the ticket)
+ * "moe_jax_stream_sync":   (ticket, after) -> (y [t, d] like x, the worker's answered ticket once y is there: a
+ *                          keeping forward's names its call, STREAM_TICKET); a backward's: (dx [t, d] f32,
+ *                          dweights [t, k] f32, the answered ticket)
  * `after` (an f32 scalar, not read) orders a call after other work: a micro-batch pipeline chains its calls so.
  * Attributes of both: worker (u64: a stream_worker), call (u64: the layer's moe_call; a backward's names the
  * backward layer), layer, slot and kind (s64: STREAM_FORWARD, _FORWARD_KEEPING or _BACKWARD); the sync's also

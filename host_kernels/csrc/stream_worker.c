@@ -130,17 +130,24 @@ static void fill_nan(const stream_site *site) {
         for (int64_t i = 0; i < values; i++) ((uint16_t *)site->y)[i] = 0x7fc0;
     else
         for (int64_t i = 0; i < values; i++) ((uint32_t *)site->y)[i] = 0x7fc00000u;
-    for (int64_t i = 0; site->dweights && i < site->tokens * site->top_k; i++) ((uint32_t *)site->dweights)[i] = 0x7fc00000u;
+    for (int64_t i = 0; site->dweights && i < site->tokens * site->top_k; i++)
+        ((uint32_t *)site->dweights)[i] = 0x7fc00000u;
 }
 
 /* A backward: the fused backward over what its forward (named by the staged ticket) kept. */
 static int run_backward(stream_worker *w, const stream_site *site, char *message, int64_t len) {
-    const int32_t forward_id = *(const int32_t *)site->forward_ticket;
-    const stream_site *f = moe_stream_site_at(w, forward_id);
+    const int32_t ticket = *(const int32_t *)site->forward_ticket;
+    const stream_site *f = ticket < 0 ? NULL : moe_stream_site_at(w, STREAM_TICKET_SITE(ticket));
     if (!f || f->kind != STREAM_FORWARD_KEEPING || f->layer != site->layer || f->tokens != site->tokens ||
         f->top_k != site->top_k) {
         snprintf(message, (size_t)len, "the backward's forward ticket %d names no keeping forward of this layer "
-                 "and shape", forward_id);
+                 "and shape", ticket);
+        return 1;
+    }
+    if ((int32_t)(f->generation & 0x7fff) != STREAM_TICKET_GENERATION(ticket)) {
+        snprintf(message, (size_t)len, "the pre-activations its forward kept were overwritten: that forward ran "
+                 "again before this backward (call %u, the backward's is %d)", f->generation & 0x7fff,
+                 STREAM_TICKET_GENERATION(ticket));
         return 1;
     }
     const moe_call *call = site->call;
@@ -170,6 +177,10 @@ static void serve(stream_worker *w, int64_t slot, uint64_t value) {
         const uint64_t start = now_ns();
         status = run(w, site, message, sizeof message);
         atomic_fetch_add_explicit(&w->counters[STREAM_BUSY_NS], now_ns() - start, memory_order_relaxed);
+    }
+    if (site && site->slot == slot) { /* the ticket the sync hands on: a keeping forward's names its call */
+        if (!status && site->kind == STREAM_FORWARD_KEEPING) site->generation++;
+        *(int32_t *)site->answer = STREAM_TICKET(site->id, site->generation);
     }
     if (status) {
         if (site) fill_nan(site);
@@ -359,9 +370,8 @@ int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, i
     const int64_t x_bytes = tokens * hidden * element_bytes(x_dtype), ids_bytes = tokens * top_k * 4;
     const int64_t weights_bytes = tokens * top_k * element_bytes(w_dtype);
     const int64_t dweights_bytes = backward ? tokens * top_k * 4 : 0, ticket_bytes = backward ? 4 : 0;
-    const int64_t staged = 2 * aligned(x_bytes) + aligned(ids_bytes) + aligned(weights_bytes) + aligned(ticket_bytes) +
-                           aligned(dweights_bytes);
-    const int64_t bytes = staged ? staged : STAGING_ALIGN; /* a call of no tokens still gets (valid) buffers */
+    const int64_t bytes = 2 * aligned(x_bytes) + aligned(ids_bytes) + aligned(weights_bytes) +
+                          aligned(ticket_bytes) + aligned(dweights_bytes) + aligned(4); /* the answered ticket */
     const int64_t ffn = ((const moe_layer *)call->layer)->ffn;
     stream_site *site = id < STREAM_MAX_SITES ? calloc(1, sizeof *site) : NULL;
     float *kept = site && kind == STREAM_FORWARD_KEEPING ? malloc((size_t)(tokens * top_k * 2 * ffn + 1) * 4) : NULL;
@@ -382,6 +392,7 @@ int64_t moe_stream_site(stream_worker *w, const moe_call *call, int64_t layer, i
         site->forward_ticket = (char *)site->y + aligned(x_bytes);
         site->dweights = (char *)site->forward_ticket + aligned(ticket_bytes);
     }
+    site->answer = (char *)site->y + aligned(x_bytes) + aligned(ticket_bytes) + aligned(dweights_bytes);
     site->x_bytes = x_bytes, site->ids_bytes = ids_bytes, site->weights_bytes = weights_bytes;
     site->dweights_bytes = dweights_bytes, site->kept = kept;
     w->sites[id] = site;
@@ -403,6 +414,11 @@ int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers) {
     buffers[0] = s->x, buffers[1] = s->ids, buffers[2] = s->weights, buffers[3] = s->y;
     buffers[4] = s->forward_ticket, buffers[5] = s->dweights;
     return 0;
+}
+
+int32_t moe_stream_answer(stream_worker *w, int64_t site) {
+    const stream_site *s = moe_stream_site_at(w, site);
+    return s ? *(const int32_t *)s->answer : -1;
 }
 
 stream_flags *moe_stream_flags(stream_worker *w, int64_t slot) {

@@ -19,7 +19,9 @@
  * Three kinds of call: a forward; a training forward that also keeps the layer's gate/up pre-activations in
  * its site (host memory, until the site's next call); and a backward (dy, ids, routing weights and the keeping
  * forward's ticket in, dx and the routing weights' gradients out, float32), which reads the pre-activations its
- * forward kept and runs the fused backward (moe_backward.c) on the backward layer its call names.
+ * forward kept and runs the fused backward (moe_backward.c) on the backward layer its call names. A keeping
+ * forward's answered ticket carries which of its site's calls it was (STREAM_TICKET): a backward whose forward's
+ * site has run again since (its pre-activations overwritten) is refused, not computed from the wrong ones.
  *
  * A failed call fills y with NaN, marks its slot's status and keeps the first error (layer and message) for
  * moe_stream_take_error; the device side never waits forever: a stopped worker answers every pending go with an
@@ -37,6 +39,10 @@
 #define STREAM_MAX_SITES 65536
 
 enum { STREAM_FORWARD = 0, STREAM_FORWARD_KEEPING = 1, STREAM_BACKWARD = 2 }; /* a site's kind of call */
+/* an answered ticket: the site, and for a keeping forward the generation of its kept pre-activations (mod 2^15) */
+#define STREAM_TICKET(site, generation) ((int32_t)((site) | (((generation) & 0x7fff) << 16)))
+#define STREAM_TICKET_SITE(ticket) ((ticket) & 0xffff)
+#define STREAM_TICKET_GENERATION(ticket) (((ticket) >> 16) & 0x7fff)
 
 /* One slot's flags: each on its own cache line (the device writes go and done, the worker reads them). */
 typedef struct {
@@ -64,10 +70,12 @@ typedef struct {
     int64_t id, layer, slot, kind, tokens, hidden, top_k;
     int x_dtype, w_dtype; /* MOE_FLOAT32 or MOE_BFLOAT16 (a backward's dy and weights: float32) */
     /* staging buffers in the worker's memory: x (a backward's dy), ids, weights, y (a backward's dx); a backward's
-     * also its forward's ticket (s32) and the routing weights' gradients (float32 [tokens, top_k]) */
-    void *x, *ids, *weights, *y, *forward_ticket, *dweights;
+     * also its forward's ticket (s32) and the routing weights' gradients (float32 [tokens, top_k]); every site's
+     * answered ticket (s32, the sync's last result) */
+    void *x, *ids, *weights, *y, *forward_ticket, *dweights, *answer;
     int64_t x_bytes, ids_bytes, weights_bytes, dweights_bytes; /* y has x_bytes */
     float *kept; /* a keeping forward's pre-activations: [tokens * top_k, 2 * ffn] at most, in host memory */
+    uint32_t generation; /* a keeping forward's calls answered (the worker's) */
     uint64_t device_go, device_done; /* the flags' device addresses (set by a device handler; 0 until then) */
 } stream_site;
 
@@ -91,10 +99,13 @@ stream_site *moe_stream_site_at(stream_worker *w, int64_t site); /* NULL for an 
  * into buffers[6]; non-zero for an unknown id. */
 int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers);
 stream_flags *moe_stream_flags(stream_worker *w, int64_t slot);
+/* The ticket the worker answered the site's last call with (what its sync hands on); -1 for an unknown id. */
+int32_t moe_stream_answer(stream_worker *w, int64_t site);
 
 /* The device side's two signals as host code (host functions, the XLA:CPU handlers, the tests):
  * post writes go for `site` (staging filled) and wakes the worker; wait waits until the worker answered it (at
- * most timeout_ns; < 0: until answered), resets done and returns the slot's status; -1 on a time-out, -2 for an unknown site. */
+ * most timeout_ns; < 0: until answered), resets done and returns the slot's status; -1 on a time-out, -2 for an
+ * unknown site. */
 void moe_stream_post(stream_worker *w, int64_t site);
 int moe_stream_wait(stream_worker *w, int64_t site, int64_t timeout_ns);
 /* Wakes a sleeping worker: a handler rings at enqueue time, so the worker is spinning when the go comes. */
@@ -106,7 +117,15 @@ int moe_stream_take_error(stream_worker *w, int64_t *layer, char *message, int64
 int moe_stream_peek_error(stream_worker *w, int64_t *layer, char *message, int64_t len);
 
 /* calls answered, failed, nanoseconds computing, sleeps (futex waits), sites made, staging bytes held */
-enum { STREAM_CALLS, STREAM_FAILED, STREAM_BUSY_NS, STREAM_SLEEPS, STREAM_SITES, STREAM_STAGING_BYTES, STREAM_COUNTERS };
+enum {
+    STREAM_CALLS,
+    STREAM_FAILED,
+    STREAM_BUSY_NS,
+    STREAM_SLEEPS,
+    STREAM_SITES,
+    STREAM_STAGING_BYTES,
+    STREAM_COUNTERS
+};
 void moe_stream_counters(stream_worker *w, uint64_t *counters);
 
 #endif

@@ -56,7 +56,8 @@ static void load_driver(void) {
     typedef CUresult (*proc_address_fn)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
     proc_address_fn proc_address = (proc_address_fn)dlsym(library, "cuGetProcAddress_v2");
     if (!proc_address) {
-        snprintf(driver_missing, sizeof driver_missing, "the CUDA driver is older than CUDA 12 (no cuGetProcAddress_v2)");
+        snprintf(driver_missing, sizeof driver_missing,
+                 "the CUDA driver is older than CUDA 12 (no cuGetProcAddress_v2)");
         return;
     }
     const struct {
@@ -162,9 +163,9 @@ static XLA_FFI_Error *cuda_error(const XLA_FFI_Api *api, const char *what, const
     return stream_error(api, what, message);
 }
 
-#define CU_CHECK(call, what)                                                 \
-    do {                                                                     \
-        const CUresult result_ = (call);                                     \
+#define CU_CHECK(call, what)                                                       \
+    do {                                                                           \
+        const CUresult result_ = (call);                                           \
         if (result_ != CUDA_SUCCESS) return cuda_error(api, what, #call, result_); \
     } while (0)
 
@@ -215,21 +216,22 @@ static void CUDA_CB host_wait(void *site) {
     moe_stream_wait(s->worker, s->id, -1); /* a stopped worker answers every go: this returns */
 }
 
-XLA_FFI_Error *moe_jax_cuda_stream_submit(XLA_FFI_CallFrame *frame) {
-    if (ffi_answer_metadata_traits(frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)) return NULL;
+/* The submit's operations: the copies in, the ticket, the go. */
+static XLA_FFI_Error *enqueue_submit(XLA_FFI_CallFrame *frame, stream_site *site, CUstream stream, int64_t signal) {
     const XLA_FFI_Api *api = frame->api;
     const char *what = "moe_jax_stream_submit";
-    XLA_FFI_Error *error = NULL;
-    CUstream stream = NULL;
-    int64_t signal;
-    stream_site *site = prepare(frame, 1, &stream, &signal, &error);
-    if (!site || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error;
-    CU_CHECK(cu.MemcpyDtoHAsync(site->x, (CUdeviceptr)stream_arg(frame, 0)->data, (size_t)site->x_bytes, stream), what);
-    CU_CHECK(cu.MemcpyDtoHAsync(site->ids, (CUdeviceptr)stream_arg(frame, 1)->data, (size_t)site->ids_bytes, stream), what);
-    CU_CHECK(cu.MemcpyDtoHAsync(site->weights, (CUdeviceptr)stream_arg(frame, 2)->data, (size_t)site->weights_bytes, stream),
-             what);
-    if (site->forward_ticket) /* a backward: the forward whose kept pre-activations it reads */
-        CU_CHECK(cu.MemcpyDtoHAsync(site->forward_ticket, (CUdeviceptr)stream_arg(frame, 3)->data, 4, stream), what);
+    const struct {
+        void *to;
+        int operand;
+        int64_t bytes;
+    } copies[] = {{site->x, 0, site->x_bytes},
+                  {site->ids, 1, site->ids_bytes},
+                  {site->weights, 2, site->weights_bytes},
+                  {site->forward_ticket, 3, 4}}; /* a backward's: the forward whose kept pre-activations it reads */
+    for (int i = 0; i < 4 && copies[i].to; i++)
+        CU_CHECK(cu.MemcpyDtoHAsync(copies[i].to, (CUdeviceptr)stream_arg(frame, copies[i].operand)->data,
+                                    (size_t)copies[i].bytes, stream),
+                 what);
     CU_CHECK(cu.MemsetD32Async((CUdeviceptr)stream_ret(frame, 0)->data, (unsigned int)site->id, 1, stream), what);
     if (signal == 0)
         CU_CHECK(cu.StreamWriteValue64(stream, site->device_go, (cuuint64_t)site->id + 1, 0), what);
@@ -239,15 +241,10 @@ XLA_FFI_Error *moe_jax_cuda_stream_submit(XLA_FFI_CallFrame *frame) {
     return NULL;
 }
 
-XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) {
-    if (ffi_answer_metadata_traits(frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)) return NULL;
+/* The sync's operations: the wait for the done and its reset, the copies back, the answered ticket. */
+static XLA_FFI_Error *enqueue_sync(XLA_FFI_CallFrame *frame, stream_site *site, CUstream stream, int64_t signal) {
     const XLA_FFI_Api *api = frame->api;
     const char *what = "moe_jax_stream_sync";
-    XLA_FFI_Error *error = NULL;
-    CUstream stream = NULL;
-    int64_t signal;
-    stream_site *site = prepare(frame, 0, &stream, &signal, &error);
-    if (!site || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error;
     if (signal == 0) {
         CU_CHECK(cu.StreamWaitValue64(stream, site->device_done, (cuuint64_t)site->id + 1, CU_STREAM_WAIT_VALUE_EQ),
                  what);
@@ -255,12 +252,28 @@ XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) {
     } else {
         CU_CHECK(cu.LaunchHostFunc(stream, host_wait, site), what);
     }
-    CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes, stream), what);
+    CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes, stream),
+             what);
     if (site->dweights)
         CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)stream_ret(frame, 1)->data, site->dweights,
                                     (size_t)site->dweights_bytes, stream),
                  what);
-    const XLA_FFI_Buffer *ticket = stream_ret(frame, frame->rets.size - 1);
-    CU_CHECK(cu.MemsetD32Async((CUdeviceptr)ticket->data, (unsigned int)site->id, 1, stream), what);
+    const XLA_FFI_Buffer *ticket = stream_ret(frame, frame->rets.size - 1); /* the worker's answered ticket */
+    CU_CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)ticket->data, site->answer, 4, stream), what);
     return NULL;
 }
+
+/* A handler: registration's question, the site (made at the initialize stage), then at execution its operations. */
+static XLA_FFI_Error *handle(XLA_FFI_CallFrame *frame, int submit) {
+    if (ffi_answer_metadata_traits(frame, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)) return NULL;
+    XLA_FFI_Error *error = NULL;
+    CUstream stream = NULL;
+    int64_t signal;
+    stream_site *site = prepare(frame, submit, &stream, &signal, &error);
+    if (!site || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return error;
+    return submit ? enqueue_submit(frame, site, stream, signal) : enqueue_sync(frame, site, stream, signal);
+}
+
+XLA_FFI_Error *moe_jax_cuda_stream_submit(XLA_FFI_CallFrame *frame) { return handle(frame, 1); }
+
+XLA_FFI_Error *moe_jax_cuda_stream_sync(XLA_FFI_CallFrame *frame) { return handle(frame, 0); }

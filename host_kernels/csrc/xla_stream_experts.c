@@ -41,6 +41,6 @@ XLA_FFI_Error *moe_jax_stream_sync(XLA_FFI_CallFrame *frame) {
     }
     memcpy(stream_ret(frame, 0)->data, site->y, (size_t)site->x_bytes);
     if (site->dweights) memcpy(stream_ret(frame, 1)->data, site->dweights, (size_t)site->dweights_bytes);
-    *(int32_t *)stream_ret(frame, frame->rets.size - 1)->data = (int32_t)site->id;
+    memcpy(stream_ret(frame, frame->rets.size - 1)->data, site->answer, 4);
     return NULL;
 }

@@ -112,8 +112,9 @@ def submit(site: StreamCall, x_td, ids_tk, weights_tk, after=None, forward_ticke
 
 
 def sync(site: StreamCall, ticket, like_x, weights_tk, after=None):
-    """(y shaped as `like_x`, the ticket again once y is there) of the submit that returned `ticket`, after
-    `after`; a backward's (dx, dweights, the ticket), float32."""
+    """(y shaped as `like_x`, the worker's answered ticket once y is there) of the submit that returned `ticket`,
+    after `after`; a backward's (dx, dweights, the answered ticket), float32. A keeping forward's answered ticket
+    names its call too, so the backward that takes it is refused if that forward has run again since."""
     shapes = (jax.ShapeDtypeStruct(like_x.shape, like_x.dtype), jax.ShapeDtypeStruct((), jnp.int32))
     if site.kind == BACKWARD:
         shapes = (shapes[0], jax.ShapeDtypeStruct(weights_tk.shape, jnp.float32), shapes[1])
