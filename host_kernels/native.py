@@ -58,7 +58,7 @@ SIGNATURES = {
     "moe_stream_worker_stopped": ([_P], ctypes.c_int),
     "moe_stream_site": ([_P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, _P, _I], _I),
     "moe_stream_site_staging": ([_P, _I, _P], ctypes.c_int),
-    "moe_stream_answer": ([_P, _I], ctypes.c_int32),
+    "moe_stream_answer": ([_P, _I, _P], ctypes.c_int),
     "moe_stream_post": ([_P, _I], None),
     "moe_stream_wait": ([_P, _I, _I], ctypes.c_int),
     "moe_stream_ring": ([_P], None),

@@ -140,11 +140,11 @@ class StreamWorker:
 
     def answer(self, site: int) -> int:
         """The ticket the worker answered `site`'s last call with (a keeping forward's names the call: its backward
-        takes this one)."""
-        ticket = self._lib.moe_stream_answer(self._pointer, site)
-        if ticket < 0:
+        takes this one; -1 for a failed call)."""
+        ticket = ctypes.c_int32()
+        if self._lib.moe_stream_answer(self._pointer, site, ctypes.byref(ticket)):
             raise KernelArgumentError(f"no stream site {site}")
-        return ticket
+        return ticket.value
 
     def ring(self):
         """Wakes the worker if it sleeps (a call is coming)."""

@@ -273,8 +273,8 @@ def test_a_training_forward_and_its_backward_equal_the_direct_calls():
 
     def device():
         keep = worker.site(fused.call_address(1), 1, 0, tokens, HIDDEN, TOP_K, BF16, np.float32, FORWARD_KEEPING)
-        x_in, ids_in, w_in, y_out = worker.staging(keep, tokens, HIDDEN, TOP_K, BF16, np.float32)
-        x_in[...], ids_in[...], w_in[...] = x, ids, weights
+        x_in, ids_in_keep, w_in, y_out = worker.staging(keep, tokens, HIDDEN, TOP_K, BF16, np.float32)
+        x_in[...], ids_in_keep[...], w_in[...] = x, ids, weights
         worker.post(keep)
         assert worker.wait(keep, 30) == 0
         y = y_out.copy()
@@ -292,6 +292,10 @@ def test_a_training_forward_and_its_backward_equal_the_direct_calls():
         worker.post(back)
         assert worker.wait(back, 30) == FAILED
         assert "overwritten" in worker.take_error().message
+        ids_in_keep[0, 0] = EXPERTS + 1  # a keeping forward that fails answers no ticket a backward could take
+        worker.post(keep)
+        assert worker.wait(keep, 30) == FAILED and worker.answer(keep) == -1
+        assert worker.take_error().layer == 1
         return y, *answered
 
     y, dx, dweights = on_device_thread(device)

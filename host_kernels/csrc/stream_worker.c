@@ -178,13 +178,14 @@ static void serve(stream_worker *w, int64_t slot, uint64_t value) {
         status = run(w, site, message, sizeof message);
         atomic_fetch_add_explicit(&w->counters[STREAM_BUSY_NS], now_ns() - start, memory_order_relaxed);
     }
-    if (site && site->slot == slot) { /* the ticket the sync hands on: a keeping forward's names its call */
+    const int own = site && site->slot == slot; /* else the site is another slot's: its buffers may be in use */
+    if (own) { /* the ticket the sync hands on: a keeping forward's names its call; a failed call's none (-1) */
         if (!status && site->kind == STREAM_FORWARD_KEEPING) site->generation++;
-        *(int32_t *)site->answer = STREAM_TICKET(site->id, site->generation);
+        *(int32_t *)site->answer = status ? -1 : STREAM_TICKET(site->id, site->generation);
     }
     if (status) {
-        if (site) fill_nan(site);
-        keep_error(w, site && site->slot == slot ? site->layer : -1, message);
+        if (own) fill_nan(site);
+        keep_error(w, own ? site->layer : -1, message);
         atomic_fetch_add_explicit(&w->counters[STREAM_FAILED], 1, memory_order_relaxed);
     }
     atomic_fetch_add_explicit(&w->counters[STREAM_CALLS], 1, memory_order_relaxed);
@@ -416,9 +417,11 @@ int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers) {
     return 0;
 }
 
-int32_t moe_stream_answer(stream_worker *w, int64_t site) {
+int moe_stream_answer(stream_worker *w, int64_t site, int32_t *ticket) {
     const stream_site *s = moe_stream_site_at(w, site);
-    return s ? *(const int32_t *)s->answer : -1;
+    if (!s) return 1;
+    *ticket = *(const int32_t *)s->answer;
+    return 0;
 }
 
 stream_flags *moe_stream_flags(stream_worker *w, int64_t slot) {

@@ -99,8 +99,9 @@ stream_site *moe_stream_site_at(stream_worker *w, int64_t site); /* NULL for an 
  * into buffers[6]; non-zero for an unknown id. */
 int moe_stream_site_staging(stream_worker *w, int64_t site, void **buffers);
 stream_flags *moe_stream_flags(stream_worker *w, int64_t slot);
-/* The ticket the worker answered the site's last call with (what its sync hands on); -1 for an unknown id. */
-int32_t moe_stream_answer(stream_worker *w, int64_t site);
+/* The ticket the worker answered the site's last call with (what its sync hands on; -1 for a failed call) into
+ * *ticket; non-zero for an unknown id. */
+int moe_stream_answer(stream_worker *w, int64_t site, int32_t *ticket);
 
 /* The device side's two signals as host code (host functions, the XLA:CPU handlers, the tests):
  * post writes go for `site` (staging filled) and wakes the worker; wait waits until the worker answered it (at
