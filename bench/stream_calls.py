@@ -36,6 +36,7 @@ from host_kernels import StreamWorker, cpu_features  # noqa: E402
 from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer  # noqa: E402
 from host_kernels.layer_experts import LayerExperts  # noqa: E402
 from host_kernels.store import ExpertStore  # noqa: E402
+from moe_jax.doctor import cpu_model  # noqa: E402
 from moe_jax.native import host_experts as native_experts  # noqa: E402
 from moe_jax.native import stream_experts  # noqa: E402
 from moe_jax.native.ffi import status as ffi_status  # noqa: E402
@@ -159,14 +160,6 @@ def per_layer_overhead(fused: FusedForward, layers: int, rounds: int, calls: int
     ]
     worker.stop()
     return rows
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def write_report(args, protocol, overhead) -> Path:

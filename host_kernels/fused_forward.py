@@ -377,9 +377,8 @@ def is_live_call(address: int) -> bool:
 
 
 def _free(lib, runner, layers, backward_layers):
-    _LIVE_CALLS.difference_update(
-        ctypes.addressof(entry.call) for entry in (*layers.values(), *backward_layers.values())
-    )
+    entries = (*layers.values(), *backward_layers.values())
+    _LIVE_CALLS.difference_update(ctypes.addressof(entry.call) for entry in entries)
     lib.moe_runner_free(runner)
-    for entry in (*layers.values(), *backward_layers.values()):
+    for entry in entries:
         lib.moe_layer_free(entry.pointer)

@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from host_kernels import native
-from host_kernels.amx import BF16
 from host_kernels.errors import HostKernelError, KernelArgumentError
+from host_kernels.fused_forward import DTYPE_CODES
 
 SLOTS = 8  # csrc/stream_worker.h STREAM_SLOTS: calls in flight at once at most
 # a site's kind of call (STREAM_FORWARD, ...): a forward; a training forward that keeps its pre-activations in
 # its site; a backward that reads them (float32 dy and routing weights in, dx and dweights out)
 FORWARD, FORWARD_KEEPING, BACKWARD = "forward", "forward-keeping", "backward"
 KINDS = {FORWARD: 0, FORWARD_KEEPING: 1, BACKWARD: 2}
-DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(BF16): 1}  # MOE_FLOAT32, MOE_BFLOAT16
 # what moe_stream_wait returns besides 0 (answered)
 FAILED, STOPPED, TIMED_OUT, UNKNOWN_SITE = 1, 2, -1, -2
 COUNTER_NAMES = ("calls", "failed", "busy_ns", "sleeps", "sites", "staging_bytes")

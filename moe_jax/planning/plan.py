@@ -238,16 +238,16 @@ def host_call_choice(asked: str | None, fused: bool, turned_off: str = "") -> tu
     if asked == CALLBACK:
         return CALLBACK, source
     unusable = "no fused forward to call" if not fused else turned_off
-    if asked is None and unusable:
-        return CALLBACK, unusable
-    on_cpu = jax.default_backend() == "cpu"
-    if asked is None:
+    on_cpu, by_default = jax.default_backend() == "cpu", asked is None
+    if by_default:
+        if unusable:
+            return CALLBACK, unusable
         asked = FFI if on_cpu else STREAM
-        usable, reason = native_ffi.status() if asked == FFI else stream_experts.status()
+    usable, reason = native_ffi.status() if asked == FFI else stream_experts.status()
+    if by_default:
         if not usable:
             return CALLBACK, reason
         return asked, "on XLA:CPU the handler calls the fused forward directly" if on_cpu else ""
-    usable, reason = native_ffi.status() if asked == FFI else stream_experts.status()
     if unusable or not usable:
         raise InputError(f"host call {asked!r} ({source}) unavailable: {unusable or reason}")
     return asked, source
