@@ -26,9 +26,11 @@ from moe_jax.backends import BACKENDS
 from moe_jax.cli import run_cli
 from moe_jax.errors import InputError, MemoryLimitError
 from moe_jax.serving.app import create_app
+from moe_jax.serving.http_limits import HttpLimits, bounded_protocol
 from moe_jax.serving.service import Limits, Service
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+SHUTDOWN_MARGIN_S = 5
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
 
@@ -46,7 +48,22 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int, help="context per sequence (default: the model's)")
     p.add_argument("--anchor-cache-mb", type=float, default=512.0, help="host memory for the anchor cache (0: off)")
     p.add_argument("--served-model-name", help="the model name clients ask for (default: the directory's name)")
-    p.add_argument("--api-key", help="require this key on every request but /health")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require a key on every request but /health (repeat for several clients: each key's requests see only "
+        "their own prefix cache entries)",
+    )
+    p.add_argument("--max-request-mb", type=float, default=16.0, help="the largest request body (413 past it)")
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        help="the longest prompt text, refused before tokenizing (default: the context times the longest token)",
+    )
+    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds to send a request head, and its body")
+    p.add_argument("--max-header-kb", type=float, default=64.0, help="the largest request head: line and headers")
+    p.add_argument("--max-headers", type=int, default=100, help="the most header lines a request may have")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get at shutdown")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -64,8 +81,12 @@ def check_settings(args):
         raise InputError("--anchor-cache-mb and --shutdown-timeout must be >= 0")
     if args.host_threads is not None and not 1 <= args.host_threads <= MAX_THREADS:
         raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
-    if args.api_key is not None and not args.api_key:
+    if any(not key for key in args.api_key):
         raise InputError("--api-key must not be empty")
+    if args.max_request_mb <= 0 or args.request_timeout <= 0 or args.max_header_kb <= 0 or args.max_headers < 1:
+        raise InputError("--max-request-mb, --request-timeout, --max-header-kb and --max-headers must be positive")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise InputError(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
 
 
 def main(argv=None):
@@ -81,7 +102,9 @@ def main(argv=None):
         host_threads=args.host_threads,
         quant=args.quant,
     )
-    limits = Limits(args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20))
+    limits = Limits(
+        args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20), args.max_prompt_chars
+    )
     service = Service(model, args.served_model_name or Path(model_dir).resolve().name, limits)
     try:
         service.start()  # compiles before the port opens: the first request does not wait for it
@@ -104,15 +127,35 @@ def main(argv=None):
         file=sys.stderr,
         flush=True,
     )
-    app = create_app(service, args.api_key, args.shutdown_timeout)
+    http_limits = HttpLimits(
+        int(args.max_request_mb * 2**20), int(args.max_header_kb * 2**10), args.max_headers, args.request_timeout
+    )
+    app = create_app(service, args.api_key, args.shutdown_timeout, http_limits)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+        http=bounded_protocol(http_limits),
+        # the engine ends each running request by --shutdown-timeout (an error event for a stream): uvicorn waits
+        # a little longer for those answers to go out
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + SHUTDOWN_MARGIN_S,
     )
-    uvicorn.Server(config).run()
+    StoppingServer(config, service, args.shutdown_timeout).run()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or Ctrl-C also tells the engine at once: waiting requests get a 503 (a
+    stream an error event) and running ones --shutdown-timeout to finish, while uvicorn stops taking connections
+    (otherwise everything queued would run first, past the time given)."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, timeout_s: float):
+        super().__init__(config)
+        self.service, self.timeout_s = service, timeout_s
+
+    def handle_exit(self, sig, frame):
+        self.service.begin_stop(self.timeout_s)
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

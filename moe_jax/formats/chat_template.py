@@ -105,3 +105,5 @@ def render_template(source: str, where: str = "", **variables) -> str:
         raise InputError(f"{where}the checkpoint's chat template failed: {e}") from None
     except (OverflowError, MemoryError, RecursionError) as e:  # the sandbox's limits (a range over 100000 items)
         raise InputError(f"{where}the checkpoint's chat template hit a limit: {type(e).__name__}: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # a value of a shape it cannot take
+        raise InputError(f"{where}the chat template cannot render these messages: {type(e).__name__}: {e}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -42,14 +43,47 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`, special-token strings in it read as those tokens (a prompt file's own markup)."""
+        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as plain text: a special-token string in it (`</s>`, `<|im_end|>`) is its characters,
+        never the control token, so text from a client cannot end a turn or forge one. `add_special_tokens`: the
+        tokenizer's own BOS/EOS additions, as in `encode`."""
+        ids = self._text_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids, add_special_tokens)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (special-token strings read as tokens, nothing added) and each one's character span."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         bos = self.token_to_id(self.bos_token) if self.bos_token else None
         if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]  # tokenizer.json without a post-processor: tokenizer_config asks for BOS
         return ids
 
+    @functools.cached_property
+    def _text_tokenizer(self) -> HFTokenizer:
+        """A copy that does not split special-token strings out of its input (a flag on the object: a copy keeps
+        `encode` as it is for every other thread)."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    @functools.cached_property
+    def special_strings(self) -> tuple[str, ...]:
+        """The special tokens' texts, longest first."""
+        added = self._tok.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def vocabulary(self) -> list[str]:
+        """Every token's entry (added tokens included), as the tokenizer spells it."""
+        return list(self._tok.get_vocab(with_added_tokens=True))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

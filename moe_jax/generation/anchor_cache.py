@@ -37,8 +37,11 @@ def anchor_token_ids(tokenizer, names=()) -> list[int]:
     return ids
 
 
-def prefix_key(tokens) -> bytes:
-    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+def prefix_key(tokens, scope: bytes = b"") -> bytes:
+    """An entry's key: its prefix's tokens within a scope (a server's tenant: entries of one scope are not found
+    from another, so neither their contents nor their existence reach another tenant). A keyed hash: a scope of
+    up to 64 bytes."""
+    return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16, key=scope).digest()
 
 
 @dataclass
@@ -88,12 +91,12 @@ class AnchorCache:
         prefilled to give the next-token logits)."""
         return [i + 1 for i, t in enumerate(tokens[:-1]) if t in self.anchor_ids]
 
-    def lookup(self, tokens) -> tuple[int, list]:
-        """(reused length, per-layer (k, v) of that prefix) for the longest cached anchor prefix."""
+    def lookup(self, tokens, scope: bytes = b"") -> tuple[int, list]:
+        """(reused length, per-layer (k, v) of that prefix) for the longest anchor prefix cached in `scope`."""
         self.stats.requests += 1
         self.stats.prompt_tokens += len(tokens)
         for length in reversed(self.anchors(tokens)):
-            chain = self._chain(prefix_key(tokens[:length]))
+            chain = self._chain(prefix_key(tokens[:length], scope))
             if chain is not None:
                 for seg in chain:
                     self.segments.move_to_end(seg.key)
@@ -117,13 +120,13 @@ class AnchorCache:
             key = seg.parent
         return chain[::-1]
 
-    def store(self, tokens, kv_of_range):
-        """Caches every anchor prefix of `tokens` not cached yet. `kv_of_range(start, end)` returns the
+    def store(self, tokens, kv_of_range, scope: bytes = b""):
+        """Caches every anchor prefix of `tokens` not cached yet in `scope`. `kv_of_range(start, end)` returns the
         per-layer (k, v) of those positions (called only for segments that are new)."""
         parent = None
         start = 0
         for end in self.anchors(tokens):
-            key = prefix_key(tokens[:end])
+            key = prefix_key(tokens[:end], scope)
             if key not in self.segments:
                 seg = Segment(key, parent, start, end, [(np.array(k), np.array(v)) for k, v in kv_of_range(start, end)])
                 if seg.nbytes > self.budget:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.generation.sampling import sample
+from moe_jax.generation.sampling import adjusted_logits, sample
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
@@ -61,6 +61,7 @@ class Request:
     tokens: list[int]
     max_new_tokens: int
     seed: int = 0
+    cache_scope: bytes = b""  # the anchor cache entries it may read and writes: only those of its own scope
 
 
 @dataclass
@@ -77,10 +78,19 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    presence_penalty: float = 0.0  # subtracted from the logit of each token generated so far
+    frequency_penalty: float = 0.0  # subtracted once for each time a token was generated so far
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before the choice (sampling.adjusted_logits)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the step's argmax on the device is the token: temperature 0, the logits as they are."""
+        return self.temperature == 0 and not self.adjusts
 
 
 @dataclass
@@ -237,7 +247,9 @@ class Batch:
     @staticmethod
     def choose(s: _Slot, row: np.ndarray) -> int:
         sampling = s.job.sampling
-        if sampling.greedy:
+        if sampling.adjusts:
+            row = adjusted_logits(row, sampling, s.out)
+        if sampling.temperature == 0:
             return int(row.argmax())
         return int(sample(row[None], s.rng, sampling.temperature, sampling.top_p, sampling.top_k)[0])
 

@@ -179,7 +179,8 @@ class GenerationEngine:
         suffixes, reused = [], []
         for slot, job in admitted:
             tokens = job.request.tokens
-            n, prefix = self.anchor_cache.lookup(tokens) if self.anchor_cache else (0, [])
+            scope = job.request.cache_scope
+            n, prefix = self.anchor_cache.lookup(tokens, scope) if self.anchor_cache else (0, [])
             if n:
                 padded = round_up(n, TOKEN_BUCKET)
                 prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
@@ -213,12 +214,12 @@ class GenerationEngine:
                     first_logits[i] = step_logits[i]
         if self.anchor_cache is not None:
             for slot, job in admitted:
-                self._store_anchors(caches, slot, job.request.tokens)
+                self._store_anchors(caches, slot, job.request.tokens, job.request.cache_scope)
         self.stats.prefill_s += time.perf_counter() - start
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
         return caches, reused, first_logits
 
-    def _store_anchors(self, caches, slot, tokens):
+    def _store_anchors(self, caches, slot, tokens, scope: bytes):
         rows = None
 
         def kv_of_range(start, end):
@@ -228,7 +229,7 @@ class GenerationEngine:
             # the anchor cache holds token-major segments [n, kv, hd]; the engine's cache is [kv, s, hd] a row
             return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
 
-        self.anchor_cache.store(tokens, kv_of_range)
+        self.anchor_cache.store(tokens, kv_of_range, scope)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,19 @@ def check_sampling(temperature: float, top_p: float, top_k: int = 0, seed: int =
         raise InputError(f"seed must be >= 0, got {seed}")
 
 
+def adjusted_logits(logits: np.ndarray, sampling, generated: list[int]) -> np.ndarray:
+    """`logits` [vocab] with `sampling`'s logit bias added and its penalties taken off, as OpenAI's API defines
+    them: each token generated so far loses `presence_penalty` once and `frequency_penalty` per occurrence."""
+    z = np.array(logits, np.float32)
+    if sampling.logit_bias:
+        tokens, bias = zip(*sampling.logit_bias, strict=True)
+        z[list(tokens)] += np.asarray(bias, np.float32)
+    if generated and (sampling.presence_penalty or sampling.frequency_penalty):
+        tokens, counts = np.unique(np.asarray(generated), return_counts=True)
+        z[tokens] -= counts * sampling.frequency_penalty + sampling.presence_penalty
+    return z
+
+
 def sample(
     logits_bv: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float, top_k: int = 0
 ) -> np.ndarray:

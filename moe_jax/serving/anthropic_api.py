@@ -28,6 +28,14 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict]
 
 
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str = ""
+    input_schema: dict = Field(default_factory=dict)
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -40,9 +48,10 @@ class MessagesRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stream: bool = False
-    tools: list[dict] | None = None
+    tools: list[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    cache_salt: str | None = Field(None, max_length=256)  # the anchor cache scope beside the API key's (as vLLM's)
 
     @property
     def sampling(self) -> Sampling:
@@ -54,17 +63,17 @@ class MessagesRequest(BaseModel):
             return {}
         return {"enable_thinking": self.thinking.get("type") == "enabled"}
 
+    @property
+    def stops(self) -> list[str]:
+        return self.stop_sequences or []
+
     def template_tools(self) -> list[dict] | None:
         if not self.tools or (self.tool_choice or {}).get("type") == "none":
             return None
         return [
             {
                 "type": "function",
-                "function": {
-                    "name": t.get("name"),
-                    "description": t.get("description", ""),
-                    "parameters": t.get("input_schema", {}),
-                },
+                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
             }
             for t in self.tools
         ]
@@ -81,12 +90,26 @@ class MessagesRequest(BaseModel):
 def _texts(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise InputError(f"{where}: content must be a string or a list of blocks, got {type(content).__name__}")
     parts = []
     for block in content:
-        if block.get("type") != "text":
-            raise InputError(f"{where}: a {block.get('type')!r} block is not supported here")
-        parts.append(block.get("text", ""))
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise InputError(f"{where}: a {kind!r} block is not supported here")
+        parts.append(_field(block, "text", str, where))
     return "".join(parts)
+
+
+def _field(block: dict, key: str, kind, where: str, default=None):
+    """`block[key]`, which must be of `kind` (a missing key: `default`, which must be too)."""
+    value = block.get(key, default)
+    if not isinstance(value, kind):
+        raise InputError(
+            f"{where}: a {block.get('type')!r} block's {key!r} must be {getattr(kind, '__name__', kind)}, got "
+            f"{type(value).__name__}"
+        )
+    return value
 
 
 def _template_messages(index: int, m: AnthropicMessage) -> list[dict]:
@@ -98,25 +121,28 @@ def _template_messages(index: int, m: AnthropicMessage) -> list[dict]:
     for block in m.content:
         kind = block.get("type")
         if kind == "text":
-            message["content"] += block.get("text", "")
+            message["content"] += _field(block, "text", str, where)
         elif kind == "thinking" and m.role == "assistant":
-            message["reasoning_content"] = message.get("reasoning_content", "") + block.get("thinking", "")
+            thinking = _field(block, "thinking", str, where)
+            message["reasoning_content"] = message.get("reasoning_content", "") + thinking
         elif kind == "redacted_thinking" and m.role == "assistant":
             continue
         elif kind == "tool_use" and m.role == "assistant":
             call = {
-                "id": block.get("id"),
+                "id": _field(block, "id", str, where, ""),
                 "type": "function",
-                "function": {"name": block.get("name"), "arguments": block.get("input", {})},
+                "function": {
+                    "name": _field(block, "name", str, where),
+                    "arguments": _field(block, "input", dict, where, {}),
+                },
             }
             message.setdefault("tool_calls", []).append(call)
         elif kind == "tool_result" and m.role == "user":
-            content = block.get("content", "")
             tool_messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": block.get("tool_use_id"),
-                    "content": _texts(content, f"{where} tool_result"),
+                    "tool_call_id": _field(block, "tool_use_id", str, where, ""),
+                    "content": _texts(block.get("content", ""), f"{where} tool_result"),
                 }
             )
         else:

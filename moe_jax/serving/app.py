@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_jax.errors import InputError
 from moe_jax.serving import anthropic_api, openai_api
 from moe_jax.serving.event_stream import EventStream, data_event, named_event
 from moe_jax.serving.generation import ClientGone, Generation
+from moe_jax.serving.http_limits import BoundedBody, HttpLimits
 from moe_jax.serving.metrics import ServerMetrics
 from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import EngineStopped, QueueFull
-from moe_jax.serving.service import ContextTooLong, Service
+from moe_jax.serving.service import ContextTooLong, Service, cache_scope
 
 RETRY_AFTER_S = 1
 
@@ -35,9 +38,15 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
 
-def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s: float = 30.0) -> FastAPI:
+def create_app(
+    service: Service,
+    api_keys: Sequence[str] = (),
+    shutdown_timeout_s: float = 30.0,
+    http_limits: HttpLimits | None = None,
+) -> FastAPI:
     """The app for a started Service; shutting the app down stops the service (running requests get up to
-    `shutdown_timeout_s` to finish)."""
+    `shutdown_timeout_s` to finish). With `api_keys`, every request but /health must carry one of them, and each
+    key's requests see only their own anchor cache entries."""
     metrics = ServerMetrics(service)
 
     @asynccontextmanager
@@ -47,7 +56,8 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
 
     app = FastAPI(title="moe_jax", lifespan=lifespan)
     app.state.service, app.state.metrics = service, metrics
-    app.add_middleware(KeyAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(BoundedBody, limits=http_limits or HttpLimits(), refuse=_refusal)
+    app.add_middleware(KeyAndCount, api_keys=tuple(api_keys), metrics=metrics)  # (outermost: added last)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -71,6 +81,11 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
     @app.exception_handler(EngineStopped)
     async def engine_stopped(request: Request, error: EngineStopped):
         return _error_response(request.url.path, ApiError(503, str(error), "server_error"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status_code, "invalid_request_error")
+        return _error_response(request.url.path, ApiError(error.status_code, str(error.detail), kind))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, error: ClientGone):
@@ -116,8 +131,10 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
     async def chat_completions(body: openai_api.ChatRequest, request: Request):
         check_model(body.model)
         body.check()
-        tokens, text = service.chat_prompt(body.template_messages(), body.template_tools, body.chat_template_kwargs)
-        prompt = body.checked_prompt(service, tokens, text, body.limit)
+        tokens, text = await service.off_loop(
+            service.chat_prompt, body.template_messages(), body.template_tools, body.chat_template_kwargs
+        )
+        prompt = body.checked_prompt(service, tokens, text, body.limit, _scope(request, body.cache_salt))
         generation = service.submit(prompt)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
@@ -130,8 +147,11 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
         check_model(body.model)
         body.check()
         given = body.single_prompt()
-        tokens, text = (service.text_prompt(given), given) if isinstance(given, str) else (list(given), None)
-        prompt = body.checked_prompt(service, tokens, text, body.max_tokens)
+        if isinstance(given, str):
+            tokens, text = await service.off_loop(service.text_prompt, given, body.parse_special_tokens), given
+        else:
+            tokens, text = list(given), None
+        prompt = body.checked_prompt(service, tokens, text, body.max_tokens, _scope(request, body.cache_salt))
         generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
@@ -143,15 +163,17 @@ def create_app(service: Service, api_key: str | None = None, shutdown_timeout_s:
     @app.post("/v1/messages")
     async def messages(body: anthropic_api.MessagesRequest, request: Request):
         check_model(body.model)
-        tokens, text = service.chat_prompt(body.template_messages(), body.template_tools(), body.template_kwargs())
+        tokens, text = await service.off_loop(
+            service.chat_prompt, body.template_messages(), body.template_tools(), body.template_kwargs()
+        )
         prompt = service.prompt(
             tokens,
             text,
             max_tokens=body.max_tokens,
             sampling=body.sampling,
             seed=None,
-            stops=body.stop_sequences or [],
-            ignore_eos=False,
+            stops=body.stops,
+            cache_scope=_scope(request, body.cache_salt),
         )
         generation = service.submit(prompt)
         message_id = openai_api.new_id("msg_")
@@ -212,14 +234,20 @@ async def _message_events(generation: Generation, message_id: str, body):
         yield named_event(name, data)
 
 
+def _scope(request: Request, cache_salt: str | None) -> bytes:
+    """The request's anchor cache scope: its API key's and its salt's."""
+    return cache_scope(getattr(request.state, "api_key", None), cache_salt)
+
+
 class KeyAndCount:
-    """Checks the API key (all paths but /health) and counts answers by route and status. Plain ASGI rather than
-    `@app.middleware("http")`, which passes every streamed chunk through a task and a memory stream of its own."""
+    """Checks the API key (all paths but /health; the key a request carries is kept in its scope's state) and
+    counts answers by route and status. Plain ASGI rather than `@app.middleware("http")`, which passes every
+    streamed chunk through a task and a memory stream of its own."""
 
     ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app, api_keys: tuple[str, ...], metrics: ServerMetrics):
+        self.app, self.api_keys, self.metrics = app, api_keys, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -234,22 +262,35 @@ class KeyAndCount:
             await send(message)
 
         try:
-            if self.api_key is not None and path != "/health" and not _key_matches(Headers(scope=scope), self.api_key):
+            key = _matching_key(Headers(scope=scope), self.api_keys) if self.api_keys else None
+            if self.api_keys and path != "/health" and key is None:
                 error = ApiError(401, "invalid or missing API key", "authentication_error")
                 await _error_response(path, error)(scope, receive, counted)
             else:
+                scope.setdefault("state", {})["api_key"] = key
                 await self.app(scope, receive, counted)
         finally:
             route = path if path in self.ROUTES else "other"  # a label per unknown path would grow without end
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-def _key_matches(headers: Headers, key: str) -> bool:
+def _matching_key(headers: Headers, keys: tuple[str, ...]) -> str | None:
+    """The one of `keys` the request carries (every key compared in constant time), or None."""
     given = headers.get("x-api-key") or ""
     bearer = headers.get("authorization") or ""
     if bearer.lower().startswith("bearer "):
         given = given or bearer[7:].strip()
-    return secrets.compare_digest(given.encode(), key.encode())
+    found = None
+    for key in keys:
+        if secrets.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+            found = key
+    return found
+
+
+def _refusal(path: str, status: int, message: str) -> JSONResponse:
+    """An HTTP-level refusal (http_limits) in the API's error schema."""
+    kind = "request_too_large" if status == 413 else "invalid_request_error"
+    return _error_response(path, ApiError(status, message, kind))
 
 
 def _error_response(path: str, error: ApiError) -> JSONResponse:
@@ -258,6 +299,9 @@ def _error_response(path: str, error: ApiError) -> JSONResponse:
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
+            405: "invalid_request_error",
+            408: "invalid_request_error",
+            413: "request_too_large",
             429: "rate_limit_error",
         }
         body = {"type": "error", "error": {"type": kinds.get(error.status, "api_error"), "message": error.message}}

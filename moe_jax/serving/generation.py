@@ -32,6 +32,7 @@ class Prompt:
     seed: int
     stops: list[str]
     eos_ids: frozenset[int]
+    cache_scope: bytes = b""
 
 
 class ClientGone(Exception):
@@ -88,7 +89,7 @@ class Generation:
         self.stream = TextStream(decode, prompt.stops)
         self.parser = OutputParser.for_prompt(dialect, prompt.text or "")
         self.completion: Completion | None = None
-        request = Request(prompt.tokens, prompt.max_tokens, prompt.seed)
+        request = Request(prompt.tokens, prompt.max_tokens, prompt.seed, prompt.cache_scope)
         self.job = ServedJob(
             request, prompt.sampling, self._on_token, self._on_finish, prompt.eos_ids, on_error=self._on_error
         )

@@ -1,8 +1,10 @@
 """OpenAI's chat completions and completions: request bodies, and answers whole or as server-sent chunks.
 
-Fields follow the OpenAI API reference; `top_k`, `ignore_eos` and `chat_template_kwargs` (e.g.
-`{"enable_thinking": false}`) are the extensions vLLM also takes. What moe_jax cannot do (n > 1, logprobs,
-images) is refused with a 400 naming it, not ignored.
+Fields follow the OpenAI API reference; `top_k`, `ignore_eos`, `chat_template_kwargs` (e.g.
+`{"enable_thinking": false}`) and `cache_salt` are the extensions vLLM also takes, and `/v1/completions` takes
+`parse_special_tokens` (a prompt's special-token strings read as those tokens; by default a prompt is text).
+`logit_bias` and the presence and frequency penalties are applied on the host. Every field is honoured or refused
+with a 400 naming it: what moe_jax cannot do (n > 1, logprobs, structured output, audio) is never ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ from moe_jax.serving.event_stream import TEXT_SLOT, data_event, text_events
 from moe_jax.serving.output_parser import Parsed, ToolCall
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# fields that ask for what this server does not do: refused (with what to do instead) when their value asks for it
+UNSUPPORTED = {
+    "n": (lambda v: v not in (None, 1), "n must be 1; ask again for another choice"),
+    "best_of": (lambda v: v not in (None, 1), "best_of must be 1"),
+    "logprobs": (lambda v: v not in (None, False, 0), "no log probabilities are returned"),
+    "top_logprobs": (lambda v: v not in (None, 0), "no log probabilities are returned"),
+    "echo": (bool, "the prompt is not echoed"),
+    "suffix": (bool, "no insertion: give the whole prompt"),
+    "response_format": (lambda v: v is not None and v != {"type": "text"}, "no constrained output: only text"),
+    "functions": (lambda v: v is not None, "give `tools` instead"),
+    "function_call": (lambda v: v is not None, "give `tool_choice` instead"),
+    "audio": (lambda v: v is not None, "text only"),
+    "modalities": (lambda v: v not in (None, ["text"]), "text only"),
+    "prediction": (lambda v: v is not None, "no predicted outputs"),
+    "web_search_options": (lambda v: v is not None, "no web search"),
+}
+MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (OpenAI's own bound)
 
 
 class _Body(BaseModel):
@@ -29,25 +48,33 @@ class _Body(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
     stream: bool = False
     stream_options: dict | None = None
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    cache_salt: str | None = Field(None, max_length=256)
 
     def check(self):
-        if self.n != 1:
-            raise InputError(f"n must be 1 here (got {self.n}): ask again for another choice")
-        if self.logprobs:
-            raise InputError("logprobs are not supported by this server")
+        """A 400 naming the first field that asks for what this server does not do."""
+        given = self.model_extra or {}
+        for name, (refused, instead) in UNSUPPORTED.items():
+            if name in given and refused(given[name]):
+                raise InputError(f"{name}={json.dumps(given[name])[:80]} is not supported by this server: {instead}")
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k)
+        bias = ()
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise InputError(f"logit_bias: keys are token ids and values in [-100, 100], got {token!r}: {value}")
+            bias += ((int(token), value),)
+        return Sampling(self.temperature, self.top_p, self.top_k, bias, self.presence_penalty, self.frequency_penalty)
 
-    def checked_prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None):
+    def checked_prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None, scope: bytes):
         """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
         return service.prompt(
             tokens,
@@ -57,6 +84,7 @@ class _Body(BaseModel):
             seed=self.seed,
             stops=self.stops,
             ignore_eos=self.ignore_eos,
+            cache_scope=scope,
         )
 
     @property
@@ -68,12 +96,45 @@ class _Body(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-    tool_calls: list[dict] | None = None
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     name: str | None = None
@@ -83,8 +144,8 @@ class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     chat_template_kwargs: dict | None = None
 
     def template_messages(self) -> list[dict]:
@@ -93,7 +154,9 @@ class ChatRequest(_Body):
 
     @property
     def template_tools(self) -> list[dict] | None:
-        return None if self.tool_choice == "none" else self.tools
+        if self.tool_choice == "none" or not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def limit(self) -> int | None:
@@ -103,8 +166,7 @@ class ChatRequest(_Body):
 class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    suffix: str | None = None
+    parse_special_tokens: bool = False
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -112,8 +174,6 @@ class CompletionRequest(_Body):
             if len(prompt) != 1:
                 raise InputError(f"one prompt per request here, got {len(prompt)}")
             prompt = prompt[0]
-        if self.echo or self.suffix:
-            raise InputError("echo and suffix are not supported by this server")
         return prompt
 
 
@@ -132,22 +192,22 @@ def _text_of(index: int, content) -> str:
         return content or ""
     texts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InputError(f"messages[{index}]: only text content parts are supported, got {part.get('type')!r}")
-        texts.append(part["text"])
+        if part.type != "text" or part.text is None:
+            raise InputError(f"messages[{index}]: only text content parts (with a string 'text') are supported")
+        texts.append(part.text)
     return "".join(texts)
 
 
-def _template_tool_call(call: dict) -> dict:
+def _template_tool_call(call: ToolCallIn) -> dict:
     """An OpenAI tool call with its JSON-string arguments as a dict, as chat templates expect them."""
-    function = dict(call.get("function") or {})
-    arguments = function.get("arguments")
+    arguments = call.function.arguments
     if isinstance(arguments, str):
         try:
-            function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
             pass  # kept as the string it is: templates print either
-    return {**call, "function": function}
+    out = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    return out if call.id is None else {"id": call.id, **out}
 
 
 # ---------------------------------------------------------------------------------------------- answers

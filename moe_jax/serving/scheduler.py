@@ -29,6 +29,9 @@ ARRIVAL_WINDOW_S = 0.025  # and no longer than this in all (what a lone request'
 SERVED_BLOCK_STEPS = 1
 
 
+STOPPED_MESSAGE = "the server is shutting down"
+
+
 class QueueFull(Exception):
     """More jobs are waiting than the server accepts."""
 
@@ -108,12 +111,19 @@ class Scheduler:
 
         return ended
 
+    def begin_stop(self, timeout_s: float = 30.0):
+        """From now on refuses new jobs and fails waiting ones (EngineStopped); running jobs get `timeout_s` to
+        finish and then fail the same way. Returns at once; the first call sets the deadline. Takes no lock: a
+        signal handler calls it, on a thread that may hold one."""
+        if not self._stopping.is_set():
+            self._deadline = time.monotonic() + timeout_s
+            self._stopping.set()
+
     def stop(self, timeout_s: float = 30.0):
-        """Refuses what waits, lets running jobs finish for up to `timeout_s`, cancels the rest, ends the thread."""
-        self._deadline = time.monotonic() + timeout_s
-        self._stopping.set()
+        """`begin_stop`, then waits for the engine thread to end."""
+        self.begin_stop(timeout_s)
         if self._thread.is_alive():
-            self._thread.join(timeout_s + 10 * IDLE_POLL_S)
+            self._thread.join(max(0.0, self._deadline - time.monotonic()) + 10 * IDLE_POLL_S)
 
     def _run(self):
         waiting: deque[ServedJob] = deque()
@@ -157,12 +167,12 @@ class Scheduler:
         model = self.engine.model
         while True:
             self._collect(waiting, block=not batch.active and not waiting)
+            self._drop(waiting, [j for j in waiting if j.cancelled])
             if self._stopping.is_set():
-                self._drop(waiting, list(waiting))
+                self._refuse(waiting, list(waiting))
                 if time.monotonic() > self._deadline:
                     for s in batch.active.values():
-                        s.job.cancelled = True
-            self._drop(waiting, [j for j in waiting if j.cancelled])
+                        self._refuse_running(s.job)
             batch.retire_cancelled()
             if self._stopping.is_set() and not batch.active:
                 return True
@@ -217,8 +227,19 @@ class Scheduler:
             except queue.Empty:
                 return
 
+    @staticmethod
+    def _refuse_running(job: ServedJob):
+        job.on_error(EngineStopped(STOPPED_MESSAGE))
+        job.cancelled = True  # its slot is freed before the next step
+
+    def _refuse(self, waiting: deque, jobs: list[ServedJob]):
+        """Waiting jobs that will not run: the server is stopping."""
+        for job in jobs:
+            waiting.remove(job)
+            job.on_error(EngineStopped(STOPPED_MESSAGE))
+
     def _drop(self, waiting: deque, jobs: list[ServedJob]):
-        """Jobs that leave the queue unrun (cancelled, or the server is stopping) finish as cancelled."""
+        """Jobs their clients cancelled before they ran finish as cancelled."""
         for job in jobs:
             waiting.remove(job)
             job.cancelled = True

@@ -4,12 +4,15 @@ Decoding token by token is not decoding the whole: a byte-level tokenizer may sp
 tokens, and a decoder may join pieces differently at the start of a text. So each new token's text is the
 difference between decoding a short window of recent tokens with and without it (the way vLLM and TGI stream),
 and nothing is released while the window ends in half a character. Text that could be the start of a stop string
-is held back until it cannot be; a stop string found ends the text before it.
+is held back until it cannot be; the first stop string to be completed ends the text before it (the longest, when
+several end at the same character).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from moe_jax.serving.stop_matcher import StopMatcher
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 
@@ -17,7 +20,7 @@ REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str] = ()):
         self.decode = decode
-        self.stops = [s for s in stops if s]
+        self.matcher = StopMatcher(stops)
         self.tokens: list[int] = []
         self.prefix_offset = 0  # the window decoded for context starts here
         self.read_offset = 0  # tokens before this are in `text`
@@ -33,26 +36,27 @@ class TextStream:
         before = self.decode(self.tokens[self.prefix_offset : self.read_offset])
         after = self.decode(self.tokens[self.prefix_offset :])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            new_from = len(self.text)
             self.text += after[len(before) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            self._find_stop()
+            self._find_stop(new_from)
         return self._release(self.text if self.stop is not None else self.text[: len(self.text) - self._held()])
 
     def finish(self) -> str:
         """The text still held back (the sequence has ended)."""
         return self._release(self.text)
 
-    def _find_stop(self):
-        longest = max((len(s) for s in self.stops), default=0)
-        search_from = max(0, self.released - longest)
-        found = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
-        if found:
-            index, self.stop = min(found)
-            self.text = self.text[:index]
+    def _find_stop(self, new_from: int):
+        """Feeds the text from `new_from` (what the last token added) to the stop matcher; cuts it at a stop."""
+        found = self.matcher.feed(self.text[new_from:])
+        if found is not None:
+            end, length = found
+            start = new_from + end - length
+            self.stop, self.text = self.text[start : new_from + end], self.text[:start]
 
     def _held(self) -> int:
         """Characters at the end of the text that begin some stop string (and so are not released yet)."""
-        return min(partial_prefix_length(self.text, self.stops), len(self.text) - self.released)
+        return min(self.matcher.pending, len(self.text) - self.released)
 
     def _release(self, upto: str) -> str:
         out = upto[self.released :]
