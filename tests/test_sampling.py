@@ -70,3 +70,17 @@ def test_logits_that_are_not_finite_are_named(bad):
     logits = np.array([[0.5, bad, 1.0]], np.float32)
     with pytest.raises(MoeJaxError, match="NaN or inf"):
         sample(logits, np.random.default_rng(0), 1.0, 0.9)
+
+
+def test_logit_bias_and_penalties_as_openai_defines_them():
+    from moe_jax.generation.batch import Sampling
+    from moe_jax.generation.sampling import adjusted_logits
+
+    logits = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    sampling = Sampling(logit_bias=((0, 5.0), (3, -1.5)), presence_penalty=0.5, frequency_penalty=0.25)
+    got = adjusted_logits(logits, sampling, [2, 2, 1, 2])
+    # token 2: generated 3 times (0.5 + 3 x 0.25 off); token 1: once (0.5 + 0.25 off); biases on 0 and 3
+    np.testing.assert_allclose(got, [6.0, 2.0 - 0.75, 3.0 - 1.25, 2.5])
+    np.testing.assert_array_equal(logits, [1.0, 2.0, 3.0, 4.0])  # the step's logits are left as they are
+    assert not Sampling(temperature=0).adjusts and Sampling(temperature=0).greedy
+    assert not Sampling(temperature=0, presence_penalty=0.1).greedy  # chosen on the host from adjusted logits

@@ -15,19 +15,26 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from moe_jax.errors import InputError
 from moe_jax.formats.prompts import render_chat
 
 # Supplementary Private Use Area-A: characters no tokenizer gives meaning to and no ordinary text holds
 PRIVATE_USE = re.compile("[\U000f0000-\U000ffffd]")
 FIRST_PRIVATE = 0xF0000
+RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "add_generation_prompt", "where"})  # render_chat's own
+LEAD = "\n"  # text a piece is tokenized after, to tokenize it as the middle of a text (_mid_text_ids)
 
 
 def chat_token_ids(
-    tokenizer, messages: list[dict], on_text: Callable[[str], None] | None = None, **template_kwargs
+    tokenizer, messages: list[dict], template_kwargs: dict | None = None, on_text: Callable[[str], None] | None = None
 ) -> tuple[list[int], str]:
-    """(token ids, rendered text) of `messages` with the checkpoint's chat template (`render_chat`), the special
-    tokens in them only those the template wrote. `on_text(text)`: called with the rendered text before it is
-    tokenized (a length check that raises)."""
+    """(token ids, rendered text) of `messages` with the checkpoint's chat template (`render_chat`, given
+    `template_kwargs`: `tools`, `enable_thinking`, ...), the special tokens in them only those the template wrote.
+    `on_text(text)`: called with the rendered text before it is tokenized (a length check that raises)."""
+    template_kwargs = dict(template_kwargs or {})
+    taken = RENDER_ARGUMENTS & template_kwargs.keys()
+    if taken:
+        raise InputError(f"template arguments may not set {', '.join(sorted(taken))}")
     specials = tokenizer.special_strings if tokenizer is not None else ()
     quoting = _Quoting(specials, [tokenizer.chat_template, messages, template_kwargs]) if specials else None
     if quoting is not None:
@@ -98,10 +105,21 @@ def _ids_with_spans_as_text(tokenizer, text: str, spans: list[tuple[int, int]]) 
             span += 1
         client_wrote = span < len(spans) and spans[span][0] < end
         if token in special_ids and client_wrote:
-            out += tokenizer.encode_text(text[start:end], add_special_tokens=False)
+            out += _mid_text_ids(tokenizer, text[start:end])
         else:
             out.append(token)
     return out
+
+
+def _mid_text_ids(tokenizer, piece: str) -> list[int]:
+    """`piece`'s ids as plain text that follows other text: tokenized after a newline, whose ids are then taken
+    off (a SentencePiece-style tokenizer marks the start of a text with a space of its own, which a piece in the
+    middle of a prompt does not have); on its own where the newline's ids do not stay apart."""
+    lead = tokenizer.encode_text(LEAD, add_special_tokens=False)
+    both = tokenizer.encode_text(LEAD + piece, add_special_tokens=False)
+    if both[: len(lead)] == lead:
+        return both[len(lead) :]
+    return tokenizer.encode_text(piece, add_special_tokens=False)
 
 
 def _strings(value):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from moe_jax.errors import CheckpointError, read_json_file
+from moe_jax.errors import CheckpointError, InputError, read_json_file
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 
@@ -44,18 +44,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, special-token strings in it read as those tokens (a prompt file's own markup)."""
-        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+        return self._with_bos(_encoded(self._tok, text, add_special_tokens).ids, add_special_tokens)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` as plain text: a special-token string in it (`</s>`, `<|im_end|>`) is its characters,
         never the control token, so text from a client cannot end a turn or forge one. `add_special_tokens`: the
         tokenizer's own BOS/EOS additions, as in `encode`."""
-        ids = self._text_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encoded(self._text_tokenizer, text, add_special_tokens).ids
         return self._with_bos(ids, add_special_tokens)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of `text` (special-token strings read as tokens, nothing added) and each one's character span."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding = _encoded(self._tok, text, False)
         return encoding.ids, encoding.offsets
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
@@ -98,6 +98,23 @@ class Tokenizer:
             return []
         added = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
         return [t for t in added if t in self.chat_template and t != self.bos_token]
+
+
+def _encoded(tokenizer: HFTokenizer, text: str, add_special_tokens: bool):
+    """`tokenizer.encode`, with text that is not Unicode (a lone surrogate, which JSON's `\\ud800` makes) an
+    InputError naming where, rather than the library's TypeError."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(
+                    f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: "
+                    "it is not Unicode text"
+                ) from None
+        raise
 
 
 def _token_text(value):

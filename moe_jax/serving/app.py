@@ -8,6 +8,7 @@ engine thread goes on. Errors on `/v1/messages` use Anthropic's error schema, al
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
@@ -56,7 +57,9 @@ def create_app(
 
     app = FastAPI(title="moe_jax", lifespan=lifespan)
     app.state.service, app.state.metrics = service, metrics
-    app.add_middleware(BoundedBody, limits=http_limits or HttpLimits(), refuse=_refusal)
+    http_limits = http_limits or HttpLimits()
+    body_limit = min(http_limits.max_body_bytes, service.max_body_bytes)
+    app.add_middleware(BoundedBody, limits=dataclasses.replace(http_limits, max_body_bytes=body_limit), refuse=_refusal)
     app.add_middleware(KeyAndCount, api_keys=tuple(api_keys), metrics=metrics)  # (outermost: added last)
 
     @app.exception_handler(ApiError)

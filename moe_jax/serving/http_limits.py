@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+WHY = " (--max-request-mb, or the most text a prompt that fits the context can take)"
 REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large"}
 
 
@@ -110,22 +111,26 @@ class BoundedBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        limit = self.limits.max_body_bytes
+        limit, timeout_s = self.limits.max_body_bytes, self.limits.request_timeout_s
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         problem = None
-        if not declared.isdigit():
-            problem = 400, "Content-Length is not a number"
-        elif int(declared) > limit:
-            problem = 413, f"the request body is {int(declared)} bytes; this server takes at most {limit}"
-        else:
-            try:
-                body = await asyncio.wait_for(self._read(receive, limit), self.limits.request_timeout_s)
-            except TimeoutError:
-                problem = 408, f"the request body did not arrive within {self.limits.request_timeout_s:g} s"
-            except _TooLarge:
-                problem = 413, f"the request body exceeds {limit} bytes"
-            except _Disconnected:
-                return
+        try:
+            async with asyncio.timeout(timeout_s):
+                if not declared.isdigit():
+                    problem = 400, "Content-Length is not a number"
+                elif int(declared) > limit:
+                    problem = 413, f"the request body is {int(declared)} bytes; this server takes at most {limit}{WHY}"
+                    # read to its end and dropped: a client that sends all before it reads (and says Connection:
+                    # close, as urllib does) would otherwise meet a reset instead of the answer
+                    await self._read(receive, 0)
+                else:
+                    body = await self._read(receive, limit)
+                    if body is None:
+                        problem = 413, f"the request body exceeds {limit} bytes{WHY}"
+        except TimeoutError:
+            problem = problem or (408, f"the request body did not arrive within {timeout_s:g} s")
+        except _Disconnected:
+            return
         if problem is not None:
             return await self.refuse(scope["path"], *problem)(scope, receive, send)
         delivered = False
@@ -140,7 +145,8 @@ class BoundedBody:
         await self.app(scope, replay, send)
 
     @staticmethod
-    async def _read(receive, limit: int) -> bytes:
+    async def _read(receive, limit: int) -> bytes | None:
+        """The body, or None past `limit` bytes (the rest is read and dropped)."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -148,15 +154,10 @@ class BoundedBody:
                 raise _Disconnected()
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise _TooLarge()
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
-
-
-class _TooLarge(Exception):
-    pass
+                return b"".join(chunks) if size <= limit else None
 
 
 class _Disconnected(Exception):

@@ -32,6 +32,8 @@ class ContextTooLong(InputError):
     """A prompt (with the tokens asked for) longer than the served context."""
 
 
+BYTES_PER_CHAR = 12  # the most JSON bytes one character of text can take ("\\ud83d\\ude00" is one character)
+BODY_OVERHEAD = 64 << 10  # room in a request body for what is not prompt text (keys, settings)
 PROMPT_THREADS = 2  # threads that render and tokenize prompts, off the event loop
 PROBE_CHARS_PER_TOKEN = 4  # a prompt longer than context x this is first tokenized that far, to refuse it early
 PROBE_SLACK = 16  # tokens a cut prefix may count beyond the whole text's tokenization of it (a split last word)
@@ -62,6 +64,8 @@ class Service:
         self.dialect = Dialect.of_template(self.tokenizer.chat_template if self.tokenizer else None)
         self.special_ids = special_token_ids(self.tokenizer, keep=self.dialect.markers)
         self.max_prompt_chars = limits.max_prompt_chars or self.context * longest_token_chars(self.tokenizer)
+        # a body larger than this holds more text than any prompt that fits: refused before it is read or parsed
+        self.max_body_bytes = BYTES_PER_CHAR * self.max_prompt_chars + BODY_OVERHEAD
         self.on_finish: Callable[[Completion], None] | None = None  # every generation's end (metrics)
         self._mailbox: Mailbox | None = None  # into the event loop that submits
         self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="moe_jax-prompt")
@@ -90,7 +94,7 @@ class Service:
         extra = dict(template_kwargs or {})
         if tools:
             extra["tools"] = tools
-        return chat_token_ids(self.tokenizer, messages, on_text=self.check_length, **extra)
+        return chat_token_ids(self.tokenizer, messages, extra, on_text=self.check_length)
 
     def text_prompt(self, prompt: str, special_tokens: bool = False) -> list[int]:
         """`prompt`'s token ids: as plain text, or with `special_tokens` its special-token strings as the tokens."""
