@@ -155,3 +155,22 @@ def test_each_token_reaches_the_event_loop_as_it_comes():
     assert one_by_one == ["a", "b", "c"]
     assert "".join(together) == "def"  # in as few pieces as the loop's wake-ups took
     assert completion.finish_reason == "length"
+
+
+def test_after_warm_up_no_prompt_length_compiles_a_prefill(model):
+    """The engine thread compiles the narrowest and the widest prefill for every row bucket before it serves,
+    and prefills only at those widths after: a prompt of any length, alone or with others, compiles nothing."""
+    scheduler = Scheduler(model, slots=4, max_len=96, max_queue=8)
+    scheduler.start()
+    try:
+        prefill = model.generation.steps().prefill  # (jitted once per model: earlier tests' widths are in it)
+        compiled = prefill._cache_size()
+        assert scheduler.engine.prefill_widths == (32, 96)
+        tokens = model.tokenizer.encode("copy abcdefghijklmnopqrstuvwxyz >")
+        waiters = [Waiter(Request((tokens * 3)[:n], 3)) for n in (5, 40, 70, 33)]
+        for w in waiters:
+            scheduler.submit(w.job)
+        assert all(w.wait().completion.finish_reason in ("length", "eos") for w in waiters)
+        assert prefill._cache_size() == compiled
+    finally:
+        scheduler.stop(5)

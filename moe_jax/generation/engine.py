@@ -66,7 +66,15 @@ class GenerationEngine:
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.block_steps = block_steps  # greedy decode steps per call in its batches (Batch)
+        # None: a prefill step as wide as its prompts need (each new width compiles once); else only these widths,
+        # the narrowest that holds the prompts (a server compiles them before it opens: no request waits for XLA)
+        self.prefill_widths: tuple[int, ...] | None = None
         self.stats = EngineStats()
+
+    @property
+    def widest_prefill(self) -> int:
+        """The widest prefill step this engine runs: a chunk, or the whole context when that is shorter."""
+        return min(PREFILL_CHUNK, self.max_len)
 
     def slots_that_fit(self) -> int:
         """The engine's slots, fewer if the model's KV budget (its memory split) holds fewer sequences."""
@@ -192,6 +200,8 @@ class GenerationEngine:
         # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
         # serves every length; shorter prompts use one step of their rounded-up width
         width = min(PREFILL_CHUNK, round_up(longest, TOKEN_BUCKET))
+        if self.prefill_widths is not None:
+            width = min((w for w in self.prefill_widths if w >= width), default=max(self.prefill_widths))
         rows = row_bucket(len(admitted))
         for chunk_start in range(0, longest, width):
             slot_ids = np.zeros(rows, np.int32)
