@@ -4,9 +4,10 @@ Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; `stream: true` fo
 POST /v1/messages (Anthropic Messages), GET /v1/models, /health, /metrics (Prometheus). One engine thread runs
 continuous batching over every connection (--max-batch sequences at once, --max-queue more waiting); prompts that
 share a prefix up to a chat-template delimiter reuse its KV state (the anchor cache, --anchor-cache-mb). Binds
-to 127.0.0.1 unless --host says otherwise; with --api-key, every request but /health must carry it
-(`Authorization: Bearer KEY` or `x-api-key: KEY`). SIGTERM or Ctrl-C: running requests get
---shutdown-timeout seconds to finish. With no --model it serves the bundled default model.
+to 127.0.0.1 unless --host says otherwise; with --api-key (once per client), every request but /health must
+carry one (`Authorization: Bearer KEY` or `x-api-key: KEY`), and each key's requests see only their own anchor
+cache entries. Every request's size and time are bounded (docs/SERVING.md). SIGTERM or Ctrl-C: waiting requests
+get a 503, running ones --shutdown-timeout seconds to finish. With no --model it serves the bundled default model.
 """
 
 from __future__ import annotations
