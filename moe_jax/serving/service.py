@@ -26,17 +26,15 @@ from moe_jax.serving.scheduler import Scheduler
 
 MAX_STOPS = 64  # stop strings a request may give, and their length: the OpenAI API takes 4, llama.cpp and
 MAX_STOP_CHARS = 1024  # vLLM any; matching is linear in the text, so this bounds only the automaton's size
-
-
-class ContextTooLong(InputError):
-    """A prompt (with the tokens asked for) longer than the served context."""
-
-
-BYTES_PER_CHAR = 12  # the most JSON bytes one character of text can take ("\\ud83d\\ude00" is one character)
+BYTES_PER_CHAR = 12  # the most JSON bytes one character of text can take (an escaped surrogate pair)
 BODY_OVERHEAD = 64 << 10  # room in a request body for what is not prompt text (keys, settings)
 PROMPT_THREADS = 2  # threads that render and tokenize prompts, off the event loop
 PROBE_CHARS_PER_TOKEN = 4  # a prompt longer than context x this is first tokenized that far, to refuse it early
 PROBE_SLACK = 16  # tokens a cut prefix may count beyond the whole text's tokenization of it (a split last word)
+
+
+class ContextTooLong(InputError):
+    """A prompt (with the tokens asked for) longer than the served context."""
 
 
 @dataclass
