@@ -136,8 +136,8 @@ class Service:
         ignore_eos: bool = False,
         cache_scope: bytes = b"",
     ) -> Prompt:
-        """A checked prompt; max_tokens None: whatever the context leaves; `cache_scope`: whose anchor cache
-        entries it may read and write (`cache_scope`)."""
+        """A checked prompt; max_tokens None: whatever the context leaves; `cache_scope`: the anchor cache
+        entries it may read and write (see `cache_scope()`)."""
         self.check_token_ids(tokens)
         vocab = self.model.config.vocab_size
         for token, _ in sampling.logit_bias:
