@@ -1,7 +1,7 @@
 """The server under hostile clients (loopback, bounded in time): oversized and slow requests, forged control
 tokens, prefix-cache probing, unbounded stop lists, malformed bodies, and shutdown with requests queued. Each case
-asserts the status and the error schema; a known-good request keeps its latency while hostile ones are in flight,
-and the server's memory comes back after them. Default settings throughout (but the API keys, and a short
+asserts the status and the error schema, and the server's memory comes back after the oversized ones (a good
+client's latency beside them is bench/serve_hostile.py's). Default settings throughout (but the API keys, and a short
 request timeout where a test waits for it)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import http.client
 import json
 import signal
 import socket
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -90,7 +89,6 @@ def latency(server, body: dict, headers: dict) -> float:
 
 # ------------------------------------------------------------------------------------------------ size and time
 def test_oversized_bodies_are_refused_unparsed(server):
-    start = time.perf_counter()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer victim-key\r\n"
         b"content-type: application/json\r\ncontent-length: 52428800\r\n\r\n"
@@ -107,52 +105,26 @@ def test_oversized_bodies_are_refused_unparsed(server):
     # urllib says Connection: close and sends everything before reading: it still gets the answer
     status, body, _ = server.post("/v1/completions", {"model": NAME, "prompt": "ab " * (1 << 20)}, VICTIM)
     assert openai_error(status, body, 413)["type"] == "request_too_large"
-    assert time.perf_counter() - start < 20
 
 
-def test_long_prompts_are_refused_early_and_others_keep_their_latency_and_memory(server):
-    """A known-good request timed with the hostile ones paused and in flight, in alternating rounds (the rest of
-    the suite loads this machine's cores meanwhile: rounds side by side see the same load)."""
-    for _ in range(3):  # warm: the good request's shapes compiled
+def test_long_prompts_are_refused_by_size_and_memory_comes_back(server):
+    """Each hostile body gets its answer (by bytes before parsing, by characters before tokenizing, by tokens
+    after the first context's worth) and the server's memory returns afterwards; the victim's latency while
+    they are in flight is measured in bench/serve_hostile.py, not asserted here."""
+    for _ in range(3):  # the good request's shapes compiled: its buffers are in the baseline
         latency(server, GOOD_CHAT, VICTIM)
     rss_before = rss_bytes(server.process.pid)
-    hostile = [  # (path, body bytes, status, what the error says): one in flight at a time
+    hostile = [  # (path, body, status, what the error says)
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * (2 << 20)}]}, 413, "bytes"),
         ("/v1/completions", {"prompt": "ab " * (1 << 20)}, 413, "bytes"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * 10_000}]}, 400, "characters"),
         ("/v1/completions", {"prompt": "a" * 1600}, 400, "alone are"),
     ]
-    hostile = [(path, json.dumps({"model": NAME, **body}).encode(), *rest) for path, body, *rest in hostile]
-    hostile_answers, attacking, done = [], threading.Event(), threading.Event()
-
-    def attack():
-        while not done.is_set():
-            for path, body, status, says in hostile:
-                attacking.wait()
-                start = time.perf_counter()
-                answer = server.post(path, body, ATTACKER)
-                hostile_answers.append((answer[:2], status, says, time.perf_counter() - start))
-
-    attacker = threading.Thread(target=attack)
-    attacker.start()
-    quiet, under_attack = [], []
-    try:
-        for _ in range(4):
-            quiet += [latency(server, GOOD_CHAT, VICTIM) for _ in range(3)]
-            attacking.set()
-            time.sleep(0.1)
-            under_attack += [latency(server, GOOD_CHAT, VICTIM) for _ in range(3)]
-            attacking.clear()
-    finally:
-        done.set()
-        attacking.set()
-        attacker.join()
-    baseline, during = statistics.median(quiet), statistics.median(under_attack)
-    assert len(hostile_answers) >= len(hostile)
-    for (status, answer), expected_status, says, seconds in hostile_answers:
-        error = openai_error(status, answer, expected_status)
-        assert says in error["message"] and seconds < 5, (error, seconds)
-    assert during <= 2 * baseline, (during, baseline)
+    for _ in range(3):
+        for path, body, expected_status, says in hostile:
+            status, answer, _ = server.post(path, {"model": NAME, **body}, ATTACKER)
+            assert says in openai_error(status, answer, expected_status)["message"]
+        latency(server, GOOD_CHAT, VICTIM)
     time.sleep(1.0)
     rss_after = rss_bytes(server.process.pid)
     assert rss_after <= 1.10 * rss_before, (rss_after / 2**20, rss_before / 2**20)
@@ -379,9 +351,8 @@ def test_logit_bias_and_penalties_are_applied(server, tokenizer):
 def test_idle_and_half_sent_requests_time_out(tmp_path):
     args = ["--model", str(MODEL), "--request-timeout", "1.5"]
     with running_server(args, tmp_path / "server.log") as server:
-        start = time.perf_counter()
-        answer, _ = raw_exchange(server.port, b"")  # connects and says nothing
-        assert answer.startswith(b"HTTP/1.1 408") and time.perf_counter() - start < 5, answer
+        answer, _ = raw_exchange(server.port, b"")  # connects and says nothing: answered before the read gives up
+        assert answer.startswith(b"HTTP/1.1 408"), answer
         answer, _ = raw_exchange(server.port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # half a head
         assert answer.startswith(b"HTTP/1.1 408"), answer
         head = (
