@@ -23,7 +23,7 @@ from pathlib import Path
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax import distributed
-from moe_jax.api import DTYPES
+from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
 from moe_jax.cli import run_cli
@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--metrics", type=Path, help="JSONL of the run's figures, one record per finished prompt")
     p.add_argument("--tensorboard", type=Path, help="directory for TensorBoard event files of the same figures")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--batch-size", type=int, default=8, help="KV-cache slots generating at once")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -41,6 +41,9 @@ from moe_jax.planning.plan import ExecutionPlan, host_store_dtype, make_plan
 from moe_jax.planning.probe import cached_profile
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+AUTO_DTYPE = "auto"  # the checkpoint's own (formats.checkpoint.Checkpoint.own_dtype)
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
+DTYPE_HELP = "weights and activations: auto (default) keeps the checkpoint's own, bfloat16 for a bfloat16 one"
 
 
 class Model:
@@ -292,7 +295,7 @@ def load_model(
     path,
     *,
     backend: str = "host",
-    dtype: str = "float32",
+    dtype: str = AUTO_DTYPE,
     adapter=None,
     host_threads: int | None = None,
     device_budget_bytes: int | None = None,
@@ -311,6 +314,10 @@ def load_model(
     host_call: str | None = None,
 ) -> Model:
     """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
+
+    `dtype`: "auto" (default) keeps the checkpoint's own precision, as transformers' dtype="auto" does: bfloat16
+    for a bfloat16 (or fp8, or quantized GGUF) checkpoint, float32 for a float32 or float16 one; or "float32" /
+    "bfloat16" whatever it holds. `Model.dtype` says which was chosen.
 
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
     `device_budget_bytes` is the device memory for expert weights (offload's rounds, auto's cache and streams);
@@ -346,8 +353,8 @@ def load_model(
     distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if expert_shard is not None and backend != "host":
         raise InputError(f"expert parallel runs on the host backend only, not backend={backend!r}")
     if expert_shard is not None and expert_shard.count != distributed.world().count:
@@ -359,6 +366,8 @@ def load_model(
         raise CheckpointError(f"{adapter}: no such adapter directory")
     trim_after_compiles()  # the steps this model compiles leave no heap behind
     checkpoint = open_checkpoint(Path(path), verify=verify, expert_shard=expert_shard)
+    if dtype == AUTO_DTYPE:
+        dtype = checkpoint.own_dtype()
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
     quant = stored_quant(checkpoint, quant)

@@ -86,11 +86,8 @@ def convert(
         shard_experts = [s.experts(config.num_experts) if s else None for s in shards]
     except ConfigError as e:
         raise InputError(str(e)) from None
-    if dtype is None and gguf_file is not None:
-        dtype = "float32" if gguf_file.experts_type() == "F32" else "bfloat16"
-    elif dtype is None:  # keep the checkpoint's precision
-        sample = next((checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if is_expert_tensor(n)), None)
-        dtype = "bfloat16" if sample is not None and sample.dtype == ml_dtypes.bfloat16 else "float32"
+    if dtype is None:  # keep the checkpoint's precision
+        dtype = checkpoint.own_dtype()
     storage = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
 
     # a directory of this run's own (a unique name: a sibling `OUT.partial` of someone else's is never touched)

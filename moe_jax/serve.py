@@ -22,7 +22,7 @@ import uvicorn
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
-from moe_jax.api import DTYPES
+from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
 from moe_jax.cli import run_cli
 from moe_jax.errors import InputError, MemoryLimitError
@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--quant", choices=list(QUANTIZED), help="serve from quantized host experts (as infer.py)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)

@@ -48,6 +48,18 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def own_dtype(self) -> str:
+        """The model dtype that keeps this checkpoint's precision in the least memory (what dtype="auto" loads):
+        bfloat16 where its weights are bfloat16 or narrower (fp8, a quantized GGUF's blocks), float32 where they
+        are float32 or float16 (exact in float32, rounded in bfloat16). A GGUF file is judged by its experts, a
+        safetensors checkpoint by its embedding table (an fp8 checkpoint's dense weights are bfloat16)."""
+        if isinstance(self.tensors, GGUFFile):
+            return "float32" if self.tensors.experts_type() in ("F32", "F16") else "bfloat16"
+        source = self.tensors.source if isinstance(self.tensors, fp8.BlockScaledTensors) else self.tensors
+        if hf_names.EMBED not in source:
+            raise CheckpointError(f"{self.path}: tensor {hf_names.EMBED!r} is missing from the checkpoint")
+        return "bfloat16" if source.dtype_code(hf_names.EMBED) in ("BF16", "F8_E4M3") else "float32"
+
     def dense(self, name: str) -> np.ndarray:
         """A non-expert tensor by Hugging Face name, shape-checked, in `x @ W` layout (Linear weights transposed)."""
         array = self.tensors.get(name, expected_dense_shape(self.config, name))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_kernels import QUANTIZED
-from moe_jax.api import DTYPES
+from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag
 from moe_jax.errors import ConfigError, InputError
@@ -30,7 +30,9 @@ class TrainConfig:
     eval_fraction: float = 0.05  # held out from `data` when no eval_data is given
     out: str = "runs/default"
     backend: str = "host"
-    dtype: str = "float32"  # of the base weights and activations; bfloat16 runs the experts on AMX where there is one
+    # of the base weights and activations: "auto" keeps the checkpoint's own (bfloat16 for a bfloat16 checkpoint),
+    # "float32" or "bfloat16" whatever it holds; bfloat16 runs the experts on AMX where there is one
+    dtype: str = AUTO_DTYPE
     quant: str | None = None  # the experts quantized (int8, int4, ...): LoRA on a quantized base (host backend)
     placement_plan: str | None = None  # hybrid: JSON file {"layer": [expert ids]} of the experts on the device
     # LoRA
@@ -106,8 +108,8 @@ class TrainConfig:
         except InputError as e:
             raise ConfigError(str(e)) from None
 
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.quant is not None and self.quant not in QUANTIZED:
             raise ConfigError(f"quant must be one of {', '.join(QUANTIZED)}, got {self.quant!r}")
         for name in ("learning_rate", "lora_alpha", "weight_decay", "max_grad_norm", "adam_eps", "device_memory_mb"):
