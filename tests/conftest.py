@@ -12,8 +12,10 @@ host callbacks are never cached (JAX's rule). MOE_JAX_TEST_JAX_CACHE=0 turns it 
 
 import os
 import tempfile
+from pathlib import Path
 
 import jax
+import pytest
 
 if os.environ.get("MOE_JAX_TEST_JAX_CACHE", "1") != "0":
     cache = os.path.join(tempfile.gettempdir(), f"moe_jax-test-jax-cache-{os.getuid()}")
@@ -23,3 +25,14 @@ if os.environ.get("MOE_JAX_TEST_JAX_CACHE", "1") != "0":
 
 if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def bundled_server(tmp_path_factory):
+    """`python -m moe_jax.serve` on the bundled model with default settings, shared by the modules that only
+    send it requests (one per xdist worker that runs any of them: it takes ~30 s to start)."""
+    from moe_jax.serving.process import running_server
+
+    model = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+    with running_server(["--model", str(model)], tmp_path_factory.mktemp("serve") / "server.log") as s:
+        yield s

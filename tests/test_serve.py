@@ -43,9 +43,8 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(["--model", str(MODEL)], tmp_path_factory.mktemp("serve") / "server.log") as s:
-        yield s
+def server(bundled_server):
+    return bundled_server
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.generation.sampling import adjusted_logits, sample
+from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
@@ -81,6 +81,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     presence_penalty: float = 0.0  # subtracted from the logit of each token generated so far
     frequency_penalty: float = 0.0  # subtracted once for each time a token was generated so far
+    logprobs: int | None = None  # report each token's log-probability and this many top ones' (None: none)
 
     @property
     def adjusts(self) -> bool:
@@ -89,15 +90,17 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        """Whether the step's argmax on the device is the token: temperature 0, the logits as they are."""
-        return self.temperature == 0 and not self.adjusts
+        """Whether the step's argmax on the device is all the host needs: temperature 0, the logits as they are,
+        no log-probabilities asked for."""
+        return self.temperature == 0 and not self.adjusts and self.logprobs is None
 
 
 @dataclass
 class Job:
     """One request as the batch runs it. `on_token(token)` sees each new token but EOS, in order, on the thread
     that drives the batch, and returns True to end the sequence there ("stop"); `on_finish(completion)` is called
-    once. `cancelled` may be set from any thread: the job leaves its slot before the next step."""
+    once. `on_logprobs(logprobs)` (with `sampling.logprobs` set) sees each such token's log-probabilities just
+    before `on_token` sees it. `cancelled` may be set from any thread: the job leaves its slot before the next step."""
 
     request: Request
     sampling: Sampling = Sampling()
@@ -105,6 +108,7 @@ class Job:
     on_finish: Callable[[Completion], None] | None = None
     eos_ids: frozenset[int] = frozenset()  # tokens that end it ("eos"): the model's, or none to ignore them
     cancelled: bool = False
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None
 
 
 @dataclass
@@ -247,11 +251,14 @@ class Batch:
     @staticmethod
     def choose(s: _Slot, row: np.ndarray) -> int:
         sampling = s.job.sampling
-        if sampling.adjusts:
-            row = adjusted_logits(row, sampling, s.out)
+        adjusted = adjusted_logits(row, sampling, s.out) if sampling.adjusts else row
         if sampling.temperature == 0:
-            return int(row.argmax())
-        return int(sample(row[None], s.rng, sampling.temperature, sampling.top_p, sampling.top_k)[0])
+            token = int(adjusted.argmax())
+        else:
+            token = int(sample(adjusted[None], s.rng, sampling.temperature, sampling.top_p, sampling.top_k)[0])
+        if sampling.logprobs is not None and s.job.on_logprobs is not None and token not in s.job.eos_ids:
+            s.job.on_logprobs(token_logprobs(row, token, sampling.logprobs))
+        return token
 
     def take(self, slot: int, s: _Slot, token: int, fresh: bool):
         """Appends a slot's next token (fresh: chosen on the host, not yet fed to a step); retires the slot if

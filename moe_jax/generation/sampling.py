@@ -13,6 +13,8 @@ draws what a full-vocabulary `choice` over the same probabilities draws.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from moe_jax.errors import InputError, MoeJaxError
@@ -44,6 +46,25 @@ def adjusted_logits(logits: np.ndarray, sampling, generated: list[int]) -> np.nd
         tokens, counts = np.unique(np.asarray(generated), return_counts=True)
         z[tokens] -= counts * sampling.frequency_penalty + sampling.presence_penalty
     return z
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability under the model (the log-softmax of its raw logits: before any bias,
+    penalty or temperature, as OpenAI reports them) and the `top` most likely tokens' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    z = np.asarray(logits, np.float64)
+    peak = z.max()
+    log_total = peak + np.log(np.exp(z - peak).sum())
+    best = np.argpartition(-z, top - 1)[:top] if 0 < top < z.size else np.arange(z.size if top else 0)
+    best = best[np.lexsort((best, -z[best]))]  # most likely first, ties by token id
+    return TokenLogprobs(token, float(z[token] - log_total), tuple((int(t), float(z[t] - log_total)) for t in best))
 
 
 def sample(

@@ -36,26 +36,17 @@ class AnthropicTool(BaseModel):
     input_schema: dict = Field(default_factory=dict)
 
 
-class MessagesRequest(BaseModel):
+class CountTokensRequest(BaseModel):
+    """What `/v1/messages/count_tokens` takes: the prompt part of a Messages request."""
+
     model_config = ConfigDict(extra="allow")
 
-    model: str
-    max_tokens: int = Field(ge=1)
+    model: str | None = None  # the served model when left out
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0, le=1)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
-    cache_salt: str | None = Field(None, max_length=256)  # the anchor cache scope beside the API key's (as vLLM's)
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k)
 
     def template_kwargs(self) -> dict:
         """Extended thinking on or off, for templates that take `enable_thinking` (others ignore it)."""
@@ -85,6 +76,20 @@ class MessagesRequest(BaseModel):
         for i, m in enumerate(self.messages):
             out += _template_messages(i, m)
         return out
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stream: bool = False
+    cache_salt: str | None = Field(None, max_length=256)  # the anchor cache scope beside the API key's (as vLLM's)
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k)
 
 
 def _texts(content, where: str) -> str:

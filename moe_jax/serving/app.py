@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
@@ -98,14 +97,25 @@ def create_app(
     async def failed(request: Request, error: Exception):
         return _error_response(request.url.path, ApiError(500, f"generation failed: {error}", "server_error"))
 
-    def check_model(name: str):
-        if name != service.name:
+    def served_model(name: str | None) -> str:
+        """The served model's name for a request that names it or leaves it out; a 404 for any other."""
+        if name is not None and name != service.name:
             raise ApiError(
                 404,
                 f"the model {name!r} does not exist here; this server serves {service.name!r}",
                 "not_found_error",
                 "model_not_found",
             )
+        return service.name
+
+    def model_card() -> dict:
+        return {
+            "id": service.name,
+            "object": "model",
+            "created": service.started,
+            "owned_by": "moe_jax",
+            "max_model_len": service.context,
+        }
 
     @app.get("/health")
     async def health():
@@ -117,22 +127,16 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "moe_jax",
-                    "max_model_len": service.context,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):  # (:path: a Hub-style name holds a slash)
+        served_model(name)
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: openai_api.ChatRequest, request: Request):
-        check_model(body.model)
+        body.model = served_model(body.model)
         body.check()
         tokens, text = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools, body.chat_template_kwargs
@@ -141,13 +145,14 @@ def create_app(
         generation = service.submit(prompt)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
-            return EventStream(_chat_events(generation, request_id, body))
+            return EventStream(_chat_events(generation, request_id, body, service.token_text))
         pieces = [p async for p in generation.pieces(request.is_disconnected)]
-        return openai_api.chat_answer(request_id, body.model, pieces, generation.completion)
+        logprobs = openai_api.chat_logprobs(_asked(body, generation.logprobs), service.token_text)
+        return openai_api.chat_answer(request_id, body.model, pieces, generation.completion, logprobs)
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: Request):
-        check_model(body.model)
+        body.model = served_model(body.model)
         body.check()
         given = body.single_prompt()
         if isinstance(given, str):
@@ -158,14 +163,15 @@ def create_app(
         generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
-            return EventStream(_completion_events(generation, request_id, body))
+            return EventStream(_completion_events(generation, request_id, body, service.token_text))
         pieces = [p async for p in generation.pieces(request.is_disconnected)]
         text = "".join(p.text for p in pieces)
-        return openai_api.completion_answer(request_id, body.model, text, generation.completion)
+        logprobs = openai_api.completion_logprobs(_asked(body, generation.logprobs), service.token_text)
+        return openai_api.completion_answer(request_id, body.model, text, generation.completion, logprobs)
 
     @app.post("/v1/messages")
     async def messages(body: anthropic_api.MessagesRequest, request: Request):
-        check_model(body.model)
+        body.model = served_model(body.model)
         tokens, text = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools(), body.template_kwargs()
         )
@@ -187,11 +193,30 @@ def create_app(
             message_id, body.model, pieces, generation.completion, generation.stop_string
         )
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic_api.CountTokensRequest):
+        served_model(body.model)
+        tokens, _ = await service.off_loop(
+            service.chat_prompt, body.template_messages(), body.template_tools(), body.template_kwargs()
+        )
+        return {"input_tokens": len(tokens)}
+
     return app
 
 
-async def _chat_events(generation: Generation, request_id: str, body):
-    chunks = openai_api.ChatChunks(request_id, body.model)
+def _asked(body, logprobs: list):
+    """`logprobs` where the request asked for them, else None."""
+    return logprobs if body.logprob_count is not None else None
+
+
+async def _chat_events(generation: Generation, request_id: str, body, token_text):
+    new_logprobs = None
+    if body.logprob_count is not None:
+
+        def new_logprobs():
+            return openai_api.chat_logprobs(generation.new_logprobs(), token_text)
+
+    chunks = openai_api.ChatChunks(request_id, body.model, new_logprobs)
     yield chunks.first()
     try:
         async for piece in generation.pieces():
@@ -205,8 +230,14 @@ async def _chat_events(generation: Generation, request_id: str, body):
     yield data_event("[DONE]")
 
 
-async def _completion_events(generation: Generation, request_id: str, body):
-    chunks = openai_api.CompletionChunks(request_id, body.model)
+async def _completion_events(generation: Generation, request_id: str, body, token_text):
+    new_logprobs = None
+    if body.logprob_count is not None:
+
+        def new_logprobs(offset: int):
+            return openai_api.completion_logprobs(generation.new_logprobs(), token_text, offset)
+
+    chunks = openai_api.CompletionChunks(request_id, body.model, new_logprobs)
     try:
         async for piece in generation.pieces():
             yield chunks.text(piece.text)
@@ -247,7 +278,15 @@ class KeyAndCount:
     counts answers by route and status. Plain ASGI rather than `@app.middleware("http")`, which passes every
     streamed chunk through a task and a memory stream of its own."""
 
-    ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
+    ROUTES = (
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    )
 
     def __init__(self, app, api_keys: tuple[str, ...], metrics: ServerMetrics):
         self.app, self.api_keys, self.metrics = app, api_keys, metrics

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from moe_jax.generation.batch import Completion, Request, Sampling
+from moe_jax.generation.sampling import TokenLogprobs
 from moe_jax.serving.output_parser import Dialect, OutputParser, Parsed
 from moe_jax.serving.scheduler import ServedJob
 from moe_jax.serving.text_stream import TextStream
@@ -89,9 +90,18 @@ class Generation:
         self.stream = TextStream(decode, prompt.stops)
         self.parser = OutputParser.for_prompt(dialect, prompt.text or "")
         self.completion: Completion | None = None
+        self.logprobs: list[TokenLogprobs] = []  # every output token's, as they reach the loop (logprobs asked)
+        self._logprobs_taken = 0
+        self._unposted_logprobs: list[TokenLogprobs] = []  # engine thread: of tokens whose text is held back
         request = Request(prompt.tokens, prompt.max_tokens, prompt.seed, prompt.cache_scope)
         self.job = ServedJob(
-            request, prompt.sampling, self._on_token, self._on_finish, prompt.eos_ids, on_error=self._on_error
+            request,
+            prompt.sampling,
+            self._on_token,
+            self._on_finish,
+            prompt.eos_ids,
+            on_logprobs=self._unposted_logprobs.append if prompt.sampling.logprobs is not None else None,
+            on_error=self._on_error,
         )
 
     # ---------------------------------------------------------------- engine thread
@@ -99,16 +109,20 @@ class Generation:
         if not self.mailbox.post(self, item):
             self.job.cancelled = True
 
+    def _take_unposted(self) -> list[TokenLogprobs]:
+        taken, self._unposted_logprobs[:] = list(self._unposted_logprobs), []
+        return taken
+
     def _on_token(self, token: int) -> bool:
         text = self.stream.push(token)
         if text:
-            self._post(("text", text))
+            self._post(("text", text, self._take_unposted()))
         return self.stream.stop is not None
 
     def _on_finish(self, completion: Completion):
         if self.on_done is not None:
             self.on_done(completion)
-        self._post(("done", completion, self.stream.finish()))
+        self._post(("done", completion, self.stream.finish(), self._take_unposted()))
 
     def _on_error(self, error: BaseException):
         if self.on_done is not None:
@@ -130,7 +144,10 @@ class Generation:
                     if await disconnected():
                         raise ClientGone() from None
                     continue
-                text = "".join(item[1] if item[0] == "text" else item[2] for item in items if item[0] != "error")
+                texts = [item[1] if item[0] == "text" else item[2] for item in items if item[0] != "error"]
+                for item in items:
+                    self.logprobs += item[-1] if item[0] != "error" else []
+                text = "".join(texts)
                 for piece in self.parser.feed(text):  # all the text that came since the last read, as one
                     yield piece
                 last = items[-1]
@@ -144,6 +161,12 @@ class Generation:
         finally:
             if self.completion is None:  # the client left, or the reader stopped early: free the slot
                 self.cancel()
+
+    def new_logprobs(self) -> list[TokenLogprobs]:
+        """The log-probabilities received since the last call: streamed with the text that came with them."""
+        new = self.logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     @property
     def stop_string(self) -> str | None:

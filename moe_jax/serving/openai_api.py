@@ -3,8 +3,9 @@
 Fields follow the OpenAI API reference; `top_k`, `ignore_eos`, `chat_template_kwargs` (e.g.
 `{"enable_thinking": false}`) and `cache_salt` are the extensions vLLM also takes, and `/v1/completions` takes
 `parse_special_tokens` (a prompt's special-token strings read as those tokens; by default a prompt is text).
-`logit_bias` and the presence and frequency penalties are applied on the host. Every field is honoured or refused
-with a 400 naming it: what moe_jax cannot do (n > 1, logprobs, structured output, audio) is never ignored.
+`logit_bias` and the presence and frequency penalties are applied on the host; `logprobs` are the model's own (the
+log-softmax of its logits before any bias, penalty or temperature). Every field is honoured or refused with a 400
+naming it: what moe_jax cannot do (n > 1, structured output, audio) is never ignored.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moe_jax.errors import InputError
 from moe_jax.generation.batch import Sampling
+from moe_jax.generation.sampling import TokenLogprobs
 from moe_jax.serving.event_stream import TEXT_SLOT, data_event, text_events
 from moe_jax.serving.output_parser import Parsed, ToolCall
 
@@ -26,8 +29,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 UNSUPPORTED = {
     "n": (lambda v: v not in (None, 1), "n must be 1; ask again for another choice"),
     "best_of": (lambda v: v not in (None, 1), "best_of must be 1"),
-    "logprobs": (lambda v: v not in (None, False, 0), "no log probabilities are returned"),
-    "top_logprobs": (lambda v: v not in (None, 0), "no log probabilities are returned"),
     "echo": (bool, "the prompt is not echoed"),
     "suffix": (bool, "no insertion: give the whole prompt"),
     "response_format": (lambda v: v is not None and v != {"type": "text"}, "no constrained output: only text"),
@@ -39,12 +40,13 @@ UNSUPPORTED = {
     "web_search_options": (lambda v: v is not None, "no web search"),
 }
 MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (OpenAI's own bound)
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position (OpenAI's chat bound)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields that change nothing here (user, metadata...)
 
-    model: str
+    model: str | None = None  # the served model when left out
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -72,7 +74,20 @@ class _Body(BaseModel):
             if not token.isdigit() or not -100 <= value <= 100:
                 raise InputError(f"logit_bias: keys are token ids and values in [-100, 100], got {token!r}: {value}")
             bias += ((int(token), value),)
-        return Sampling(self.temperature, self.top_p, self.top_k, bias, self.presence_penalty, self.frequency_penalty)
+        return Sampling(
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            bias,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.logprob_count,
+        )
+
+    @property
+    def logprob_count(self) -> int | None:
+        """The top tokens to report at each position (0: only the chosen one's), or None for no logprobs."""
+        return None
 
     def checked_prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None, scope: bytes):
         """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
@@ -147,6 +162,14 @@ class ChatRequest(_Body):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     chat_template_kwargs: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         """The messages as Hugging Face chat templates take them."""
@@ -167,6 +190,11 @@ class CompletionRequest(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     parse_special_tokens: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -238,7 +266,35 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-def chat_answer(request_id: str, model: str, pieces: list[Parsed], completion) -> dict:
+def chat_logprobs(logprobs: list[TokenLogprobs] | None, token_text: Callable[[int], str]) -> dict | None:
+    """A chat choice's `logprobs` (None when not asked for)."""
+    if logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    content = [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in logprobs]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(logprobs: list[TokenLogprobs] | None, token_text: Callable[[int], str], offset: int = 0):
+    """A completion choice's `logprobs` in the legacy layout (None when not asked for); `offset`: the text
+    offset of the first token (of this chunk, when streaming)."""
+    if logprobs is None:
+        return None
+    tokens = [token_text(r.token) for r in logprobs]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [r.logprob for r in logprobs],
+        "top_logprobs": [{token_text(t): lp for t, lp in r.top} for r in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_answer(request_id: str, model: str, pieces: list[Parsed], completion, logprobs: dict | None = None) -> dict:
     reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
     calls = [p.call for p in pieces if p.kind == "tool_call"]
     message = {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
@@ -251,35 +307,51 @@ def chat_answer(request_id: str, model: str, pieces: list[Parsed], completion) -
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(completion, calls)}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(completion, calls),
+            }
+        ],
         "usage": usage(completion),
     }
 
 
-def completion_answer(request_id: str, model: str, text: str, completion) -> dict:
+def completion_answer(request_id: str, model: str, text: str, completion, logprobs: dict | None = None) -> dict:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": FINISH_REASONS[completion.finish_reason]}],
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": FINISH_REASONS[completion.finish_reason],
+            }
+        ],
         "usage": usage(completion),
     }
 
 
 class ChatChunks:
-    """The `chat.completion.chunk` events of one streamed answer."""
+    """The `chat.completion.chunk` events of one streamed answer. `logprobs()`, when asked for, gives the
+    `logprobs` of the tokens that arrived since its last call: each chunk carries those its text came with."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, logprobs: Callable[[], dict] | None = None):
         self.base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
         self.calls = 0
+        self.logprobs = logprobs
         self.text_event = {
             kind: text_events(self.chunk({field: TEXT_SLOT}))
             for kind, field in (("content", "content"), ("reasoning", "reasoning_content"))
         }
 
-    def chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    def chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     def first(self) -> bytes:
         return data_event(self.chunk({"role": "assistant", "content": ""}))
@@ -287,28 +359,47 @@ class ChatChunks:
     def piece(self, p: Parsed) -> bytes:
         if p.kind == "tool_call":
             self.calls += 1
-            return data_event(self.chunk({"tool_calls": [tool_call_json(p.call, self.calls - 1)]}))
-        return self.text_event[p.kind](p.text)
+            delta = {"tool_calls": [tool_call_json(p.call, self.calls - 1)]}
+        elif self.logprobs is None:
+            return self.text_event[p.kind](p.text)
+        else:
+            delta = {"content" if p.kind == "content" else "reasoning_content": p.text}
+        return data_event(self.chunk(delta, logprobs=self.logprobs() if self.logprobs else None))
 
     def last(self, completion) -> bytes:
-        return data_event(self.chunk({}, "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason]))
+        finish = "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason]
+        return data_event(self.chunk({}, finish, self.logprobs() if self.logprobs else None))
 
     def usage(self, completion) -> bytes:
         return data_event({**self.base, "choices": [], "usage": usage(completion)})
 
 
 class CompletionChunks:
-    """The `text_completion` events of one streamed completion."""
+    """The `text_completion` events of one streamed completion (`logprobs` as ChatChunks', given the text offset
+    of its first token)."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, logprobs: Callable[[int], dict] | None = None):
         self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
-        self.text = text_events(self.chunk(TEXT_SLOT))
+        self.logprobs, self.offset = logprobs, 0
+        self._text_event = text_events(self.chunk(TEXT_SLOT))
 
-    def chunk(self, text: str, finish: str | None = None) -> dict:
-        return {**self.base, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    def chunk(self, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**self.base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def text(self, text: str) -> bytes:
+        if self.logprobs is None:
+            return self._text_event(text)
+        return data_event(self.chunk(text, logprobs=self._new_logprobs()))
+
+    def _new_logprobs(self) -> dict | None:
+        if self.logprobs is None:
+            return None
+        new = self.logprobs(self.offset)
+        self.offset += sum(len(t) for t in new["tokens"])
+        return new
 
     def last(self, completion, include_usage: bool) -> bytes:
-        last = self.chunk("", FINISH_REASONS[completion.finish_reason])
+        last = self.chunk("", FINISH_REASONS[completion.finish_reason], self._new_logprobs())
         if include_usage:
             last["usage"] = usage(completion)
         return data_event(last)

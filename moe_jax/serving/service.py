@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import secrets
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class Limits:
 class Service:
     def __init__(self, model, name: str, limits: Limits):
         self.model, self.name, self.limits = model, name, limits
+        self.started = int(time.time())  # the model card's `created`
         self.tokenizer = model.tokenizer
         self.context = min(
             limits.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
@@ -172,6 +174,12 @@ class Service:
         generation = Generation(prompt, self.decode, dialect or self.dialect, self._mailbox, self.on_finish)
         self.scheduler.submit(generation.job)
         return generation
+
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (what log-probabilities are reported under)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def decode(self, tokens: list[int]) -> str:
         """Text of generated tokens: special tokens dropped, except markup the output parser reads (a model
