@@ -135,3 +135,35 @@ def test_anthropic_count_tokens_is_the_prompt_a_message_would_take(bundled_serve
         client.messages.count_tokens(model="claude-sonnet-5", messages=messages)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model=NAME, messages=[])
+
+
+def test_n_choices_equal_n_requests_seeded_one_apart(client):
+    ask = dict(model=NAME, prompt="reverse qwerty >", temperature=1.0, max_tokens=10)
+    together = client.completions.create(**ask, n=3, seed=5)
+    alone = [client.completions.create(**ask, seed=5 + i) for i in range(3)]
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in together.choices}) > 1  # they are sampled apart
+    assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_n_chat_choices_streamed_equal_the_whole_answer(client):
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "sort qmzka >"}], temperature=1.0, max_tokens=12)
+    whole = client.chat.completions.create(**ask, n=2, seed=9, logprobs=True)
+    chunks = list(
+        client.chat.completions.create(
+            **ask, n=2, seed=9, logprobs=True, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert mine[-1].finish_reason == choice.finish_reason
+        streamed = [e.logprob for c in mine if c.logprobs for e in c.logprobs.content]
+        assert streamed == [e.logprob for e in choice.logprobs.content]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    greedy = client.chat.completions.create(**{**ask, "temperature": 0}, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(**ask, n=17)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_jax.errors import InputError
 from moe_jax.serving import anthropic_api, openai_api
+from moe_jax.serving.choices import merged, submit_choices, whole_choices
 from moe_jax.serving.event_stream import EventStream, data_event, named_event
 from moe_jax.serving.generation import ClientGone, Generation
 from moe_jax.serving.http_limits import BoundedBody, HttpLimits
@@ -142,13 +143,13 @@ def create_app(
             service.chat_prompt, body.template_messages(), body.template_tools, body.chat_template_kwargs
         )
         prompt = body.checked_prompt(service, tokens, text, body.limit, _scope(request, body.cache_salt))
-        generation = service.submit(prompt)
+        generations = submit_choices(service, prompt, body.n)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
-            return EventStream(_chat_events(generation, request_id, body, service.token_text))
-        pieces = [p async for p in generation.pieces(request.is_disconnected)]
-        logprobs = openai_api.chat_logprobs(_asked(body, generation.logprobs), service.token_text)
-        return openai_api.chat_answer(request_id, body.model, pieces, generation.completion, logprobs)
+            return EventStream(_chat_events(generations, request_id, body, service.token_text))
+        format_logprobs = _logprobs_format(body, openai_api.chat_logprobs, service.token_text)
+        choices = await whole_choices(generations, request.is_disconnected, format_logprobs)
+        return openai_api.chat_answer(request_id, body.model, choices)
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: Request):
@@ -160,14 +161,13 @@ def create_app(
         else:
             tokens, text = list(given), None
         prompt = body.checked_prompt(service, tokens, text, body.max_tokens, _scope(request, body.cache_salt))
-        generation = service.submit(prompt, Dialect())  # plain text: no reasoning or tool markup to read
+        generations = submit_choices(service, prompt, body.n, Dialect())  # plain text: no markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
-            return EventStream(_completion_events(generation, request_id, body, service.token_text))
-        pieces = [p async for p in generation.pieces(request.is_disconnected)]
-        text = "".join(p.text for p in pieces)
-        logprobs = openai_api.completion_logprobs(_asked(body, generation.logprobs), service.token_text)
-        return openai_api.completion_answer(request_id, body.model, text, generation.completion, logprobs)
+            return EventStream(_completion_events(generations, request_id, body, service.token_text))
+        format_logprobs = _logprobs_format(body, openai_api.completion_logprobs, service.token_text)
+        choices = await whole_choices(generations, request.is_disconnected, format_logprobs)
+        return openai_api.completion_answer(request_id, body.model, choices)
 
     @app.post("/v1/messages")
     async def messages(body: anthropic_api.MessagesRequest, request: Request):
@@ -204,47 +204,61 @@ def create_app(
     return app
 
 
-def _asked(body, logprobs: list):
-    """`logprobs` where the request asked for them, else None."""
-    return logprobs if body.logprob_count is not None else None
+def _logprobs_format(body, layout, token_text):
+    """A choice's log-probabilities in `layout` (openai_api.chat_logprobs or completion_logprobs), or None where
+    the request did not ask for them."""
+    if body.logprob_count is None:
+        return None
+    return lambda logprobs, *offset: layout(logprobs, token_text, *offset)
 
 
-async def _chat_events(generation: Generation, request_id: str, body, token_text):
-    new_logprobs = None
-    if body.logprob_count is not None:
+async def _chat_events(generations: list[Generation], request_id: str, body, token_text):
+    format_logprobs = _logprobs_format(body, openai_api.chat_logprobs, token_text)
 
-        def new_logprobs():
-            return openai_api.chat_logprobs(generation.new_logprobs(), token_text)
+    async def choice(index: int, generation: Generation):
+        new_logprobs = (lambda: format_logprobs(generation.new_logprobs())) if format_logprobs else None
+        chunks = openai_api.ChatChunks(request_id, body.model, new_logprobs, index)
+        yield chunks.first()
+        try:
+            async for piece in generation.pieces():
+                yield chunks.piece(piece)
+        except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
+            yield _stream_error(error)
+        else:
+            yield chunks.last(generation.completion)
 
-    chunks = openai_api.ChatChunks(request_id, body.model, new_logprobs)
-    yield chunks.first()
-    try:
-        async for piece in generation.pieces():
-            yield chunks.piece(piece)
-    except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
-        yield _stream_error(error)
-    else:
-        yield chunks.last(generation.completion)
-        if body.include_usage:
-            yield chunks.usage(generation.completion)
+    async for event in merged([choice(i, g) for i, g in enumerate(generations)]):
+        yield event
+    completions = [g.completion for g in generations]
+    if body.include_usage and None not in completions:
+        yield openai_api.ChatChunks(request_id, body.model).usage(completions)
     yield data_event("[DONE]")
 
 
-async def _completion_events(generation: Generation, request_id: str, body, token_text):
-    new_logprobs = None
-    if body.logprob_count is not None:
+async def _completion_events(generations: list[Generation], request_id: str, body, token_text):
+    format_logprobs = _logprobs_format(body, openai_api.completion_logprobs, token_text)
 
-        def new_logprobs(offset: int):
-            return openai_api.completion_logprobs(generation.new_logprobs(), token_text, offset)
+    async def choice(index: int, generation: Generation):
+        new_logprobs = None
+        if format_logprobs:
 
-    chunks = openai_api.CompletionChunks(request_id, body.model, new_logprobs)
-    try:
-        async for piece in generation.pieces():
-            yield chunks.text(piece.text)
-    except Exception as error:
-        yield _stream_error(error)
-    else:
-        yield chunks.last(generation.completion, body.include_usage)
+            def new_logprobs(offset: int):
+                return format_logprobs(generation.new_logprobs(), offset)
+
+        chunks = openai_api.CompletionChunks(request_id, body.model, new_logprobs, index)
+        try:
+            async for piece in generation.pieces():
+                yield chunks.text(piece.text)
+        except Exception as error:
+            yield _stream_error(error)
+        else:
+            yield chunks.last(generation.completion)
+
+    async for event in merged([choice(i, g) for i, g in enumerate(generations)]):
+        yield event
+    completions = [g.completion for g in generations]
+    if body.include_usage and None not in completions:
+        yield openai_api.CompletionChunks(request_id, body.model).usage(completions)
     yield data_event("[DONE]")
 
 

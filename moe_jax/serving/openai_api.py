@@ -5,7 +5,8 @@ Fields follow the OpenAI API reference; `top_k`, `ignore_eos`, `chat_template_kw
 `parse_special_tokens` (a prompt's special-token strings read as those tokens; by default a prompt is text).
 `logit_bias` and the presence and frequency penalties are applied on the host; `logprobs` are the model's own (the
 log-softmax of its logits before any bias, penalty or temperature). Every field is honoured or refused with a 400
-naming it: what moe_jax cannot do (n > 1, structured output, audio) is never ignored.
+naming it: what moe_jax cannot do (best_of, structured output, audio) is never ignored. `n` choices sample
+with seeds seed, seed + 1, ...: each equals a request of n = 1 with its seed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,7 +29,6 @@ from moe_jax.serving.output_parser import Parsed, ToolCall
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # fields that ask for what this server does not do: refused (with what to do instead) when their value asks for it
 UNSUPPORTED = {
-    "n": (lambda v: v not in (None, 1), "n must be 1; ask again for another choice"),
     "best_of": (lambda v: v not in (None, 1), "best_of must be 1"),
     "echo": (bool, "the prompt is not echoed"),
     "suffix": (bool, "no insertion: give the whole prompt"),
@@ -40,6 +41,7 @@ UNSUPPORTED = {
     "web_search_options": (lambda v: v is not None, "no web search"),
 }
 MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (OpenAI's own bound)
+MAX_CHOICES = 16  # the most choices (n) one request may ask for: each takes a batch slot
 MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position (OpenAI's chat bound)
 
 
@@ -59,6 +61,7 @@ class _Body(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     cache_salt: str | None = Field(None, max_length=256)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choice i samples with seed + i: n requests seeded so give the same
 
     def check(self):
         """A 400 naming the first field that asks for what this server does not do."""
@@ -243,13 +246,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-def usage(completion) -> dict:
-    n_prompt, n_out = completion.prompt_tokens, len(completion.tokens)
+def usage(completions: list) -> dict:
+    """The usage of a request's choices: the prompt counted once (as OpenAI counts it), every choice's tokens."""
+    n_prompt, n_out = completions[0].prompt_tokens, sum(len(c.tokens) for c in completions)
     return {
         "prompt_tokens": n_prompt,
         "completion_tokens": n_out,
         "total_tokens": n_prompt + n_out,
-        "prompt_tokens_details": {"cached_tokens": completion.reused_tokens},
+        "prompt_tokens_details": {"cached_tokens": completions[0].reused_tokens},
     }
 
 
@@ -294,46 +298,55 @@ def completion_logprobs(logprobs: list[TokenLogprobs] | None, token_text: Callab
     }
 
 
-def chat_answer(request_id: str, model: str, pieces: list[Parsed], completion, logprobs: dict | None = None) -> dict:
-    reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
-    calls = [p.call for p in pieces if p.kind == "tool_call"]
-    message = {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = [tool_call_json(c) for c in calls]
+@dataclass
+class Choice:
+    """One choice's output: its parsed pieces, its completion and its `logprobs` (None when not asked for)."""
+
+    pieces: list[Parsed]
+    completion: object
+    logprobs: dict | None = None
+
+
+def chat_answer(request_id: str, model: str, choices: list[Choice]) -> dict:
+    out = []
+    for index, choice in enumerate(choices):
+        pieces = choice.pieces
+        reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+        calls = [p.call for p in pieces if p.kind == "tool_call"]
+        message = {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [tool_call_json(c) for c in calls]
+        finish = finish_reason(choice.completion, calls)
+        out.append({"index": index, "message": message, "logprobs": choice.logprobs, "finish_reason": finish})
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(completion, calls),
-            }
-        ],
-        "usage": usage(completion),
+        "choices": out,
+        "usage": usage([c.completion for c in choices]),
     }
 
 
-def completion_answer(request_id: str, model: str, text: str, completion, logprobs: dict | None = None) -> dict:
+def completion_answer(request_id: str, model: str, choices: list[Choice]) -> dict:
+    out = [
+        {
+            "index": index,
+            "text": "".join(p.text for p in choice.pieces),
+            "logprobs": choice.logprobs,
+            "finish_reason": FINISH_REASONS[choice.completion.finish_reason],
+        }
+        for index, choice in enumerate(choices)
+    ]
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": FINISH_REASONS[completion.finish_reason],
-            }
-        ],
-        "usage": usage(completion),
+        "choices": out,
+        "usage": usage([c.completion for c in choices]),
     }
 
 
@@ -341,9 +354,9 @@ class ChatChunks:
     """The `chat.completion.chunk` events of one streamed answer. `logprobs()`, when asked for, gives the
     `logprobs` of the tokens that arrived since its last call: each chunk carries those its text came with."""
 
-    def __init__(self, request_id: str, model: str, logprobs: Callable[[], dict] | None = None):
+    def __init__(self, request_id: str, model: str, logprobs: Callable[[], dict] | None = None, index: int = 0):
         self.base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-        self.calls = 0
+        self.calls, self.index = 0, index
         self.logprobs = logprobs
         self.text_event = {
             kind: text_events(self.chunk({field: TEXT_SLOT}))
@@ -351,7 +364,8 @@ class ChatChunks:
         }
 
     def chunk(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
 
     def first(self) -> bytes:
         return data_event(self.chunk({"role": "assistant", "content": ""}))
@@ -370,21 +384,22 @@ class ChatChunks:
         finish = "tool_calls" if self.calls else FINISH_REASONS[completion.finish_reason]
         return data_event(self.chunk({}, finish, self.logprobs() if self.logprobs else None))
 
-    def usage(self, completion) -> bytes:
-        return data_event({**self.base, "choices": [], "usage": usage(completion)})
+    def usage(self, completions: list) -> bytes:
+        return data_event({**self.base, "choices": [], "usage": usage(completions)})
 
 
 class CompletionChunks:
     """The `text_completion` events of one streamed completion (`logprobs` as ChatChunks', given the text offset
     of its first token)."""
 
-    def __init__(self, request_id: str, model: str, logprobs: Callable[[int], dict] | None = None):
+    def __init__(self, request_id: str, model: str, logprobs: Callable[[int], dict] | None = None, index: int = 0):
         self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
-        self.logprobs, self.offset = logprobs, 0
+        self.logprobs, self.offset, self.index = logprobs, 0, index
         self._text_event = text_events(self.chunk(TEXT_SLOT))
 
     def chunk(self, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        return {**self.base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
 
     def text(self, text: str) -> bytes:
         if self.logprobs is None:
@@ -398,8 +413,8 @@ class CompletionChunks:
         self.offset += sum(len(t) for t in new["tokens"])
         return new
 
-    def last(self, completion, include_usage: bool) -> bytes:
-        last = self.chunk("", FINISH_REASONS[completion.finish_reason], self._new_logprobs())
-        if include_usage:
-            last["usage"] = usage(completion)
-        return data_event(last)
+    def last(self, completion) -> bytes:
+        return data_event(self.chunk("", FINISH_REASONS[completion.finish_reason], self._new_logprobs()))
+
+    def usage(self, completions: list) -> bytes:
+        return data_event({**self.base, "choices": [], "usage": usage(completions)})
