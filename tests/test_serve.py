@@ -248,9 +248,9 @@ def test_bad_requests_get_json_errors_and_the_server_goes_on(server, client):
     status, body, _ = server.post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "nobody"}]})
     assert status == 400 and "messages.0.role" in body["error"]["message"]
     status, body, _ = server.post(
-        "/v1/chat/completions", {"model": NAME, "n": 2, "messages": [{"role": "user", "content": "a"}]}
+        "/v1/chat/completions", {"model": NAME, "best_of": 2, "messages": [{"role": "user", "content": "a"}]}
     )
-    assert status == 400 and "n must be 1" in body["error"]["message"]
+    assert status == 400 and "best_of must be 1" in body["error"]["message"]
     long = "copy " + "ab" * 80 + " >"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": long}], max_tokens=4)

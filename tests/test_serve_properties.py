@@ -67,7 +67,10 @@ chat_body = st.fixed_dictionaries(
         "tool_choice": json_values,
         "chat_template_kwargs": maybe(st.dictionaries(any_text, json_values, max_size=2)),
         "response_format": json_values,
+        "grammar": maybe(any_text),
         "n": json_values,
+        "logprobs": json_values,
+        "top_logprobs": json_values,
         **sampling,
     },
 )

@@ -78,6 +78,10 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder().values()
         return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it."""
+        return self._tok.to_str()
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

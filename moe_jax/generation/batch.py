@@ -37,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
+GRAMMAR_DEAD_END = "grammar_dead_end"  # a finish reason: its grammar needed a token the vocabulary lacks
 STOP_IDS = 4  # stop ids a block is compiled for (more: the next power of two, compiled then)
 
 
@@ -67,7 +69,7 @@ class Request:
 @dataclass
 class Completion:
     tokens: list[int]
-    finish_reason: str  # "eos", "stop", "length" or "cancelled"
+    finish_reason: str  # "eos", "stop", "length", "cancelled" or GRAMMAR_DEAD_END
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV came from the anchor cache
     seconds: float = 0.0
@@ -100,7 +102,9 @@ class Job:
     """One request as the batch runs it. `on_token(token)` sees each new token but EOS, in order, on the thread
     that drives the batch, and returns True to end the sequence there ("stop"); `on_finish(completion)` is called
     once. `on_logprobs(logprobs)` (with `sampling.logprobs` set) sees each such token's log-probabilities just
-    before `on_token` sees it. `cancelled` may be set from any thread: the job leaves its slot before the next step."""
+    before `on_token` sees it. `cancelled` may be set from any thread: the job leaves its slot before the next step.
+    With a `constraint`, each token is chosen among those its grammar allows, and the job ends ("eos") once the
+    grammar is complete."""
 
     request: Request
     sampling: Sampling = Sampling()
@@ -109,6 +113,12 @@ class Job:
     eos_ids: frozenset[int] = frozenset()  # tokens that end it ("eos"): the model's, or none to ignore them
     cancelled: bool = False
     on_logprobs: Callable[[TokenLogprobs], None] | None = None
+    constraint: Constraint | None = None  # the grammar its output keeps to (generation.constraint): ends with it
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the step's argmax on the device is its token (nothing to read or decide on the host)."""
+        return self.sampling.greedy and self.constraint is None
 
 
 @dataclass
@@ -164,7 +174,7 @@ class Batch:
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
             self.active[slot] = s
-            self.take(slot, s, self.choose(s, row), fresh=True)
+            self.take_chosen(slot, s, row)
 
     def retire_cancelled(self):
         for slot, s in list(self.active.items()):
@@ -177,7 +187,7 @@ class Batch:
         if self.in_flight is not None:
             self.read(self.in_flight)
         # (a block that may end early is read before the next dispatch, whose positions follow from its length)
-        pipelined = step is not None and step.ran is None and all(s.job.sampling.greedy for s in step.decoded.values())
+        pipelined = step is not None and step.ran is None and all(s.job.greedy for s in step.decoded.values())
         self.in_flight = step if pipelined else None
         if step is not None and not pipelined:
             self.read(step)
@@ -193,7 +203,7 @@ class Batch:
         ]
         if not any(n > 0 for n in to_go):
             return None
-        greedy = all(s.job.sampling.greedy for s in self.active.values())
+        greedy = all(s.job.greedy for s in self.active.values())
         steps = max(1, min(self.block_steps, *to_go)) if greedy else 1
         if any(s.job.on_token is not None for s in self.active.values()):
             steps = min(steps, HOST_STOP_STEPS)
@@ -238,26 +248,40 @@ class Batch:
                     s.position -= step.steps - ran
             self.engine.stats.decode_steps -= step.steps - ran
             return
-        kinds = {s.job.sampling.greedy for s in mine.values()}
+        kinds = {s.job.greedy for s in mine.values()}
         chosen = np.asarray(step.tokens)[:, 0] if True in kinds else None  # only what is needed crosses
         logits = np.asarray(step.logits) if False in kinds else None
         for slot, s in mine.items():
-            if s.job.sampling.greedy:  # the step's argmax: the next step's input on the device already
+            if s.job.greedy:  # the step's argmax: the next step's input on the device already
                 self.take(slot, s, int(chosen[slot]), fresh=False)
             else:
-                self.take(slot, s, self.choose(s, logits[slot]), fresh=True)
+                self.take_chosen(slot, s, logits[slot])
             self.engine.stats.decode_tokens += 1
+
+    def take_chosen(self, slot: int, s: _Slot, row: np.ndarray):
+        """Chooses a slot's next token from its logits on the host and takes it; a job whose grammar cannot go on
+        finishes there ("grammar_dead_end": the server answers it with an error, the batch goes on)."""
+        try:
+            token = self.choose(s, row)
+        except GrammarDeadEnd:
+            self.finish(slot, s, GRAMMAR_DEAD_END)
+            return
+        self.take(slot, s, token, fresh=True)
 
     @staticmethod
     def choose(s: _Slot, row: np.ndarray) -> int:
-        sampling = s.job.sampling
+        sampling, constraint = s.job.sampling, s.job.constraint
         adjusted = adjusted_logits(row, sampling, s.out) if sampling.adjusts else row
+        if constraint is not None:
+            adjusted = constraint.masked(adjusted)
         if sampling.temperature == 0:
             token = int(adjusted.argmax())
         else:
             token = int(sample(adjusted[None], s.rng, sampling.temperature, sampling.top_p, sampling.top_k)[0])
         if sampling.logprobs is not None and s.job.on_logprobs is not None and token not in s.job.eos_ids:
             s.job.on_logprobs(token_logprobs(row, token, sampling.logprobs))
+        if constraint is not None:
+            constraint.advance(token)
         return token
 
     def take(self, slot: int, s: _Slot, token: int, fresh: bool):
@@ -269,6 +293,8 @@ class Batch:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):
             self.finish(slot, s, "stop")
+        elif s.job.constraint is not None and s.job.constraint.finished:
+            self.finish(slot, s, "eos")  # its grammar is complete: nothing more may follow
         elif len(s.out) >= s.job.request.max_new_tokens:
             self.finish(slot, s, "length")
 

@@ -142,7 +142,8 @@ def create_app(
         tokens, text = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools, body.chat_template_kwargs
         )
-        prompt = body.checked_prompt(service, tokens, text, body.limit, _scope(request, body.cache_salt))
+        constraint = await _constraint(service, body)
+        prompt = body.checked_prompt(service, tokens, text, body.limit, _scope(request, body.cache_salt), constraint)
         generations = submit_choices(service, prompt, body.n)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
@@ -160,7 +161,9 @@ def create_app(
             tokens, text = await service.off_loop(service.text_prompt, given, body.parse_special_tokens), given
         else:
             tokens, text = list(given), None
-        prompt = body.checked_prompt(service, tokens, text, body.max_tokens, _scope(request, body.cache_salt))
+        constraint = await _constraint(service, body)
+        scope = _scope(request, body.cache_salt)
+        prompt = body.checked_prompt(service, tokens, text, body.max_tokens, scope, constraint)
         generations = submit_choices(service, prompt, body.n, Dialect())  # plain text: no markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
@@ -202,6 +205,12 @@ def create_app(
         return {"input_tokens": len(tokens)}
 
     return app
+
+
+async def _constraint(service: Service, body):
+    """The constraint of the grammar a request asks its output to keep to (built off the event loop), or None."""
+    grammar = body.output_grammar()
+    return None if grammar is None else await service.off_loop(service.output_constraint, grammar)
 
 
 def _logprobs_format(body, layout, token_text):

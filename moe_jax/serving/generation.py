@@ -13,7 +13,8 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from moe_jax.generation.batch import Completion, Request, Sampling
+from moe_jax.generation.batch import GRAMMAR_DEAD_END, Completion, Request, Sampling
+from moe_jax.generation.constraint import DEAD_END_MESSAGE, Constraint, GrammarDeadEnd
 from moe_jax.generation.sampling import TokenLogprobs
 from moe_jax.serving.output_parser import Dialect, OutputParser, Parsed
 from moe_jax.serving.scheduler import ServedJob
@@ -34,6 +35,7 @@ class Prompt:
     stops: list[str]
     eos_ids: frozenset[int]
     cache_scope: bytes = b""
+    constraint: Constraint | None = None  # the grammar the output keeps to, at its start (each generation copies it)
 
 
 class ClientGone(Exception):
@@ -101,6 +103,7 @@ class Generation:
             self._on_finish,
             prompt.eos_ids,
             on_logprobs=self._unposted_logprobs.append if prompt.sampling.logprobs is not None else None,
+            constraint=prompt.constraint.copy() if prompt.constraint is not None else None,
             on_error=self._on_error,
         )
 
@@ -122,6 +125,9 @@ class Generation:
     def _on_finish(self, completion: Completion):
         if self.on_done is not None:
             self.on_done(completion)
+        if completion.finish_reason == GRAMMAR_DEAD_END:
+            self._post(("error", GrammarDeadEnd(f"after {len(completion.tokens)} tokens, " + DEAD_END_MESSAGE)))
+            return
         self._post(("done", completion, self.stream.finish(), self._take_unposted()))
 
     def _on_error(self, error: BaseException):

@@ -5,7 +5,8 @@ Fields follow the OpenAI API reference; `top_k`, `ignore_eos`, `chat_template_kw
 `parse_special_tokens` (a prompt's special-token strings read as those tokens; by default a prompt is text).
 `logit_bias` and the presence and frequency penalties are applied on the host; `logprobs` are the model's own (the
 log-softmax of its logits before any bias, penalty or temperature). Every field is honoured or refused with a 400
-naming it: what moe_jax cannot do (best_of, structured output, audio) is never ignored. `n` choices sample
+naming it: what moe_jax cannot do (best_of, echo, audio) is never ignored. `response_format` (json_object,
+json_schema) and vLLM's `grammar` (Lark) hold the output to a grammar (generation/constraint.py). `n` choices sample
 with seeds seed, seed + 1, ...: each equals a request of n = 1 with its seed.
 """
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moe_jax.errors import InputError
 from moe_jax.generation.batch import Sampling
+from moe_jax.generation.constraint import lark_grammar, schema_of_response_format
 from moe_jax.generation.sampling import TokenLogprobs
 from moe_jax.serving.event_stream import TEXT_SLOT, data_event, text_events
 from moe_jax.serving.output_parser import Parsed, ToolCall
@@ -32,7 +34,6 @@ UNSUPPORTED = {
     "best_of": (lambda v: v not in (None, 1), "best_of must be 1"),
     "echo": (bool, "the prompt is not echoed"),
     "suffix": (bool, "no insertion: give the whole prompt"),
-    "response_format": (lambda v: v is not None and v != {"type": "text"}, "no constrained output: only text"),
     "functions": (lambda v: v is not None, "give `tools` instead"),
     "function_call": (lambda v: v is not None, "give `tool_choice` instead"),
     "audio": (lambda v: v is not None, "text only"),
@@ -41,6 +42,7 @@ UNSUPPORTED = {
     "web_search_options": (lambda v: v is not None, "no web search"),
 }
 MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (OpenAI's own bound)
+MAX_GRAMMAR_CHARS = 256 << 10  # a grammar's text; llguidance bounds the work it can ask for (constraint.LIMITS)
 MAX_CHOICES = 16  # the most choices (n) one request may ask for: each takes a batch slot
 MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position (OpenAI's chat bound)
 
@@ -62,6 +64,15 @@ class _Body(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     cache_salt: str | None = Field(None, max_length=256)
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choice i samples with seed + i: n requests seeded so give the same
+    response_format: dict | None = None
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)  # a Lark grammar (llguidance's), as vLLM's
+
+    def output_grammar(self) -> str | None:
+        """The grammar the output must keep to (`response_format` or `grammar`), or None for free text."""
+        from_format = schema_of_response_format(self.response_format)
+        if from_format is not None and self.grammar is not None:
+            raise InputError("give response_format or grammar, not both")
+        return lark_grammar(self.grammar) if self.grammar is not None else from_format
 
     def check(self):
         """A 400 naming the first field that asks for what this server does not do."""
@@ -92,7 +103,9 @@ class _Body(BaseModel):
         """The top tokens to report at each position (0: only the chosen one's), or None for no logprobs."""
         return None
 
-    def checked_prompt(self, service, tokens: list[int], text: str | None, max_tokens: int | None, scope: bytes):
+    def checked_prompt(
+        self, service, tokens: list[int], text: str | None, max_tokens: int | None, scope: bytes, constraint=None
+    ):
         """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
         return service.prompt(
             tokens,
@@ -103,6 +116,7 @@ class _Body(BaseModel):
             stops=self.stops,
             ignore_eos=self.ignore_eos,
             cache_scope=scope,
+            constraint=constraint,
         )
 
     @property

@@ -9,6 +9,7 @@ checks them against the context, and submits them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import secrets
@@ -21,6 +22,7 @@ from moe_jax.errors import InputError
 from moe_jax.formats.chat_tokens import chat_token_ids
 from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.generation.batch import Completion, Sampling
+from moe_jax.generation.constraint import Constraint, GrammarVocabulary
 from moe_jax.serving.generation import Generation, Mailbox, Prompt
 from moe_jax.serving.output_parser import Dialect
 from moe_jax.serving.scheduler import Scheduler
@@ -137,9 +139,11 @@ class Service:
         stops: list[str],
         ignore_eos: bool = False,
         cache_scope: bytes = b"",
+        constraint: Constraint | None = None,
     ) -> Prompt:
         """A checked prompt; max_tokens None: whatever the context leaves; `cache_scope`: the anchor cache
-        entries it may read and write (see `cache_scope()`)."""
+        entries it may read and write (see `cache_scope()`); `constraint`: the grammar its output keeps to
+        (`output_constraint`)."""
         self.check_token_ids(tokens)
         vocab = self.model.config.vocab_size
         for token, _ in sampling.logit_bias:
@@ -163,7 +167,19 @@ class Service:
             stops,
             frozenset() if ignore_eos else frozenset(self.model.config.eos_token_ids),
             cache_scope,
+            constraint,
         )
+
+    def output_constraint(self, grammar: str) -> Constraint:
+        """The constraint at the start of `grammar` (generation.constraint); slow for large grammars: call it
+        off the event loop (`off_loop`)."""
+        if self.tokenizer is None:
+            raise InputError("this model has no tokenizer: its output cannot be held to a grammar")
+        return self._grammar_vocabulary.compile(grammar)
+
+    @functools.cached_property
+    def _grammar_vocabulary(self) -> GrammarVocabulary:
+        return GrammarVocabulary(self.tokenizer, self.model.config.vocab_size, self.model.config.eos_token_ids)
 
     def submit(self, prompt: Prompt, dialect: Dialect | None = None) -> Generation:
         """Starts generating (QueueFull when the queue is full); `dialect`: the markup to parse in the output
