@@ -80,6 +80,10 @@ def trained_tokenizer(vocab: int):
         return Tokenizer.from_file(str(path))
     files, total = [], 0
     for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            f.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):  # (the stdlib's tests hold a few deliberately broken files)
+            continue
         files.append(str(f))
         total += f.stat().st_size
         if total > CORPUS_BYTES:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 from moe_jax.formats.hf_names import is_expert_tensor
 from moe_jax.formats.safetensors_io import save_safetensors
+from moe_jax.output_files import current_umask
 
 GGUF_CLOSEST = "closest"  # convert's default `quant`: a GGUF file's own format where moe_jax has it, else floats
 
@@ -97,7 +97,7 @@ def convert(
     except OSError as e:
         raise InputError(f"{out_dir}: cannot write there ({e.strerror or e})") from None
     try:
-        partial.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should be like any new directory
+        partial.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; the result should be like any new directory
         if gguf_file is not None:
             write_gguf_side_files(gguf_file, partial)
         else:
@@ -183,12 +183,6 @@ def drop_fp8_quantization(config_file: Path):
     config = json.loads(config_file.read_text())
     if config.pop("quantization_config", None) is not None:
         config_file.write_text(json.dumps(config, indent=2))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def main(argv=None):

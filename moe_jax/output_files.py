@@ -15,6 +15,20 @@ from pathlib import Path
 from moe_jax.errors import InputError
 
 
+def current_umask() -> int:
+    """The process's umask, read without setting it (os.umask can only be read by changing it, which another
+    thread creating a file meanwhile would see)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def check_writable_dir(directory, what: str) -> Path:
     """Creates `directory` if needed and proves a file can be made in it; an InputError naming `what` if not.
     Called before any expensive work, so an unwritable output fails in a second, not after the run."""
@@ -70,6 +84,7 @@ class NewFile:
     def __init__(self, path):
         self.path = Path(path)
         fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's file is private; the output is like any new file
         self.tmp = Path(name)
         self.file = _NamedFile(fd, self.path)
 

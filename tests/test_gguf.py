@@ -183,6 +183,22 @@ def _tokenizer_metadata(tokenizer) -> dict:
     }
 
 
+def test_a_file_without_an_eos_id_ends_at_its_end_of_text_token_and_says_so(tmp_path):
+    original = _bpe_tokenizer()
+    metadata = _tokenizer_metadata(original)
+    del metadata["tokenizer.ggml.eos_token_id"]
+    path = write_gguf(make_hf_model("qwen3_moe"), tmp_path / "model.gguf", tokenizer=metadata)
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.eos_token_id; generation ends at .*'<|im_end|>'"):
+        model = moe_jax.load_model(path)
+    im_end = original.token_to_id("<|im_end|>")
+    assert model.config.eos_token_ids == (im_end,) and model.tokenizer.eos_token == "<|im_end|>"
+    metadata["tokenizer.ggml.tokens"] = [t.replace("<|im_end|>", "<|x|>") for t in metadata["tokenizer.ggml.tokens"]]
+    metadata["tokenizer.ggml.tokens"] = [t.replace("<|endoftext|>", "<|y|>") for t in metadata["tokenizer.ggml.tokens"]]
+    path = write_gguf(make_hf_model("qwen3_moe"), tmp_path / "none.gguf", tokenizer=metadata)
+    with pytest.warns(UserWarning, match="no end-of-text token in its vocabulary: generation runs to its token limit"):
+        assert moe_jax.load_model(path).config.eos_token_ids == ()
+
+
 def test_tokenizer_and_chat_template_come_back_from_the_metadata(tmp_path):
     original = _bpe_tokenizer()
     hf = make_hf_model("qwen3_moe")

@@ -1,12 +1,15 @@
 """train.py's run directory: a new run never mixes with an old one, --resume is the same run or refused with each
 difference named, a corrupt newest checkpoint falls back to the one before, outputs never follow a link."""
 
+import os
 import shutil
+import stat
 
 import jax.numpy as jnp
 import pytest
 
 from moe_jax.errors import CheckpointError, InputError, MoeJaxError
+from moe_jax.output_files import NewFile, current_umask, write_text
 from moe_jax.train.loop import Trainer, load_run_data
 from moe_jax.train.run_dir import prepare_run_dir
 from tests.test_train import TRAIN, quick_config
@@ -100,6 +103,20 @@ def test_outputs_replace_links_instead_of_writing_through_them(tmp_path):
     assert victim.read_text() == "precious"
     assert not (out / "metrics.jsonl").is_symlink() and (out / "metrics.jsonl").read_text().count("\n") == 2
     assert not (out / "loss.png").is_symlink()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_outputs_get_the_mode_the_umask_gives_new_files(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        write_text(tmp_path / "report.html", "<html></html>")
+        with NewFile(tmp_path / "out.jsonl") as out:
+            out.write("{}\n")
+    finally:
+        os.umask(previous)
+    for name in ("report.html", "out.jsonl"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
 
 
 def test_divergence_before_any_checkpoint_says_none_was_written(tmp_path):

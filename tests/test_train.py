@@ -330,3 +330,14 @@ def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
         moe_jax.ConfigError, match="bad.toml: the setting 'device_budget_mb' is now called 'device_memory_mb'"
     ):
         TrainConfig.from_sources(str(bad), {})
+
+
+def test_own_data_is_evaluated_on_its_own_held_out_rows_unless_eval_data_is_given(tmp_path):
+    bundled = TrainConfig.from_sources(None, {})
+    assert (bundled.data, bundled.eval_data) == ("data/reverse_train.jsonl", "data/reverse_eval.jsonl")
+    own = TrainConfig.from_sources(None, {"data": "mine.jsonl"})
+    assert own.eval_data is None and own.eval_fraction > 0
+    assert TrainConfig.from_sources(None, {"data": "mine.jsonl", "eval_data": "held.jsonl"}).eval_data == "held.jsonl"
+    config = tmp_path / "run.toml"
+    config.write_text('data = "mine.jsonl"\neval_data = "data/reverse_eval.jsonl"\n')
+    assert TrainConfig.from_sources(str(config), {}).eval_data == "data/reverse_eval.jsonl"

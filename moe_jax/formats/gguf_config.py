@@ -12,6 +12,7 @@ one DeepSeek-V2 (llama.cpp reads a missing gating function as softmax). A YaRN f
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import gguf
@@ -85,10 +86,37 @@ def hf_config(file) -> dict:
     for key in ("bos", "eos"):
         if file.field(f"tokenizer.ggml.{key}_token_id") is not None:
             config[f"{key}_token_id"] = int(file.field(f"tokenizer.ggml.{key}_token_id"))
+    if "eos_token_id" not in config and file.field("tokenizer.ggml.tokens") is not None:
+        eos = end_of_text_token(file)
+        if eos is not None:
+            config["eos_token_id"] = eos[0]
+            warnings.warn(
+                f"{file.path}: no tokenizer.ggml.eos_token_id; generation ends at its vocabulary's {eos[1]!r} "
+                f"(token {eos[0]})",
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                f"{file.path}: no tokenizer.ggml.eos_token_id and no end-of-text token in its vocabulary: "
+                "generation runs to its token limit",
+                stacklevel=2,
+            )
     if f("attention.key_length") is not None and not kind.startswith("deepseek"):  # deepseek2's is MLA's latent
         config["head_dim"] = int(f("attention.key_length"))
     config.update(_READERS[file.arch](file, _Layout.of(file, layers), config))
     return config
+
+
+# the end-of-text tokens of the tokenizers GGUF files carry, most specific first (a chat model's turn end before
+# its document end: it is what its chat template ends an answer with)
+END_OF_TEXT_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<｜end▁of▁sentence｜>", "<|endoftext|>", "</s>")
+
+
+def end_of_text_token(file) -> tuple[int, str] | None:
+    """(id, text) of the first of END_OF_TEXT_TOKENS in the file's vocabulary, or None."""
+    tokens = list(file.field("tokenizer.ggml.tokens") or [])
+    where = {t: i for i, t in enumerate(tokens)}
+    return next(((where[t], t) for t in END_OF_TEXT_TOKENS if t in where), None)
 
 
 def _mixtral(file, layout: _Layout, config: dict) -> dict:

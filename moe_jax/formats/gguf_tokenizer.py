@@ -16,6 +16,7 @@ import json
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from moe_jax.errors import CheckpointError
+from moe_jax.formats.gguf_config import end_of_text_token
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -64,6 +65,8 @@ def tokenizer_files(file) -> dict[str, str] | None:
         token_id = file.field(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             settings[name] = tokens[int(token_id)]
+    if "eos_token" not in settings and (eos := end_of_text_token(file)) is not None:
+        settings["eos_token"] = eos[1]  # as the config resolves it (gguf_config, which warns)
     template = file.field("tokenizer.chat_template")
     if template:
         settings["chat_template"] = template

@@ -19,14 +19,15 @@ SCHEDULES = ("cosine", "linear", "constant")
 LONG_EXAMPLES = ("truncate", "drop")
 
 
+BUNDLED_DATA, BUNDLED_EVAL = "data/reverse_train.jsonl", "data/reverse_eval.jsonl"  # the bundled task's
 RENAMED = {"device_budget_mb": "device_memory_mb"}  # settings whose name changed: old -> new
 
 
 @dataclass
 class TrainConfig:
     model: str = "models/tiny-moe"
-    data: str = "data/reverse_train.jsonl"
-    eval_data: str | None = "data/reverse_eval.jsonl"
+    data: str = BUNDLED_DATA
+    eval_data: str | None = BUNDLED_EVAL  # with other `data` and no eval_data given: none (eval_fraction held out)
     eval_fraction: float = 0.05  # held out from `data` when no eval_data is given
     out: str = "runs/default"
     backend: str = "host"
@@ -150,6 +151,8 @@ class TrainConfig:
             if unknown:
                 raise ConfigError(f"{path}: unknown setting(s) {unknown}")
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("data", BUNDLED_DATA) != BUNDLED_DATA and "eval_data" not in values:
+            values["eval_data"] = None  # the bundled task's held-out file says nothing about other data
         return cls(**values).validate()
 
     def as_dict(self) -> dict:
