@@ -10,8 +10,14 @@ from host_kernels import HostKernelError
 from moe_jax import distributed
 from moe_jax.errors import MoeJaxError
 
+INVOKED_AS: str | None = None  # the command line's name for the running command, when it is not `moe-jax NAME`
 EXIT_BAD_INPUT = 2
 EXIT_SYSTEM = 1  # the machine, not the input: a full disk, a file that vanished
+
+
+def prog(name: str) -> str:
+    """What a command's --help and errors call it: `moe-jax NAME`, or how a checkout's script was run."""
+    return INVOKED_AS or f"moe-jax {name}"
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
-from moe_jax.cli import run_cli
+from moe_jax.cli import prog, run_cli
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, ConfigError, InputError
 from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint, shard_store_name
@@ -186,7 +186,7 @@ def drop_fp8_quantization(config_file: Path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.convert", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog("convert"), description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", type=Path, help="Hugging Face checkpoint directory")
     source.add_argument("--gguf", type=Path, help="GGUF file (llama.cpp's; config and tokenizer from its metadata)")

@@ -21,7 +21,7 @@ import numpy as np
 
 from host_kernels import HostKernelError, cpu_features, default_threads, library_status
 from host_kernels.stream_worker import cuda_status
-from moe_jax.cli import run_cli
+from moe_jax.cli import prog, run_cli
 from moe_jax.native import ffi as native_ffi
 from moe_jax.native import stream_experts
 from moe_jax.planning.plan import make_plan
@@ -85,7 +85,7 @@ def _plan_data(plan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_jax.doctor", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog("doctor"), description=__doc__.split("\n\n")[0])
     p.add_argument("--no-native", action="store_true", help="show the plan with native code turned off")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     args = p.parse_args(argv)

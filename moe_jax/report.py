@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moe_jax.cli import run_cli  # noqa: E402
+from moe_jax.cli import prog, run_cli  # noqa: E402
 from moe_jax.errors import InputError  # noqa: E402
 from moe_jax.output_files import write_text  # noqa: E402
 
@@ -147,7 +147,7 @@ def _number(value) -> bool:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog("report"), description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="train.py run directory, or a JSONL file of records")
     parser.add_argument("--out", type=Path, help="HTML file to write (default: RUN/report.html or NAME.html)")
     args = parser.parse_args(argv)

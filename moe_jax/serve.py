@@ -22,9 +22,10 @@ import uvicorn
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
+from moe_jax import bundled
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
-from moe_jax.cli import run_cli
+from moe_jax.cli import prog, run_cli
 from moe_jax.errors import InputError, MemoryLimitError
 from moe_jax.serving.app import create_app
 from moe_jax.serving.http_limits import HttpLimits, bounded_protocol
@@ -32,11 +33,10 @@ from moe_jax.serving.service import Limits, Service
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 SHUTDOWN_MARGIN_S = 5
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m moe_jax.serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog("serve"), description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
@@ -94,7 +94,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model_dir = args.model or DEFAULT_MODEL
+    model_dir = args.model or bundled.MODEL
     model = moe_jax.load_model(
         model_dir,
         backend=args.backend,

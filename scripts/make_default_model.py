@@ -1,4 +1,4 @@
-"""Remakes the bundled default model `models/tiny-moe` and the bundled fine-tuning data `data/`.
+"""Remakes the bundled default model `moe_jax/bundled/tiny-moe` and the bundled fine-tuning data beside it.
 
     pip install -e '.[test]'   # torch and transformers
     python scripts/make_default_model.py [--steps 1500]
@@ -82,7 +82,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "models" / "tiny-moe")
+    parser.add_argument("--out", type=Path, default=ROOT / "moe_jax" / "bundled" / "tiny-moe")
     parser.add_argument("--data-only", action="store_true", help="rewrite data/ only, keep the model")
     args = parser.parse_args()
     import torch
@@ -92,7 +92,7 @@ def main():
     tok, vocab = write_tokenizer(args.out)
     bos, eos, pad = vocab["<s>"], vocab["</s>"], vocab["<pad>"]
 
-    reserved = write_data(ROOT / "data", args.seed)
+    reserved = write_data(ROOT / "moe_jax" / "bundled" / "data", args.seed)
     if args.data_only:
         return
 

@@ -1,5 +1,6 @@
 """train.py: parity with transformers + peft, exact resume after kill -9, PEFT round trip, bad inputs."""
 
+import dataclasses
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import moe_jax
+from moe_jax import bundled
 from moe_jax.formats.adapters import lora_modules
 from moe_jax.formats.safetensors_io import SafetensorsFile
 from moe_jax.train.config import TrainConfig
@@ -210,7 +212,7 @@ GOOD = json.dumps({"instruction": "reverse abc >", "output": " cba"})
         ([], [], r"bad.jsonl: no usable examples"),
         ([GOOD], ["--lora-targets", "q_proj,w_qkv"], r"unknown LoRA target module\(s\) \['w_qkv'\]"),
         ([GOOD], ["--learning-rate", "fast"], r"--learning-rate: invalid float value: 'fast'"),
-        ([GOOD], ["--dtype", "float16"], r"dtype must be one of float32, bfloat16, got 'float16'"),
+        ([GOOD], ["--dtype", "float16"], r"dtype must be one of auto, float32, bfloat16, got 'float16'"),
         ([json.dumps({"question": "x"})], [], r"bad.jsonl:1: expected 'text'"),
         ([GOOD], ["--backend", "hybrid"], r"the hybrid backend needs a placement plan: --placement-plan FILE"),
         ([GOOD], ["--placement-plan", "plan.json"], r"--placement-plan is for --backend hybrid, not 'host'"),
@@ -316,7 +318,12 @@ def test_packing_keeps_targets_and_fills_rows():
 
 def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
     default = TrainConfig.from_sources(str(ROOT / "configs" / "default.toml"), {})
-    assert default == TrainConfig().validate()
+    paths = ("model", "data", "eval_data")  # the file's are relative to the checkout, the defaults the package's
+
+    def resolved(config):
+        return dataclasses.replace(config, **{k: str(Path(getattr(config, k)).resolve()) for k in paths})
+
+    assert resolved(default) == resolved(TrainConfig().validate())
     mixtral = TrainConfig.from_sources(str(ROOT / "configs" / "mixtral-8x7b-chat-lora.toml"), {"max_steps": 5})
     assert mixtral.max_steps == 5 and mixtral.grad_accum == 8  # flags override the file
     deepseek = TrainConfig.from_sources(str(ROOT / "configs" / "deepseek-v2-lite-lora.toml"), {})
@@ -333,8 +340,10 @@ def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
 
 
 def test_own_data_is_evaluated_on_its_own_held_out_rows_unless_eval_data_is_given(tmp_path):
-    bundled = TrainConfig.from_sources(None, {})
-    assert (bundled.data, bundled.eval_data) == ("data/reverse_train.jsonl", "data/reverse_eval.jsonl")
+    default = TrainConfig.from_sources(None, {})
+    assert (default.data, default.eval_data) == (str(bundled.TRAIN_DATA), str(bundled.EVAL_DATA))
+    checkout = TrainConfig.from_sources(None, {"data": "data/reverse_train.jsonl"})  # the same file, linked
+    assert Path(checkout.eval_data) == bundled.EVAL_DATA
     own = TrainConfig.from_sources(None, {"data": "mine.jsonl"})
     assert own.eval_data is None and own.eval_fraction > 0
     assert TrainConfig.from_sources(None, {"data": "mine.jsonl", "eval_data": "held.jsonl"}).eval_data == "held.jsonl"

@@ -24,6 +24,7 @@ import numpy as np
 
 from host_kernels import HostKernelError
 from moe_jax.api import DTYPES, resolve_profile, stored_quant
+from moe_jax.cli import prog
 from moe_jax.errors import InputError
 from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_auto
@@ -213,7 +214,7 @@ def advise(
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.advise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog("advise"), description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face or converted checkpoint directory")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 256, 4096], help="tokens per step")
     parser.add_argument("--profile", type=Path, help="probe profile (default: this machine's, measured once)")

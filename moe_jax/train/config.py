@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host_kernels import QUANTIZED
+from moe_jax import bundled
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag
@@ -19,15 +20,14 @@ SCHEDULES = ("cosine", "linear", "constant")
 LONG_EXAMPLES = ("truncate", "drop")
 
 
-BUNDLED_DATA, BUNDLED_EVAL = "data/reverse_train.jsonl", "data/reverse_eval.jsonl"  # the bundled task's
 RENAMED = {"device_budget_mb": "device_memory_mb"}  # settings whose name changed: old -> new
 
 
 @dataclass
 class TrainConfig:
-    model: str = "models/tiny-moe"
-    data: str = BUNDLED_DATA
-    eval_data: str | None = BUNDLED_EVAL  # with other `data` and no eval_data given: none (eval_fraction held out)
+    model: str = str(bundled.MODEL)
+    data: str = str(bundled.TRAIN_DATA)
+    eval_data: str | None = str(bundled.EVAL_DATA)  # with other `data` and no eval_data given: none (held out)
     eval_fraction: float = 0.05  # held out from `data` when no eval_data is given
     out: str = "runs/default"
     backend: str = "host"
@@ -151,7 +151,7 @@ class TrainConfig:
             if unknown:
                 raise ConfigError(f"{path}: unknown setting(s) {unknown}")
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values.get("data", BUNDLED_DATA) != BUNDLED_DATA and "eval_data" not in values:
+        if Path(values.get("data", bundled.TRAIN_DATA)).resolve() != bundled.TRAIN_DATA and "eval_data" not in values:
             values["eval_data"] = None  # the bundled task's held-out file says nothing about other data
         return cls(**values).validate()
 
