@@ -26,6 +26,7 @@ from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
 from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
+from moe_jax.formats.hub import resolve_model
 from moe_jax.formats.tokenizer import Tokenizer, load_tokenizer
 from moe_jax.generation.compiled import CompiledGeneration
 from moe_jax.generation.generate import generate
@@ -313,7 +314,9 @@ def load_model(
     pipeline: int | None = None,
     host_call: str | None = None,
 ) -> Model:
-    """Loads a Hugging Face checkpoint directory or a converted one (`python -m moe_jax.convert`).
+    """Loads a Hugging Face checkpoint directory, a GGUF file, a converted directory (`moe-jax convert`), or a
+    model by Hugging Face Hub id (`Qwen/Qwen3-30B-A3B`, `org/repo/file.gguf`: fetched into the Hub cache once,
+    formats/hub.py).
 
     `dtype`: "auto" (default) keeps the checkpoint's own precision, as transformers' dtype="auto" does: bfloat16
     for a bfloat16 (or fp8, or quantized GGUF) checkpoint, float32 for a float32 or float16 one; or "float32" /
@@ -365,7 +368,7 @@ def load_model(
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
     trim_after_compiles()  # the steps this model compiles leave no heap behind
-    checkpoint = open_checkpoint(Path(path), verify=verify, expert_shard=expert_shard)
+    checkpoint = open_checkpoint(resolve_model(path), verify=verify, expert_shard=expert_shard)
     if dtype == AUTO_DTYPE:
         dtype = checkpoint.own_dtype()
     jdtype = DTYPES[dtype]

@@ -16,7 +16,7 @@ import moe_jax
 from moe_jax import bundled
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
-from moe_jax.cli import prog, run_cli
+from moe_jax.cli import MODEL_HELP, prog, run_cli
 from moe_jax.errors import InputError
 from moe_jax.formats.prompts import render_chat
 from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
@@ -30,7 +30,7 @@ COMMANDS = {"/reset": "start the conversation over", "/exit": "leave (or Ctrl-D)
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog=prog("chat"), description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train run)")
     p.add_argument("--backend", default="host", choices=list(BACKENDS), help="where the experts run (default: host)")
     p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)

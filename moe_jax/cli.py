@@ -10,6 +10,9 @@ from host_kernels import HostKernelError
 from moe_jax import distributed
 from moe_jax.errors import MoeJaxError
 
+MODEL_HELP = (
+    "checkpoint directory, .gguf file, or Hugging Face Hub id such as Qwen/Qwen3-30B-A3B (default: the bundled model)"
+)
 INVOKED_AS: str | None = None  # the command line's name for the running command, when it is not `moe-jax NAME`
 EXIT_BAD_INPUT = 2
 EXIT_SYSTEM = 1  # the machine, not the input: a full disk, a file that vanished

@@ -26,7 +26,7 @@ from moe_jax import bundled, distributed
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
-from moe_jax.cli import prog, run_cli
+from moe_jax.cli import MODEL_HELP, prog, run_cli
 from moe_jax.errors import InputError
 from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
 from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
@@ -40,7 +40,7 @@ DEFAULT_ADAPTER = Path("runs") / "default" / "adapter"  # what `python train.py`
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog=prog("infer"), description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--prompts", type=Path, default=bundled.PROMPTS, help="JSONL prompts (default: the bundled ones)")
     p.add_argument(

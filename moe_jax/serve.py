@@ -25,8 +25,9 @@ from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax import bundled
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
-from moe_jax.cli import prog, run_cli
+from moe_jax.cli import MODEL_HELP, prog, run_cli
 from moe_jax.errors import InputError, MemoryLimitError
+from moe_jax.formats.hub import hub_id
 from moe_jax.serving.app import create_app
 from moe_jax.serving.http_limits import HttpLimits, bounded_protocol
 from moe_jax.serving.service import Limits, Service
@@ -37,7 +38,7 @@ SHUTDOWN_MARGIN_S = 5
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog=prog("serve"), description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="checkpoint directory or .gguf file (default: the bundled model)")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
     p.add_argument("--backend", default="host", choices=list(BACKENDS))
     p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
@@ -90,6 +91,11 @@ def check_settings(args):
         raise InputError(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
 
 
+def served_name(model) -> str:
+    """What clients call the model by default: its Hub id as given, else its directory's (or file's) name."""
+    return str(model) if hub_id(model) is not None else Path(model).resolve().name
+
+
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
@@ -106,7 +112,7 @@ def main(argv=None):
     limits = Limits(
         args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20), args.max_prompt_chars
     )
-    service = Service(model, args.served_model_name or Path(model_dir).resolve().name, limits)
+    service = Service(model, args.served_model_name or served_name(model_dir), limits)
     try:
         service.start()  # compiles before the port opens: the first request does not wait for it
     except MemoryLimitError as e:
