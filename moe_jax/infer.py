@@ -1,7 +1,7 @@
-"""Batch generation: `python infer.py --model DIR --prompts FILE --out FILE [--backend host] [--batch-size N]`.
+"""Batch generation: `moe-jax infer --model DIR --prompts FILE --out FILE [--backend host] [--batch-size N]`.
 
-With no arguments it runs the bundled default model (models/tiny-moe, with the adapter `python train.py` wrote
-when there is one) on the bundled prompts (data/default_prompts.jsonl) and prints the completions. Prompts are
+With no arguments it runs the bundled default model (with the adapter `moe-jax train` wrote into runs/default
+here, when there is one) on the bundled prompts and prints the completions. Prompts are
 JSONL: {"prompt": text}, {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the checkpoint's chat
 template) or {"input_ids": [...]}. Output is JSONL in input order: completion, token counts, finish reason, time.
 Generation is continuously batched over --batch-size KV-cache slots; with --anchor-cache-mb, KV state at anchor
@@ -35,7 +35,7 @@ from moe_jax.generation.sampling import check_sampling
 from moe_jax.output_files import NewFile, check_writable_dir, create_new, write_text
 from moe_jax.run_log import GenerationMonitor, RunLog
 
-DEFAULT_ADAPTER = Path("runs") / "default" / "adapter"  # what `python train.py` writes, from where it ran
+DEFAULT_ADAPTER = Path("runs") / "default" / "adapter"  # what `moe-jax train` writes, from where it ran
 
 
 def parse_args(argv):
@@ -180,7 +180,7 @@ def main(argv=None):
         args.model = bundled.MODEL
         if args.adapter is None and DEFAULT_ADAPTER.exists():
             args.adapter = DEFAULT_ADAPTER
-            print(f"using the adapter train.py wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
+            print(f"using the adapter moe-jax train wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
 
     from tqdm import tqdm
 

@@ -1,4 +1,4 @@
-"""`python -m moe_jax.report RUN [--out FILE]`: a run's figures as one self-contained HTML page.
+"""`moe-jax report RUN [--out FILE]`: a run's figures as one self-contained HTML page.
 
 RUN is a train.py run directory (its metrics.jsonl) or a JSONL file of records (train.py's metrics.jsonl,
 infer.py's --metrics). The page holds a curve for each figure the records have (losses and held-out accuracy,

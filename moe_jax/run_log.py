@@ -1,6 +1,6 @@
 """A run's figures as it goes: one JSON record per step (train.py) or per finished request (infer.py) in a JSONL
 file, and the same numbers as TensorBoard scalars when asked (`--tensorboard DIR` on both CLIs).
-`python -m moe_jax.report` draws the JSONL file.
+`moe-jax report` draws the JSONL file.
 
 Every record has `step`; the backend's figures over the step come from `backend_figures`: host busy (% of the
 step's wall time the host expert calls ran), the device side's wait for host results and the host side's wait for

@@ -1,10 +1,10 @@
-"""LoRA fine-tuning: `python train.py --model DIR --data FILE --out DIR [--config configs/X.toml] [--backend host]`.
+"""LoRA fine-tuning: `moe-jax train --model DIR --data FILE --out DIR [--config configs/X.toml] [--backend host]`.
 
-With no arguments it fine-tunes the bundled default model (models/tiny-moe) on the bundled task (reverse a word,
-data/reverse_*.jsonl), prints held-out exact-match accuracy before and after, and writes runs/default/:
-adapter/ (PEFT format), checkpoints/ (orbax), metrics.jsonl and loss.png. A config file sets any setting; flags
-override it. `--resume` continues the run in --out from its latest checkpoint; a new run into an --out that holds
-a previous one is refused unless `--overwrite`.
+With no arguments it fine-tunes the bundled default model (moe_jax/bundled/tiny-moe) on the bundled task (reverse a
+word, moe_jax/bundled/data/reverse_*.jsonl), prints held-out exact-match accuracy before and after, and writes
+runs/default/: adapter/ (PEFT format), checkpoints/ (orbax), metrics.jsonl and loss.png. A config file sets any
+setting; flags override it. `--resume` continues the run in --out from its latest checkpoint; a new run into an
+--out that holds a previous one is refused unless `--overwrite`.
 
 Started as several processes (`python -m moe_jax.launch -n 2 train.py ...`, or under SLURM / Open MPI), each takes
 its share of every batch's rows and the LoRA gradients are averaged over all of them (data parallel); process 0
@@ -98,7 +98,7 @@ def main(argv=None):
     adapter_format = "moe_jax format only" if not_for_peft else "PEFT"
     tensorboard = f", TensorBoard events in {cfg.tensorboard}" if cfg.tensorboard else ""
     say(f"wrote {cfg.out}/adapter ({adapter_format}), {cfg.out}/metrics.jsonl, {cfg.out}/loss.png{tensorboard}")
-    say(f"report: python -m moe_jax.report {cfg.out}")
+    say(f"report: moe-jax report {cfg.out}")
 
 
 if __name__ == "__main__":
