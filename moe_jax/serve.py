@@ -40,11 +40,13 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog=prog("serve"), description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
-    p.add_argument("--backend", default="host", choices=list(BACKENDS))
+    p.add_argument(
+        "--backend", default="host", choices=list(BACKENDS), help="where the experts compute (default: host)"
+    )
     p.add_argument("--dtype", default=AUTO_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--quant", choices=list(QUANTIZED), help="serve from quantized host experts (as infer.py)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences generating at once (KV-cache slots)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429s")
     p.add_argument("--max-model-len", type=int, help="context per sequence (default: the model's)")
@@ -68,7 +70,12 @@ def parse_args(argv):
     p.add_argument("--max-headers", type=int, default=100, help="the most header lines a request may have")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get at shutdown")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default: info)",
+    )
     return p.parse_args(argv)
 
 

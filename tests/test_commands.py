@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -89,3 +90,26 @@ def test_chat_streams_each_turn_in_the_template_and_reset_starts_over(tmp_path, 
     )
     assert answers == [one, two, one]
     assert "(conversation reset)" in result.stderr
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_says_what_it_does(name, monkeypatch):
+    import argparse
+    import importlib
+
+    from moe_jax.train.config import SETTINGS_HELP, TrainConfig
+
+    def capture(parser, *args, **kwargs):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(_Parsed) as parsed:
+        importlib.import_module(COMMANDS[name][0]).main([])
+    silent = [a.option_strings[-1] for a in parsed.value.parser._actions if a.option_strings and not a.help]
+    assert silent == [], f"moe-jax {name}: options without help: {silent}"
+    assert set(SETTINGS_HELP) == {f.name for f in dataclasses.fields(TrainConfig)}

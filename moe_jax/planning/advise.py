@@ -221,7 +221,9 @@ def main(argv=None):
     parser.add_argument("--bus-gbps", type=float, help="simulate a host->device bus of this bandwidth")
     parser.add_argument("--device-memory-mb", type=float, help="device memory for experts, MiB (default: unlimited)")
     parser.add_argument("--zipf", type=float, default=0.0, help="routing skew (0: uniform)")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=list(DTYPES), help="the model's dtype to size (default: bfloat16)"
+    )
     parser.add_argument("--json", type=Path, help="also write the answers here")
     args = parser.parse_args(argv)
     if any(b < 1 for b in args.batch):

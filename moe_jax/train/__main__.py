@@ -21,7 +21,7 @@ import typing
 from moe_jax import distributed
 from moe_jax.cli import prog, run_cli
 from moe_jax.formats.adapters import peft_unexpressible
-from moe_jax.train.config import TrainConfig
+from moe_jax.train.config import SETTINGS_HELP, TrainConfig
 from moe_jax.train.loop import Trainer, load_run_data
 from moe_jax.train.run_dir import prepare_run_dir
 
@@ -48,10 +48,14 @@ def parse_args(argv):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        what = SETTINGS_HELP[field.name]
+        choices = TrainConfig.choices().get(field.name)
+        if choices:  # listed, not enforced here: the config's own check names the setting in its error
+            what += f": one of {', '.join(choices)}"
         if isinstance(default, list):  # the flag takes "a,b,c", so say the default that way
-            help_text = f"comma-separated (default: {','.join(default)})"
+            help_text = f"{what}; comma-separated (default: {','.join(default)})"
         else:
-            help_text = f"(default: {default})"
+            help_text = f"{what} (default: {default})"
         if kind is None:
             p.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

@@ -23,6 +23,49 @@ LONG_EXAMPLES = ("truncate", "drop")
 RENAMED = {"device_budget_mb": "device_memory_mb"}  # settings whose name changed: old -> new
 
 
+# what each setting does, for `moe-jax train --help` (every field of TrainConfig has one: tests check it)
+SETTINGS_HELP = {
+    "model": "checkpoint directory, .gguf file or Hugging Face Hub id to fine-tune",
+    "data": "training JSONL: {text}, {instruction, input, output} or chat {messages}",
+    "eval_data": "held-out JSONL (unset with your own --data: eval_fraction of it is held out)",
+    "eval_fraction": "share of --data held out when no --eval-data is given",
+    "out": "run directory: adapter/, checkpoints/, metrics.jsonl, loss.png",
+    "backend": "where the experts compute",
+    "dtype": "base weights and activations: auto keeps the checkpoint's own",
+    "quant": "quantize the experts as they load (LoRA on a quantized base; host backend)",
+    "placement_plan": 'hybrid backend: JSON file {"layer": [expert ids]} of the experts kept on the device',
+    "lora_rank": "rank of every LoRA adapter",
+    "lora_alpha": "LoRA scale numerator (the update is scaled by alpha / rank)",
+    "lora_dropout": "dropout on the LoRA inputs",
+    "lora_targets": "modules that get adapters: attention, q_proj, ..., gate_proj, ..., experts",
+    "learning_rate": "peak learning rate (AdamW)",
+    "schedule": "learning-rate schedule after the warmup",
+    "warmup_steps": "steps of linear warmup from 0",
+    "weight_decay": "AdamW weight decay on the LoRA parameters",
+    "max_grad_norm": "clip the gradient's global norm to this (0: no clipping)",
+    "adam_b1": "AdamW's first-moment decay",
+    "adam_b2": "AdamW's second-moment decay",
+    "adam_eps": "AdamW's epsilon",
+    "batch_size": "examples per optimizer step (split over processes in a multi-process run)",
+    "grad_accum": "micro-batches accumulated into one step (each batch_size / grad_accum examples)",
+    "max_seq_len": "tokens per example (longer ones: see long_examples)",
+    "max_steps": "optimizer steps to run",
+    "pack": "pack several examples into each sequence",
+    "long_examples": "what to do with an example longer than max_seq_len",
+    "skip_bad_lines": "skip malformed data lines (counted) instead of stopping at the first",
+    "eval_interval": "steps between held-out evaluations",
+    "eval_exact_match": "held-out examples generated greedily for exact-match accuracy (0: off)",
+    "checkpoint_interval": "steps between checkpoints (--resume continues from the latest)",
+    "keep_checkpoints": "checkpoints kept (older ones removed)",
+    "seed": "seed of LoRA initialisation, dropout and data order",
+    "host_threads": "host expert engine threads (default: every core)",
+    "expert_shards": "expert parallel: each process holds 1/N of every layer's experts (one shard per process)",
+    "pipeline": "micro-batches of the device/host pipeline (default: the plan's choice, off on a CPU)",
+    "device_memory_mb": "offload/auto backends: device memory for expert weights, MiB (0: the default)",
+    "tensorboard": "directory for TensorBoard event files of every step's figures",
+}
+
+
 @dataclass
 class TrainConfig:
     model: str = str(bundled.MODEL)
@@ -154,6 +197,17 @@ class TrainConfig:
         if Path(values.get("data", bundled.TRAIN_DATA)).resolve() != bundled.TRAIN_DATA and "eval_data" not in values:
             values["eval_data"] = None  # the bundled task's held-out file says nothing about other data
         return cls(**values).validate()
+
+    @staticmethod
+    def choices() -> dict[str, tuple[str, ...]]:
+        """The settings that take one of a few values, and those values."""
+        return {
+            "backend": tuple(BACKENDS),
+            "dtype": DTYPE_CHOICES,
+            "quant": tuple(QUANTIZED),
+            "schedule": SCHEDULES,
+            "long_examples": LONG_EXAMPLES,
+        }
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
