@@ -127,6 +127,7 @@ class ExecutionPlan:
         parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
         if self.micro_batches > 1:
             parts.append(f"pipeline {self.micro_batches} micro-batches")
+        parts.append(f"{self.dtype} weights and activations")  # (dtype "auto" resolved: the checkpoint's own)
         return ", ".join(parts)
 
 
