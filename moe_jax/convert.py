@@ -38,6 +38,7 @@ from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint, shard_
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 from moe_jax.formats.hf_names import is_expert_tensor
+from moe_jax.formats.hub import resolve_model
 from moe_jax.formats.safetensors_io import save_safetensors
 from moe_jax.output_files import current_umask
 
@@ -68,7 +69,7 @@ def convert(
     their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are. None:
     float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc).
     `expert_shards` N > 1: the experts in N stores of 1/N of every layer's (expert parallel)."""
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(resolve_model(source))
     gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
     if quant == GGUF_CLOSEST:
         quant = gguf_file.closest_quant() if gguf_file is not None else None
@@ -188,11 +189,14 @@ def drop_fp8_quantization(config_file: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog=prog("convert"), description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf", type=Path, help="Hugging Face checkpoint directory")
-    source.add_argument("--gguf", type=Path, help="GGUF file (llama.cpp's; config and tokenizer from its metadata)")
+    source.add_argument("--hf", type=Path, help="Hugging Face checkpoint directory, or its Hub id")
+    source.add_argument(
+        "--gguf", type=Path, help="GGUF file, or org/repo/file.gguf on the Hub (config and tokenizer from its metadata)"
+    )
     parser.add_argument("--out", required=True, type=Path, help="directory to write (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="expert storage dtype (default: as stored)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new one is done)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--quant",
         choices=[*QUANTIZED, "none"],
@@ -213,7 +217,15 @@ def main(argv=None):
         raise InputError(f"--gguf {args.gguf}: expected a .gguf file (a checkpoint directory goes with --hf)")
     source = args.hf or args.gguf
     quant = None if args.quant == "none" else (args.quant or GGUF_CLOSEST)
-    out = convert(source, args.out, args.dtype, overwrite=args.overwrite, quant=quant, expert_shards=args.expert_shards)
+    out = convert(
+        source,
+        args.out,
+        args.dtype,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
+        quant=quant,
+        expert_shards=args.expert_shards,
+    )
     print(f"converted {source} -> {out} (expert store checksums verified)")
 
 

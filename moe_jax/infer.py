@@ -47,6 +47,7 @@ def parse_args(argv):
         "-p", "--prompt", action="append", help="a prompt's text instead of --prompts (repeatable: several prompts)"
     )
     p.add_argument("--out", type=Path, help="JSONL output (default: print completions)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--metrics", type=Path, help="JSONL of the run's figures, one record per finished prompt")
     p.add_argument("--tensorboard", type=Path, help="directory for TensorBoard event files of the same figures")
     p.add_argument(
@@ -213,7 +214,13 @@ def main(argv=None):
     stop = None
     if args.stop and tok is not None:
         stop = lambda index, tokens: any(s in tok.decode(tokens) for s in args.stop)  # noqa: E731
-    bar = tqdm(total=len(requests), desc="generating", unit="prompt", file=sys.stderr, disable=not world.is_main)
+    bar = tqdm(
+        total=len(requests),
+        desc="generating",
+        unit="prompt",
+        file=sys.stderr,
+        disable=args.no_progress or not world.is_main,
+    )
     stats, results = EngineStats(), []
     log = (
         RunLog(create_new(args.metrics) if args.metrics else None, args.tensorboard) if world.is_main else RunLog(None)

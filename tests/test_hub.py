@@ -57,6 +57,8 @@ def test_a_checkpoint_and_a_gguf_file_load_by_id_from_the_cache(tmp_path):
     assert by_id.returncode == by_path.returncode == 0, by_id.stderr
     completions = [json.loads((tmp_path / f).read_text())["completion"] for f in ("by_id.jsonl", "by_path.jsonl")]
     assert completions[0] == completions[1] and completions[0]
+    converted = offline(hf_home, "-m", "moe_jax", "convert", "--hf", "moe-jax/tiny-moe", "--out", tmp_path / "conv")
+    assert converted.returncode == 0 and (tmp_path / "conv" / "experts").is_dir(), converted.stderr
 
     pytest.importorskip("transformers")
     from tests.gguf_files import write_gguf
