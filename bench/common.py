@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,4 +106,22 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=1, default=float))
     print(f"\nwrote {path}")
+    return path
+
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+
+
+def short_commit() -> str:
+    """The checkout's commit, for a report's header ("unknown" outside a git checkout)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPORTS.parent)
+    return out.stdout.strip() or "unknown"
+
+
+def write_report(name: str, lines: list[str]) -> Path:
+    """bench/reports/NAME.md from its lines (the benchmark's own markdown table: no figure is copied by hand)."""
+    REPORTS.mkdir(exist_ok=True)
+    path = REPORTS / f"{name}.md"
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
     return path

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -31,11 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, short_commit, write_json, write_report  # noqa: E402
 from bench.models import bench_model_dir  # noqa: E402
 from moe_jax.doctor import cpu_model  # noqa: E402
 
-REPORTS = Path(__file__).parent / "reports"
 CORPUS_BYTES = 24 << 20
 SCHEMA = {  # an agent's tool call: nested objects, enums, bounded numbers, free strings and arrays
     "type": "object",
@@ -247,14 +245,11 @@ def engine_rows(rounds: int, new_tokens: int) -> list[dict]:
     ]
 
 
-def write_report(args, engines: list[dict], engine: list[dict]) -> Path:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parents[1]
-    ).stdout.strip()
+def report(args, engines: list[dict], engine: list[dict]) -> Path:
     lines = [
         "# Constrained decoding: the cost per token",
         "",
-        f"{datetime.date.today()}, commit {commit or 'unknown'}, CPU {cpu_model()}; "
+        f"{datetime.date.today()}, commit {short_commit()}, CPU {cpu_model()}; "
         f"`python bench/constrained.py --vocab {args.vocab} --rounds {args.rounds}`.",
         "",
         f"## The grammar engines alone ({args.vocab}-token byte-level BPE, a {engines[0]['tokens']}-token document)",
@@ -278,11 +273,7 @@ def write_report(args, engines: list[dict], engine: list[dict]) -> Path:
         ),
         "",
     ]
-    REPORTS.mkdir(exist_ok=True)
-    path = REPORTS / "constrained.md"
-    path.write_text("\n".join(lines))
-    print(f"wrote {path}")
-    return path
+    return write_report("constrained", lines)
 
 
 def main():
@@ -302,7 +293,7 @@ def main():
     engine = engine_rows(args.rounds, args.new_tokens)
     print_table("generation engine, batch 1, temperature 1", engine)
     write_json("constrained", {"engines": engines, "engine": engine, "args": vars(args)})
-    write_report(args, engines, engine)
+    report(args, engines, engine)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,13 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, short_commit, write_json, write_report  # noqa: E402
 from moe_jax.doctor import cpu_model  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, NAME = ROOT / "models" / "tiny-moe", "tiny-moe"
-REPORTS = Path(__file__).parent / "reports"
 VICTIM, ATTACKER = {"authorization": "Bearer victim-key"}, {"x-api-key": "attacker-key"}
 GOOD_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "copy srel >"}], "max_tokens": 8, "temperature": 0}
 HOSTILE = [  # (what, path, body, expected status)
@@ -102,12 +100,11 @@ def measure(server, rounds: int, per_round: int) -> dict:
     }
 
 
-def write_report(args, result: dict) -> Path:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+def report(args, result: dict) -> Path:
     lines = [
         "# A victim's latency with hostile requests in flight",
         "",
-        f"{datetime.date.today()}, commit {commit.strip() or 'unknown'}, CPU {cpu_model()}; "
+        f"{datetime.date.today()}, commit {short_commit()}, CPU {cpu_model()}; "
         f"`python bench/serve_hostile.py --rounds {args.rounds} --per-round {args.per_round}` "
         "(the bundled model, default limits; the bench client shares the server's cores).",
         "",
@@ -123,11 +120,7 @@ def write_report(args, result: dict) -> Path:
         f"Server resident memory: {result['rss_before_mb']:.0f} MB before, {result['rss_after_mb']:.0f} MB after.",
         "",
     ]
-    REPORTS.mkdir(exist_ok=True)
-    path = REPORTS / "serve_hostile.md"
-    path.write_text("\n".join(lines))
-    print(f"wrote {path}")
-    return path
+    return write_report("serve_hostile", lines)
 
 
 def main():
@@ -142,7 +135,7 @@ def main():
     print_table("victim latency, attacker paused vs sending", [{k: v for k, v in result.items() if k != "hostile_ms"}])
     print_table("hostile requests' answer time", [{"request": w, "ms": ms} for w, ms in result["hostile_ms"].items()])
     write_json("serve_hostile", {"result": result, "args": vars(args)})
-    write_report(args, result)
+    report(args, result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import print_table, short_commit, write_json, write_report  # noqa: E402
 from host_kernels import StreamWorker, cpu_features  # noqa: E402
 from host_kernels.fused_forward import FusedForward, best_kernel, pack_layer  # noqa: E402
 from host_kernels.layer_experts import LayerExperts  # noqa: E402
@@ -42,7 +41,6 @@ from moe_jax.native import stream_experts  # noqa: E402
 from moe_jax.native.ffi import status as ffi_status  # noqa: E402
 
 HIDDEN, FFN, EXPERTS, TOP_K = 64, 64, 8, 2
-REPORTS = Path(__file__).parent / "reports"
 
 
 def tiny_layer(threads: int) -> FusedForward:
@@ -162,13 +160,12 @@ def per_layer_overhead(fused: FusedForward, layers: int, rounds: int, calls: int
     return rows
 
 
-def write_report(args, protocol, overhead) -> Path:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+def report(args, protocol, overhead) -> Path:
     flags = ", ".join(name for name, present in cpu_features().items() if present) or "no listed flags"
     lines = [
         "# Host expert hand-off: the stream worker's round trip and per-layer call overhead",
         "",
-        f"{datetime.date.today()}, commit {commit or 'unknown'}, CPU {cpu_model()} ({flags}), jax {jax.__version__} "
+        f"{datetime.date.today()}, commit {short_commit()}, CPU {cpu_model()} ({flags}), jax {jax.__version__} "
         f"on {jax.default_backend()}, the fused forward on {args.threads} thread(s); `python bench/stream_calls.py "
         f"--layers {args.layers} --rounds {args.rounds} --runs {args.runs} --threads {args.threads}`.",
         "",
@@ -188,11 +185,7 @@ def write_report(args, protocol, overhead) -> Path:
         ),
         "",
     ]
-    REPORTS.mkdir(exist_ok=True)
-    path = REPORTS / "stream_calls.md"
-    path.write_text("\n".join(lines))
-    print(f"wrote {path}")
-    return path
+    return write_report("stream_calls", lines)
 
 
 def main():
@@ -209,7 +202,7 @@ def main():
     overhead = per_layer_overhead(fused, args.layers, args.rounds, args.calls)
     print_table(f"per-layer host call overhead in a jitted step of {args.layers} layers", overhead)
     write_json("stream_calls", {"protocol": protocol, "per_layer": overhead, "args": vars(args)})
-    write_report(args, protocol, overhead)
+    report(args, protocol, overhead)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from host_kernels import QUANTIZED, ExpertStore, StoreError, StoreWriter
 from moe_jax.cli import prog, run_cli
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, ConfigError, InputError
-from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, open_checkpoint, shard_store_name
+from moe_jax.formats.checkpoint import EXPERT_STORE_DIR, SIDE_FILES, open_checkpoint, shard_store_name
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 from moe_jax.formats.hf_names import is_expert_tensor
@@ -43,15 +43,6 @@ from moe_jax.formats.safetensors_io import save_safetensors
 from moe_jax.output_files import current_umask
 
 GGUF_CLOSEST = "closest"  # convert's default `quant`: a GGUF file's own format where moe_jax has it, else floats
-
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 
 
 def convert(

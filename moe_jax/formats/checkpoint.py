@@ -27,6 +27,16 @@ from moe_jax.model.config import ModelConfig
 EXPERT_STORE_DIR = "experts"
 _SHARD_STORE = re.compile(rf"{EXPERT_STORE_DIR}\.shard-(\d+)-of-(\d+)")  # convert --expert-shards N's stores
 
+# what a checkpoint directory holds beside its weights that moe_jax reads (or a converted directory copies)
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
 
 def shard_store_name(shard: ExpertShard) -> str:
     """The directory of one shard's store in a checkpoint converted with --expert-shards."""

@@ -12,18 +12,9 @@ import re
 from pathlib import Path
 
 from moe_jax.errors import CheckpointError
+from moe_jax.formats.checkpoint import SIDE_FILES
 
-# what a checkpoint directory needs (formats.checkpoint, formats.tokenizer)
-CHECKPOINT_FILES = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "*.safetensors",
-    "model.safetensors.index.json",
-]
+CHECKPOINT_FILES = [*SIDE_FILES, "*.safetensors", "model.safetensors.index.json"]  # what a directory needs
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

@@ -224,50 +224,51 @@ def _logprobs_format(body, layout, token_text):
 async def _chat_events(generations: list[Generation], request_id: str, body, token_text):
     format_logprobs = _logprobs_format(body, openai_api.chat_logprobs, token_text)
 
-    async def choice(index: int, generation: Generation):
+    def chunks(index: int, generation: Generation | None):
         new_logprobs = (lambda: format_logprobs(generation.new_logprobs())) if format_logprobs else None
-        chunks = openai_api.ChatChunks(request_id, body.model, new_logprobs, index)
-        yield chunks.first()
-        try:
-            async for piece in generation.pieces():
-                yield chunks.piece(piece)
-        except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
-            yield _stream_error(error)
-        else:
-            yield chunks.last(generation.completion)
+        return openai_api.ChatChunks(request_id, body.model, new_logprobs, index)
 
-    async for event in merged([choice(i, g) for i, g in enumerate(generations)]):
+    async for event in _openai_events(generations, chunks, body.include_usage):
         yield event
-    completions = [g.completion for g in generations]
-    if body.include_usage and None not in completions:
-        yield openai_api.ChatChunks(request_id, body.model).usage(completions)
-    yield data_event("[DONE]")
 
 
 async def _completion_events(generations: list[Generation], request_id: str, body, token_text):
     format_logprobs = _logprobs_format(body, openai_api.completion_logprobs, token_text)
 
-    async def choice(index: int, generation: Generation):
+    def chunks(index: int, generation: Generation | None):
         new_logprobs = None
         if format_logprobs:
 
             def new_logprobs(offset: int):
                 return format_logprobs(generation.new_logprobs(), offset)
 
-        chunks = openai_api.CompletionChunks(request_id, body.model, new_logprobs, index)
+        return openai_api.CompletionChunks(request_id, body.model, new_logprobs, index)
+
+    async for event in _openai_events(generations, chunks, body.include_usage):
+        yield event
+
+
+async def _openai_events(generations: list[Generation], chunks, include_usage: bool):
+    """Every choice's events as they come (`chunks(index, generation)` makes a choice's ChatChunks or
+    CompletionChunks), then the usage of them all where asked, then `[DONE]`."""
+
+    async def choice(index: int, generation: Generation):
+        its = chunks(index, generation)
+        for event in its.opening():
+            yield event
         try:
             async for piece in generation.pieces():
-                yield chunks.text(piece.text)
-        except Exception as error:
+                yield its.piece(piece)
+        except Exception as error:  # mid-stream: the status is sent already, so the error goes in the stream
             yield _stream_error(error)
         else:
-            yield chunks.last(generation.completion)
+            yield its.last(generation.completion)
 
     async for event in merged([choice(i, g) for i, g in enumerate(generations)]):
         yield event
     completions = [g.completion for g in generations]
-    if body.include_usage and None not in completions:
-        yield openai_api.CompletionChunks(request_id, body.model).usage(completions)
+    if include_usage and None not in completions:
+        yield chunks(0, None).usage(completions)
     yield data_event("[DONE]")
 
 

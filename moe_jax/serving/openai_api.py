@@ -381,8 +381,9 @@ class ChatChunks:
         choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self.base, "choices": [choice]}
 
-    def first(self) -> bytes:
-        return data_event(self.chunk({"role": "assistant", "content": ""}))
+    def opening(self) -> list[bytes]:
+        """The events before the first piece: the assistant's role."""
+        return [data_event(self.chunk({"role": "assistant", "content": ""}))]
 
     def piece(self, p: Parsed) -> bytes:
         if p.kind == "tool_call":
@@ -415,10 +416,13 @@ class CompletionChunks:
         choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self.base, "choices": [choice]}
 
-    def text(self, text: str) -> bytes:
+    def opening(self) -> list[bytes]:
+        return []  # a completion's stream starts with its text
+
+    def piece(self, p: Parsed) -> bytes:
         if self.logprobs is None:
-            return self._text_event(text)
-        return data_event(self.chunk(text, logprobs=self._new_logprobs()))
+            return self._text_event(p.text)
+        return data_event(self.chunk(p.text, logprobs=self._new_logprobs()))
 
     def _new_logprobs(self) -> dict | None:
         if self.logprobs is None:
