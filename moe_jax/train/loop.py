@@ -136,8 +136,9 @@ class Trainer:
         return lora_state, opt_state, finite
 
     def settings(self) -> dict:
-        """What a resumed run must share with this one: the settings and the data files' content."""
-        return {**self.cfg.as_dict(), "data_sha256": self.data_sha256}
+        """What a resumed run must share with this one: the settings (dtype as loaded: "auto" and the dtype it
+        chose are the same run) and the data files' content."""
+        return {**self.cfg.as_dict(), "dtype": self.model.dtype, "data_sha256": self.data_sha256}
 
     def resume(self) -> int:
         step, self.lora_state, self.opt_state, meta = self.checkpoints.restore(
