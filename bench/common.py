@@ -95,6 +95,16 @@ def print_table(title: str, rows: list[dict]):
         print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
 
 
+def markdown_table(rows: list[dict]) -> list[str]:
+    """`rows` as a markdown table's lines (every row's keys as columns, first seen first; numbers as print_table)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [
+        "| " + " | ".join(keys) + " |",
+        "|" + "---|" * len(keys),
+        *("| " + " | ".join(_fmt(r.get(k, "")) for k in keys) + " |" for r in rows),
+    ]
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -116,6 +126,19 @@ def short_commit() -> str:
     """The checkout's commit, for a report's header ("unknown" outside a git checkout)."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPORTS.parent)
     return out.stdout.strip() or "unknown"
+
+
+def report_header(title: str) -> list[str]:
+    """A report's first lines: its title, the date, commit, CPU and the command that made it."""
+    from moe_jax.doctor import cpu_model
+
+    command = " ".join(["python", *sys.argv])
+    return [
+        f"# {title}",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, commit {short_commit()}, CPU {cpu_model()}; `{command}`.",
+        "",
+    ]
 
 
 def write_report(name: str, lines: list[str]) -> Path:

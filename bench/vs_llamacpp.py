@@ -52,7 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import moe_jax  # noqa: E402
-from bench.common import comma_choices, machine_info, print_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    comma_choices,
+    machine_info,
+    markdown_table,
+    print_table,
+    report_header,
+    write_json,
+    write_report,
+)
 from bench.infer import NEW, PREFILL, PROMPT, engine_runner  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 from host_kernels import default_threads  # noqa: E402
@@ -253,6 +261,8 @@ def main():
     print_table(f"tokens/s, {args.threads} threads, shape {args.shape}: decode (32-token prompts) and prefill", rows)
     name = "vs_llamacpp" if args.shape == "bench" else f"vs_llamacpp-{args.shape}"
     write_json(name, {"shape": args.shape, "threads": args.threads, "rows": rows, "raw": raw})
+    title = f"moe_jax against llama.cpp, {args.shape} shape, {args.threads} threads: tokens/s and their ratio"
+    write_report(name, [*report_header(title), *markdown_table(rows), ""])
 
 
 if __name__ == "__main__":
