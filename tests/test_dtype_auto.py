@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import moe_jax
+from moe_jax.convert import convert
 from moe_jax.errors import ConfigError, InputError
 from moe_jax.train.config import TrainConfig
 from tests.gguf_files import write_gguf
@@ -29,6 +30,8 @@ def checkpoints(tmp_path_factory):
         paths[name] = save_hf_model(make_hf_model("mixtral", intermediate_size=64).to(torch_dtype), root / name)
     paths["gguf_q4_0"] = write_gguf(hf, root / "q4_0.gguf", dense="F32", experts="Q4_0")
     paths["gguf_f32"] = write_gguf(hf, root / "f32.gguf")
+    paths["converted_q4_0"] = convert(paths["gguf_q4_0"], root / "converted", progress=False)
+    paths["converted_f32"] = convert(paths["float32"], root / "converted_f32", progress=False)
     return paths
 
 
@@ -40,6 +43,8 @@ def checkpoints(tmp_path_factory):
         ("float16", "float32"),  # float16 is exact in float32, rounded in bfloat16
         ("gguf_q4_0", "bfloat16"),
         ("gguf_f32", "float32"),
+        ("converted_q4_0", "bfloat16"),  # its store's: what convert chose from the GGUF file
+        ("converted_f32", "float32"),
     ],
 )
 def test_the_default_keeps_the_checkpoints_own_precision(checkpoints, checkpoint, expected):

@@ -113,7 +113,7 @@ def test_q4_0_experts_convert_to_int4_value_for_value(tmp_path):
     for dtype in ("float32", "bfloat16"):
         at_load = logits(path, backend="host", quant="int4", dtype=dtype)
         np.testing.assert_array_equal(logits(out, backend="host", dtype=dtype), at_load)
-    converted = logits(out, backend="host")
+    converted = logits(out, backend="host", dtype="float32")  # (its own dtype is bfloat16, the store's)
     reference = hf_logits(dequantized_model(hf, experts="Q4_0"), IDS)
     assert np.abs(converted - reference).max() < 0.1  # the int4 kernels quantize their activations to int8
 
@@ -125,7 +125,7 @@ def test_q8_0_experts_convert_to_int8_within_its_error(tmp_path):
     out = convert(path, tmp_path / "converted", progress=False)
     assert json.loads((out / "experts" / "manifest.json").read_text())["quant"] == "int8"
     reference = hf_logits(dequantized_model(hf, experts="Q8_0"), IDS)
-    assert np.abs(logits(out, backend="host") - reference).max() < 0.05
+    assert np.abs(logits(out, backend="host", dtype="float32") - reference).max() < 0.05
 
 
 def test_convert_cli_writes_config_tokenizer_and_float_experts_on_request(tmp_path, capsys):

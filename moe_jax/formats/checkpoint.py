@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
@@ -62,7 +63,10 @@ class Checkpoint:
         """The model dtype that keeps this checkpoint's precision in the least memory (what dtype="auto" loads):
         bfloat16 where its weights are bfloat16 or narrower (fp8, a quantized GGUF's blocks), float32 where they
         are float32 or float16 (exact in float32, rounded in bfloat16). A GGUF file is judged by its experts, a
-        safetensors checkpoint by its embedding table (an fp8 checkpoint's dense weights are bfloat16)."""
+        converted directory by its expert store (the dtype convert chose from its source), a safetensors
+        checkpoint by its embedding table (an fp8 checkpoint's dense weights are bfloat16)."""
+        if self.expert_store is not None:
+            return "bfloat16" if self.expert_store.dtype == np.dtype(ml_dtypes.bfloat16) else "float32"
         if isinstance(self.tensors, GGUFFile):
             return "float32" if self.tensors.experts_type() in ("F32", "F16") else "bfloat16"
         source = self.tensors.source if isinstance(self.tensors, fp8.BlockScaledTensors) else self.tensors
