@@ -49,7 +49,10 @@ class Chat:
 
     def __init__(self, model, args):
         if model.tokenizer is None or not model.tokenizer.chat_template:
-            raise InputError(f"{args.model}: the checkpoint has no chat template; use `moe-jax infer -p TEXT` instead")
+            raise InputError(
+                f"{args.model or bundled.MODEL}: the checkpoint has no chat template; "
+                "use `moe-jax infer -p TEXT` instead"
+            )
         self.model, self.args = model, args
         self.context = model.config.max_position_embeddings
         cache = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,14 @@ def test_every_option_says_what_it_does(name, monkeypatch):
     silent = [a.option_strings[-1] for a in parsed.value.parser._actions if a.option_strings and not a.help]
     assert silent == [], f"moe-jax {name}: options without help: {silent}"
     assert set(SETTINGS_HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_chat_with_a_model_without_a_template_says_what_to_use(tmp_path):
+    model = tmp_path / "no-template"
+    shutil.copytree(bundled.MODEL, model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    result = moe_jax_command("chat", "--model", model, stdin="hello\n")
+    assert result.returncode == 2
+    assert f"{model}: the checkpoint has no chat template; use `moe-jax infer -p TEXT` instead" in result.stderr
