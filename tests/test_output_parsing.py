@@ -118,6 +118,6 @@ def test_streamed_text_events_equal_the_whole_chunk_serialized(text):
     for kind, field in (("content", "content"), ("reasoning", "reasoning_content")):
         assert chat.piece(Parsed(kind, text)) == data_event(chat.chunk({field: text}))
     completion = CompletionChunks("cmpl-1", "m")
-    assert completion.text(text) == data_event(completion.chunk(text))
-    event = json.loads(completion.text(text).removeprefix(b"data: "))
+    assert completion.piece(Parsed("content", text)) == data_event(completion.chunk(text))
+    event = json.loads(completion.piece(Parsed("content", text)).removeprefix(b"data: "))
     assert event["choices"][0]["text"] == text and event["id"] == "cmpl-1"
