@@ -88,8 +88,10 @@ class Scheduler:
         """Queues a job; QueueFull when more than `max_queue` would wait for a slot, EngineStopped when no engine
         thread runs."""
         with self._lock:  # the inbox is written under the lock: a dying engine thread drains what got in
-            if self._dead or self._stopping.is_set():
-                raise EngineStopped("the generation engine is not running (the server is stopping or failed)")
+            if self._stopping.is_set():  # the same answer as the requests already waiting get
+                raise EngineStopped(STOPPED_MESSAGE)
+            if self._dead:
+                raise EngineStopped("the generation engine is not running (it failed; see the server's log)")
             if self._held >= self.max_queue + self.slots:
                 raise QueueFull(f"{self._held - self.slots} requests are waiting (--max-queue {self.max_queue})")
             self._held += 1
