@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -24,7 +26,7 @@ from moe_jax.backends.metrics import BackendMetrics
 from moe_jax.compile_memory import trim_after_compiles
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, read_adapter
+from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, projection_adapters, read_adapter
 from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
 from moe_jax.formats.hub import resolve_model
 from moe_jax.formats.tokenizer import Tokenizer, load_tokenizer
@@ -33,6 +35,7 @@ from moe_jax.generation.generate import generate
 from moe_jax.generation.kv_cache import KVCacheMemory
 from moe_jax.model.config import ModelConfig
 from moe_jax.model.lora import EXPERTS_TARGET, LoRAConfig, attach_lora, resolve_targets
+from moe_jax.model.served_adapters import NO_ADAPTER, attach_served
 from moe_jax.model.transformer import Transformer, build_transformer
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.memory_check import check_fits, load_bytes, quantization_hint
@@ -44,6 +47,7 @@ from moe_jax.planning.probe import cached_profile
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AUTO_DTYPE = "auto"  # the checkpoint's own (formats.checkpoint.Checkpoint.own_dtype)
 DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DTYPE_HELP = "weights and activations: auto (default) keeps the checkpoint's own, bfloat16 for a bfloat16 one"
 
 
@@ -68,6 +72,7 @@ class Model:
         self.checkpoint = checkpoint
         self.expert_shard: ExpertShard | None = placement.expert_shard  # expert parallel: this process's experts
         self.lora_config: LoRAConfig | None = None
+        self.served_adapters: tuple[str, ...] = ()  # chosen per request (serve_adapters); index i + 1 each
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
         self.kv = KVCacheMemory(self.config, DTYPES[dtype])
         self.generation = CompiledGeneration(self)
@@ -134,6 +139,42 @@ class Model:
         apply_adapter(transformer, tensors, adapter_dir)
         self._set_transformer(transformer)
         self.lora_config = config
+
+    def serve_adapters(self, adapters: Mapping[str, str | Path]):
+        """Holds these LoRA adapters ({name: PEFT directory or train run}) side by side for generation requests
+        that each choose one by name (`generate(adapter=...)`, the server's --lora-modules); one batch mixes them
+        (model/served_adapters.py). Replaces the set served before ({}: none); an adapter attached with
+        `load_adapter` stays under all of them. Adapters on the attention and MLP projections only: routed
+        experts' adapters cannot change from row to row of the host experts' call."""
+        loaded = []
+        for name, path in adapters.items():
+            if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+                raise InputError(
+                    f"adapter name {name!r}: use letters, digits and . _ - (at most 64, starting with a letter or "
+                    "digit); a request names it as the model or as <model>:<name>"
+                )
+            directory = resolve_adapter_dir(path)
+            if not directory.is_dir():
+                raise CheckpointError(f"{path}: no such adapter directory (adapter {name!r})")
+            config, tensors = read_adapter(directory)
+            config = dataclasses.replace(config, targets=resolve_targets(config.targets, self.config))
+            if EXPERTS_TARGET in config.targets:
+                raise InputError(
+                    f"adapter {name!r} ({path}) trains the routed experts: per-request adapters cover the "
+                    "attention and MLP projections; load it as the model's own adapter (--adapter) instead"
+                )
+            loaded.append((projection_adapters(self.transformer, config, tensors, directory), config.scale))
+        self._edit(lambda transformer: attach_served(transformer, loaded))
+        self.served_adapters = tuple(adapters)
+
+    def adapter_index(self, name: str | None) -> int:
+        """The index generation requests carry for a served adapter's name (0 for None: the model as loaded)."""
+        if name is None:
+            return NO_ADAPTER
+        if name not in self.served_adapters:
+            served = ", ".join(self.served_adapters) or "none (Model.serve_adapters, the server's --lora-modules)"
+            raise InputError(f"no adapter named {name!r} is served; served: {served}")
+        return self.served_adapters.index(name) + 1
 
     def _check_shardable(self, config: LoRAConfig):
         if self.expert_shard is not None and EXPERTS_TARGET in config.targets:
@@ -286,10 +327,27 @@ class Model:
         return self.generation.engine(slots, max_len, anchor_cache)
 
     def generate(
-        self, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+        self,
+        prompts,
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        adapter: str | list[str | None] | None = None,
     ) -> list:
-        """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings."""
-        return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings. `adapter`:
+        a served adapter's name (`serve_adapters`) for every prompt, or one per prompt (None: the model as
+        loaded)."""
+        return generate(
+            self,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            adapter=adapter,
+        )
 
 
 def load_model(
@@ -298,6 +356,7 @@ def load_model(
     backend: str = "host",
     dtype: str = AUTO_DTYPE,
     adapter=None,
+    adapters: Mapping[str, str | Path] | None = None,
     host_threads: int | None = None,
     device_budget_bytes: int | None = None,
     kv_fraction: float | None = None,
@@ -322,6 +381,8 @@ def load_model(
     for a bfloat16 (or fp8, or quantized GGUF) checkpoint, float32 for a float32 or float16 one; or "float32" /
     "bfloat16" whatever it holds. `Model.dtype` says which was chosen.
 
+    `adapter`: a LoRA adapter directory (PEFT format, or a train run) attached to the model; `adapters`: {name:
+    directory} of adapters each generation request may choose (`Model.serve_adapters`).
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
     `device_budget_bytes` is the device memory for expert weights (offload's rounds, auto's cache and streams);
     with `kv_fraction`, that share of it goes to the KV cache instead (see `Model.set_memory_split`).
@@ -418,6 +479,8 @@ def load_model(
             model.kv.budget_bytes = int(kv_fraction * device_budget_bytes)
     if adapter is not None:
         model.load_adapter(adapter)
+    if adapters:
+        model.serve_adapters(adapters)
     return model
 
 

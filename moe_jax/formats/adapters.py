@@ -76,8 +76,8 @@ def export_peft(transformer, lora_config: LoRAConfig, out_dir, base_model: str) 
     projections, experts = lora_modules(transformer)
     tensors = {}
     for name, module in projections:
-        tensors[f"base_model.model.{name}.lora_A.weight"] = np.asarray(module.lora_a[...], np.float32).T.copy()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = np.asarray(module.lora_b[...], np.float32).T.copy()
+        tensors[_peft_key(name, "A")] = np.asarray(module.lora_a[...], np.float32).T.copy()
+        tensors[_peft_key(name, "B")] = np.asarray(module.lora_b[...], np.float32).T.copy()
     peft_targets = sorted({t for t in lora_config.targets if t != EXPERTS_TARGET})
     config = {
         "peft_type": "LORA",
@@ -218,13 +218,45 @@ def adapter_config(config, config_file, targets=None) -> LoRAConfig:
 def apply_adapter(transformer, tensors: dict[str, np.ndarray], source) -> None:
     """Copies adapter tensors into the attached (freshly initialised) adapters; refuses what does not fit."""
     projections, experts = lora_modules(transformer)
-    expected = {}
+    owners = {}
     for name, module in projections:
-        expected[f"base_model.model.{name}.lora_A.weight"] = (module, "lora_a", True)
-        expected[f"base_model.model.{name}.lora_B.weight"] = (module, "lora_b", True)
+        owners[_peft_key(name, "A")] = (module, "lora_a", True)
+        owners[_peft_key(name, "B")] = (module, "lora_b", True)
     for name, mod in experts:
         for key in mod.lora:
-            expected[f"{name}.{key}"] = (mod.lora, key, False)
+            owners[f"{name}.{key}"] = (mod.lora, key, False)
+
+    def target_of(owner, attr):
+        return getattr(owner, attr) if not isinstance(owner, nnx.Dict) else owner[attr]
+
+    expected = {key: (tuple(target_of(owner, attr).shape), t) for key, (owner, attr, t) in owners.items()}
+    for key, value in checked_tensors(expected, tensors, source).items():
+        owner, attr, _ = owners[key]
+        target = target_of(owner, attr)
+        target[...] = jnp.asarray(value, target.dtype)
+
+
+def projection_adapters(transformer, lora_config: LoRAConfig, tensors: dict[str, np.ndarray], source) -> dict:
+    """{projection path: (A [in, r], B [r, out])} of an adapter on the attention / MLP projections, for a model
+    that does not attach it (per-request adapters); refuses what does not fit, as `apply_adapter`."""
+    projections = {}
+    for path, module in nnx.iter_modules(transformer):
+        if isinstance(module, Projection) and path and str(path[-1]) in lora_config.targets:
+            projections[hf_names.module_name(path, transformer.config)] = (path, module.weight.shape)
+    expected = {}
+    for name, (_, (fan_in, fan_out)) in projections.items():
+        expected[_peft_key(name, "A")] = ((fan_in, lora_config.rank), True)
+        expected[_peft_key(name, "B")] = ((lora_config.rank, fan_out), True)
+    values = checked_tensors(expected, tensors, source)
+    return {
+        path: (values[_peft_key(name, "A")], values[_peft_key(name, "B")]) for name, (path, _) in projections.items()
+    }
+
+
+def checked_tensors(expected: dict[str, tuple[tuple[int, ...], bool]], tensors: dict[str, np.ndarray], source):
+    """{name: array} of an adapter's tensors for `expected` {name: (shape in moe_jax's layout, whether peft's is
+    its transpose)}, in moe_jax's layout: none missing or extra, each of its shape and finite, or a CheckpointError
+    naming `source`."""
     peft_names = {_strip_default(k): k for k in tensors}
     missing = sorted(set(expected) - set(peft_names))
     extra = sorted(set(peft_names) - set(expected))
@@ -234,17 +266,20 @@ def apply_adapter(transformer, tensors: dict[str, np.ndarray], source) -> None:
             + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}; " if missing else "")
             + (f"unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}" if extra else "")
         )
-    for key, (owner, attr, transpose) in expected.items():
+    values = {}
+    for key, (shape, transpose) in expected.items():
         value = tensors[peft_names[key]]
         value = value.T if transpose else value
-        target = getattr(owner, attr) if not isinstance(owner, nnx.Dict) else owner[attr]
-        if tuple(value.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"{source}: adapter tensor {key} has shape {value.shape}, this model needs {tuple(target.shape)}"
-            )
+        if tuple(value.shape) != tuple(shape):
+            raise CheckpointError(f"{source}: adapter tensor {key} has shape {value.shape}, this model needs {shape}")
         if not np.isfinite(value).all():  # would turn every output into NaN, silently
             raise CheckpointError(f"{source}: adapter tensor {key} holds NaN or infinite values")
-        target[...] = jnp.asarray(value, target.dtype)
+        values[key] = value
+    return values
+
+
+def _peft_key(module_name: str, side: str) -> str:
+    return f"base_model.model.{module_name}.lora_{side}.weight"
 
 
 def _strip_default(key: str) -> str:

@@ -64,6 +64,7 @@ class Request:
     max_new_tokens: int
     seed: int = 0
     cache_scope: bytes = b""  # the anchor cache entries it may read and writes: only those of its own scope
+    adapter: int = 0  # the served adapter its rows run through (Model.adapter_index; 0: none)
 
 
 @dataclass
@@ -211,7 +212,10 @@ class Batch:
         host_tokens = np.zeros((rows, 1), np.int32)
         from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
         positions = np.zeros((rows, 1), np.int32)
+        adapters = self.engine.adapter_ids(rows)
         for slot, s in self.active.items():
+            if adapters is not None:
+                adapters[slot] = s.job.request.adapter
             if s.fresh:
                 host_tokens[slot, 0] = s.out[-1]
             else:  # its next input is the previous step's argmax
@@ -221,14 +225,23 @@ class Batch:
             s.position += steps
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode(
-                self.caches, host_tokens, from_host, self.last_tokens, positions
+                self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
             )
             return _Step(logits, self.last_tokens, dict(self.active))
         watched = np.zeros(rows, bool)  # rows whose EOS ends the block: a job that ends there spends no more steps
         watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
         stop_ids = stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values())))
         out, self.last_tokens, self.caches, ran = self.engine.decode(
-            self.caches, host_tokens, from_host, self.last_tokens, positions, steps, self.block_steps, stop_ids, watched
+            self.caches,
+            host_tokens,
+            from_host,
+            self.last_tokens,
+            positions,
+            adapters,
+            steps,
+            self.block_steps,
+            stop_ids,
+            watched,
         )
         return _Step(None, out, dict(self.active), steps, ran if watched.any() else None)
 

@@ -27,6 +27,7 @@ from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.model.layers import native_prefill
+from moe_jax.model.served_adapters import adapter_rows
 from moe_jax.native.argmax import argmax_tokens
 
 __all__ = ["Completion", "EngineStats", "GenerationEngine", "Request"]
@@ -94,6 +95,22 @@ class GenerationEngine:
                 f"{where}{len(request.tokens)} prompt tokens + {request.max_new_tokens} new tokens do not fit this "
                 f"engine's {self.max_len}-token cache (or the prompt is empty)"
             )
+        if not 0 <= request.adapter <= len(self.model.served_adapters):
+            raise InputError(
+                f"{where}adapter index {request.adapter}: the model serves {len(self.model.served_adapters)} adapters"
+            )
+
+    def adapter_ids(self, rows: int) -> np.ndarray | None:
+        """A step's per-row adapter indices to fill (zeros: none), or None when the model serves no adapters
+        (its steps then take none)."""
+        return np.zeros(rows, np.int32) if self.model.served_adapters else None
+
+    def anchor_scope(self, request: Request) -> bytes:
+        """The anchor cache scope of a request's KV: its own, and apart for each adapter, whose KV is not the
+        base model's."""
+        if not request.adapter:
+            return request.cache_scope
+        return request.cache_scope + b"\0adapter=" + self.model.served_adapters[request.adapter - 1].encode()
 
     def run(
         self,
@@ -158,12 +175,14 @@ class GenerationEngine:
         from_host,
         last_tokens,
         positions,
+        adapters: np.ndarray | None = None,
         steps: int = 1,
         block: int = 0,
         stop_ids: np.ndarray | None = None,
         watched: np.ndarray | None = None,
     ):
-        """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for): one step's
+        """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for; `adapters`:
+        each row's served adapter, `adapter_ids`): one step's
         (logits, argmax tokens of every slot, caches), or for more than one, greedy throughout, (their argmax
         tokens [block, rows] (rows past the steps run zeros), the last step's argmax tokens of every slot, caches,
         the steps run: fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads;
@@ -174,7 +193,7 @@ class GenerationEngine:
         self.stats.decode_steps += steps
         self.stats.decode_calls += 1
         rows = len(host_tokens) if len(host_tokens) < len(last_tokens) else None  # None: every slot
-        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions)
+        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters)
         if steps == 1:
             return self._steps.decode(*args, rows=rows)
         block = max(block, steps)
@@ -187,7 +206,7 @@ class GenerationEngine:
         suffixes, reused = [], []
         for slot, job in admitted:
             tokens = job.request.tokens
-            scope = job.request.cache_scope
+            scope = self.anchor_scope(job.request)
             n, prefix = self.anchor_cache.lookup(tokens, scope) if self.anchor_cache else (0, [])
             if n:
                 padded = round_up(n, TOKEN_BUCKET)
@@ -203,6 +222,7 @@ class GenerationEngine:
         if self.prefill_widths is not None:
             width = min((w for w in self.prefill_widths if w >= width), default=max(self.prefill_widths))
         rows = row_bucket(len(admitted))
+        adapters = self.adapter_ids(rows)
         for chunk_start in range(0, longest, width):
             slot_ids = np.zeros(rows, np.int32)
             tokens = np.zeros((rows, width), np.int32)
@@ -212,11 +232,13 @@ class GenerationEngine:
                 i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
                 suffix = suffixes[i][chunk_start : chunk_start + width]
                 slot_ids[row] = admitted[i][0]
+                if adapters is not None:
+                    adapters[row] = admitted[i][1].request.adapter
                 tokens[row, : len(suffix)] = suffix
                 positions[row] = reused[i] + chunk_start + np.arange(width)
                 last[row] = max(len(suffix) - 1, 0)
             step_logits, caches = self.model.run_jitted(
-                self._steps.prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last
+                self._steps.prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last, adapters
             )
             step_logits = np.asarray(step_logits)
             for i, suffix in enumerate(suffixes):
@@ -224,7 +246,7 @@ class GenerationEngine:
                     first_logits[i] = step_logits[i]
         if self.anchor_cache is not None:
             for slot, job in admitted:
-                self._store_anchors(caches, slot, job.request.tokens, job.request.cache_scope)
+                self._store_anchors(caches, slot, job.request.tokens, self.anchor_scope(job.request))
         self.stats.prefill_s += time.perf_counter() - start
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
         return caches, reused, first_logits
@@ -286,9 +308,10 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
 
-    def prefill(leaves, caches, slot_ids, tokens, positions, last):
+    def prefill(leaves, caches, slot_ids, tokens, positions, last, adapters):
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
-        with native_prefill():  # the dense products on the decode steps' packed weights, where the plan packs them
+        # the dense products on the decode steps' packed weights, where the plan packs them
+        with native_prefill(), adapter_rows(adapters):
             logits, rows = merged(leaves)(tokens, positions, rows, last)
         caches = [
             (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))
@@ -296,16 +319,18 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ]
         return logits[:, 0], caches
 
-    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, rows=None):
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, adapters, rows=None):
         """One token for each of the first `rows` slots (static: a compiled step per count; None: all): the host's token
         where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
-        each other without the host. Returns (logits [rows, vocab], argmax tokens of all slots, caches). Fewer
-        rows than slots read and write those rows' caches only (the copy of their rows costs less than
-        computing the idle ones: a server's batch is rarely full)."""
+        each other without the host; each row through its served adapter (`adapters` [rows], or None). Returns
+        (logits [rows, vocab], argmax tokens of all slots, caches). Fewer rows than slots read and write those
+        rows' caches only (the copy of their rows costs less than computing the idle ones: a server's batch is
+        rarely full)."""
         every = rows is None or rows == caches[0][0].shape[0]
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
         part = caches if every else [(k[:rows], v[:rows]) for k, v in caches]
-        logits, part = merged(leaves)(tokens, positions, part)
+        with adapter_rows(adapters):
+            logits, part = merged(leaves)(tokens, positions, part)
         if not every:
             part = [(k.at[:rows].set(pk), v.at[:rows].set(pv)) for (k, v), (pk, pv) in zip(caches, part, strict=True)]
         logits = logits[:, 0]
@@ -318,6 +343,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         from_host,
         last_tokens,
         positions,
+        adapters,
         steps,
         stop_ids,
         watched,
@@ -340,7 +366,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
         def step(carry):
             i, out, last, caches, _ = carry
-            _, last, caches = decode(leaves, caches, host_tokens, from_host & (i == 0), last, positions + i, rows)
+            first = from_host & (i == 0)
+            _, last, caches = decode(leaves, caches, host_tokens, first, last, positions + i, adapters, rows)
             tokens = last[:count, 0]
             stopped = (watched & (tokens[:, None] == stop_ids[None, :]).any(axis=1)).any()
             return i + 1, out.at[i].set(tokens), last, caches, stopped

@@ -13,10 +13,18 @@ import numpy as np
 from moe_jax.errors import InputError
 from moe_jax.generation.engine import Completion, Request
 from moe_jax.generation.sampling import check_sampling
+from moe_jax.model.served_adapters import NO_ADAPTER
 
 
 def generate(
-    model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    model,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    adapter: str | list[str | None] | None = None,
 ) -> list:
     check_sampling(temperature, top_p, seed=seed)
     if max_new_tokens < 1:
@@ -34,7 +42,12 @@ def generate(
         if not p:
             raise InputError(f"prompt {i} is empty")
         model.check_token_ids(np.asarray(p))
-    outputs = [c.tokens for c in generate_tokens(model, token_prompts, max_new_tokens, temperature, top_p, seed)]
+    names = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+    if len(names) != len(prompts):
+        raise InputError(f"{len(names)} adapters for {len(prompts)} prompts: give one per prompt, or one name")
+    adapters = [model.adapter_index(name) for name in names]
+    completions = generate_tokens(model, token_prompts, max_new_tokens, temperature, top_p, seed, adapters=adapters)
+    outputs = [c.tokens for c in completions]
     if as_text:
         return [model.tokenizer.decode(o) for o in outputs]
     return outputs
@@ -52,9 +65,11 @@ def generate_tokens(
     timings: dict | None = None,
     slots: int | None = None,
     anchor_cache=None,
+    adapters: list[int] | None = None,
 ) -> list[Completion]:
     """Generates for each prompt until EOS, `should_stop(index, tokens)` or `max_new_tokens`, with continuous
-    batching over `slots` KV-cache rows (default: up to 16). Prompt i samples with seed `seed + i`.
+    batching over `slots` KV-cache rows (default: up to 16). Prompt i samples with seed `seed + i` and, with
+    `adapters`, through served adapter `adapters[i]` (`Model.adapter_index`).
 
     `timings`, when given, receives prefill/decode seconds and token counts (added to what it holds).
     """
@@ -65,7 +80,9 @@ def generate_tokens(
             f"({model.config.max_position_embeddings})"
         )
     engine = model.engine(slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache)
-    requests = [Request(list(p), max_new_tokens, seed + i) for i, p in enumerate(prompts)]
+    adapters = adapters or [NO_ADAPTER] * len(prompts)
+    pairs = enumerate(zip(prompts, adapters, strict=True))
+    requests = [Request(list(p), max_new_tokens, seed + i, adapter=a) for i, (p, a) in pairs]
     completions = engine.run(
         requests, temperature, top_p, top_k, eos_ids=model.config.eos_token_ids, should_stop=should_stop
     )

@@ -114,6 +114,13 @@ def native_prefill():
     return _set_while(_NATIVE_PREFILL, True)
 
 
+def micro_batch_slice(whole):
+    """The rows of a whole batch's per-row array (first axis) that the micro-batch being traced holds (all of
+    them outside a micro-batch)."""
+    rows = _DROPOUT_ROWS.get()
+    return whole if rows is None else whole[rows[0] : rows[1]]
+
+
 def _dropout_mask(key, keep: float, shape):
     """The keep mask for an input of `shape`: of the whole batch's rows when inside a micro-batch (its first
     axis is then this micro-batch's rows, or its rows x tokens once flattened)."""
@@ -229,6 +236,7 @@ class Projection(nnx.Module):
         self.lora_scale = 0.0
         self.lora_dropout = 0.0
         self.lora_index = 0  # distinct per adapter, so each draws its own dropout mask
+        self.served = nnx.data(None)  # adapters chosen per request (model.served_adapters.ServedLoRA), if any
 
     def attach_lora(self, a_ir, b_ro, scale: float, dropout: float = 0.0, index: int = 0):
         self.lora_a = LoRAParam(a_ir)
@@ -270,6 +278,10 @@ class Projection(nnx.Module):
                 x_in = jnp.where(mask, x / keep, 0).astype(x.dtype)
             a, b = self.lora_a[...], self.lora_b[...]  # float32; the update joins y in y's dtype
             y = y + (self.lora_scale * ((x_in.astype(a.dtype) @ a) @ b)).astype(y.dtype)
+        if self.served is not None:
+            update = self.served.update(x)
+            if update is not None:
+                y = y + update.astype(y.dtype)
         return y
 
 

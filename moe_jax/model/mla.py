@@ -13,6 +13,8 @@ Two forms of the same function:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -98,6 +100,9 @@ class MLAttention(nnx.Module):
         q = q_b1hd[:, 0]
         f32 = jnp.float32
         q_latent_bhr = jnp.einsum("bhn,rhn->bhr", q[..., : m.nope_dim], w_uk_rhn, preferred_element_type=f32)
+        served = self._served_absorbed(q.shape[0])
+        if served is not None:
+            q_latent_bhr += served.query(q[..., : m.nope_dim])
         scores = jnp.einsum("bhr,bsr->bhs", q_latent_bhr.astype(q.dtype), latent_bsr, preferred_element_type=f32)
         scores += jnp.einsum("bhp,bsp->bhs", q[..., m.nope_dim :], rope_bsp, preferred_element_type=f32)
         allowed = k_pos_bs <= q_pos_b1  # [b, s]
@@ -105,4 +110,40 @@ class MLAttention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         context_bhr = jnp.einsum("bhs,bsr->bhr", probs, latent_bsr, preferred_element_type=f32).astype(q.dtype)
         out = jnp.einsum("bhr,rhv->bhv", context_bhr, w_uv_rhv, preferred_element_type=f32)
+        if served is not None:
+            out += served.output(context_bhr)
         return out.astype(q.dtype)[:, None]
+
+    def _served_absorbed(self, rows: int):
+        """The rows' per-request adapters on kv_b_proj in the absorbed form, or None (none served, or none chosen
+        in this step)."""
+        served = self.kv_b_proj.served
+        weights = served.row_weights((rows,)) if served is not None else None
+        if weights is None:
+            return None
+        m = self.mla
+        b_jhd = served.b[...].reshape(-1, self.num_heads, m.nope_dim + m.v_dim)
+        return AbsorbedAdapters(served.a[...], b_jhd[..., : m.nope_dim], b_jhd[..., m.nope_dim :], *weights)
+
+
+class AbsorbedAdapters(NamedTuple):
+    """Per-request adapters on kv_b_proj (W [latent, heads x (nope + v)] += A @ B, A [latent, R]) in the absorbed
+    decode: the query's latent gains q . (A @ B_uk) and the output ctx . (A @ B_uv), each row through its own
+    adapter's columns (`ServedLoRA.row_weights`), without forming any row's W."""
+
+    a_rj: jax.Array
+    b_uk_jhn: jax.Array
+    b_uv_jhv: jax.Array
+    mask_bj: jax.Array
+    scale_b: jax.Array
+
+    def _weighted(self, t_bhj):
+        return t_bhj * (self.mask_bj * self.scale_b[:, None])[:, None, :]
+
+    def query(self, q_nope_bhn):
+        t = jnp.einsum("bhn,jhn->bhj", q_nope_bhn.astype(jnp.float32), self.b_uk_jhn)
+        return jnp.einsum("bhj,rj->bhr", self._weighted(t), self.a_rj)
+
+    def output(self, context_bhr):
+        t = jnp.einsum("bhr,rj->bhj", context_bhr.astype(jnp.float32), self.a_rj)
+        return jnp.einsum("bhj,jhv->bhv", self._weighted(t), self.b_uv_jhv)
