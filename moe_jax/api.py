@@ -73,6 +73,7 @@ class Model:
         self.expert_shard: ExpertShard | None = placement.expert_shard  # expert parallel: this process's experts
         self.lora_config: LoRAConfig | None = None
         self.served_adapters: tuple[str, ...] = ()  # chosen per request (serve_adapters); index i + 1 each
+        self.adapter_sources: dict[str, str] = {}  # each served adapter's directory
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
         self.kv = KVCacheMemory(self.config, DTYPES[dtype])
         self.generation = CompiledGeneration(self)
@@ -146,7 +147,7 @@ class Model:
         (model/served_adapters.py). Replaces the set served before ({}: none); an adapter attached with
         `load_adapter` stays under all of them. Adapters on the attention and MLP projections only: routed
         experts' adapters cannot change from row to row of the host experts' call."""
-        loaded = []
+        loaded, sources = [], {}
         for name, path in adapters.items():
             if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
                 raise InputError(
@@ -164,8 +165,9 @@ class Model:
                     "attention and MLP projections; load it as the model's own adapter (--adapter) instead"
                 )
             loaded.append((projection_adapters(self.transformer, config, tensors, directory), config.scale))
+            sources[name] = str(directory)
         self._edit(lambda transformer: attach_served(transformer, loaded))
-        self.served_adapters = tuple(adapters)
+        self.served_adapters, self.adapter_sources = tuple(adapters), sources
 
     def adapter_index(self, name: str | None) -> int:
         """The index generation requests carry for a served adapter's name (0 for None: the model as loaded)."""

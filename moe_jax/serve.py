@@ -39,7 +39,18 @@ SHUTDOWN_MARGIN_S = 5
 def parse_args(argv):
     p = argparse.ArgumentParser(prog=prog("serve"), description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help=MODEL_HELP)
-    p.add_argument("--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train.py run)")
+    p.add_argument(
+        "--adapter", type=Path, help="LoRA adapter directory (PEFT format, or a train run) under every request"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters a request chooses by name (model: NAME, or <model>:NAME, or an adapter field), "
+        "batched together: attention and MLP targets",
+    )
     p.add_argument(
         "--backend", default="host", choices=list(BACKENDS), help="where the experts compute (default: host)"
     )
@@ -98,6 +109,19 @@ def check_settings(args):
         raise InputError(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
 
 
+def lora_modules(given: list[str]) -> dict[str, Path]:
+    """{name: directory} of --lora-modules NAME=PATH ..."""
+    named = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InputError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in named:
+            raise InputError(f"--lora-modules names {name!r} twice")
+        named[name] = Path(path)
+    return named
+
+
 def served_name(model) -> str:
     """What clients call the model by default: its Hub id as given, else its directory's (or file's) name."""
     return str(model) if hub_id(model) is not None else Path(model).resolve().name
@@ -113,6 +137,7 @@ def main(argv=None):
         backend=args.backend,
         dtype=args.dtype,
         adapter=args.adapter,
+        adapters=lora_modules(args.lora_modules),
         host_threads=args.host_threads,
         quant=args.quant,
     )
@@ -137,7 +162,8 @@ def main(argv=None):
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(
         f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "
-        f"tokens) on http://{args.host}:{args.port}/v1",
+        f"tokens{', adapters ' + ', '.join(model.served_adapters) if model.served_adapters else ''}) on "
+        f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )

@@ -41,7 +41,8 @@ class CountTokensRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None  # the served model when left out
+    model: str | None = None  # the served model when left out; a served adapter's name, or <model>:<adapter>
+    adapter: str | None = Field(None, max_length=128)  # a served adapter (--lora-modules), as `model` can name one
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict] | None = None
     tools: list[AnthropicTool] | None = None

@@ -98,25 +98,44 @@ def create_app(
     async def failed(request: Request, error: Exception):
         return _error_response(request.url.path, ApiError(500, f"generation failed: {error}", "server_error"))
 
-    def served_model(name: str | None) -> str:
-        """The served model's name for a request that names it or leaves it out; a 404 for any other."""
-        if name is not None and name != service.name:
+    adapters = service.model.served_adapters
+
+    def served_model(name: str | None, adapter: str | None = None) -> tuple[str, int]:
+        """(the name the answer carries, the served adapter's index, 0 for none) for a request's `model` (the
+        served model, left out, a served adapter's name or <model>:<adapter>) and `adapter` fields; a 404 for a
+        model or adapter not served here."""
+        chosen = name
+        if name is not None and name.startswith(service.name + ":"):
+            chosen = name[len(service.name) + 1 :]
+        elif name in (None, service.name):
+            chosen = None
+        if adapter is not None:
+            if chosen not in (None, adapter):
+                raise ApiError(400, f"the request names the model {name!r} and the adapter {adapter!r}: give one")
+            chosen = adapter
+        if chosen is not None and chosen not in adapters:
+            listed = f" and its adapters {', '.join(map(repr, adapters))}" if adapters else ""
             raise ApiError(
                 404,
-                f"the model {name!r} does not exist here; this server serves {service.name!r}",
+                f"the model {name if adapter is None else adapter!r} does not exist here; this server serves "
+                f"{service.name!r}{listed}",
                 "not_found_error",
                 "model_not_found",
             )
-        return service.name
+        return (name or service.name), (0 if chosen is None else adapters.index(chosen) + 1)
 
-    def model_card() -> dict:
-        return {
-            "id": service.name,
+    def model_card(name: str | None = None) -> dict:
+        """The served model's card, or a served adapter's (as vLLM lists its LoRA modules: parent, root)."""
+        card = {
+            "id": name or service.name,
             "object": "model",
             "created": service.started,
             "owned_by": "moe_jax",
             "max_model_len": service.context,
         }
+        if name is not None:
+            card.update(parent=service.name, root=service.model.adapter_sources[name])
+        return card
 
     @app.get("/health")
     async def health():
@@ -128,22 +147,23 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(a) for a in adapters)]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str):  # (:path: a Hub-style name holds a slash)
-        served_model(name)
-        return model_card()
+        _, adapter = served_model(name)
+        return model_card(adapters[adapter - 1] if adapter else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: openai_api.ChatRequest, request: Request):
-        body.model = served_model(body.model)
+        body.model, adapter = served_model(body.model, body.adapter)
         body.check()
         tokens, text = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools, body.chat_template_kwargs
         )
         constraint = await _constraint(service, body)
-        prompt = body.checked_prompt(service, tokens, text, body.limit, _scope(request, body.cache_salt), constraint)
+        scope = _scope(request, body.cache_salt)
+        prompt = body.checked_prompt(service, tokens, text, body.limit, scope, constraint, adapter)
         generations = submit_choices(service, prompt, body.n)
         request_id = openai_api.new_id("chatcmpl-")
         if body.stream:
@@ -154,7 +174,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: Request):
-        body.model = served_model(body.model)
+        body.model, adapter = served_model(body.model, body.adapter)
         body.check()
         given = body.single_prompt()
         if isinstance(given, str):
@@ -163,7 +183,7 @@ def create_app(
             tokens, text = list(given), None
         constraint = await _constraint(service, body)
         scope = _scope(request, body.cache_salt)
-        prompt = body.checked_prompt(service, tokens, text, body.max_tokens, scope, constraint)
+        prompt = body.checked_prompt(service, tokens, text, body.max_tokens, scope, constraint, adapter)
         generations = submit_choices(service, prompt, body.n, Dialect())  # plain text: no markup to read
         request_id = openai_api.new_id("cmpl-")
         if body.stream:
@@ -174,7 +194,7 @@ def create_app(
 
     @app.post("/v1/messages")
     async def messages(body: anthropic_api.MessagesRequest, request: Request):
-        body.model = served_model(body.model)
+        body.model, adapter = served_model(body.model, body.adapter)
         tokens, text = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools(), body.template_kwargs()
         )
@@ -186,6 +206,7 @@ def create_app(
             seed=None,
             stops=body.stops,
             cache_scope=_scope(request, body.cache_salt),
+            adapter=adapter,
         )
         generation = service.submit(prompt)
         message_id = openai_api.new_id("msg_")
@@ -198,7 +219,7 @@ def create_app(
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic_api.CountTokensRequest):
-        served_model(body.model)
+        served_model(body.model, body.adapter)
         tokens, _ = await service.off_loop(
             service.chat_prompt, body.template_messages(), body.template_tools(), body.template_kwargs()
         )

@@ -36,6 +36,7 @@ class Prompt:
     eos_ids: frozenset[int]
     cache_scope: bytes = b""
     constraint: Constraint | None = None  # the grammar the output keeps to, at its start (each generation copies it)
+    adapter: int = 0  # the served adapter it runs through (Model.adapter_index; 0: none)
 
 
 class ClientGone(Exception):
@@ -95,7 +96,7 @@ class Generation:
         self.logprobs: list[TokenLogprobs] = []  # every output token's, as they reach the loop (logprobs asked)
         self._logprobs_taken = 0
         self._unposted_logprobs: list[TokenLogprobs] = []  # engine thread: of tokens whose text is held back
-        request = Request(prompt.tokens, prompt.max_tokens, prompt.seed, prompt.cache_scope)
+        request = Request(prompt.tokens, prompt.max_tokens, prompt.seed, prompt.cache_scope, prompt.adapter)
         self.job = ServedJob(
             request,
             prompt.sampling,

@@ -50,7 +50,8 @@ MAX_TOP_LOGPROBS = 20  # the most likely tokens a request may ask to see at each
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields that change nothing here (user, metadata...)
 
-    model: str | None = None  # the served model when left out
+    model: str | None = None  # the served model when left out; a served adapter's name, or <model>:<adapter>
+    adapter: str | None = Field(None, max_length=128)  # a served adapter (--lora-modules), as `model` can name one
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -104,9 +105,17 @@ class _Body(BaseModel):
         return None
 
     def checked_prompt(
-        self, service, tokens: list[int], text: str | None, max_tokens: int | None, scope: bytes, constraint=None
+        self,
+        service,
+        tokens: list[int],
+        text: str | None,
+        max_tokens: int | None,
+        scope: bytes,
+        constraint=None,
+        adapter: int = 0,
     ):
-        """The checked prompt (`Service.prompt`) of `tokens` with this request's settings."""
+        """The checked prompt (`Service.prompt`) of `tokens` with this request's settings, through served adapter
+        `adapter` (0: none)."""
         return service.prompt(
             tokens,
             text,
@@ -117,6 +126,7 @@ class _Body(BaseModel):
             ignore_eos=self.ignore_eos,
             cache_scope=scope,
             constraint=constraint,
+            adapter=adapter,
         )
 
     @property

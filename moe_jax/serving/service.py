@@ -51,6 +51,8 @@ class Limits:
 
 class Service:
     def __init__(self, model, name: str, limits: Limits):
+        if name in model.served_adapters:
+            raise InputError(f"the served model's name {name!r} is also an adapter's: a request could mean either")
         self.model, self.name, self.limits = model, name, limits
         self.started = int(time.time())  # the model card's `created`
         self.tokenizer = model.tokenizer
@@ -140,10 +142,11 @@ class Service:
         ignore_eos: bool = False,
         cache_scope: bytes = b"",
         constraint: Constraint | None = None,
+        adapter: int = 0,
     ) -> Prompt:
         """A checked prompt; max_tokens None: whatever the context leaves; `cache_scope`: the anchor cache
         entries it may read and write (see `cache_scope()`); `constraint`: the grammar its output keeps to
-        (`output_constraint`)."""
+        (`output_constraint`); `adapter`: the served adapter it runs through (`model_choice`; 0: none)."""
         self.check_token_ids(tokens)
         vocab = self.model.config.vocab_size
         for token, _ in sampling.logit_bias:
@@ -168,6 +171,7 @@ class Service:
             frozenset() if ignore_eos else frozenset(self.model.config.eos_token_ids),
             cache_scope,
             constraint,
+            adapter,
         )
 
     def output_constraint(self, grammar: str) -> Constraint:
