@@ -192,6 +192,18 @@ def _step_stats(steps: list[float]) -> dict:
     }
 
 
+def bpe_model_dir() -> Path:
+    """The bench model with a 4,096-token byte-level BPE (links to its files), whose tokens can write JSON."""
+    source = bench_model_dir()
+    directory = Path(tempfile.gettempdir()) / "moe_jax_bench_mixtral_bpe"
+    directory.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json") and not (directory / f.name).exists():
+            (directory / f.name).symlink_to(f)
+    trained_tokenizer(4096).save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def engine_rows(rounds: int, new_tokens: int) -> list[dict]:
     """The bench model with a 4,096-token BPE: tokens/s decoding one sequence at temperature 1, constrained and
     free, in turn."""
@@ -201,13 +213,7 @@ def engine_rows(rounds: int, new_tokens: int) -> list[dict]:
     from moe_jax.generation.constraint import GrammarVocabulary, json_schema_grammar
     from moe_jax.generation.engine import GenerationEngine
 
-    source = bench_model_dir()
-    directory = Path(tempfile.gettempdir()) / "moe_jax_bench_mixtral_bpe"
-    directory.mkdir(exist_ok=True)
-    for f in source.iterdir():
-        if f.name not in ("tokenizer.json", "tokenizer_config.json") and not (directory / f.name).exists():
-            (directory / f.name).symlink_to(f)
-    trained_tokenizer(4096).save(str(directory / "tokenizer.json"))
+    directory = bpe_model_dir()
     model = load_model(directory)
     vocabulary = GrammarVocabulary(Tokenizer(directory), model.config.vocab_size, [0])
     constraint = vocabulary.compile(json_schema_grammar(SCHEMA))

@@ -120,3 +120,23 @@ def bench_model_dir(shape: str | None = None, layers: int | None = None) -> Path
     model.save_pretrained(partial)
     partial.rename(path)  # whole or not at all: an interrupted save is not mistaken for a model
     return path
+
+
+def random_adapter(model_dir, out: Path, seed: int, targets: tuple[str, ...], rank: int) -> Path:
+    """A LoRA adapter on `model_dir` with random A and B (not peft's zero B), so every output it touches changes,
+    exported to `out` as a training run does; for per-request adapters' tests and benchmarks."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import moe_jax
+    from moe_jax.formats.adapters import export_peft
+    from moe_jax.model.lora import LoRAConfig, split_trainable
+
+    model = moe_jax.load_model(model_dir)
+    model.attach_lora(LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets), seed=seed)
+    _, lora, _ = split_trainable(model.transformer)
+    rng = np.random.default_rng(seed)
+    model.set_lora_state(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), lora))
+    export_peft(model.transformer, model.lora_config, out, str(model_dir))
+    return out

@@ -9,11 +9,15 @@
    (with the rounds' lowest and highest ratio), and p50/p99 time to first token and inter-token latency as the
    clients saw them. Server and bench share this machine's cores: the clients' own work is in
    the server's numbers.
-2. Agent traces over HTTP (bench/data/agent_trace.json sent as chat messages, thinking dropped each turn, old
+2. Request options over HTTP (the bench model with a byte-level BPE, 16 streaming clients, each variant in turn):
+   per-request LoRA adapters (two rank-8 adapters served, requests rotating among them and none) against greedy
+   decoding on a server without adapters, and a JSON schema's constrained decoding (an agent's tool call,
+   temperature 1) against free sampling: tokens/s, inter-token latency and the ratio per round.
+3. Agent traces over HTTP (bench/data/agent_trace.json sent as chat messages, thinking dropped each turn, old
    tool results trimmed): `cached_tokens` over prompt tokens after the first two turns, and whether the outputs
    equal those of a server without the anchor cache.
 
-Writes bench/results/serve.json.
+Writes bench/results/serve.json and bench/reports/serve.md.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.agent_traces import TRACE, chat_requests, write_chat_tokenizer  # noqa: E402
-from bench.common import RESULTS, machine_info, print_table  # noqa: E402
-from bench.models import bench_model_dir  # noqa: E402
+from bench.common import RESULTS, machine_info, markdown_table, print_table, report_header, write_report  # noqa: E402
+from bench.constrained import SCHEMA, bpe_model_dir  # noqa: E402
+from bench.models import bench_model_dir, random_adapter  # noqa: E402
 from moe_jax import load_model  # noqa: E402
 from moe_jax.generation.engine import GenerationEngine, Request  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
@@ -97,23 +103,26 @@ async def stream_completion(connection, body: dict):
     await reader.readline()  # the empty line after the last chunk: the connection is ready for the next request
 
 
-async def stream_clients(port: int, prompts, clients: int) -> dict:
-    """`clients` concurrent streaming clients share `prompts` (each takes the next one when done)."""
-    queue = list(prompts)
+async def stream_clients(port: int, prompts, clients: int, options: Callable[[int], dict] | None = None) -> dict:
+    """`clients` concurrent streaming clients share `prompts` (each takes the next one when done); `options(i)`:
+    fields the i-th request sends besides (or instead of) greedy decoding's."""
+    queue = list(enumerate(prompts))
     first_token, gaps, tokens = [], [], 0
 
     async def one_client():
         nonlocal tokens
         connection = await asyncio.open_connection("127.0.0.1", port)
         while queue:
+            i, prompt = queue.pop()
             body = {
                 "model": "bench",
-                "prompt": queue.pop(),
+                "prompt": prompt,
                 "max_tokens": NEW_TOKENS,
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
                 "ignore_eos": True,
+                **(options(i) if options else {}),
             }
             sent, last = time.perf_counter(), None
             async for now, chunk in stream_completion(connection, body):
@@ -179,6 +188,59 @@ def throughput_table(model_dir: Path, client_counts: list[int], log_dir: Path) -
                     "ratio_max": max(ratios),
                 }
             )
+    return rows
+
+
+def options_table(clients: int, rounds: int, log_dir: Path) -> list[dict]:
+    """What a request's options cost per token over HTTP: `clients` streaming clients, each variant in turn for
+    `rounds` rounds, against its reference in the same round (per-request adapters against plain greedy decoding
+    on a server without adapters; a JSON schema's constrained decoding against free sampling)."""
+    model_dir = bpe_model_dir()
+    adapters_dir = Path(tempfile.mkdtemp(prefix="moe_jax_bench_adapters_"))
+    modules = [
+        f"{name}={random_adapter(model_dir, adapters_dir / name, seed, targets, 8)}"
+        for name, seed, targets in (("a", 1, ("q_proj", "v_proj", "o_proj")), ("b", 2, ("attention",)))
+    ]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(REQUESTS_PER_CLIENT * clients, vocab, seed=1)
+    schema = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": SCHEMA}}
+    variants = {  # name: (server, options, reference)
+        "greedy": ("plain", None, None),
+        "greedy, 2 adapters served": ("adapters", None, "greedy"),
+        "adapters a / b / none mixed": ("adapters", lambda i: {"model": ("a", "b", "bench")[i % 3]}, "greedy"),
+        "temperature 1": ("plain", lambda i: {"temperature": 1, "seed": i}, None),
+        "json_schema, temperature 1": (
+            "plain",
+            lambda i: {"temperature": 1, "seed": i, "response_format": schema},
+            "temperature 1",
+        ),
+    }
+    base = ["--model", str(model_dir), "--served-model-name", "bench", "--max-batch", str(MAX_BATCH)]
+    base += ["--max-model-len", str(PROMPT_TOKENS + NEW_TOKENS), "--anchor-cache-mb", "0"]
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    with (
+        running_server(base, log_dir / "options_plain.log") as plain,
+        running_server([*base, "--lora-modules", *modules], log_dir / "options_adapters.log") as with_adapters,
+    ):
+        ports = {"plain": plain.port, "adapters": with_adapters.port}
+        for round_ in range(rounds + 1):  # the first round compiles and warms: not counted
+            for name, (server, options, _) in variants.items():
+                result = asyncio.run(stream_clients(ports[server], prompts, clients, options))
+                if round_:
+                    runs[name].append(result)
+    rows = []
+    for name, (_, _, reference) in variants.items():
+        row = {
+            "request": name,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[name]),
+            "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in runs[name]),
+        }
+        if reference is not None:
+            ratios = [
+                r["tokens_per_s"] / ref["tokens_per_s"] for r, ref in zip(runs[name], runs[reference], strict=True)
+            ]
+            row.update(vs=reference, ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        rows.append(row)
     return rows
 
 
@@ -248,12 +310,22 @@ def main():
         f"server vs offline, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, --max-batch {MAX_BATCH}",
         throughput,
     )
+    options = options_table(MAX_BATCH, 2 if args.quick else ROUNDS, log_dir)
+    options_title = f"request options over HTTP, {MAX_BATCH} streaming clients, tokens/s against a reference"
+    print_table(options_title, options)
     traces = trace_table(model_dir, 6 if args.quick else None, log_dir)
     print_table("agent traces over HTTP: cached_tokens / prompt tokens after the first turns", traces)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "serve.json"
-    out.write_text(json.dumps({"machine": machine_info(), "throughput": throughput, "agent_traces": traces}, indent=1))
+    results = {"machine": machine_info(), "throughput": throughput, "options": options, "agent_traces": traces}
+    out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out} (server logs in {log_dir})")
+    lines = report_header("The server: throughput against offline generation, request options, agent traces")
+    lines += [f"## Server vs offline ({PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens)", ""]
+    lines += [*markdown_table(throughput), "", f"## {options_title[0].upper()}{options_title[1:]}", ""]
+    lines += [*markdown_table(options), "", "## Agent traces: cached tokens after the first turns", ""]
+    lines += [*markdown_table(traces), ""]
+    write_report("serve", lines)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import moe_jax  # noqa: E402
+from bench.models import random_adapter  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 from tests.test_serve import GREEDY, MODEL, NAME, chat_tokens, task_prompts  # noqa: E402
-from tests.test_served_adapters import make_adapter  # noqa: E402
 
 NEW = 10
 
@@ -24,8 +24,8 @@ NEW = 10
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     return {
-        "a": make_adapter(MODEL, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
-        "b": make_adapter(MODEL, root / "b", 2, ("k_proj", "o_proj"), 8),
+        "a": random_adapter(MODEL, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
+        "b": random_adapter(MODEL, root / "b", 2, ("k_proj", "o_proj"), 8),
     }
 
 

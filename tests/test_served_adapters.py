@@ -8,18 +8,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moe_jax
+from bench.models import random_adapter
 from moe_jax.errors import CheckpointError, InputError
-from moe_jax.formats.adapters import export_peft
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import Job
 from moe_jax.generation.engine import GenerationEngine, Request
-from moe_jax.model.lora import LoRAConfig, split_trainable
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "models" / "tiny-moe"
@@ -28,24 +25,13 @@ MIX = ["a", "b", None, "a", "b"]
 NEW = 12
 
 
-def make_adapter(model_dir, out: Path, seed: int, targets: tuple[str, ...], rank: int) -> Path:
-    """An adapter with random (not zero) A and B, so that every output it touches changes; exported as train does."""
-    model = moe_jax.load_model(model_dir)
-    model.attach_lora(LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets), seed=seed)
-    _, lora, _ = split_trainable(model.transformer)
-    rng = np.random.default_rng(seed)
-    model.set_lora_state(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), lora))
-    export_peft(model.transformer, model.lora_config, out, str(model_dir))
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """Two adapters on the bundled model: different targets (overlapping on o_proj) and ranks."""
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "a": make_adapter(BUNDLED, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
-        "b": make_adapter(BUNDLED, root / "b", 2, ("k_proj", "o_proj"), 8),
+        "a": random_adapter(BUNDLED, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
+        "b": random_adapter(BUNDLED, root / "b", 2, ("k_proj", "o_proj"), 8),
     }
 
 
@@ -122,8 +108,8 @@ def deepseek(tmp_path_factory):
     model_dir = save_hf_model(make_hf_model("deepseek_v3", seed=5), root / "model")
     return model_dir, {
         # kv_b_proj: the absorbed decode takes its adapter without forming the weight (mla.AbsorbedAdapters)
-        "a": make_adapter(model_dir, root / "a", 1, ("kv_b_proj", "o_proj"), 4),
-        "b": make_adapter(model_dir, root / "b", 2, ("attention", "up_proj"), 2),
+        "a": random_adapter(model_dir, root / "a", 1, ("kv_b_proj", "o_proj"), 4),
+        "b": random_adapter(model_dir, root / "b", 2, ("attention", "up_proj"), 2),
     }
 
 
@@ -154,14 +140,14 @@ def test_the_anchor_cache_keeps_each_adapters_kv_apart(adapters):
 
 def test_adapters_that_cannot_be_served_are_refused_by_name(adapters, tmp_path):
     model = moe_jax.load_model(BUNDLED)
-    experts = make_adapter(BUNDLED, tmp_path / "experts", 3, ("experts",), 2)
+    experts = random_adapter(BUNDLED, tmp_path / "experts", 3, ("experts",), 2)
     with pytest.raises(InputError, match="'e' .*trains the routed experts"):
         model.serve_adapters({"e": experts})
     with pytest.raises(InputError, match="adapter name 'a:b'"):
         model.serve_adapters({"a:b": adapters["a"]})
     with pytest.raises(CheckpointError, match="no such adapter directory"):
         model.serve_adapters({"x": tmp_path / "missing"})
-    other = make_adapter(BUNDLED, tmp_path / "other", 4, ("q_proj",), 2)
+    other = random_adapter(BUNDLED, tmp_path / "other", 4, ("q_proj",), 2)
     shutil.copy(adapters["b"] / "adapter_model.safetensors", other / "adapter_model.safetensors")  # not its tensors
     with pytest.raises(CheckpointError, match="adapter does not fit"):
         model.serve_adapters({"x": other})
