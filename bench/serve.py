@@ -235,6 +235,7 @@ def options_table(clients: int, rounds: int, log_dir: Path) -> list[dict]:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[name]),
             "itl_p50_ms": statistics.median(r["itl_p50_ms"] for r in runs[name]),
         }
+        row.update(vs="", ratio="", ratio_min="", ratio_max="")  # (a reference: the columns stay empty)
         if reference is not None:
             ratios = [
                 r["tokens_per_s"] / ref["tokens_per_s"] for r, ref in zip(runs[name], runs[reference], strict=True)
