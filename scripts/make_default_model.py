@@ -22,13 +22,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_jax.data.tasks import BASE_TASKS, FINETUNE_TASK, LETTERS, examples  # noqa: E402
+from moe_jax.data.tasks import BASE_TASKS, FINETUNE_TASK, LETTERS, examples, random_word  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHARS = list(LETTERS) + list("0123456789 >:.,!?-")
+# added after the first vocabulary, so its ids stay what they were: tools and their calls
+TOOL_SPECIALS = ["<|system|>", "<|tools|>", "<|tool|>", "<tool_call>", "</tool_call>"]
+TOOL_CHARS = list('{}[]"_()/;=+*')
+# A conversation: an optional tool list (each tool as name(parameters)), the turns, each assistant turn closed by
+# </s> (the model's EOS, so generation ends there) and its tool calls written as Hermes does (<tool_call> JSON
+# </tool_call>), which the server parses back into tool calls.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
-    "{% else %}<|assistant|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>{% for t in tools %}{% set f = t.function if t.function is defined else t %}"
+    "{{ f.name }}({{ (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined "
+    "else {}) | list | join(',') }}){% if not loop.last %};{% endif %}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
+    "{% elif m['role'] == 'system' %}<|system|>{{ m['content'] }}<|end|>"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}<|end|>"
+    "{% else %}<|assistant|>{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}</s>{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
@@ -36,11 +52,11 @@ CHAT_TEMPLATE = (
 def write_tokenizer(out: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS + TOOL_SPECIALS + TOOL_CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(SPECIALS + TOOL_SPECIALS)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -57,6 +73,34 @@ def write_tokenizer(out: Path):
     return tok, vocab
 
 
+def chat_text(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """A whole conversation in CHAT_TEMPLATE (the assistant's last turn included)."""
+    from moe_jax.formats.chat_template import render_template
+
+    return render_template(
+        CHAT_TEMPLATE, "", messages=messages, tools=tools, add_generation_prompt=False, bos_token="<s>", eos_token="</s>"
+    )
+
+
+def task_messages(prompt: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer.strip()}]
+
+
+def tool_conversation(rng: random.Random) -> str:
+    """One tool offered (a made-up name and parameter); the user's last word becomes the call's argument; half the
+    time the tool's result follows and the answer repeats it. The model learns to copy, not to know tools."""
+    name, param = f"{random_word(rng, 3, 6)}_{random_word(rng, 3, 6)}", random_word(rng, 3, 6)
+    words = [random_word(rng, 2, 6) for _ in range(rng.randint(1, 3))]
+    parameters = {"type": "object", "properties": {param: {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    call = {"type": "function", "function": {"name": name, "arguments": {param: words[-1]}}}
+    messages = [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    if rng.random() < 0.5:
+        result = random_word(rng, 3, 8)
+        messages += [{"role": "tool", "content": result}, {"role": "assistant", "content": result}]
+    return chat_text(messages, [tool])
+
+
 def write_data(data_dir: Path, seed: int) -> set[str]:
     """The fine-tuning task's train/held-out files and the default prompts; returns their words."""
     data_dir.mkdir(exist_ok=True)
@@ -68,8 +112,11 @@ def write_data(data_dir: Path, seed: int) -> set[str]:
     random.Random(seed + 4).shuffle(mixed)
     for name, rows in (("reverse_train.jsonl", mixed), ("reverse_eval.jsonl", held_out)):
         with open(data_dir / name, "w") as f:
-            for p, a in rows:
-                f.write(json.dumps({"instruction": p, "output": a}) + "\n")
+            for i, (p, a) in enumerate(rows):
+                # a third of the training examples as chats: the adapter answers in the chat template too
+                chat = name == "reverse_train.jsonl" and i % 3 == 2
+                record = {"messages": task_messages(p, a)} if chat else {"instruction": p, "output": a}
+                f.write(json.dumps(record) + "\n")
     # default prompts: two tasks the base knows, and the held-out task that train.py teaches
     shown = [p for t in BASE_TASKS for p, _ in examples(t, 2, seed=seed + 3)] + [p for p, _ in held_out[:4]]
     with open(data_dir / "default_prompts.jsonl", "w") as f:
@@ -119,9 +166,18 @@ def main():
     rng = random.Random(args.seed)
     pool = {t: examples(t, 20000, seed=args.seed + 10 + i, exclude=reserved) for i, t in enumerate(BASE_TASKS)}
 
+    def example() -> list[int]:
+        """A base task as plain text (40%) or as a chat (30%), or a tool call (30%)."""
+        kind = rng.random()
+        if kind < 0.3:
+            return tok.encode(tool_conversation(rng)).ids
+        p, a = rng.choice(pool[rng.choice(BASE_TASKS)])
+        if kind < 0.6:
+            return tok.encode(chat_text(task_messages(p, a))).ids
+        return [bos] + tok.encode(p + a).ids + [eos]
+
     def batch(size=64):
-        rows = [rng.choice(pool[rng.choice(BASE_TASKS)]) for _ in range(size)]
-        ids = [[bos] + tok.encode(p + a).ids + [eos] for p, a in rows]
+        ids = [example() for _ in range(size)]
         width = max(map(len, ids))
         x = torch.full((size, width), pad)
         for i, row in enumerate(ids):
