@@ -328,28 +328,7 @@ class Model:
         self._check_open()
         return self.generation.engine(slots, max_len, anchor_cache)
 
-    def generate(
-        self,
-        prompts,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        adapter: str | list[str | None] | None = None,
-    ) -> list:
-        """Generates for a batch of prompts: token-id lists give token-id lists, strings give strings. `adapter`:
-        a served adapter's name (`serve_adapters`) for every prompt, or one per prompt (None: the model as
-        loaded)."""
-        return generate(
-            self,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            adapter=adapter,
-        )
+    generate = generate  # (prompts, *, max_new_tokens, temperature, top_p, seed, adapter): generation/generate.py
 
 
 def load_model(
@@ -402,8 +381,9 @@ def load_model(
     128): the host experts are quantized as they are loaded and kept only so (a store converted with
     `moe_jax.convert --quant` is already, and says its format itself); the fused forward reads them, the engine's
     GEMMs (expert LoRA, training's backward) dequantize them expert by expert, so LoRA trains on the quantized
-    base. A bfloat16 model's decode steps then read their dense weights quantized too, where they multiply them
-    natively (a quantized copy beside the bfloat16 weights, which prefill and training use). Only the host
+    base. The model's generation steps then read their dense weights quantized too (float32 and bfloat16 models
+    alike, as llama.cpp's Q8_0 / Q4_0 files hold them), where they multiply them natively (a quantized copy beside
+    the weights, which `logits` and training use). Only the host
     backend runs quantized experts. `mla_decode` (DeepSeek's latent attention): "absorbed" decode steps read the
     compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/model/mla.py). The
     resulting plan is `Model.plan` (moe_jax/planning/plan.py). `expert_shard` (expert parallel, host backend, a

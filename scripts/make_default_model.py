@@ -42,7 +42,7 @@ CHAT_TEMPLATE = (
     "{% elif m['role'] == 'system' %}<|system|>{{ m['content'] }}<|end|>"
     "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}<|end|>"
     "{% else %}<|assistant|>{{ m['content'] or '' }}"
-    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m[\'tool_calls\'] or [] %}<tool_call>{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}</s>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -78,7 +78,13 @@ def chat_text(messages: list[dict], tools: list[dict] | None = None) -> str:
     from moe_jax.formats.chat_template import render_template
 
     return render_template(
-        CHAT_TEMPLATE, "", messages=messages, tools=tools, add_generation_prompt=False, bos_token="<s>", eos_token="</s>"
+        CHAT_TEMPLATE,
+        "",
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=False,
+        bos_token="<s>",
+        eos_token="</s>",
     )
 
 
@@ -89,12 +95,15 @@ def task_messages(prompt: str, answer: str) -> list[dict]:
 def tool_conversation(rng: random.Random) -> str:
     """One tool offered (a made-up name and parameter); the user's last word becomes the call's argument; half the
     time the tool's result follows and the answer repeats it. The model learns to copy, not to know tools."""
-    name, param = f"{random_word(rng, 3, 6)}_{random_word(rng, 3, 6)}", random_word(rng, 3, 6)
+    name, param = f"{random_word(rng, 3, 8)}_{random_word(rng, 3, 8)}", random_word(rng, 3, 6)
     words = [random_word(rng, 2, 6) for _ in range(rng.randint(1, 3))]
     parameters = {"type": "object", "properties": {param: {"type": "string"}}}
     tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
     call = {"type": "function", "function": {"name": name, "arguments": {param: words[-1]}}}
-    messages = [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    messages = [
+        {"role": "user", "content": " ".join(words)},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
     if rng.random() < 0.5:
         result = random_word(rng, 3, 8)
         messages += [{"role": "tool", "content": result}, {"role": "assistant", "content": result}]

@@ -36,3 +36,17 @@ def bundled_server(tmp_path_factory):
     model = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
     with running_server(["--model", str(model)], tmp_path_factory.mktemp("serve") / "server.log") as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def bundled_adapters(tmp_path_factory):
+    """{name: directory} of two LoRA adapters on the bundled model with random weights (bench.models.random_adapter),
+    of different targets (overlapping on o_proj) and ranks: for the per-request adapter tests."""
+    from bench.models import random_adapter
+
+    model = Path(__file__).resolve().parent.parent / "models" / "tiny-moe"
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": random_adapter(model, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
+        "b": random_adapter(model, root / "b", 2, ("k_proj", "o_proj"), 8),
+    }

@@ -297,9 +297,10 @@ def test_fused_forward_matches_the_dequantized_experts(kernel, store_dtype, thre
 
 @pytest.mark.parametrize("kernel", QUANTIZED_KERNELS)
 @pytest.mark.parametrize("m, k, n", [(1, 96, 200), (16, 512, 4096), (5, 40, 37), (64, 128, 64), (3, 200, 48)])
-def test_decode_dense_products_on_quantized_weights(kernel, m, k, n):
+@pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])  # a float32 model's rows: rounded to bfloat16
+def test_decode_dense_products_on_quantized_weights(kernel, m, k, n, row_dtype):
     rng = np.random.default_rng(m + k + n)
-    x = jnp.asarray(rng.standard_normal((m, 1, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 1, k)), row_dtype)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     packed = native_dense.pack_dense(w, kernel)
     product = jax.jit(lambda x, w, p: base_matmul(x, w, packed=p, out_dtype=jnp.float32, dense_kernel=kernel))
@@ -307,7 +308,7 @@ def test_decode_dense_products_on_quantized_weights(kernel, m, k, n):
     quantize, seen = quantizer(kernel)
     dequantized = quantize(np.asarray(w, np.float32)).dequantize(np.float64)
     rows = np.zeros((m, amx.padded(k, 32)), BF16)
-    rows[:, :k] = np.asarray(x)[:, 0]
+    rows[:, :k] = np.asarray(x)[:, 0].astype(BF16)
     expected = seen(rows)[:, :k] @ dequantized
     got = np.asarray(product(x, w, packed))[:, 0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
@@ -359,6 +360,22 @@ def test_logits_follow_bfloat16_on_the_bundled_model(quant):
     ours, plain = quantized.generate(prompts, max_new_tokens=6), bf16.generate(prompts, max_new_tokens=6)
     same = sum(a == b for a, b in zip(ours, plain, strict=True))
     assert same >= min_same, same
+
+
+@pytest.mark.parametrize("quant", [pytest.param("int8", marks=needs_kernel), pytest.param("int4", marks=needs_int4)])
+def test_a_float32_model_reads_its_dense_weights_quantized_too(quant):
+    """As llama.cpp's Q8_0 / Q4_0 files do whatever the model was trained in: the plan packs the dense weights for
+    the quantized kernel (rows rounded to bfloat16 for it), and greedy tokens follow float32's."""
+    min_same = LOGIT_THRESHOLDS[quant][3]
+    path = ROOT / "models" / "tiny-moe"
+    f32 = moe_jax.load_model(path, dtype="float32")
+    quantized = moe_jax.load_model(path, dtype="float32", quant=quant)
+    assert quantized.plan.dense_decode == best_kernel(BF16, quant)[0]
+    assert f"native ({best_kernel(BF16, quant)[0]})" in "\n".join(quantized.plan.lines())
+    prompts = held_out_token_ids(f32.tokenizer, 16)
+    ours, plain = quantized.generate(prompts, max_new_tokens=6), f32.generate(prompts, max_new_tokens=6)
+    assert "head_packed" in quantized.state  # generation multiplied the packed, quantized weights
+    assert sum(a == b for a, b in zip(ours, plain, strict=True)) >= min_same
 
 
 @needs_kernel

@@ -67,7 +67,7 @@ def test_the_main_job_and_the_quick_start_commands_run(tmp_path, offline):
     completions = bash(infer, tmp_path)
     assert "'copy srel >' ->" in completions.stdout and (tmp_path / "out.jsonl").read_text().count("\n") == 1
     answer, _ = chat_answer(offline, "copy srel >", 8)
-    assert bash(chat, tmp_path).stdout.splitlines() == [answer]
+    assert bash(chat, tmp_path).stdout.splitlines() == [answer] == ["srel"]
 
 
 def test_the_python_api_example(offline):
@@ -82,5 +82,9 @@ def test_the_server_examples_answer_what_the_model_generates(bundled_server, off
 
     answer, stop = chat_answer(offline, "copy srel >", 8)
     completion = offline.generate(["sort dcba >"], max_new_tokens=8)[0]
-    assert against_server(PYTHON[0]) == [answer, completion]
+    # what the README says they print: the right answers, and what the model generates offline
+    call = 'get_weather {"city": "paris"}'
+    assert (answer, completion, stop) == ("srel", " abcd", "end_turn")
+    assert against_server(PYTHON[0]) == [answer, completion, call]
     assert against_server(PYTHON[1]) == [f"{answer} {stop}"]
+    assert f"`{answer}`, `{completion}` and `{call}`" in README

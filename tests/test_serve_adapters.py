@@ -13,7 +13,6 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import moe_jax  # noqa: E402
-from bench.models import random_adapter  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 from tests.test_serve import GREEDY, MODEL, NAME, chat_tokens, task_prompts  # noqa: E402
 
@@ -21,12 +20,8 @@ NEW = 10
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("served")
-    return {
-        "a": random_adapter(MODEL, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
-        "b": random_adapter(MODEL, root / "b", 2, ("k_proj", "o_proj"), 8),
-    }
+def adapters(bundled_adapters):
+    return bundled_adapters
 
 
 @pytest.fixture(scope="module")

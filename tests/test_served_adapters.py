@@ -26,13 +26,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """Two adapters on the bundled model: different targets (overlapping on o_proj) and ranks."""
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        "a": random_adapter(BUNDLED, root / "a", 1, ("q_proj", "v_proj", "o_proj"), 4),
-        "b": random_adapter(BUNDLED, root / "b", 2, ("k_proj", "o_proj"), 8),
-    }
+def adapters(bundled_adapters):
+    return bundled_adapters
 
 
 def alone(model_dir, adapters, dtype="float32", **sampling) -> dict:

@@ -26,6 +26,9 @@ def generate(
     seed: int = 0,
     adapter: str | list[str | None] | None = None,
 ) -> list:
+    """Generates for a batch of prompts (`Model.generate`): token-id lists give token-id lists, strings give
+    strings. Greedy by default; prompt i samples with seed `seed + i`. `adapter`: a served adapter's name
+    (`Model.serve_adapters`) for every prompt, or one per prompt (None: the model as loaded)."""
     check_sampling(temperature, top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

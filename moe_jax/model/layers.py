@@ -18,7 +18,7 @@ from flax import nnx
 
 from moe_jax.model.rope import Rope
 from moe_jax.native.decode_attention import decode_attention_call
-from moe_jax.native.dense import dense_call, dense_rows_call, pack_dense, takes
+from moe_jax.native.dense import dense_call, dense_rows_call, pack_dense, row_dtype, takes
 
 
 class Frozen(nnx.Variable):
@@ -169,7 +169,7 @@ def native_product(x, packed, n: int, dense_kernel: str, out_dtype=None):
     are not the kernel's (`base_matmul`'s rule) or nothing is packed."""
     if packed is None or not takes(dense_kernel, x, prefill=_NATIVE_PREFILL.get()):
         return None
-    y = dense_call(x.reshape(-1, x.shape[-1]), packed, n, dense_kernel)
+    y = dense_call(x.reshape(-1, x.shape[-1]).astype(row_dtype(dense_kernel)), packed, n, dense_kernel)
     return y.reshape(*x.shape[:-1], n).astype(out_dtype or x.dtype)
 
 

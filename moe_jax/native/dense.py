@@ -30,14 +30,13 @@ CODES = {name: _CODES_BY_KIND[name.split("-")[0], kernel.packed_bits] for name, 
 def dense_kernel(dtype=BF16, quant: str | None = None) -> tuple[str, str]:
     """(kernel, "") for the native dense products of a `dtype` model on this machine, after the handlers' status:
     the fastest kernel the fused forward would pick for such weights (bfloat16: AMX tiles, else AVX512-BF16, else
-    AVX2; float32: AVX-512, else AVX2), or with `quant` the one for those quantized weights (bfloat16 rows); or
-    ("", why none)."""
+    AVX2; float32: AVX-512, else AVX2), or with `quant` the one for those quantized weights whatever `dtype` (as
+    llama.cpp's Q8_0 / Q4_0 files hold every product's weights quantized; a float32 model's rows are rounded to
+    the kernels' bfloat16 for them, `takes`); or ("", why none)."""
     usable, reason = ffi.status()
     if not usable:
         return "", reason
-    if quant is not None and np.dtype(dtype) != BF16:
-        return "", f"{np.dtype(dtype)} rows: the {quant} kernels take bfloat16 rows"
-    return best_kernel(dtype, quant)
+    return best_kernel(BF16 if quant is not None else dtype, quant)
 
 
 def row_dtype(kernel: str):
@@ -48,8 +47,9 @@ def row_dtype(kernel: str):
 def takes(kernel: str, x, prefill: bool = False) -> bool:
     """Whether `kernel` multiplies the rows x [b, t, k] of its row dtype: a decode step's (t = 1, b between its
     fewest rows and MAX_ROWS) or, with `prefill` (generation's prefill steps, `layers.native_prefill`), any
-    positions up to PREFILL_MAX_ROWS rows in all."""
-    if x.dtype != row_dtype(kernel) or x.ndim != 3:
+    positions up to PREFILL_MAX_ROWS rows in all. A quantized kernel takes float32 rows too (as bfloat16)."""
+    quantized_rows = KERNELS[kernel].quantized and x.dtype == jnp.float32
+    if (x.dtype != row_dtype(kernel) and not quantized_rows) or x.ndim != 3:
         return False
     if x.shape[1] != 1:
         return prefill and x.shape[0] * x.shape[1] <= PREFILL_MAX_ROWS
