@@ -1,14 +1,17 @@
 """Remakes the bundled default model `moe_jax/bundled/tiny-moe` and the bundled fine-tuning data beside it.
 
     pip install -e '.[test]'   # torch and transformers
-    python scripts/make_default_model.py [--steps 1500]
+    python scripts/make_default_model.py [--steps 2500]
 
 The base is a tiny Mixtral (4 experts, top-2) pretrained from scratch with transformers on two generated string
-tasks, `copy` and `sort` (moe_jax/data/tasks.py). The fine-tuning task is `reverse`, which the base has never
-seen: `python train.py` teaches it with LoRA. data/reverse_train.jsonl holds 2000 `reverse` examples plus 500
-replayed `copy`/`sort` ones (so the adapter does not make the model forget them); data/reverse_eval.jsonl holds
-200 held-out `reverse` examples. A character-level tokenizer.json with a chat template is written
-beside the weights. Deterministic for a given seed; takes a few minutes on 2 CPU cores.
+tasks, `copy` and `sort` (moe_jax/data/tasks.py), as plain text (`copy srel > srel`) and as chats in its template,
+and on tool calls: offered one tool, it calls it with the user's last word as the argument (and repeats a tool's
+result after it), so the server's chat, streaming and tool-call examples give right answers. The fine-tuning task
+is `reverse`, which the base has never seen: `moe-jax train` teaches it with LoRA. data/reverse_train.jsonl holds
+2000 `reverse` examples plus 500 replayed `copy`/`sort` ones (so the adapter does not make the model forget them),
+a third of them as chats; data/reverse_eval.jsonl holds 200 held-out `reverse` examples. A character-level
+tokenizer.json with a chat template that renders tools is written beside the weights. Deterministic for a given
+seed; ~15 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ def write_data(data_dir: Path, seed: int) -> set[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "moe_jax" / "bundled" / "tiny-moe")
     parser.add_argument("--data-only", action="store_true", help="rewrite data/ only, keep the model")
@@ -209,7 +212,8 @@ def main():
     model.eval()
     model.save_pretrained(args.out)
     (args.out / "README.md").write_text(
-        "Tiny Mixtral-style MoE (4 experts, top-2), pretrained on generated `copy` and `sort` string tasks.\n"
+        "Tiny Mixtral-style MoE (4 experts, top-2), pretrained on generated `copy` and `sort` string tasks, as plain\n"
+        "text and as chats, and on calling the one tool a chat offers with the user's last word.\n"
         "Remake with `python scripts/make_default_model.py`.\n"
     )
     print(f"wrote {args.out}")
