@@ -74,6 +74,7 @@ class Model:
         self.lora_config: LoRAConfig | None = None
         self.served_adapters: tuple[str, ...] = ()  # chosen per request (serve_adapters); index i + 1 each
         self.adapter_sources: dict[str, str] = {}  # each served adapter's directory
+        self._adapter_sets = 0  # serve_adapters calls: a set's anchor cache scopes are its own
         self.device_budget_bytes: int | None = None  # KV cache + expert weights, when a split is set
         self.kv = KVCacheMemory(self.config, DTYPES[dtype])
         self.generation = CompiledGeneration(self)
@@ -168,6 +169,7 @@ class Model:
             sources[name] = str(directory)
         self._edit(lambda transformer: attach_served(transformer, loaded))
         self.served_adapters, self.adapter_sources = tuple(adapters), sources
+        self._adapter_sets += 1
 
     def adapter_index(self, name: str | None) -> int:
         """The index generation requests carry for a served adapter's name (0 for None: the model as loaded)."""
@@ -177,6 +179,11 @@ class Model:
             served = ", ".join(self.served_adapters) or "none (Model.serve_adapters, the server's --lora-modules)"
             raise InputError(f"no adapter named {name!r} is served; served: {served}")
         return self.served_adapters.index(name) + 1
+
+    def adapter_scope(self, index: int) -> bytes:
+        """What sets a served adapter's anchor cache entries apart (its KV is not the base model's, nor that of an
+        adapter of the same name served before)."""
+        return b"" if not index else f"\0adapter {self._adapter_sets}:{self.served_adapters[index - 1]}".encode()
 
     def _check_shardable(self, config: LoRAConfig):
         if self.expert_shard is not None and EXPERTS_TARGET in config.targets:

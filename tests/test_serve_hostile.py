@@ -206,8 +206,9 @@ def test_the_prefix_cache_tells_nobody_about_another_key_or_salt(server):
     own = cached(secret, VICTIM)
     assert own > 1  # the victim's own entries serve the victim
     cached("hello", ATTACKER)  # the attacker's own entries: the start of a user turn
+    turn_start = cached("zz top", ATTACKER)  # what any prompt of the attacker's finds: that start alone
     guesses = [cached(guess, ATTACKER) for guess in ("my pin is 1234", secret, "my pin is 4322")]
-    assert guesses == [1, 1, 1]  # only the attacker's own one-token entry: nothing tells the guesses apart
+    assert 0 < turn_start < own and guesses == [turn_start] * 3  # nothing tells the guesses apart
     assert cached(secret, VICTIM, salt="tenant-2") == 0  # a salt is a scope of its own under one key
     assert cached(secret, VICTIM, salt="tenant-2") > 0
 
@@ -247,7 +248,6 @@ OPENAI_BODIES = [
     {"logit_bias": {"abc": 1}},
     {"logit_bias": {"99999999": 1}},
     {"logit_bias": {"5": 1000}},
-    {"response_format": {"type": "json_object"}},  # (the bundled vocabulary has no `{`)
     {"response_format": {"type": "xml"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
     {"grammar": "start: nothing_defined"},

@@ -60,7 +60,8 @@ def test_verify_finds_a_corrupt_expert_file(converted, tmp_path):
 @pytest.mark.parametrize("cli", ["infer.py", "train.py"])
 def test_verify_flag_on_both_clis(converted, tmp_path, cli):
     copy = corrupt_copy(converted, tmp_path)
-    (copy / "tokenizer.json").write_bytes((ROOT / "models" / "tiny-moe" / "tokenizer.json").read_bytes())
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # (the bundled data holds chats: its template too)
+        (copy / name).write_bytes((ROOT / "models" / "tiny-moe" / name).read_bytes())
     result = subprocess.run(  # train.py's and infer.py's default data and prompts
         [sys.executable, str(ROOT / cli), "--model", str(copy), "--verify", "--out", str(tmp_path / "out")],
         capture_output=True,

@@ -292,7 +292,7 @@ def test_lora_dropout_is_seeded_and_changes_training(tmp_path):
                     {"role": "assistant", "content": "c"},
                 ]
             },
-            "ab<|end|>c<|end|>",
+            "ab</s>c</s>",
         ),
     ],
 )

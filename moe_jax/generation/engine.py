@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -107,10 +108,10 @@ class GenerationEngine:
 
     def anchor_scope(self, request: Request) -> bytes:
         """The anchor cache scope of a request's KV: its own, and apart for each adapter, whose KV is not the
-        base model's."""
+        base model's (a digest: the anchor cache keys its hashes with a scope of at most 64 bytes)."""
         if not request.adapter:
             return request.cache_scope
-        return request.cache_scope + b"\0adapter=" + self.model.served_adapters[request.adapter - 1].encode()
+        return hashlib.blake2b(request.cache_scope + self.model.adapter_scope(request.adapter), digest_size=32).digest()
 
     def run(
         self,
@@ -308,7 +309,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
 
-    def prefill(leaves, caches, slot_ids, tokens, positions, last, adapters):
+    def prefill(leaves, caches, slot_ids, tokens, positions, last, adapters=None):
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
         # the dense products on the decode steps' packed weights, where the plan packs them
         with native_prefill(), adapter_rows(adapters):
@@ -319,7 +320,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ]
         return logits[:, 0], caches
 
-    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, adapters, rows=None):
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, adapters=None, rows=None):
         """One token for each of the first `rows` slots (static: a compiled step per count; None: all): the host's token
         where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
         each other without the host; each row through its served adapter (`adapters` [rows], or None). Returns
