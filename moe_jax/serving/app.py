@@ -122,7 +122,7 @@ def create_app(
                 "not_found_error",
                 "model_not_found",
             )
-        return (name or service.name), (0 if chosen is None else adapters.index(chosen) + 1)
+        return (name or service.name), service.model.adapter_index(chosen)
 
     def model_card(name: str | None = None) -> dict:
         """The served model's card, or a served adapter's (as vLLM lists its LoRA modules: parent, root)."""
