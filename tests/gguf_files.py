@@ -21,6 +21,7 @@ ARCH = {
     "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
     "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
     "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+    "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2,
 }
 Q = gguf.GGMLQuantizationType
 
@@ -183,6 +184,10 @@ def _metadata(writer, config):
             writer.add_expert_group_used_count(config.topk_group)
         if t != "deepseek_v2":
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if t == "minimax_m2":
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_rope_dimension_count(config.rotary_dim)
     if t == "glm4_moe":
         partial = config.rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5))
         writer.add_rope_dimension_count(int(config.head_dim * partial))

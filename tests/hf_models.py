@@ -134,6 +134,10 @@ FAMILY_VARIANTS = {
             routed_scaling_factor=1.8,
         ),
     ),
+    "minimax_m2": (
+        transformers.MiniMaxM2Config,
+        dict(num_local_experts=8, intermediate_size=16, num_experts_per_tok=3, head_dim=16, rotary_dim=8),
+    ),
     "olmoe": (
         transformers.OlmoeConfig,
         dict(num_experts=8, intermediate_size=16, num_experts_per_tok=3, clip_qkv=3.0, norm_topk_prob=False),

@@ -70,6 +70,38 @@ def test_nonsense_config_is_a_config_error(change, message):
     assert message in str(info.value)
 
 
+# MiniMax-M2's released config.json (MiniMaxAI/MiniMax-M2), its switches beside transformers' keys
+MINIMAX_M2_RELEASE = dict(
+    model_type="minimax_m2", vocab_size=200064, hidden_size=3072, num_hidden_layers=62, num_attention_heads=48,
+    num_key_value_heads=8, head_dim=128, intermediate_size=1536, num_local_experts=256, num_experts_per_tok=8,
+    rotary_dim=64, rope_theta=5000000, max_position_embeddings=196608, rms_norm_eps=1e-6, scoring_func="sigmoid",
+    use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0, use_mtp=True,
+    num_mtp_modules=3, bos_token_id=None, eos_token_id=200020,
+)  # fmt: skip
+
+
+def test_minimax_m2_release_config_reads_as_transformers_computes_it():
+    config = read_hf_config(MINIMAX_M2_RELEASE)
+    assert (config.num_experts, config.num_experts_per_tok, config.expert_intermediate_size) == (256, 8, 1536)
+    assert (config.rope.dim, config.rope.theta, config.qk_norm) == (64, 5e6, "full")
+    assert (config.router.scores, config.router.bias, config.router.norm_topk_prob) == ("sigmoid", True, True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func = 'softmax' must be one of sigmoid"),
+        ({"qk_norm_type": "per_head"}, "qk_norm_type = 'per_head' must be one of per_layer"),
+        ({"use_routing_bias": False}, "use_routing_bias = False must be true"),
+        ({"shared_intermediate_size": 512}, "shared_intermediate_size = 512 must be 0"),
+        ({"rotary_dim": 127}, "partial_rotary_factor"),
+    ],
+)
+def test_minimax_m2_settings_transformers_does_not_compute_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        read_hf_config({**MINIMAX_M2_RELEASE, **change}, source="m2/config.json")
+
+
 def test_whole_float_counts_are_accepted():
     assert read_hf_config({**QWEN3, "num_experts_per_tok": 8.0}).num_experts_per_tok == 8
 

@@ -39,6 +39,7 @@ FAMILIES = {
     "qwen3_moe": {},
     "olmoe": {},
     "glm4_moe": {},
+    "minimax_m2": {},
     "deepseek_v2": {},
     "deepseek_v2_q_lora": {},
     "deepseek_v3": EQUAL_MSCALE,

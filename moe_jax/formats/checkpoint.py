@@ -267,7 +267,7 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         "q_norm.weight": (q,) if config.qk_norm == "full" else (hd,),
         "k_norm.weight": (kv,) if config.qk_norm == "full" else (hd,),
         "gate.weight": (config.num_experts, d),
-        "gate.e_score_correction_bias": (config.num_experts,),
+        "e_score_correction_bias": (config.num_experts,),
         "shared_expert_gate.weight": (1, d),
     }
     if config.mla is not None:

@@ -47,7 +47,6 @@ _LAYER_NAMES = {
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
     "ffn_gate_inp": "{moe}.gate",
-    "exp_probs_b": "{moe}.gate",  # its .bias is the router's e_score_correction_bias
     "ffn_gate_inp_shexp": "{moe}.shared_expert_gate",
     "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
     "ffn_up_shexp": "{moe}.{shared}.up_proj",
@@ -154,9 +153,10 @@ class GGUFFile:
                 names[f"{prefix}.{moe}.experts.{which}_proj"] = (which, layer)
             elif part in ("attn_k_b", "attn_v_b"):
                 names[f"{prefix}.self_attn.kv_b_proj.weight"] = ("kv_b", layer)
+            elif part == "exp_probs_b":  # its .bias is the router's correction bias
+                names[hf_names.router_bias(self.config, layer)] = ("tensor", name)
             elif part in _LAYER_NAMES:
-                suffix = "e_score_correction_bias" if part == "exp_probs_b" else kind
-                names[f"{prefix}.{_LAYER_NAMES[part].format(moe=moe, shared=shared)}.{suffix}"] = ("tensor", name)
+                names[f"{prefix}.{_LAYER_NAMES[part].format(moe=moe, shared=shared)}.{kind}"] = ("tensor", name)
             else:
                 raise CheckpointError(f"{self.path}: tensor {name!r} is not one moe_jax knows for {self.arch!r}")
         return names

@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v2",
+    "minimax-m2": "minimax_m2",
 }
 
 
@@ -161,6 +162,19 @@ def _glm4_moe(file, layout: _Layout, config: dict) -> dict:
     }
 
 
+def _minimax_m2(file, layout: _Layout, config: dict) -> dict:
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    gating = int(file.arch_field("expert_gating_func", gguf.ExpertGatingFuncType.SIGMOID))
+    if gating != int(gguf.ExpertGatingFuncType.SIGMOID):
+        raise CheckpointError(f"{file.path}: minimax-m2 with expert gating function {gating} (moe_jax runs sigmoid)")
+    return {
+        "num_local_experts": layout.experts,
+        "intermediate_size": layout.expert_ffn,
+        "head_dim": head_dim,
+        "rotary_dim": int(file.arch_field("rope.dimension_count", head_dim)),
+    }
+
+
 def _deepseek(file, layout: _Layout, config: dict) -> dict:
     f = file.arch_field
     rope_dim = _int(file, "rope.dimension_count")
@@ -216,6 +230,7 @@ _READERS = {
     "olmoe": _olmoe,
     "glm4moe": _glm4_moe,
     "deepseek2": _deepseek,
+    "minimax-m2": _minimax_m2,
 }
 
 

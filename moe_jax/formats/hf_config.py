@@ -186,8 +186,33 @@ def _deepseek(read: _Fields, num_layers: int) -> dict:
     )
 
 
+def _minimax_m2(read: _Fields, num_layers: int) -> dict:
+    """MiniMax-M2: Mixtral's layout with sigmoid routing (a correction bias for the choice, the chosen weights
+    renormalised), q/k RMSNorm over each whole projection, and rotary on the first `rotary_dim` of each head."""
+    head_dim = _head_dim(read)
+    # The released configs carry MiniMax's own switches beside transformers' keys; transformers implements one
+    # setting of each, so any other is refused rather than computed as something it is not.
+    read.choice("scoring_func", ("sigmoid",), "sigmoid")
+    read.choice("qk_norm_type", ("per_layer",), "per_layer")
+    for key in ("use_qk_norm", "use_routing_bias"):
+        if not read.bool(key, True):
+            raise read.bad(key, False, "true (transformers' MiniMax-M2 always has it)")
+    if read.int("shared_intermediate_size", 0, minimum=0):
+        raise read.bad("shared_intermediate_size", read.hf["shared_intermediate_size"], "0 (no shared expert)")
+    rotary_dim = read.int("rotary_dim", head_dim)
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok"), scores="sigmoid", norm_topk_prob=True, bias=True),
+        expert_intermediate_size=read.int("intermediate_size"),
+        rope=_rope(read, head_dim, partial_default=rotary_dim / head_dim),
+        qk_norm="full",
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
+    "minimax_m2": _minimax_m2,
     "qwen2_moe": _qwen,
     "qwen3_moe": _qwen,
     "olmoe": _olmoe,

@@ -14,6 +14,8 @@ LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm"
 DENSE_MLP = "mlp"  # a dense layer's MLP under the layer
 ATTENTION = "self_attn"
+# families whose released checkpoints keep Mixtral's names: `block_sparse_moe`, experts' w1 / w3 / w2
+MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")
 EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
 
 
@@ -26,8 +28,9 @@ def attention(i: int) -> str:
 
 
 def moe_module(config: ModelConfig) -> str:
-    """A layer's MoE block under `model.layers.N` (older Mixtral checkpoints' name; transformers 5 says `mlp`)."""
-    return "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+    """A layer's MoE block under `model.layers.N` (Mixtral's and MiniMax's released checkpoints' name; transformers 5
+    says `mlp`)."""
+    return "block_sparse_moe" if config.model_type in MIXTRAL_LAYOUT else "mlp"
 
 
 def shared_expert_module(config: ModelConfig) -> str:
@@ -43,10 +46,17 @@ def shared_expert(config: ModelConfig, i: int) -> str:
     return f"{moe_block(config, i)}.{shared_expert_module(config)}"
 
 
+def router_bias(config: ModelConfig, i: int) -> str:
+    """The routing correction bias (DeepSeek-V3's e_score_correction_bias): the router's buffer, or (MiniMax-M2) the
+    MoE block's."""
+    owner = moe_block(config, i) if config.model_type == "minimax_m2" else f"{moe_block(config, i)}.gate"
+    return f"{owner}.e_score_correction_bias"
+
+
 def expert_names(config: ModelConfig, i: int, expert: int) -> tuple[str, str, str]:
     """(gate, up, down) weight names of one expert in the per-expert layout."""
     p = f"{moe_block(config, i)}.experts.{expert}"
-    if config.model_type == "mixtral":
+    if config.model_type in MIXTRAL_LAYOUT:
         return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
     return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
 

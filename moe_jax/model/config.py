@@ -2,7 +2,7 @@
 
 Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
 grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GLM-4.5 and DeepSeek-V2/V3. Reading a Hugging Face `config.json` into it is `moe_jax.formats.hf_config`.
+GLM-4.5, DeepSeek-V2/V3 and MiniMax-M2. Reading a Hugging Face `config.json` into it is `moe_jax.formats.hf_config`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from moe_jax.errors import ConfigError
 from moe_jax.model.rope import Rope
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "minimax_m2",
+)
 MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
 
 

@@ -247,7 +247,7 @@ def build_transformer(
                 dense(f"{moe_prefix}.gate.weight"),
                 experts_for_layer(i),
                 spec=config.router,
-                router_bias_e=dense(f"{moe_prefix}.gate.e_score_correction_bias") if config.router.bias else None,
+                router_bias_e=dense(hf_names.router_bias(config, i)) if config.router.bias else None,
                 shared=shared,
                 shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
             )
