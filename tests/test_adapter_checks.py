@@ -97,7 +97,9 @@ def test_adapter_with_non_finite_weights_is_refused(tmp_path):
         apply_adapter(model.transformer, tensors, "adapter")
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "minimax_m2"])
+@pytest.mark.parametrize(
+    "variant", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "minimax_m2"]
+)
 def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, variant):
     """Routed-expert LoRA goes to peft as LoRA on the fused expert parameters (target_parameters): peft loads the
     whole adapter and computes moe_jax's logits; moe_jax reads its own export back exactly."""
