@@ -17,13 +17,14 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from functools import partial
 
 import numpy as np
 
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
+from host_kernels.activations import GLU, SWIGLU
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
 from host_kernels.huge_pages import HugePageArena
@@ -184,7 +185,18 @@ class FusedForward:
     kept with it. With a BACKWARD_KERNELS kernel, `backward` runs a training step's backward over the weights that
     `packed_backward(layer)` returns as [(W2ᵀ, W13ᵀ) per expert] (the engine's backward GEMMs' packed weights)."""
 
-    def __init__(self, store: ExpertStore, packed, threads: int, kernel: str | None = None, packed_backward=None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        packed,
+        threads: int,
+        kernel: str | None = None,
+        packed_backward=None,
+        glu: GLU = SWIGLU,
+        gate_up_bias: Mapping[int, np.ndarray] | None = None,
+    ):
+        """`glu` and `gate_up_bias` (by layer: [experts, 2 ffn] float32, gate then up): the experts' function
+        where it is not a plain SwiGLU without biases (GPT-OSS)."""
         if kernel is None:
             kernel, reason = best_kernel(store.dtype)
             if not kernel:
@@ -199,6 +211,8 @@ class FusedForward:
             raise HostKernelError(f"fused forward unavailable: {kernel}: {reason}")
         check_thread_count(threads)
         self.store, self._packed, self.kernel = store, packed, kernel
+        self.glu = glu
+        self._gate_up_bias = {layer: np.ascontiguousarray(b, np.float32) for layer, b in (gate_up_bias or {}).items()}
         self._packed_backward = packed_backward if kernel in BACKWARD_KERNELS else None
         self._lib = native.lib()
         self._runner = self._lib.moe_runner_new(threads)
@@ -221,6 +235,11 @@ class FusedForward:
                 self._check_packed(layer, w, weights)
                 routed = np.zeros(w.num_experts, np.int64)
                 entry = self._layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, routed)
+                bias = self._gate_up_bias.get(layer)
+                want = (w.num_experts, 2 * w.ffn)
+                if bias is not None and bias.shape != want:
+                    raise HostKernelError(f"layer {layer}: gate/up biases {bias.shape}, its experts need {want}")
+                self._set_glu(entry, bias)
                 self._routed_reported[layer] = np.zeros_like(routed)
             return entry
 
@@ -251,7 +270,15 @@ class FusedForward:
                 weights = self._packed_backward(layer)
                 self._check_packed(layer, w, weights, backward=True)
                 entry = self._backward_layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, None)
+                self._set_glu(entry, None)  # its pre-activations were kept with their biases added
             return entry
+
+    def _set_glu(self, entry: _NativeLayer, bias: np.ndarray | None):
+        if self.glu != SWIGLU or bias is not None:
+            code = self._lib.moe_layer_set_glu(entry.pointer, self.glu.code, self.glu.alpha, self.glu.limit,
+                                               None if bias is None else bias.ctypes.data)  # fmt: skip
+            if code:
+                raise HostKernelError(f"the native library has no expert activation {self.glu.kind!r}")
 
     def _check_packed(self, layer: int, w: LayerExperts, weights, backward: bool = False):
         """The packed weights the native layer will read: one (w13, w2) per expert (a backward layer: (W2ᵀ,

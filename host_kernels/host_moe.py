@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from host_kernels import native
-from host_kernels.activations import swiglu_backward, swiglu_forward
+from host_kernels.activations import GLU, SWIGLU, swiglu_backward, swiglu_forward
 from host_kernels.choice import NUMPY, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
 from host_kernels.expert_matmuls import expert_matmuls
@@ -51,8 +52,14 @@ class HostMoE:
         threads: int | None = None,
         pool: WorkerPool | None = None,
         kernels: KernelChoice | None = None,
+        glu: GLU = SWIGLU,
+        gate_up_bias: Mapping[int, np.ndarray] | None = None,
     ):
+        """`glu` and `gate_up_bias` (by layer: [experts, 2 ffn], gate then up) where the experts are not a plain
+        SwiGLU without biases (GPT-OSS)."""
         self.store = store
+        self.glu = glu
+        self.gate_up_bias = {layer: np.ascontiguousarray(b, np.float32) for layer, b in (gate_up_bias or {}).items()}
         self.kernels = kernels or choose_kernels(store.dtype, quant=store.quant)
         check_choice(self.kernels, store.dtype, store.quant)
         self._swiglu_isa = None if self.kernels.activations == NUMPY else self.kernels.activations
@@ -84,7 +91,13 @@ class HostMoE:
             shared = self.kernels.fused == self.kernels.gemm  # one packing: the fused backward reads the engine's too
             backward = self._packed_backward_weights if shared else None
             self._fused = FusedForward(
-                self.store, self._packed_forward_weights, self.threads, self.kernels.fused, packed_backward=backward
+                self.store,
+                self._packed_forward_weights,
+                self.threads,
+                self.kernels.fused,
+                packed_backward=backward,
+                glu=self.glu,
+                gate_up_bias=self.gate_up_bias,
             )
         return self._fused
 
@@ -136,11 +149,11 @@ class HostMoE:
         h_s = np.empty((routing.pairs, 2 * f), np.float32) if keep else None
 
         def gate_up(tile: Tile):
-            hg, hu = _gate_up(mm, lora, tile, x_td, routing.token_of_pair[tile.rows])
+            hg, hu = _gate_up(mm, lora, tile, x_td, routing.token_of_pair[tile.rows], self.gate_up_bias.get(layer))
             if keep:
                 h_s[tile.rows, tile.cols] = hg
                 h_s[tile.rows, f + tile.cols.start : f + tile.cols.stop] = hu
-            swiglu_forward(hg, hu, act[tile.rows, tile.cols], isa=self._swiglu_isa)
+            swiglu_forward(hg, hu, act[tile.rows, tile.cols], isa=self._swiglu_isa, glu=self.glu)
 
         def down(tile: Tile):
             o = out_s[tile.rows, tile.cols]
@@ -239,7 +252,7 @@ class HostMoE:
             if saved is not None:
                 hg, hu = saved.h[rows, cols], saved.h[rows, f + cols.start : f + cols.stop]
             else:
-                hg, hu = _gate_up(mm, lora, tile, x_s[rows], None)
+                hg, hu = _gate_up(mm, lora, tile, x_s[rows], None, self.gate_up_bias.get(layer))
             g = mm.down_t(e, dy_r, cols)  # dL/da before the routing weight
             if lora is not None and lora.down is not None:
                 a_d, b_d = lora.down
@@ -256,6 +269,7 @@ class HostMoE:
                 dw_blocks[rows, tile.block],
                 a,
                 isa=self._swiglu_isa,
+                glu=self.glu,
             )
 
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
@@ -329,11 +343,15 @@ class SavedActivations:
         return self.h.nbytes
 
 
-def _gate_up(mm, lora: ExpertLoRA | None, tile: Tile, x, rows):
+def _gate_up(mm, lora: ExpertLoRA | None, tile: Tile, x, rows, bias=None):
     """Gate and up pre-activations of one tile's rows (`x[rows]`, or `x` when rows is None) and ffn columns,
-    with LoRA when given."""
+    with the experts' biases (`bias`: the layer's [experts, 2 ffn]) and LoRA when given."""
     e, cols = tile.expert, tile.cols
     hg, hu = mm.gate_up(e, x, rows, cols)
+    if bias is not None:
+        f = bias.shape[1] // 2
+        hg += bias[e, cols]
+        hu += bias[e, f + cols.start : f + cols.stop]
     if lora is not None:
         x_rd = x if rows is None else x[rows]
         for pair, h in ((lora.gate, hg), (lora.up, hu)):

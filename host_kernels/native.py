@@ -27,6 +27,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _GEMM = ([_P, _I, _P, _I, _P, _I, _I, _I, _I], None)
 _SWIGLU_FORWARD = ([_P, _I, _P, _I, _P, _I, ctypes.c_int, _I, _I], None)
 _SWIGLU_BACKWARD = ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_int, _P, _I, _P, _I, _I, _I], None)
+_F = ctypes.c_float
+_CLAMPED_SWIGLU_FORWARD = (_SWIGLU_FORWARD[0] + [_F, _F], None)
+_CLAMPED_SWIGLU_BACKWARD = (_SWIGLU_BACKWARD[0] + [_F, _F], None)
 _INT4_GEMM = ([_P, _I, _P, _I, _P, _I, _I, _I, _I, _I], ctypes.c_int)
 SIGNATURES = {
     "native_source_hash": ([], ctypes.c_char_p),
@@ -35,6 +38,8 @@ SIGNATURES = {
     **{f"bf16_pack_rows{suffix}": ([_P, _I, _P, _I, _I, _P, _I, _I], None) for suffix in ("", "_avx2")},
     **{f"swiglu_forward{suffix}": _SWIGLU_FORWARD for suffix in ("", "_avx2")},
     **{f"swiglu_backward{suffix}": _SWIGLU_BACKWARD for suffix in ("", "_avx2")},
+    **{f"clamped_swiglu_forward{suffix}": _CLAMPED_SWIGLU_FORWARD for suffix in ("", "_avx2")},
+    **{f"clamped_swiglu_backward{suffix}": _CLAMPED_SWIGLU_BACKWARD for suffix in ("", "_avx2")},
     **{f"{name}{suffix}": _GEMM for name in ("f32_gemm", "bf16_gemm", "int8_gemm") for suffix in ("", "_avx2")},
     "int8_gemm_amx": _GEMM,
     "pack_bf16_tiles": ([_P, _I, _I, _I, _I, _P], None),
@@ -42,6 +47,7 @@ SIGNATURES = {
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
     **{f"int4_unpack{suffix}": ([_P, _I, _I, _I, _I, _P, _I], None) for suffix in ("", "_avx2")},
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),
+    "moe_layer_set_glu": ([_P, ctypes.c_int, _F, _F, _P], ctypes.c_int),
     "moe_layer_free": ([_P], None),
     "moe_runner_new": ([ctypes.c_int], _P),
     "moe_runner_free": ([_P], None),

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import trim_heap
+from host_kernels.activations import SWIGLU
 from moe_jax import distributed
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
@@ -429,13 +430,30 @@ def load_model(
             f"{quant} experts run on the host backend only; backend={backend!r} "
             f"{'may compute some on the device' if kind.host_engine else 'runs none on the host'}"
         )
+    config = checkpoint.config
+    if (config.expert_bias or config.expert_glu != SWIGLU) and not kind.any_expert_function:
+        raise InputError(
+            f"backend={backend!r} does not compute {config.model_type}'s experts (biases, {config.expert_glu.kind}) "
+            "yet; use backend='host' or 'device'"
+        )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     mla_decode = mla_decode if checkpoint.config.mla is not None else ""
     if expert_shard is not None:  # its MoE layers' collectives run inside the call: no ping-pong
         if pipeline not in (None, 1):
             raise InputError("expert parallel runs without the micro-batch pipeline; leave pipeline unset")
         pipeline = 1
-    plan = make_plan(dtype, store_dtype, native, xla_ffi, host_kernels, quant, mla_decode, pipeline, host_call)
+    plan = make_plan(
+        dtype,
+        store_dtype,
+        native,
+        xla_ffi,
+        host_kernels,
+        quant,
+        mla_decode,
+        pipeline,
+        host_call,
+        attention_sinks=checkpoint.config.attention_sinks,
+    )
     shards = expert_shard.count if expert_shard else 1
     parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels, shards)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""

@@ -138,6 +138,27 @@ FAMILY_VARIANTS = {
         transformers.MiniMaxM2Config,
         dict(num_local_experts=8, intermediate_size=16, num_experts_per_tok=3, head_dim=16, rotary_dim=8),
     ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            num_local_experts=8,
+            intermediate_size=16,
+            num_experts_per_tok=3,
+            head_dim=16,
+            sliding_window=5,
+            num_hidden_layers=3,
+            swiglu_limit=1.5,  # below the tiny model's pre-activations, so the clamps bind
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "olmoe": (
         transformers.OlmoeConfig,
         dict(num_experts=8, intermediate_size=16, num_experts_per_tok=3, clip_qkv=3.0, norm_topk_prob=False),

@@ -41,9 +41,10 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
-def with_random_lora(model, seed=0):
-    """Adapters on attention and routed experts, B randomised too so every gradient is non-zero."""
-    model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("attention", "experts")), seed=seed)
+def with_random_lora(model, seed=0, config: LoRAConfig | None = None):
+    """Adapters on attention and routed experts (or as `config` says), B randomised too so every gradient is
+    non-zero."""
+    model.attach_lora(config or LoRAConfig(rank=4, alpha=8, targets=("attention", "experts")), seed=seed)
     graphdef, lora_state, rest = split_trainable(model.transformer)
     return graphdef, randomized(lora_state, seed + 1), rest
 
@@ -56,8 +57,8 @@ def randomized(lora_state, seed: int):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def lora_loss_grad(model, tokens):
-    graphdef, lora_state, rest = with_random_lora(model)
+def lora_loss_grad(model, tokens, config: LoRAConfig | None = None):
+    graphdef, lora_state, rest = with_random_lora(model, config=config)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
     def loss(lora_state):

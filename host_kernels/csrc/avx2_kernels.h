@@ -36,5 +36,11 @@ void swiglu_forward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t
 void swiglu_backward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad,
                           int64_t ld_grad, const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh, int bf16,
                           float *dw, int64_t ld_dw, float *act, int64_t ld_a, int64_t m, int64_t n);
+void clamped_swiglu_forward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act,
+                                 int64_t ld_a, int bf16, int64_t m, int64_t n, float alpha, float limit);
+void clamped_swiglu_backward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad,
+                                  int64_t ld_grad, const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh,
+                                  int bf16, float *dw, int64_t ld_dw, float *act, int64_t ld_a, int64_t m, int64_t n,
+                                  float alpha, float limit);
 
 #endif

@@ -76,3 +76,55 @@ void swiglu_backward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_
         dw[i * ld_dw] = hsum8(dot);
     }
 }
+
+/* swiglu.c's clamped SwiGLU passes (GPT-OSS), 8 columns per step */
+void clamped_swiglu_forward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act,
+                                 int64_t ld_a, int bf16, int64_t m, int64_t n, float alpha, float limit) {
+    const int64_t size = bf16 ? 2 : 4;
+    const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit);
+    const __m256 lo = _mm256_set1_ps(-limit);
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = hg + i * ld_g, *u = hu + i * ld_u;
+        char *out = (char *)act + i * ld_a * size;
+        for (int64_t j = 0; j < n; j += 8) {
+            const __m256 gv = _mm256_min_ps(load8(g + j, n - j), hi);
+            const __m256 uv = _mm256_min_ps(_mm256_max_ps(load8(u + j, n - j), lo), hi);
+            const __m256 glu = _mm256_mul_ps(gv, sigmoid8(_mm256_mul_ps(gv, a)));
+            store8_as(out, j, _mm256_mul_ps(_mm256_add_ps(uv, one), glu), n - j, bf16);
+        }
+    }
+}
+
+void clamped_swiglu_backward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad,
+                                  int64_t ld_grad, const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh,
+                                  int bf16, float *dw, int64_t ld_dw, float *act, int64_t ld_a, int64_t m, int64_t n,
+                                  float alpha, float limit) {
+    const __m256 one = _mm256_set1_ps(1.0f), al = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit);
+    const __m256 lo = _mm256_set1_ps(-limit), zero = _mm256_setzero_ps();
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = hg + i * ld_g, *u = hu + i * ld_u, *d = grad + i * ld_grad;
+        char *dg = (char *)dh_gate + i * ld_dh * size, *du = (char *)dh_up + i * ld_dh * size;
+        float *a = act ? act + i * ld_a : 0;
+        const __m256 w = _mm256_set1_ps(weight[i]);
+        __m256 dot = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {
+            const int64_t count = n - j;
+            const __m256 graw = load8(g + j, count), uraw = load8(u + j, count), dv = load8(d + j, count);
+            const __m256 gv = _mm256_min_ps(graw, hi);
+            const __m256 up1 = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(uraw, lo), hi), one);
+            const __m256 s = sigmoid8(_mm256_mul_ps(gv, al));
+            const __m256 glu = _mm256_mul_ps(gv, s);
+            const __m256 av = _mm256_mul_ps(up1, glu);
+            dot = _mm256_fmadd_ps(dv, av, dot);
+            if (a) store8(a + j, av, count);
+            const __m256 dwv = _mm256_mul_ps(dv, w);
+            const __m256 dglu = _mm256_mul_ps(s, _mm256_fmadd_ps(_mm256_mul_ps(al, gv), _mm256_sub_ps(one, s), one));
+            const __m256 gate_open = _mm256_cmp_ps(graw, hi, _CMP_LE_OQ);
+            const __m256 up_open = _mm256_and_ps(_mm256_cmp_ps(uraw, hi, _CMP_LE_OQ), _mm256_cmp_ps(uraw, lo, _CMP_GE_OQ));
+            store8_as(dg, j, _mm256_blendv_ps(zero, _mm256_mul_ps(_mm256_mul_ps(dwv, up1), dglu), gate_open), count, bf16);
+            store8_as(du, j, _mm256_blendv_ps(zero, _mm256_mul_ps(dwv, glu), up_open), count, bf16);
+        }
+        dw[i * ld_dw] = hsum8(dot);
+    }
+}

@@ -22,6 +22,10 @@
 void swiglu_backward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad, int64_t ld_grad,
                      const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh, int bf16, float *dw, int64_t ld_dw,
                      float *act, int64_t ld_a, int64_t m, int64_t n);
+void clamped_swiglu_backward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad,
+                             int64_t ld_grad, const float *weight, void *dh_gate, void *dh_up, int64_t ld_dh,
+                             int bf16, float *dw, int64_t ld_dw, float *act, int64_t ld_a, int64_t m, int64_t n,
+                             float alpha, float limit);
 
 typedef struct {
     call_state call; /* x: dy [tokens, hidden] float32; y: dx, the same; act: [pairs + 16, kp] bfloat16 dh rows */
@@ -42,9 +46,15 @@ static void activation_grad_task(void *state, int worker, int64_t task) {
                     t.c1);
     const float *hg = b->kept + r0 * 2 * f + t.c0;
     uint16_t *dh = (uint16_t *)s->act + r0 * s->act_kp + t.c0;
-    (l->avx2 ? swiglu_backward_avx2 : swiglu_backward)(hg, 2 * f, hg + f, 2 * f, g, COLUMN_BLOCK, s->weight_sorted + r0,
-                                                       dh, dh + f, s->act_kp, 1, b->dw_parts + r0 * b->blocks +
-                                                       t.c0 / COLUMN_BLOCK, b->blocks, NULL, 0, m, t.c1 - t.c0);
+    float *dw = b->dw_parts + r0 * b->blocks + t.c0 / COLUMN_BLOCK;
+    const float *weight = s->weight_sorted + r0;
+    if (l->glu == MOE_GLU_CLAMPED_SWIGLU) /* (the layer's glu: moe_layer_set_glu, as its forward layer's) */
+        (l->avx2 ? clamped_swiglu_backward_avx2 : clamped_swiglu_backward)(
+            hg, 2 * f, hg + f, 2 * f, g, COLUMN_BLOCK, weight, dh, dh + f, s->act_kp, 1, dw, b->blocks, NULL, 0, m,
+            t.c1 - t.c0, l->glu_alpha, l->glu_limit);
+    else
+        (l->avx2 ? swiglu_backward_avx2 : swiglu_backward)(hg, 2 * f, hg + f, 2 * f, g, COLUMN_BLOCK, weight, dh, dh + f,
+                                                           s->act_kp, 1, dw, b->blocks, NULL, 0, m, t.c1 - t.c0);
 }
 
 /* phase 2: one expert's rows x columns [c0, c1) of hidden: dh @ W13ᵀ, per pair (the combine sums a token's) */

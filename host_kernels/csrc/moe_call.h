@@ -28,7 +28,14 @@ typedef struct {
     const void **w13;          /* [experts] packed [hidden, 2 * ffn_padded]: gate at [0, ffn), up at [ffn_padded, ...) */
     const void **w2;           /* [experts] packed [ffn, hidden] */
     int64_t *routed;           /* [experts] pairs routed to each expert, accumulated over calls (owner reads them) */
+    int glu;                   /* the gated activation (MOE_GLU_*; moe_layer_set_glu) */
+    float glu_alpha, glu_limit; /* MOE_GLU_CLAMPED_SWIGLU's sigmoid gain and clamp */
+    const float *b13;          /* NULL, or [experts, 2 * ffn] gate/up biases (gate then up), owned by the caller */
 } moe_layer;
+
+/* host_kernels.activations.GLU's kinds: silu(g) * u, and GPT-OSS's (clip(u, +-limit) + 1) * g' sigmoid(alpha g'),
+ * g' = min(g, limit) */
+enum { MOE_GLU_SWIGLU = 0, MOE_GLU_CLAMPED_SWIGLU = 1 };
 
 typedef struct {
     int32_t expert;

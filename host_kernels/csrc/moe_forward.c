@@ -39,6 +39,8 @@
 
 void swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a, int bf16,
                     int64_t m, int64_t n);
+void clamped_swiglu_forward(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a,
+                            int bf16, int64_t m, int64_t n, float alpha, float limit);
 
 #define TOKEN_BLOCK 64     /* tokens per combine task */
 #define GATHER_BLOCK 256   /* rows per gather task */
@@ -113,6 +115,14 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
     for (int64_t e = 0; e < experts; e++) l->w13[e] = (const void *)w13[e], l->w2[e] = (const void *)w2[e];
     l->routed = routed;
     return l;
+}
+
+/* The layer's gated activation (MOE_GLU_*) and its experts' gate/up biases (NULL: none; else [experts, 2 * ffn]
+ * float32, gate then up, alive as long as the layer). Returns non-zero for an unknown kind. */
+int moe_layer_set_glu(moe_layer *l, int glu, float alpha, float limit, const float *b13) {
+    if (glu != MOE_GLU_SWIGLU && glu != MOE_GLU_CLAMPED_SWIGLU) return 1;
+    l->glu = glu, l->glu_alpha = alpha, l->glu_limit = limit, l->b13 = b13;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------ one call */
@@ -207,6 +217,13 @@ static void gate_up_task(void *state, int worker, int64_t task) {
         moe_expert_gemm(l, a, l->kp_hidden, w13, hu + (c - t.c0), COLUMN_BLOCK, m, l->ffn_padded + c,
                     l->ffn_padded + t.c1);
     }
+    if (l->b13) { /* the expert's gate and up biases of these columns */
+        const float *bias = l->b13 + t.expert * 2 * l->ffn;
+        for (int64_t i = 0; i < m; i++) {
+            add_row(hg + i * COLUMN_BLOCK, bias + t.c0, width);
+            add_row(hu + i * COLUMN_BLOCK, bias + l->ffn + t.c0, width);
+        }
+    }
     if (s->keep) /* the pre-activations as computed, gate then up, in the sorted rows (the engine's backward reads them) */
         for (int64_t i = 0; i < m; i++) {
             float *kept = s->keep + (r0 + i) * 2 * l->ffn;
@@ -214,8 +231,13 @@ static void gate_up_task(void *state, int worker, int64_t task) {
             memcpy(kept + l->ffn + t.c0, hu + i * COLUMN_BLOCK, width * 4);
         }
     char *act = s->act + r0 * s->act_kp * l->row_bytes;
-    (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act + t.c0 * l->row_bytes,
-                                                      l->kp_ffn, !l->f32, m, width);
+    char *act_tile = act + t.c0 * l->row_bytes;
+    if (l->glu == MOE_GLU_CLAMPED_SWIGLU)
+        (l->avx2 ? clamped_swiglu_forward_avx2 : clamped_swiglu_forward)(
+            hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act_tile, l->kp_ffn, !l->f32, m, width, l->glu_alpha, l->glu_limit);
+    else
+        (l->avx2 ? swiglu_forward_avx2 : swiglu_forward)(hg, COLUMN_BLOCK, hu, COLUMN_BLOCK, act_tile, l->kp_ffn,
+                                                          !l->f32, m, width);
     if (l->records) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
         const int64_t end = padded(t.c1, 32) < l->kp_ffn ? padded(t.c1, 32) : l->kp_ffn;
         quantize_rows(l, (const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * record_bytes(l, l->kp_ffn));

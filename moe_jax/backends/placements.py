@@ -57,6 +57,9 @@ class ExpertPlacement:
     needs_profile = False  # reads a probe profile (PlacementOptions.profile)
     expert_shard: ExpertShard | None = None  # expert parallel: the shard of the experts this process holds
     quantized_experts = False  # runs quantized experts (all on the host: none of them is copied to the device)
+    # computes experts other than a plain SwiGLU without biases (GPT-OSS's): the device and host backends; the
+    # others' device-side slots (model.moe.subset_experts through offload.py / hybrid.py) take neither yet
+    any_expert_function = False
 
     def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
         self.checkpoint = checkpoint
@@ -121,10 +124,13 @@ class DevicePlacement(ExpertPlacement):
     """All experts in device memory, `ragged_dot`: the pure-JAX reference."""
 
     name = "device"
+    any_expert_function = True
 
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
-        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2))
+        b13 = self.checkpoint.expert_gate_up_bias(layer)
+        b13 = None if b13 is None else jnp.asarray(b13, self.dtype)
+        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2), self.checkpoint.config.expert_glu, b13)
 
     def device_expert_bytes(self, transformer) -> int:
         return self.total_expert_bytes
@@ -168,12 +174,21 @@ class HostPlacement(ExpertPlacement):
     name = "host"
     host_engine = True
     quantized_experts = True
+    any_expert_function = True
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
         self.expert_shard = options.expert_shard
         experts = self.expert_shard.experts(checkpoint.config.num_experts) if self.expert_shard else None
-        engine = HostMoE(self._host_store(experts), threads=options.host_threads, kernels=plan.host_kernels)
+        config = checkpoint.config
+        biases = {i: checkpoint.expert_gate_up_bias(i, experts) for i in config.moe_layers if config.expert_bias}
+        engine = HostMoE(
+            self._host_store(experts),
+            threads=options.host_threads,
+            kernels=plan.host_kernels,
+            glu=config.expert_glu,
+            gate_up_bias=biases,
+        )
         self.runtime = HostRuntime(
             ExpertCompute(engine), self.metrics, host_call=plan.host_call, stream_signal=plan.stream_signal
         )
@@ -216,6 +231,7 @@ class HybridPlacement(HostPlacement):
     """The experts a placement plan names ({layer: [ids]}) on the device, the rest on the host, both at once."""
 
     name = "hybrid"
+    any_expert_function = False
     quantized_experts = False  # its device share reads the float weights
 
     def __init__(self, checkpoint, dtype, plan, options):
@@ -233,6 +249,7 @@ class AutoPlacement(HostPlacement):
     (where the device reports it), else a quarter of the experts."""
 
     name = "auto"
+    any_expert_function = False
     needs_profile = True
     quantized_experts = False  # a device cache would read the float weights
 

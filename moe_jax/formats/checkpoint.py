@@ -19,7 +19,7 @@ import numpy as np
 from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, is_int, read_json_file
-from moe_jax.formats import fp8, hf_names
+from moe_jax.formats import fp8, hf_names, mxfp4
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.hf_config import read_hf_config
 from moe_jax.formats.safetensors_io import TensorSource
@@ -48,7 +48,7 @@ def shard_store_name(shard: ExpertShard) -> str:
 class Checkpoint:
     path: Path
     config: ModelConfig
-    tensors: TensorSource | fp8.BlockScaledTensors | GGUFFile
+    tensors: TensorSource | fp8.BlockScaledTensors | mxfp4.MXFP4Tensors | GGUFFile
     expert_store: ExpertStore | None  # set for converted directories
     store_experts: range | None = None  # the experts the store holds when it is one shard's (else all of them)
 
@@ -69,7 +69,8 @@ class Checkpoint:
             return "bfloat16" if self.expert_store.dtype == np.dtype(ml_dtypes.bfloat16) else "float32"
         if isinstance(self.tensors, GGUFFile):
             return "float32" if self.tensors.experts_type() in ("F32", "F16") else "bfloat16"
-        source = self.tensors.source if isinstance(self.tensors, fp8.BlockScaledTensors) else self.tensors
+        quantized = isinstance(self.tensors, (fp8.BlockScaledTensors, mxfp4.MXFP4Tensors))
+        source = self.tensors.source if quantized else self.tensors
         if hf_names.EMBED not in source:
             raise CheckpointError(f"{self.path}: tensor {hf_names.EMBED!r} is missing from the checkpoint")
         return "bfloat16" if source.dtype_code(hf_names.EMBED) in ("BF16", "F8_E4M3") else "float32"
@@ -77,9 +78,18 @@ class Checkpoint:
     def dense(self, name: str) -> np.ndarray:
         """A non-expert tensor by Hugging Face name, shape-checked, in `x @ W` layout (Linear weights transposed)."""
         array = self.tensors.get(name, expected_dense_shape(self.config, name))
-        if array.ndim == 2 and "embed_tokens" not in name:
+        if array.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name:
             array = array.T
         return array
+
+    def expert_gate_up_bias(self, layer: int, experts: range | None = None) -> np.ndarray | None:
+        """A layer's experts' gate/up biases [e, 2f] (all, or only `experts`) in kernel order, gate columns then up
+        (the layout of `LayerExperts.w13`), float32; None for a family without them."""
+        if not self.config.expert_bias:
+            return None
+        b = np.asarray(self.tensors.get(hf_names.expert_biases(self.config, layer)[0]), np.float32)
+        b = b if experts is None else b[experts.start : experts.stop]
+        return np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)  # GPT-OSS interleaves gate and up
 
     def layer_experts(self, layer: int, dtype: np.dtype, experts: range | None = None) -> LayerExperts:
         """One MoE layer's experts (all, or only `experts`) in kernel layout and `dtype` (a view when converted
@@ -133,8 +143,10 @@ def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)
-    block = fp8.block_size(hf_config, config_file)
-    if block is not None:
+    block = None if mxfp4.is_mxfp4(hf_config) else fp8.block_size(hf_config, config_file)
+    if mxfp4.is_mxfp4(hf_config):
+        tensors = mxfp4.MXFP4Tensors(tensors)
+    elif block is not None:
         tensors = fp8.BlockScaledTensors(tensors, block)
     else:  # raw fp8 values without their scales would be a silently wrong model
         unscaled = next((n for n in tensors.names() if tensors.dtype_code(n) == "F8_E4M3"), None)
@@ -222,8 +234,12 @@ def stack_hf_experts(
     e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
     experts = experts if experts is not None else range(e)
     fused, fused_down = hf_names.fused_expert_names(config, layer)
+    ends = slice(experts.start, experts.stop)
+    if fused in tensors and config.model_type == "gpt_oss":  # x @ W layout: [e, d, 2f] gate/up interleaved, [e, f, d]
+        gate_up = tensors.get(fused, (e, d, 2 * f))[ends]
+        w13 = np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1)
+        return LayerExperts(w13.astype(dtype), np.ascontiguousarray(tensors.get(fused_down, (e, f, d))[ends], dtype))
     if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
-        ends = slice(experts.start, experts.stop)
         gate_up = tensors.get(fused, (e, 2 * f, d))[ends]
         down = tensors.get(fused_down, (e, d, f))[ends]
         return LayerExperts(
@@ -267,6 +283,11 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         "q_norm.weight": (q,) if config.qk_norm == "full" else (hd,),
         "k_norm.weight": (kv,) if config.qk_norm == "full" else (hd,),
         "gate.weight": (config.num_experts, d),
+        "router.weight": (config.num_experts, d),
+        "router.bias": (config.num_experts,),
+        "self_attn.sinks": (config.num_heads,),
+        "experts.gate_up_proj_bias": (config.num_experts, 2 * config.expert_intermediate_size),
+        "experts.down_proj_bias": (config.num_experts, d),
         "e_score_correction_bias": (config.num_experts,),
         "shared_expert_gate.weight": (1, d),
     }

@@ -5,6 +5,7 @@ silently). Defaults are transformers' own for each family, so a config that omit
 
 from __future__ import annotations
 
+from host_kernels.activations import GLU
 from moe_jax.errors import ConfigError, is_finite_number, is_int
 from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, ModelConfig, Router
 from moe_jax.model.rope import KINDS, Rope, yarn_mscale
@@ -205,13 +206,52 @@ def _minimax_m2(read: _Fields, num_layers: int) -> dict:
         num_experts=_num_experts(read),
         router=Router(top_k=read.int("num_experts_per_tok"), scores="sigmoid", norm_topk_prob=True, bias=True),
         expert_intermediate_size=read.int("intermediate_size"),
-        rope=_rope(read, head_dim, partial_default=rotary_dim / head_dim),
+        rope=_rope(read, head_dim, partial_default=rotary_dim / head_dim, theta_default=5e6),
         qk_norm="full",
+    )
+
+
+# transformers' GPT-OSS rotary where a config names none (every release writes this one)
+GPT_OSS_ROPE = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+)
+
+
+def _gpt_oss(read: _Fields, num_layers: int) -> dict:
+    """GPT-OSS: attention with biases and a learned sink logit per head, sliding-window and full layers as
+    `layer_types` says (transformers' default: alternating, sliding first), a router with a bias whose top-k logits
+    are softmaxed, experts with biases and a clamped SwiGLU, YaRN rotary over the whole head."""
+    head_dim = _head_dim(read)
+    bias = read.bool("attention_bias", True)
+    window = read.window()
+    layer_types = read.hf.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(t not in kinds for t in layer_types):
+        raise read.bad("layer_types", layer_types, f"a list of {num_layers} of {', '.join(kinds)}")
+    if window is None and "sliding_attention" in layer_types:
+        raise read.bad("sliding_window", read.hf.get("sliding_window"), "a window size for the sliding layers")
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok"), scores="topk_softmax", logit_bias=True),
+        expert_intermediate_size=read.int("intermediate_size"),
+        rope=_rope(read, head_dim, theta_default=150000.0, params_default=GPT_OSS_ROPE),
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_sinks=True,
+        sliding_windows=tuple(window if t == "sliding_attention" else None for t in layer_types),
+        expert_glu=GLU(
+            "clamped_swiglu", alpha=read.positive("swiglu_alpha", 1.702), limit=read.positive("swiglu_limit", 7.0)
+        ),
+        expert_bias=True,
     )
 
 
 _FAMILIES = {
     "mixtral": _mixtral,
+    "gpt_oss": _gpt_oss,
     "minimax_m2": _minimax_m2,
     "qwen2_moe": _qwen,
     "qwen3_moe": _qwen,
@@ -269,14 +309,23 @@ def _rope_params(read: _Fields) -> dict:
     return read.object("rope_parameters") or read.object("rope_scaling")
 
 
-def _rope(read: _Fields, head_dim: int, interleave: bool = False, partial_default: float = 1.0) -> Rope:
-    params = _rope_params(read)
+def _rope(
+    read: _Fields,
+    head_dim: int,
+    interleave: bool = False,
+    partial_default: float = 1.0,
+    theta_default: float = 10000.0,
+    params_default: dict | None = None,
+) -> Rope:
+    """The rotary embedding as transformers computes it for this family; `*_default`: the family's defaults where
+    the config leaves them out."""
+    params = _rope_params(read) or params_default or {}
     where = f"{read.source} {'rope_parameters' if read.hf.get('rope_parameters') else 'rope_scaling'}"
     p = _Fields(params, where, read.model_type)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in KINDS:
         raise ConfigError(f"{where}: rope_type {kind!r} is not supported; supported: {', '.join(KINDS)}")
-    theta = p.positive("rope_theta", read.positive("rope_theta", 10000.0))
+    theta = p.positive("rope_theta", read.positive("rope_theta", theta_default))
     partial = p.positive("partial_rotary_factor", read.positive("partial_rotary_factor", partial_default))
     dim = int(head_dim * partial)
     if dim < 2 or dim % 2 or partial > 1:

@@ -16,7 +16,8 @@ DENSE_MLP = "mlp"  # a dense layer's MLP under the layer
 ATTENTION = "self_attn"
 # families whose released checkpoints keep Mixtral's names: `block_sparse_moe`, experts' w1 / w3 / w2
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")
-EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
+# the routed experts' weights (held by the expert backends); their biases (GPT-OSS) are small and dense
+EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|(gate_up_proj|down_proj)(_blocks|_scales)?$)")
 
 
 def layer(i: int) -> str:
@@ -44,6 +45,17 @@ def moe_block(config: ModelConfig, i: int) -> str:
 
 def shared_expert(config: ModelConfig, i: int) -> str:
     return f"{moe_block(config, i)}.{shared_expert_module(config)}"
+
+
+def router(config: ModelConfig, i: int) -> str:
+    """The router (a Linear over the experts) under the MoE block: `router` in GPT-OSS, `gate` elsewhere."""
+    return f"{moe_block(config, i)}.{'router' if config.model_type == 'gpt_oss' else 'gate'}"
+
+
+def expert_biases(config: ModelConfig, i: int) -> tuple[str, str]:
+    """(gate_up, down) biases of a layer's experts (GPT-OSS: [e, 2f] gate and up interleaved, [e, d])."""
+    p = f"{moe_block(config, i)}.experts"
+    return f"{p}.gate_up_proj_bias", f"{p}.down_proj_bias"
 
 
 def router_bias(config: ModelConfig, i: int) -> str:

@@ -2,7 +2,8 @@
 
 Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
 grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V2/V3 and MiniMax-M2. Reading a Hugging Face `config.json` into it is `moe_jax.formats.hf_config`.
+GLM-4.5, DeepSeek-V2/V3, MiniMax-M2 and GPT-OSS. Reading a Hugging Face `config.json` into it is
+`moe_jax.formats.hf_config`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from host_kernels.activations import GLU, SWIGLU
 from moe_jax.errors import ConfigError
 from moe_jax.model.rope import Rope
 
@@ -22,6 +24,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v2",
     "deepseek_v3",
     "minimax_m2",
+    "gpt_oss",
 )
 MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
 
@@ -37,7 +40,7 @@ class Router:
     """
 
     top_k: int
-    scores: str = "softmax"
+    scores: str = "softmax"  # or "sigmoid", or "topk_softmax" (GPT-OSS: the top k logits, then a softmax over them)
     norm_topk_prob: bool = True
     bias: bool = False
     groups: int = 1
@@ -45,6 +48,7 @@ class Router:
     group_score: str = "max"
     scale: float = 1.0
     float32_logits: bool = False  # DeepSeek / GLM: logits from float32 inputs (others: the model's dtype)
+    logit_bias: bool = False  # GPT-OSS: the router is a Linear with a bias (added to the logits)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip]
     qkv_bias: bool = False
     o_bias: bool = False
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    # What each routed expert computes between its projections (GPT-OSS: a clamped SwiGLU), and whether its gate/up
+    # and down projections carry biases (GPT-OSS)
+    expert_glu: GLU = SWIGLU
+    expert_bias: bool = False
     rms_norm_eps: float = 1e-6
     softmax_scale: float = 0.0  # 0: 1 / sqrt(query head dim)
     tie_word_embeddings: bool = False

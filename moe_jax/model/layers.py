@@ -287,7 +287,8 @@ class Projection(nnx.Module):
 
 class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE, optional q/k RMSNorm (per head, or over the whole projection as
-    OLMoE), optional q/k/v clipping and an optional sliding window."""
+    OLMoE), optional q/k/v clipping, an optional sliding window and optional sinks (GPT-OSS: a learned logit per
+    head that joins each softmax's denominator and attends to nothing)."""
 
     def __init__(
         self,
@@ -307,6 +308,7 @@ class Attention(nnx.Module):
         norm_whole_projection: bool = False,
         clip_qkv: float | None = None,
         native_decode_attention: bool = False,
+        sinks=None,
     ):
         """`native_decode_attention` (the execution plan's choice, moe_jax/planning/plan.py): a decode step's attention
         over the cache (bfloat16 or float32) runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c).
@@ -321,6 +323,7 @@ class Attention(nnx.Module):
         self.rope = rope
         self.window = window
         self.native_decode_attention = native_decode_attention
+        self.sinks = Frozen(sinks) if sinks is not None else None
         # W_q | W_k | W_v packed as one weight for the native products (`pack_for_decode`): one call where three
         # each paid a call's fixed cost (a bench-model k or v product took ~20 us of a batch-1 step for 37 KB)
         self.qkv_packed = nnx.data(None)
@@ -378,8 +381,9 @@ class Attention(nnx.Module):
         q = self.rope.apply(q, cos[:, :, None, None], sin[:, :, None, None]).transpose(0, 2, 1, 3, 4)
         k = self.rope.apply(k, cos[:, :, None], sin[:, :, None]).transpose(0, 2, 1, 3)
 
+        sinks = None if self.sinks is None else self.sinks[...].reshape(kv, -1)
         if cache is None:
-            out = chunked_causal_attention(q, k, v, positions_bt, self.window)
+            out = chunked_causal_attention(q, k, v, positions_bt, self.window, sinks_kg=sinks)
         else:
             k_cache, v_cache = cache
             if t == 1 and self.native_decode_attention:
@@ -389,7 +393,9 @@ class Attention(nnx.Module):
                 key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
                 k_all = write_positions(k_cache, k, positions_bt, key_pos_bs)
                 v_all = write_positions(v_cache, v, positions_bt, key_pos_bs)
-                out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window)
+                out = attend(
+                    q, k_all.astype(q.dtype), v_all.astype(q.dtype), positions_bt, key_pos_bs, self.window, None, sinks
+                )
             cache = (k_all, v_all)
         # [b, kv, t, group, hd] -> [b, t, heads * hd]
         return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
@@ -398,7 +404,9 @@ class Attention(nnx.Module):
 QUERY_CHUNK = 64
 
 
-def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK):
+def chunked_causal_attention(
+    q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK, sinks_kg=None
+):
     """Self-attention of a sequence on itself, `chunk` queries at a time, each against the keys it can see.
     Inputs and output in kv-head-major layout (`attend`).
 
@@ -409,7 +417,7 @@ def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, scal
     """
     t = q_bktgd.shape[2]
     if t <= chunk:
-        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale)
+        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale, sinks_kg)
     query_ranges, key_ranges = [], []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
@@ -417,7 +425,7 @@ def chunked_causal_attention(q_bktgd, k_bksd, v_bksd, positions_bt, window, scal
         key_ranges.append((0 if window is None else max(0, start - window + 1), stop))
     query_ranges, key_ranges = tuple(query_ranges), tuple(key_ranges)
     outs = [
-        attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window, scale)
+        attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window, scale, sinks_kg)
         for q, k, v, (qa, qb), (ka, kb) in zip(
             take_ranges(q_bktgd, query_ranges, 2),
             take_ranges(k_bksd, key_ranges, 2),
@@ -480,10 +488,10 @@ def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
     return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
 
 
-def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None):
+def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None, sinks_kg=None):
     """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys [b, kv, s, d], values
     [b, kv, s, dv]. The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv
-    head. Scores are scaled by `scale` (default 1 / sqrt(d))."""
+    head. Scores are scaled by `scale` (default 1 / sqrt(d)); `sinks_kg`, each head's sink logit."""
     b, kv, t, g, hd = q_bktgd.shape
     q = q_bktgd.reshape(b, kv, t * g, hd)
     # float32 accumulation: also the form XLA:CPU runs on its bfloat16 GEMM (see frozen_matmul)
@@ -493,7 +501,14 @@ def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None):
     if window is not None:
         allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
     scores = jnp.where(allowed[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, -1)
+    if sinks_kg is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the softmax over the scores and the sink, the sink's share dropped
+        sink = sinks_kg.astype(jnp.float32)[None, :, None, :, None]
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    probs = probs.astype(q.dtype).reshape(b, kv, t * g, -1)
     out = jnp.einsum("bkms,bksd->bkmd", probs, v_bksd, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, kv, t, g, v_bksd.shape[-1])
 

@@ -243,13 +243,19 @@ def build_transformer(
             moe_prefix = hf_names.moe_block(config, i)
             shared = swiglu(hf_names.shared_expert(config, i)) if config.shared_expert_intermediate_size else None
             gate_name = f"{moe_prefix}.shared_expert_gate.weight"
+            router = hf_names.router(config, i)
+            if config.router.logit_bias:
+                router_bias = dense(f"{router}.bias")
+            else:
+                router_bias = dense(hf_names.router_bias(config, i)) if config.router.bias else None
             mlp = MoEBlock(
-                dense(f"{moe_prefix}.gate.weight"),
+                dense(f"{router}.weight"),
                 experts_for_layer(i),
                 spec=config.router,
-                router_bias_e=dense(hf_names.router_bias(config, i)) if config.router.bias else None,
+                router_bias_e=router_bias,
                 shared=shared,
                 shared_gate_d1=dense(gate_name) if shared is not None and config.shared_expert_gated else None,
+                down_bias_ed=dense(hf_names.expert_biases(config, i)[1]) if config.expert_bias else None,
             )
         else:
             mlp = swiglu(f"{p}.{hf_names.DENSE_MLP}")
@@ -284,6 +290,7 @@ def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> A
         norm_whole_projection=config.qk_norm == "full",
         clip_qkv=config.clip_qkv,
         native_decode_attention=plan.decode_attention,
+        sinks=dense(f"{p}.sinks") if config.attention_sinks else None,
     )
 
 

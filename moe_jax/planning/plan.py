@@ -154,6 +154,7 @@ def make_plan(
     mla_decode: str = "",
     pipeline: int | None = None,
     host_call: str | None = None,
+    attention_sinks: bool = False,
 ) -> ExecutionPlan:
     """The plan for a model of `dtype` whose host experts (if any: `store_dtype` None means none) are stored in
     `store_dtype`. `native`: True/False turns every native part on (where it runs) or off; `xla_ffi` (default:
@@ -164,7 +165,9 @@ def make_plan(
     quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded"
     (moe_jax/model/mla.py); their decode attention is XLA's (the native handler computes grouped-query attention).
     `pipeline`: micro-batches of the device/host ping-pong (`pipeline_choice`). `host_call` (FFI, STREAM or
-    CALLBACK; default: MOE_JAX_HOST_CALL, else `host_call_choice`'s): how a jitted step reaches the host experts."""
+    CALLBACK; default: MOE_JAX_HOST_CALL, else `host_call_choice`'s): how a jitted step reaches the host experts.
+    `attention_sinks` (GPT-OSS): the model's softmax has a sink logit per head, which the native decode attention
+    does not take."""
     if mla_decode not in ("", "absorbed", "expanded"):
         raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
     why = {}
@@ -207,8 +210,10 @@ def make_plan(
         stream_signal=signal,
         decode_attention=native_part(
             "attention",
-            not mla_decode,
-            "latent attention (the native handler computes grouped-query attention)",
+            not mla_decode and not attention_sinks,
+            "latent attention (the native handler computes grouped-query attention)"
+            if mla_decode
+            else "attention sinks (the native handler has none)",
             native_attention.status,
         ),
         dense_decode=dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else "",

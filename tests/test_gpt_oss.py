@@ -1,0 +1,228 @@
+"""GPT-OSS (issue 50): attention sinks, sliding-window and full layers in turn, a router with a bias whose top-k
+logits are softmaxed, experts with biases and a clamped SwiGLU. Against transformers on the backends that compute
+it (device, host: its fused forward, its engine's native and numpy passes), LoRA gradients host against device
+(the engine's backward and the fused backward), the clamped passes against float64, adapters through peft."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from host_kernels import activations
+from host_kernels.activations import GLU
+from moe_jax.errors import InputError
+from moe_jax.formats.hf_config import read_hf_config
+from moe_jax.model.lora import LoRAConfig
+from tests.hf_models import hf_logits, make_hf_model, save_hf_model, torch
+from tests.isa import variants
+from tests.test_backends import lora_loss_grad
+from tests.test_generate import PROMPTS, hf_greedy
+
+IDS = np.random.default_rng(0).integers(0, 96, size=(3, 13))  # 13 positions: past the sliding window of 5
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    hf = make_hf_model("gpt_oss", seed=3, pad_token_id=0)
+    return hf, save_hf_model(hf, tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.mark.parametrize("native", [None, False], ids=["native", "numpy"])
+def test_host_logits_match_transformers(gpt_oss, native):
+    hf, path = gpt_oss
+    model = moe_jax.load_model(path, backend="host", native=native)
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_transformers_past_the_window(gpt_oss):
+    """Decode steps attend over the cache with the sinks, the sliding layers' window moving past the prompt."""
+    hf, path = gpt_oss
+    model = moe_jax.load_model(path, backend="host")
+    assert model.plan.decode_attention is False  # the native decode attention has no sinks
+    assert model.generate(PROMPTS, max_new_tokens=10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("native", [None, False], ids=["native", "numpy"])
+def test_lora_gradients_on_the_host_equal_the_devices(gpt_oss, native):
+    """Expert LoRA runs the host engine's forward and backward (the clamped passes' derivative, the biases in the
+    recomputed pre-activations); attention LoRA's gradients flow back through the experts too."""
+    _, path = gpt_oss
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
+    ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(path, backend="device"), tokens)
+    loss, grad = lora_loss_grad(moe_jax.load_model(path, backend="host", native=native), tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert scale > 0
+        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+
+
+def test_bfloat16_training_step_on_the_fused_backward_follows_the_device(gpt_oss):
+    """Attention-only LoRA in bfloat16: the host's fused forward keeps the biased pre-activations and its fused
+    backward differentiates the clamped SwiGLU (where the kernel choice has one), within bfloat16's rounding of
+    the device's gradients."""
+    _, path = gpt_oss
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, size=(2, 10)))
+    config = LoRAConfig(rank=4, alpha=8, targets=("attention",))
+
+    def loss_and_grad(backend):
+        model = moe_jax.load_model(path, backend=backend, dtype="bfloat16")
+        return lora_loss_grad(model, tokens, config)
+
+    ref_loss, ref_grad = loss_and_grad("device")
+    loss, grad = loss_and_grad("host")
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        scale = float(jnp.abs(want).max())
+        assert float(jnp.abs(got - want).max()) / scale < 0.1
+
+
+def reference_clamped(hg, hu, grad, weight, glu: GLU):
+    """(act, dh_gate, dh_up, dw) in float64."""
+    hg, hu, grad = (a.astype(np.float64) for a in (hg, hu, grad))
+    g = np.minimum(hg, glu.limit)
+    up1 = np.clip(hu, -glu.limit, glu.limit) + 1
+    s = 1 / (1 + np.exp(-glu.alpha * g))
+    act = up1 * g * s
+    w = weight.astype(np.float64)[:, None]
+    dh_gate = np.where(hg <= glu.limit, w * grad * up1 * s * (1 + glu.alpha * g * (1 - s)), 0)
+    dh_up = np.where(np.abs(hu) <= glu.limit, w * grad * g * s, 0)
+    return act, dh_gate, dh_up, np.sum(grad * act, axis=1)
+
+
+@pytest.mark.parametrize("isa", [*variants(activations.status), pytest.param(None, id="numpy")])
+def test_clamped_swiglu_passes_match_float64(isa):
+    """Odd shapes (masked tails), values on both sides of both clamps."""
+    glu = GLU("clamped_swiglu", alpha=1.702, limit=2.0)
+    rng = np.random.default_rng(4)
+    m, n = 5, 37
+    hg, hu, grad = (rng.normal(0, 2.5, (m, n)).astype(np.float32) for _ in range(3))
+    weight = rng.uniform(0.1, 1.0, m).astype(np.float32)
+    act, dh_gate, dh_up, dw = reference_clamped(hg, hu, grad, weight, glu)
+    out = np.empty((m, n), np.float32)
+    activations.swiglu_forward(hg, hu, out, isa=isa, glu=glu)
+    np.testing.assert_allclose(out, act, rtol=2e-6, atol=2e-6)
+    got = [np.empty((m, n), np.float32) for _ in range(3)]
+    got_dw = np.empty(m, np.float32)
+    activations.swiglu_backward(hg.copy(), hu, grad.copy(), weight, got[0], got[1], got_dw, got[2], isa=isa, glu=glu)
+    for name, value, want in (("dh_gate", got[0], dh_gate), ("dh_up", got[1], dh_up), ("act", got[2], act)):
+        np.testing.assert_allclose(value, want, rtol=2e-6, atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(got_dw, dw, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["offload", "hybrid", "auto"])
+def test_backends_that_cannot_compute_its_experts_refuse_by_name(gpt_oss, backend):
+    with pytest.raises(InputError, match=f"backend='{backend}' does not compute gpt_oss's experts"):
+        moe_jax.load_model(gpt_oss[1], backend=backend)
+
+
+def test_release_config_reads_as_transformers_computes_it():
+    """openai/gpt-oss-20b's config.json, as released (its quantization section aside)."""
+    config = read_hf_config(
+        dict(
+            model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+            num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+            sliding_window=128, rope_theta=150000, max_position_embeddings=131072, rms_norm_eps=1e-5,
+            swiglu_limit=7.0, attention_bias=True, layer_types=["sliding_attention", "full_attention"] * 12,
+            rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=4096),
+        )
+    )  # fmt: skip
+    assert config.sliding_windows[:4] == (128, None, 128, None) and config.attention_sinks
+    assert (config.rope.kind, config.rope.factor, config.rope.truncate, config.rope.dim) == ("yarn", 32.0, False, 64)
+    assert config.expert_glu == GLU("clamped_swiglu", alpha=1.702, limit=7.0) and config.expert_bias
+    assert (config.router.scores, config.router.logit_bias, config.num_experts_per_tok) == ("topk_softmax", True, 4)
+
+
+def test_attention_adapters_export_to_peft_with_equal_logits(gpt_oss, tmp_path):
+    peft = pytest.importorskip("peft")
+    from moe_jax.formats.adapters import export_peft
+    from moe_jax.model.lora import split_trainable
+
+    path = gpt_oss[1]
+    hf = make_hf_model("gpt_oss", seed=3, pad_token_id=0)  # its own: peft wraps the modules it loads onto
+    model = moe_jax.load_model(path, backend="host")
+    model.attach_lora(LoRAConfig(rank=3, alpha=5.0, targets=("attention",)), seed=1)
+    _, lora_state, _ = split_trainable(model.transformer)
+    leaves, treedef = jax.tree.flatten(lora_state)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    model.set_lora_state(
+        jax.tree.unflatten(treedef, [0.2 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)])
+    )
+    export_peft(model.transformer, model.lora_config, tmp_path / "adapter", str(path))
+    ours = model.logits(IDS)
+    with torch.no_grad():
+        theirs = hf_logits(peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval(), IDS)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert np.abs(ours - moe_jax.load_model(path, backend="device").logits(IDS)).max() > 1e-2
+
+
+def quantize_mxfp4(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in]: per 32 inputs a power of two that brings
+    the largest to at most 6, the values rounded to the nearest e2m1."""
+    from moe_jax.formats.mxfp4 import E2M1_VALUES
+
+    groups = w_out_in.reshape(*w_out_in.shape[:-1], -1, 32)
+    top = np.maximum(np.abs(groups).max(axis=-1), 1e-30)
+    exponent = np.clip(np.ceil(np.log2(top / 6.0)), -127, 127).astype(np.int32)
+    scaled = groups / np.ldexp(1.0, exponent)[..., None]
+    codes = np.abs(scaled[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exponent + 127).astype(np.uint8)
+
+
+def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
+    """A checkpoint laid out as openai/gpt-oss-* ship (experts as MXFP4 blocks and scales, quantization_config
+    mxfp4): its experts read back bit for bit as their dequantized values, and its logits are transformers' on
+    those values, on the host and the device."""
+    import json
+
+    from moe_jax.formats.checkpoint import open_checkpoint
+    from moe_jax.formats.mxfp4 import dequantize
+    from moe_jax.formats.safetensors_io import save_safetensors
+
+    hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32)
+    source = save_hf_model(hf, tmp_path / "float")
+    tensors, dequantized = {}, {}
+    for name, p in hf.state_dict().items():
+        w = p.detach().float().numpy()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            dequantized[name] = np.asarray(dequantize(blocks, scales, name), np.float32)
+            assert 0 < np.abs(dequantized[name] - w).max() < 0.3 * np.abs(w).max()  # quantized, not garbage
+        else:
+            tensors[name] = w
+    release = tmp_path / "release"
+    release.mkdir()
+    save_safetensors(release / "model.safetensors", tensors)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (release / "config.json").write_text(json.dumps(config))
+
+    checkpoint = open_checkpoint(release)
+    layer = checkpoint.layer_experts(1, np.dtype(np.float32))
+    gate_up = dequantized["model.layers.1.mlp.experts.gate_up_proj"]
+    np.testing.assert_array_equal(layer.w13, np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1))
+    np.testing.assert_array_equal(layer.w2, dequantized["model.layers.1.mlp.experts.down_proj"])
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in dequantized:
+                p.copy_(torch.from_numpy(dequantized[name]))
+    for backend in ("host", "device"):
+        logits = moe_jax.load_model(release, backend=backend).logits(IDS)
+        np.testing.assert_allclose(logits, hf_logits(hf, IDS), atol=1e-4, rtol=0, err_msg=backend)
+
+
+def test_converted_and_quantized_stores_keep_the_biases(gpt_oss, tmp_path):
+    """`moe-jax convert` keeps the experts' biases beside the store (they are dense tensors); an int8 store's
+    fused forward adds them to its quantized products."""
+    from moe_jax import convert
+
+    hf, path = gpt_oss
+    reference = hf_logits(hf, IDS)
+    convert.main(["--hf", str(path), "--out", str(tmp_path / "float")])
+    np.testing.assert_allclose(moe_jax.load_model(tmp_path / "float").logits(IDS), reference, atol=1e-4, rtol=0)
+    convert.main(["--hf", str(path), "--out", str(tmp_path / "int8"), "--quant", "int8"])
+    int8 = moe_jax.load_model(tmp_path / "int8").logits(IDS)
+    assert np.abs(int8 - reference).max() / np.abs(reference).max() < 0.05
