@@ -22,6 +22,7 @@ ARCH = {
     "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
     "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
     "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2,
+    "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
 }
 Q = gguf.GGMLQuantizationType
 
@@ -37,7 +38,7 @@ def write_gguf(model, path, dense: str = "F32", experts: str | None = None, toke
         _add_field(writer, key, value)
     for name, array in tensors(model).items():
         qtype = Q[experts or dense] if "_exps." in name else Q[dense]
-        if array.ndim == 1 or name.startswith("blk.") and "exp_probs_b" in name:
+        if array.ndim == 1 or name.endswith(".bias") or name.startswith("blk.") and "exp_probs_b" in name:
             qtype = Q.F32
         data = quantize(array, qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -57,7 +58,21 @@ def tensors(model) -> dict[str, np.ndarray]:
     for name, tensor in model.state_dict().items():
         array = tensor.detach().float().numpy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
+        if config.model_type == "gpt_oss" and ".experts." in name:  # [e, d, 2f] / [e, f, d], gate and up interleaved
+            kind = name.rsplit(".", 1)[1]
+            if kind == "gate_up_proj":
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(array[..., 0::2].transpose(0, 2, 1))
+                out[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(array[..., 1::2].transpose(0, 2, 1))
+            elif kind == "gate_up_proj_bias":
+                out[f"blk.{layer}.ffn_gate_exps.bias"] = np.ascontiguousarray(array[..., 0::2])
+                out[f"blk.{layer}.ffn_up_exps.bias"] = np.ascontiguousarray(array[..., 1::2])
+            elif kind == "down_proj":
+                out[f"blk.{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(array.transpose(0, 2, 1))
+            else:
+                out[f"blk.{layer}.ffn_down_exps.bias"] = array
+        elif name.endswith("self_attn.sinks"):
+            out[f"blk.{layer}.attn_sinks.weight"] = array
+        elif name.endswith("experts.gate_up_proj"):
             f = array.shape[1] // 2
             out[f"blk.{layer}.ffn_gate_exps.weight"] = array[:, :f]
             out[f"blk.{layer}.ffn_up_exps.weight"] = array[:, f:]
@@ -184,6 +199,14 @@ def _metadata(writer, config):
             writer.add_expert_group_used_count(config.topk_group)
         if t != "deepseek_v2":
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if t == "gpt_oss":
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
+        rope = config.rope_parameters
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if t == "minimax_m2":
         writer.add_expert_feed_forward_length(config.intermediate_size)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)

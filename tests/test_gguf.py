@@ -40,6 +40,18 @@ FAMILIES = {
     "olmoe": {},
     "glm4_moe": {},
     "minimax_m2": {},
+    "gpt_oss": dict(  # what a GGUF file can say: llama.cpp fixes the clamp at 7 and truncates YaRN's ramp
+        swiglu_limit=7.0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=True,
+            original_max_position_embeddings=64,
+        ),
+    ),
     "deepseek_v2": {},
     "deepseek_v2_q_lora": {},
     "deepseek_v3": EQUAL_MSCALE,

@@ -159,30 +159,28 @@ def test_attention_adapters_export_to_peft_with_equal_logits(gpt_oss, tmp_path):
 
 
 def quantize_mxfp4(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in]: per 32 inputs a power of two that brings
-    the largest to at most 6, the values rounded to the nearest e2m1."""
+    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in], by ggml's rule (gguf.quants.MXFP4, so a
+    GGUF writer picks the same values): per 32 inputs the power of two 2^(floor(log2 max) - 2), each value the
+    nearest e2m1 multiple of it."""
     from moe_jax.formats.mxfp4 import E2M1_VALUES
 
-    groups = w_out_in.reshape(*w_out_in.shape[:-1], -1, 32)
-    top = np.maximum(np.abs(groups).max(axis=-1), 1e-30)
-    exponent = np.clip(np.ceil(np.log2(top / 6.0)), -127, 127).astype(np.int32)
-    scaled = groups / np.ldexp(1.0, exponent)[..., None]
-    codes = np.abs(scaled[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+    groups = w_out_in.astype(np.float32).reshape(*w_out_in.shape[:-1], -1, 32)
+    top = np.abs(groups).max(axis=-1)
+    exponent = np.where(top > 0, np.floor(np.log2(np.maximum(top, 1e-30))) - 2, -127).astype(np.int32)
+    step = np.ldexp(np.float32(1), exponent).astype(np.float32)
+    codes = np.abs(step[..., None, None] * E2M1_VALUES - groups[..., None]).argmin(axis=-1).astype(np.uint8)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exponent + 127).astype(np.uint8)
 
 
-def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
-    """A checkpoint laid out as openai/gpt-oss-* ship (experts as MXFP4 blocks and scales, quantization_config
-    mxfp4): its experts read back bit for bit as their dequantized values, and its logits are transformers' on
-    those values, on the host and the device."""
+def mxfp4_release(hf, directory):
+    """`hf`'s weights laid out as openai/gpt-oss-* ship (experts as MXFP4 blocks and scales, quantization_config
+    mxfp4); returns the directory and the experts' dequantized values by name."""
     import json
 
-    from moe_jax.formats.checkpoint import open_checkpoint
     from moe_jax.formats.mxfp4 import dequantize
     from moe_jax.formats.safetensors_io import save_safetensors
 
-    hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32)
-    source = save_hf_model(hf, tmp_path / "float")
+    source = save_hf_model(hf, directory / "float")
     tensors, dequantized = {}, {}
     for name, p in hf.state_dict().items():
         w = p.detach().float().numpy()
@@ -193,15 +191,23 @@ def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
             assert 0 < np.abs(dequantized[name] - w).max() < 0.3 * np.abs(w).max()  # quantized, not garbage
         else:
             tensors[name] = w
-    release = tmp_path / "release"
+    release = directory / "release"
     release.mkdir()
     save_safetensors(release / "model.safetensors", tensors)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (release / "config.json").write_text(json.dumps(config))
+    return release, dequantized
 
-    checkpoint = open_checkpoint(release)
-    layer = checkpoint.layer_experts(1, np.dtype(np.float32))
+
+def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
+    """The experts read back bit for bit as their dequantized values, and the logits are transformers' on those
+    values, on the host and the device."""
+    from moe_jax.formats.checkpoint import open_checkpoint
+
+    hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32)
+    release, dequantized = mxfp4_release(hf, tmp_path)
+    layer = open_checkpoint(release).layer_experts(1, np.dtype(np.float32))
     gate_up = dequantized["model.layers.1.mlp.experts.gate_up_proj"]
     np.testing.assert_array_equal(layer.w13, np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1))
     np.testing.assert_array_equal(layer.w2, dequantized["model.layers.1.mlp.experts.down_proj"])
@@ -212,6 +218,19 @@ def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
     for backend in ("host", "device"):
         logits = moe_jax.load_model(release, backend=backend).logits(IDS)
         np.testing.assert_allclose(logits, hf_logits(hf, IDS), atol=1e-4, rtol=0, err_msg=backend)
+
+
+def test_gguf_mxfp4_file_gives_the_safetensors_releases_logits(tmp_path):
+    """The same weights as a GGUF file with MXFP4 experts (llama.cpp's block layout: the scale byte first, values
+    j and j + 16 sharing a byte) and as an MXFP4 safetensors release: the same values, the same logits."""
+    from tests.gguf_files import write_gguf
+    from tests.test_gguf import FAMILIES
+
+    hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32, **FAMILIES["gpt_oss"])
+    release, _ = mxfp4_release(hf, tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / "model.gguf", experts="MXFP4")
+    ours = moe_jax.load_model(gguf_file, backend="host", dtype="float32").logits(IDS)
+    np.testing.assert_allclose(ours, moe_jax.load_model(release, dtype="float32").logits(IDS), atol=1e-5, rtol=0)
 
 
 def test_converted_and_quantized_stores_keep_the_biases(gpt_oss, tmp_path):

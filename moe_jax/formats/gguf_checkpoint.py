@@ -46,7 +46,6 @@ _LAYER_NAMES = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    "ffn_gate_inp": "{moe}.gate",
     "ffn_gate_inp_shexp": "{moe}.shared_expert_gate",
     "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
     "ffn_up_shexp": "{moe}.{shared}.up_proj",
@@ -148,9 +147,18 @@ class GGUFFile:
                 continue
             layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
             prefix = hf_names.layer(layer)
-            if part in _EXPERTS:
+            if part in _EXPERTS and kind == "bias":  # GPT-OSS: each expert's biases, gate and up apart
+                gate_up_bias, down_bias = hf_names.expert_biases(self.config, layer)
+                names[down_bias if part == "ffn_down_exps" else gate_up_bias] = (
+                    ("tensor", name) if part == "ffn_down_exps" else ("gate_up_bias", layer)
+                )
+            elif part in _EXPERTS:
                 which = "down" if part == "ffn_down_exps" else "gate_up"
                 names[f"{prefix}.{moe}.experts.{which}_proj"] = (which, layer)
+            elif part == "ffn_gate_inp":
+                names[f"{hf_names.router(self.config, layer)}.{kind}"] = ("tensor", name)
+            elif part == "attn_sinks":
+                names[f"{hf_names.attention(layer)}.sinks"] = ("tensor", name)
             elif part in ("attn_k_b", "attn_v_b"):
                 names[f"{prefix}.self_attn.kv_b_proj.weight"] = ("kv_b", layer)
             elif part == "exp_probs_b":  # its .bias is the router's correction bias
@@ -176,6 +184,9 @@ class GGUFFile:
         if kind == "kv_b":
             heads, rank, nope = self.tensor_shape(f"blk.{key}.attn_k_b.weight", ndim=3)
             return heads * (nope + self.tensor_shape(f"blk.{key}.attn_v_b.weight", ndim=3)[1]), rank
+        if kind == "gate_up_bias":
+            experts, ffn = self.tensor_shape(f"blk.{key}.ffn_gate_exps.bias", ndim=2)
+            return experts, 2 * ffn
         experts, hidden, ffn = self.tensor_shape(f"blk.{key}.ffn_down_exps.weight", ndim=3)
         return (experts, hidden, ffn) if kind == "down" else (experts, 2 * ffn, hidden)
 
@@ -189,6 +200,9 @@ class GGUFFile:
             array = self._tensor(key).reshape(self.shape(name))
         elif kind == "kv_b":
             array = self._kv_b(key)
+        elif kind == "gate_up_bias":  # as GPT-OSS's safetensors hold them: gate and up interleaved
+            gate, up = (self._tensor(f"blk.{key}.ffn_{p}_exps.bias") for p in ("gate", "up"))
+            array = np.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
         else:  # the routed experts, in transformers 5's fused layout: gate_up [e, 2f, d], down [e, d, f]
             experts = self.layer_experts(key, np.float32)
             array = (experts.w2 if kind == "down" else experts.w13).transpose(0, 2, 1)

@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v2",
     "minimax-m2": "minimax_m2",
+    "gpt-oss": "gpt_oss",
 }
 
 
@@ -175,6 +176,31 @@ def _minimax_m2(file, layout: _Layout, config: dict) -> dict:
     }
 
 
+def _gpt_oss(file, layout: _Layout, config: dict) -> dict:
+    """llama.cpp's gpt-oss graph: every other layer sliding from the first (its default pattern), the clamped
+    SwiGLU's constants fixed at GPT-OSS's, YaRN as the file says (ggml truncates its correction range)."""
+    layers, f = config["num_hidden_layers"], file.arch_field
+    pattern = f("attention.sliding_window_pattern")
+    if pattern is not None and not isinstance(pattern, int):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or 2)
+        sliding = [i % period < period - 1 for i in range(layers)]
+    # without scaling metadata llama.cpp rotates plainly (transformers' GPT-OSS default would be YaRN)
+    plain = {} if "rope_scaling" in config else {"rope_parameters": {"rope_type": "default"}}
+    return {
+        **plain,
+        "num_local_experts": layout.experts,
+        "intermediate_size": layout.expert_ffn,
+        "head_dim": config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
+        "sliding_window": int(file.arch_field("attention.sliding_window", 128)),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding[:layers]],
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+    }
+
+
 def _deepseek(file, layout: _Layout, config: dict) -> dict:
     f = file.arch_field
     rope_dim = _int(file, "rope.dimension_count")
@@ -231,6 +257,7 @@ _READERS = {
     "glm4moe": _glm4_moe,
     "deepseek2": _deepseek,
     "minimax-m2": _minimax_m2,
+    "gpt-oss": _gpt_oss,
 }
 
 
