@@ -32,6 +32,7 @@ from host_kernels.layer_experts import (
     LayerExperts,
     QuantizedLayerExperts,
     pack_int4_layer,
+    pack_mxfp4_layer,
     quantize_layer,
     quantized_expert_bytes,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "keep_freed_buffers",
     "library_status",
     "pack_int4_layer",
+    "pack_mxfp4_layer",
     "quantize_layer",
     "quantized_expert_bytes",
     "release_pages",

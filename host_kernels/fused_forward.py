@@ -23,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, native
+from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, mxfp4_gemm, native
 from host_kernels.activations import GLU, SWIGLU
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
@@ -67,11 +67,24 @@ class FusedKernel:
         return self.format.group if self.format else 0
 
 
+# moe_forward.h's MOE_KERNEL_* of the quantized kernels, by (format kind, instruction set)
+_QUANTIZED_CODES = {
+    ("int8", int8_gemm.AMX): 9,
+    ("int8", native.AVX512): 3,
+    ("int8", native.AVX2): 7,
+    ("int4", native.AVX512): 4,
+    ("int4", native.AVX2): 8,
+    ("mxfp4", native.AVX512): 10,
+    ("mxfp4", native.AVX2): 11,
+}
+_QUANTIZED_MODULES = {"int8": int8_gemm, "int4": int4_gemm, "mxfp4": mxfp4_gemm}
+
+
 def _quantized_kernel(quant: QuantFormat, isa: str) -> FusedKernel:
-    """int8: MOE_KERNEL_INT8_AMX, MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4: MOE_KERNEL_INT4_AVX512
-    (AVX512-VNNI) or _AVX2."""
-    module = int8_gemm if quant.bits == 8 else int4_gemm
-    code = 9 if isa == int8_gemm.AMX else (3 if quant.bits == 8 else 4) + (4 if isa == native.AVX2 else 0)
+    """int8: MOE_KERNEL_INT8_AMX, MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4 (any group):
+    MOE_KERNEL_INT4_AVX512 (AVX512-VNNI) or _AVX2; mxfp4: MOE_KERNEL_MXFP4_AVX512 (AVX512-VNNI) or _AVX2."""
+    kind = quant.name.split("-")[0]
+    module, code = _QUANTIZED_MODULES[kind], _QUANTIZED_CODES[(kind, isa)]
     packed, pack = quant.packed_type, quant.pack
     status = partial(module.status, isa)
     return FusedKernel(code, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)

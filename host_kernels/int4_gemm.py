@@ -68,19 +68,41 @@ def pack(w: QuantizedInt4, empty=aligned_empty) -> PackedInt4:
     full = np.zeros((kp, np_), np.uint8)
     full[:k, :n] = w.q + 8
     full[k:, :] = full[:, n:] = 8  # q = 0
-    # [block][8-row slab][column][i][half]: byte 4c + i of a slab's 64 holds rows 8r + i and 8r + 4 + i
-    slabs = full.reshape(kp // 8, 2, 4, blocks, N_BLOCK).transpose(3, 0, 4, 2, 1)
-    nibbles = (slabs[..., 0] | (slabs[..., 1] << 4)).reshape(blocks, kp // 8, 64)
     scales = np.zeros((groups, np_), np.float16)
     scales[: w.scale.shape[0], :n] = w.scale
     scales = scales.reshape(groups, blocks, N_BLOCK).transpose(1, 0, 2).view(np.uint8)  # [block][group][32 bytes]
     data = empty((blocks, block_bytes(kp, group)), np.uint8)
-    for g in range(groups):
-        rows = nibbles[:, g * group // 8 : (g + 1) * group // 8]  # the last group may be shorter
+    write_layout(data, full, scales, group)
+    return PackedInt4(data, k, n, group)
+
+
+def write_layout(data: np.ndarray, nibbles: np.ndarray, scales: np.ndarray, group: int):
+    """Fills `data` [blocks, block_bytes(kp, group)] with the 4-bit values `nibbles` (uint8 [kp, blocks * 16], each in
+    [0, 15]) in the packed layout and each group's 32 scale bytes `scales` ([blocks, groups, 32] uint8) after its
+    nibbles (shared by int4's float16 scales and MXFP4's exponents)."""
+    kp, blocks = nibbles.shape[0], data.shape[0]
+    # [block][8-row slab][column][i][half]: byte 4c + i of a slab's 64 holds rows 8r + i and 8r + 4 + i
+    slabs = nibbles.reshape(kp // 8, 2, 4, blocks, N_BLOCK).transpose(3, 0, 4, 2, 1)
+    packed = (slabs[..., 0] | (slabs[..., 1] << 4)).reshape(blocks, kp // 8, 64)
+    for g in range(scales.shape[1]):
+        rows = packed[:, g * group // 8 : (g + 1) * group // 8]  # the last group may be shorter
         start = g * group_bytes(group)
         data[:, start : start + rows.shape[1] * 64] = rows.reshape(blocks, -1)
         data[:, start + rows.shape[1] * 64 : start + rows.shape[1] * 64 + SCALE_BYTES] = scales[:, g]
-    return PackedInt4(data, k, n, group)
+
+
+def read_layout(data: np.ndarray, kp: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """`write_layout`'s inverse: (nibbles [kp, blocks * 16], scale bytes [blocks, groups, 32])."""
+    blocks = data.shape[0]
+    nibbles, scales = [], []
+    for start in range(0, kp, group):
+        rows = min(group, kp - start) // 8  # 64-byte rows of 8 k-rows; the last group may be shorter
+        at = start // group * group_bytes(group)
+        nibbles.append(data[:, at : at + rows * 64].reshape(blocks, rows, 64))
+        scales.append(data[:, at + rows * 64 : at + rows * 64 + SCALE_BYTES])
+    packed = np.concatenate(nibbles, axis=1).reshape(blocks, kp // 8, N_BLOCK, 4)  # [block][slab][column][i]
+    values = np.stack([packed & 15, packed >> 4], axis=2)  # [block][slab][half][column][i]: k-row 8r + 4 half + i
+    return values.transpose(1, 2, 4, 0, 3).reshape(kp, blocks * N_BLOCK), np.stack(scales, axis=1)
 
 
 def unpack(w: PackedInt4) -> np.ndarray:
@@ -103,18 +125,10 @@ def unpack_native(w: PackedInt4, isa: str) -> np.ndarray:
 
 def unpack_numpy(w: PackedInt4) -> np.ndarray:
     """`unpack` in numpy."""
-    blocks, kp, group = w.data.shape[0], w.kp, w.group
-    nibbles, scales = [], []
-    for start in range(0, kp, group):
-        rows = min(group, kp - start) // 8  # 64-byte rows of 8 k-rows; the last group may be shorter
-        at = start // group * group_bytes(group)
-        nibbles.append(w.data[:, at : at + rows * 64].reshape(blocks, rows, 64))
-        scales.append(w.data[:, at + rows * 64 : at + rows * 64 + SCALE_BYTES].view(np.float16))
-    packed = np.concatenate(nibbles, axis=1).reshape(blocks, kp // 8, N_BLOCK, 4)  # [block][slab][column][i]
-    values = np.stack([packed & 15, packed >> 4], axis=2)  # [block][slab][half][column][i]: k-row 8r + 4 half + i
-    q = values.transpose(1, 2, 4, 0, 3).reshape(kp, blocks * N_BLOCK).astype(np.float32) - 8
-    scale = np.stack(scales, axis=1).astype(np.float32).transpose(1, 0, 2).reshape(-1, blocks * N_BLOCK)
-    return (q * np.repeat(scale, group, axis=0)[:kp])[: w.k, : w.n]
+    nibbles, scales = read_layout(w.data, w.kp, w.group)
+    q = nibbles.astype(np.float32) - 8
+    scale = np.ascontiguousarray(scales).view(np.float16).astype(np.float32).transpose(1, 0, 2).reshape(-1, q.shape[1])
+    return (q * np.repeat(scale, w.group, axis=0)[: w.kp])[: w.k, : w.n]
 
 
 def status(isa: str = native.AVX512) -> tuple[bool, str]:

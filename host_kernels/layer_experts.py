@@ -17,7 +17,7 @@ from host_kernels.amx import N_BLOCK, padded
 from host_kernels.errors import KernelArgumentError, StoreError
 from host_kernels.huge_pages import HugePageArena
 from host_kernels.pool import default_threads
-from host_kernels.quant import QuantizedInt4
+from host_kernels.quant import QuantizedInt4, QuantizedMXFP4
 from host_kernels.quant_formats import FORMATS, INT4_BY_GROUP, QuantFormat
 
 STORAGE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -198,12 +198,26 @@ def pack_int4_layer(w13_q, w13_scale, w2_q, w2_scale, group: int = 32) -> Quanti
     """Experts already quantized as int4 (codes int8 [e, k, n] in [-8, 7], float16 scales [e, k / group, n]; w13's
     columns the gate's then the up's, as LayerExperts'), packed as they are: no requantization, so weights
     quantized elsewhere by the same rule (llama.cpp's Q4_0) arrive bit for bit."""
-    experts, hidden, ffn = w13_q.shape[0], w13_q.shape[1], w2_q.shape[1]
-    fmt = FORMATS[INT4_BY_GROUP[group]]
+    return _pack_quantized_layer(
+        FORMATS[INT4_BY_GROUP[group]], lambda values, scales: QuantizedInt4(values, scales, group),
+        w13_q, w13_scale, w2_q, w2_scale,
+    )  # fmt: skip
+
+
+def pack_mxfp4_layer(w13_codes, w13_exponents, w2_codes, w2_exponents) -> QuantizedLayerExperts:
+    """Experts in MXFP4 (e2m1 codes uint8 [e, k, n], e8m0 exponents [e, k / 32, n]; w13 as in pack_int4_layer),
+    packed code for code: a GPT-OSS checkpoint's or a GGUF file's MXFP4 experts compute with exactly their values."""
+    return _pack_quantized_layer(FORMATS["mxfp4"], QuantizedMXFP4, w13_codes, w13_exponents, w2_codes, w2_exponents)
+
+
+def _pack_quantized_layer(fmt: QuantFormat, quantized, w13_values, w13_scales, w2_values, w2_scales):
+    """A layer of experts whose values and per-group scales arrive quantized already, each packed for `fmt`'s
+    kernel (`quantized(values, scales)` makes the format's weight)."""
+    experts, hidden, ffn = w13_values.shape[0], w13_values.shape[1], w2_values.shape[1]
 
     def packed(e: int):
-        w13 = QuantizedInt4(gate_up_columns(w13_q[e], ffn, N_BLOCK), gate_up_columns(w13_scale[e], ffn, N_BLOCK), group)
-        w2 = QuantizedInt4(np.ascontiguousarray(w2_q[e]), np.ascontiguousarray(w2_scale[e]), group)
+        w13 = quantized(gate_up_columns(w13_values[e], ffn, N_BLOCK), gate_up_columns(w13_scales[e], ffn, N_BLOCK))
+        w2 = quantized(np.ascontiguousarray(w2_values[e]), np.ascontiguousarray(w2_scales[e]))
         return fmt.pack_quantized(w13).data, fmt.pack_quantized(w2).data
 
     return stack_layer(fmt.name, [packed(e) for e in range(experts)], hidden, ffn)

@@ -45,6 +45,7 @@ SIGNATURES = {
     "pack_bf16_tiles": ([_P, _I, _I, _I, _I, _P], None),
     "int8_gemm_avx2": (_GEMM[0], ctypes.c_int),  # quantizes its rows first: non-zero where memory ran out
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
+    **{f"mxfp4_gemm{suffix}": (_GEMM[0], ctypes.c_int) for suffix in ("", "_avx2")},
     **{f"int4_unpack{suffix}": ([_P, _I, _I, _I, _I, _P, _I], None) for suffix in ("", "_avx2")},
     "moe_layer_new": ([ctypes.c_int, _I, _I, _I, _P, _P, _P, _I], _P),
     "moe_layer_set_glu": ([_P, ctypes.c_int, _F, _F, _P], ctypes.c_int),

@@ -9,6 +9,10 @@
   the other values lie in [-8, 8] steps, so the error is at most half a step, |d| / 2, except for values within
   half a step of -m (they clip to 7: at most |d|). 4 bits a weight plus 16 / group for the scale: 4.5 at group 32,
   0.28x bfloat16's bytes.
+- MXFP4 (the OCP microscaling format GPT-OSS ships its experts in): per group of 32 k-rows and column a power of
+  two (e8m0), each weight an e2m1 code (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6) times
+  it. Quantizing a float weight follows ggml's rule (its power of two 2^(floor(log2 max|w|) - 2), each value the
+  nearest code); weights that arrive as MXFP4 are kept code for code.
 """
 
 from __future__ import annotations
@@ -95,6 +99,52 @@ def quantize_int4(w: np.ndarray, group: int = 32) -> QuantizedInt4:
     safe = np.where(scale != 0, scale.astype(np.float32), 1.0)[..., None, :]
     q = np.clip(np.rint(blocks / safe), -8, 7).astype(np.int8).reshape(padded.shape)[..., :k, :]
     return QuantizedInt4(q, scale, group)
+
+
+MXFP4_GROUP = 32
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+@dataclass(frozen=True)
+class QuantizedMXFP4:
+    """A [..., k, n] weight as e2m1 `codes` (uint8 in [0, 15]) and e8m0 `exponents` [..., ceil(k / 32), n] (uint8:
+    the group's power of two is 2^(e - 127))."""
+
+    codes: np.ndarray
+    exponents: np.ndarray
+
+    def __post_init__(self):
+        if self.codes.dtype != np.uint8 or self.exponents.dtype != np.uint8:
+            raise KernelArgumentError(f"MXFP4 weight is {self.codes.dtype} with {self.exponents.dtype} exponents")
+        if self.codes.size and self.codes.max() > 15:
+            raise KernelArgumentError(f"MXFP4 codes must lie in [0, 15], got up to {self.codes.max()}")
+        k = self.codes.shape[-2] if self.codes.ndim >= 2 else 0
+        want = self.codes.shape[:-2] + (-(-k // MXFP4_GROUP),) + self.codes.shape[-1:]
+        if self.exponents.shape != want:
+            raise KernelArgumentError(f"exponents {self.exponents.shape} do not match MXFP4 codes {self.codes.shape}")
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        k = self.codes.shape[-2]
+        scale = np.ldexp(np.float32(1), self.exponents.astype(np.int32) - 127).astype(np.float32)
+        return (E2M1_VALUES[self.codes] * np.repeat(scale, MXFP4_GROUP, axis=-2)[..., :k, :]).astype(dtype)
+
+
+def quantize_mxfp4(w: np.ndarray) -> QuantizedMXFP4:
+    """MXFP4 per group of 32 k-rows and output column of a [..., k, n] float weight, by ggml's rule (so a GGUF
+    file's MXFP4 blocks and these agree code for code). A non-finite weight is refused, naming where it is."""
+    w32 = _finite_float32(w)
+    k, n = w32.shape[-2:]
+    groups = -(-k // MXFP4_GROUP)
+    padded = np.zeros(w32.shape[:-2] + (groups * MXFP4_GROUP, n), np.float32)
+    padded[..., :k, :] = w32
+    blocks = padded.reshape(w32.shape[:-2] + (groups, MXFP4_GROUP, n))
+    top = np.abs(blocks).max(axis=-2)
+    with np.errstate(divide="ignore"):
+        exponent = np.where(top > 0, np.floor(np.log2(top)) - 2, -127)
+    exponent = np.clip(exponent, -127, 127).astype(np.int32)
+    step = np.ldexp(np.float32(1), exponent).astype(np.float32)[..., None, :, None]
+    codes = np.abs(step * E2M1_VALUES - blocks[..., None]).argmin(axis=-1).astype(np.uint8)
+    return QuantizedMXFP4(codes.reshape(padded.shape)[..., :k, :], (exponent + 127).astype(np.uint8))
 
 
 def _finite_float32(w: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The quantized formats of the experts, by name ("int8", "int4", "int4-g64", "int4-g128"): how a float weight is
-quantized and packed for its kernel, the packed array's shape, and how to read it back. One table for everyone
+"""The quantized formats of the experts, by name ("int8", "int4", "int4-g64", "int4-g128", "mxfp4"): how a float
+weight is quantized and packed for its kernel, the packed array's shape, and how to read it back. One table for everyone
 who handles quantized weights: the fused forward's kernels (fused_forward.KERNELS), a quantized store
 (store.QuantizedLayerExperts: packed weights written by `moe_jax.convert --quant`, mapped as they are), and the
 engine's GEMMs over them (dequantized per expert).
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import int4_gemm, int8_gemm
+from host_kernels import int4_gemm, int8_gemm, mxfp4_gemm
 from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
-from host_kernels.quant import INT4_GROUPS, quantize_int4, quantize_int8
+from host_kernels.quant import INT4_GROUPS, MXFP4_GROUP, quantize_int4, quantize_int8, quantize_mxfp4
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class QuantFormat:
     name: str
     bits: int  # per weight, scales aside
     group: int  # k-rows per scale (0: one scale per column)
-    packed_type: type  # PackedInt8 / PackedInt4
-    quantize: Callable  # float [k, n] -> QuantizedInt8 / QuantizedInt4
+    packed_type: type  # PackedInt8 / PackedInt4 / PackedMXFP4
+    quantize: Callable  # float [k, n] -> QuantizedInt8 / QuantizedInt4 / QuantizedMXFP4
     pack_quantized: Callable  # quantized -> packed
     block_bytes: Callable[[int], int]  # kp -> bytes of one packed 16-column block
     unpack: Callable  # packed -> float32 [k, n]
@@ -52,5 +52,10 @@ def _int4(group: int) -> QuantFormat:
 INT8 = QuantFormat(
     "int8", 8, 0, int8_gemm.PackedInt8, quantize_int8, int8_gemm.pack, int8_gemm.block_bytes, int8_gemm.unpack
 )
-FORMATS = {f.name: f for f in (INT8, *(_int4(group) for group in INT4_GROUPS))}
-INT4_BY_GROUP = {f.group: f.name for f in FORMATS.values() if f.bits == 4}  # k-rows per scale -> format name
+MXFP4 = QuantFormat(
+    "mxfp4", 4, MXFP4_GROUP, mxfp4_gemm.PackedMXFP4, quantize_mxfp4, mxfp4_gemm.pack, mxfp4_gemm.block_bytes,
+    mxfp4_gemm.unpack,
+)  # fmt: skip
+FORMATS = {f.name: f for f in (INT8, *(_int4(group) for group in INT4_GROUPS), MXFP4)}
+# k-rows per scale -> int4 format name
+INT4_BY_GROUP = {f.group: f.name for f in FORMATS.values() if f.packed_type is int4_gemm.PackedInt4}

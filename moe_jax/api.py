@@ -386,12 +386,14 @@ def load_model(
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
     `host_kernels.KernelChoice`) replaces the host kernel choice. `quant`: "int8" (a scale per output column),
     "int4" (a float16 scale per group of 32 k-rows, llama.cpp's Q4_0 rule; "int4-g64", "int4-g128": groups of 64,
-    128): the host experts are quantized as they are loaded and kept only so (a store converted with
-    `moe_jax.convert --quant` is already, and says its format itself); the fused forward reads them, the engine's
-    GEMMs (expert LoRA, training's backward) dequantize them expert by expert, so LoRA trains on the quantized
-    base. The model's generation steps then read their dense weights quantized too (float32 and bfloat16 models
-    alike, as llama.cpp's Q8_0 / Q4_0 files hold them), where they multiply them natively (a quantized copy beside
-    the weights, which `logits` and training use). Only the host
+    128), "mxfp4" (e2m1 values, a power of two per 32 k-rows: GPT-OSS's format, whose releases and MXFP4 GGUF files
+    load so on the host backend by default, code for code): the host experts are quantized as they are loaded and
+    kept only so (a store converted with `moe_jax.convert --quant` is already, and says its format itself); the
+    fused forward reads them, the engine's GEMMs (expert LoRA, training's backward) dequantize them expert by
+    expert, so LoRA trains on the quantized base. The model's generation steps then read their dense weights
+    quantized too (float32 and bfloat16 models alike, as llama.cpp's Q8_0 / Q4_0 files hold them; not with mxfp4,
+    which quantizes experts only), where they multiply them natively (a quantized copy beside the weights, which
+    `logits` and training use). Only the host
     backend runs quantized experts. `mla_decode` (DeepSeek's latent attention): "absorbed" decode steps read the
     compressed KV cache as it is, "expanded" ones multiply it out to keys and values first (moe_jax/model/mla.py). The
     resulting plan is `Model.plan` (moe_jax/planning/plan.py). `expert_shard` (expert parallel, host backend, a
@@ -425,6 +427,8 @@ def load_model(
     jdtype = DTYPES[dtype]
     kind = PLACEMENTS[backend]
     quant = stored_quant(checkpoint, quant)
+    if quant is None and kind.quantized_experts:  # experts shipped quantized (GPT-OSS's MXFP4) stay as shipped
+        quant = checkpoint.shipped_quant()
     if quant is not None and not kind.quantized_experts:
         raise InputError(
             f"{quant} experts run on the host backend only; backend={backend!r} "

@@ -58,12 +58,13 @@ def convert(
     returns it. `out_dir` must not exist or be empty, unless `overwrite` (then it is replaced, only once the new one
     is complete and verified). `quant` (a host_kernels.QUANTIZED name): the experts are stored quantized, packed for
     their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are. None:
-    float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc).
+    float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc), and
+    an MXFP4 release's stay MXFP4.
     `expert_shards` N > 1: the experts in N stores of 1/N of every layer's (expert parallel)."""
     checkpoint = open_checkpoint(resolve_model(source))
     gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
     if quant == GGUF_CLOSEST:
-        quant = gguf_file.closest_quant() if gguf_file is not None else None
+        quant = gguf_file.closest_quant() if gguf_file is not None else checkpoint.shipped_quant()
     if quant is not None and quant not in QUANTIZED:
         raise InputError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
     if checkpoint.is_converted:
@@ -192,9 +193,11 @@ def main(argv=None):
         "--quant",
         choices=[*QUANTIZED, "none"],
         help="store the experts quantized: int8 (a scale per output column) or int4 (a scale per group of 32 k-rows, "
-        "llama.cpp's Q4_0 rule; int4-g64 / int4-g128: groups of 64 / 128), packed for their kernel and memory-mapped "
+        "llama.cpp's Q4_0 rule; int4-g64 / int4-g128: groups of 64 / 128; mxfp4: e2m1 values with a power of two per "
+        "32, GPT-OSS's format), packed for their kernel and memory-mapped "
         "as they are when loaded (int4: 0.28x the bfloat16 experts' bytes); none: floats. Default: floats from a "
-        "Hugging Face checkpoint, the format closest to a GGUF file's (Q4_0 -> int4 exactly)",
+        "Hugging Face checkpoint (mxfp4 from an MXFP4 release, code for code), the format closest to a GGUF file's "
+        "(Q4_0 -> int4, MXFP4 -> mxfp4 exactly)",
     )
     parser.add_argument(
         "--expert-shards",

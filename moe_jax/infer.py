@@ -101,7 +101,8 @@ def parse_args(argv):
         "--quant",
         choices=list(QUANTIZED),
         help="generate from quantized weights: int8 (a scale per output column) or int4 (a scale per group of 32 "
-        "k-rows, as llama.cpp's Q4_0; int4-g64 / int4-g128: groups of 64 / 128): the host experts and, in "
+        "k-rows, as llama.cpp's Q4_0; int4-g64 / int4-g128: groups of 64 / 128; mxfp4: GPT-OSS's format, experts "
+        "only): the host experts and, in "
         "generation's steps, the attention and head weights",
     )
     return p.parse_args(argv)

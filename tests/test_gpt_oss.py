@@ -201,36 +201,56 @@ def mxfp4_release(hf, directory):
 
 
 def test_mxfp4_release_loads_its_dequantized_experts_exactly(tmp_path):
-    """The experts read back bit for bit as their dequantized values, and the logits are transformers' on those
-    values, on the host and the device."""
+    """Read as floats, the experts are their dequantized values bit for bit and the logits transformers' on those
+    values (device backend); kept MXFP4 (the host backend's default for such a checkpoint), every expert's packed
+    weights hold the same values bit for bit and the native MXFP4 product gives the same logits within its
+    int8-quantized activations."""
     from moe_jax.formats.checkpoint import open_checkpoint
 
     hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32)
     release, dequantized = mxfp4_release(hf, tmp_path)
-    layer = open_checkpoint(release).layer_experts(1, np.dtype(np.float32))
+    checkpoint = open_checkpoint(release)
+    assert checkpoint.shipped_quant() == "mxfp4"
+    floats = checkpoint.layer_experts(1, np.dtype(np.float32))
     gate_up = dequantized["model.layers.1.mlp.experts.gate_up_proj"]
-    np.testing.assert_array_equal(layer.w13, np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1))
-    np.testing.assert_array_equal(layer.w2, dequantized["model.layers.1.mlp.experts.down_proj"])
+    np.testing.assert_array_equal(floats.w13, np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1))
+    np.testing.assert_array_equal(floats.w2, dequantized["model.layers.1.mlp.experts.down_proj"])
+    packed, as_stored = checkpoint.quantized_layer(1, "mxfp4", np.dtype(np.float32))
+    assert as_stored and packed.quant == "mxfp4"
+    for e in range(packed.num_experts):
+        w13, w2 = packed.dequantized(e)
+        np.testing.assert_array_equal(w13, floats.w13[e])
+        np.testing.assert_array_equal(w2, floats.w2[e])
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name in dequantized:
                 p.copy_(torch.from_numpy(dequantized[name]))
-    for backend in ("host", "device"):
-        logits = moe_jax.load_model(release, backend=backend).logits(IDS)
-        np.testing.assert_allclose(logits, hf_logits(hf, IDS), atol=1e-4, rtol=0, err_msg=backend)
+    reference = hf_logits(hf, IDS)
+    np.testing.assert_allclose(moe_jax.load_model(release, backend="device").logits(IDS), reference, atol=1e-4, rtol=0)
+    host = moe_jax.load_model(release, backend="host")
+    assert host.plan.quant == "mxfp4" and host.dtype == "float32"
+    assert np.abs(host.logits(IDS) - reference).max() < 0.03 * np.abs(reference).max()
 
 
 def test_gguf_mxfp4_file_gives_the_safetensors_releases_logits(tmp_path):
     """The same weights as a GGUF file with MXFP4 experts (llama.cpp's block layout: the scale byte first, values
-    j and j + 16 sharing a byte) and as an MXFP4 safetensors release: the same values, the same logits."""
+    j and j + 16 sharing a byte) and as an MXFP4 safetensors release: the same codes in the store, bit for bit, and
+    the same logits, whether read as floats or kept MXFP4."""
+    from moe_jax.formats.checkpoint import open_checkpoint
     from tests.gguf_files import write_gguf
     from tests.test_gguf import FAMILIES
 
     hf = make_hf_model("gpt_oss", seed=5, intermediate_size=32, **FAMILIES["gpt_oss"])
     release, _ = mxfp4_release(hf, tmp_path)
     gguf_file = write_gguf(hf, tmp_path / "model.gguf", experts="MXFP4")
-    ours = moe_jax.load_model(gguf_file, backend="host", dtype="float32").logits(IDS)
-    np.testing.assert_allclose(ours, moe_jax.load_model(release, dtype="float32").logits(IDS), atol=1e-5, rtol=0)
+    from_gguf, _ = open_checkpoint(gguf_file).quantized_layer(0, "mxfp4", np.dtype(np.float32))
+    from_release, _ = open_checkpoint(release).quantized_layer(0, "mxfp4", np.dtype(np.float32))
+    np.testing.assert_array_equal(from_gguf.w13_packed, from_release.w13_packed)
+    np.testing.assert_array_equal(from_gguf.w2_packed, from_release.w2_packed)
+    for quant in ("mxfp4", None):
+        kwargs = dict(backend="host", dtype="float32") if quant else dict(backend="device", dtype="float32")
+        ours = moe_jax.load_model(gguf_file, **kwargs).logits(IDS)
+        np.testing.assert_allclose(ours, moe_jax.load_model(release, **kwargs).logits(IDS), atol=1e-5, rtol=0)
 
 
 def test_converted_and_quantized_stores_keep_the_biases(gpt_oss, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from scipy.special import log_softmax
 
 import moe_jax
-from host_kernels import HostKernelError, amx, choose_kernels, int4_gemm, int8_gemm
+from host_kernels import HostKernelError, amx, choose_kernels, int4_gemm, int8_gemm, mxfp4_gemm
 from host_kernels.errors import KernelArgumentError
 from host_kernels.fused_forward import KERNELS, QUANTIZED, FusedForward, best_kernel, pack_layer
 from host_kernels.quant import (
@@ -25,6 +25,7 @@ from host_kernels.quant import (
     quantize_activations_int16,
     quantize_int4,
     quantize_int8,
+    quantize_mxfp4,
 )
 from host_kernels.schedule import NOT_ROUTED
 from moe_jax.errors import InputError
@@ -52,6 +53,8 @@ def quantizer(kernel):
     int8_gemm.INTEGER_ROWS rows and the rows themselves above."""
     if KERNELS[kernel].format.bits == 8:
         return quantize_int8, seen_by_int4 if kernel.startswith("avx2") else seen_by_int8
+    if KERNELS[kernel].format.name == "mxfp4":
+        return quantize_mxfp4, seen_by_int4
     return lambda w: quantize_int4(w, KERNELS[kernel].group), seen_by_int4
 
 
@@ -137,7 +140,7 @@ def bf16_rows(rng, m, k, kp):
 
 QUANTIZED_KERNELS = kernel_variants(KERNELS, [kernel for kernels in QUANTIZED.values() for kernel in kernels])
 GEMMS = {
-    kernel: int8_gemm if KERNELS[kernel].format.bits == 8 else int4_gemm
+    kernel: {"int8": int8_gemm, "mxfp4": mxfp4_gemm}.get(KERNELS[kernel].format.name, int4_gemm)
     for kernel in KERNELS
     if KERNELS[kernel].quantized
 }
@@ -295,7 +298,13 @@ def test_fused_forward_matches_the_dequantized_experts(kernel, store_dtype, thre
     assert totals.weight_bytes > 0 and totals.weight_bytes % (3 * 96 * 200 * bits // 8) == 0
 
 
-@pytest.mark.parametrize("kernel", QUANTIZED_KERNELS)
+# the quantized kernels of dense products (MXFP4 quantizes only experts)
+DENSE_KERNELS = kernel_variants(
+    KERNELS, [k for name, ks in QUANTIZED.items() if name not in native_dense.EXPERTS_ONLY_FORMATS for k in ks]
+)
+
+
+@pytest.mark.parametrize("kernel", DENSE_KERNELS)
 @pytest.mark.parametrize("m, k, n", [(1, 96, 200), (16, 512, 4096), (5, 40, 37), (64, 128, 64), (3, 200, 48)])
 @pytest.mark.parametrize("row_dtype", [jnp.bfloat16, jnp.float32])  # a float32 model's rows: rounded to bfloat16
 def test_decode_dense_products_on_quantized_weights(kernel, m, k, n, row_dtype):

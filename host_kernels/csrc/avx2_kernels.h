@@ -31,6 +31,11 @@ void int4_unpack_avx2(const uint8_t *b_packed, int64_t kp, int64_t group, int64_
 int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
                    int64_t m, int64_t n0, int64_t n1, int64_t group);
 
+void mxfp4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                               int64_t n0, int64_t n1);
+int mxfp4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                    int64_t m, int64_t n0, int64_t n1);
+
 void swiglu_forward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, void *act, int64_t ld_a,
                          int bf16, int64_t m, int64_t n);
 void swiglu_backward_avx2(const float *hg, int64_t ld_g, const float *hu, int64_t ld_u, const float *grad,

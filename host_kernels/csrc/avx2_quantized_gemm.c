@@ -97,14 +97,25 @@ void int8_quantize_rows_avx2(const uint16_t *a, int64_t lda, int64_t m, int64_t 
     }
 }
 
+/* 8 columns' MXFP4 scales (e8m0 bytes) as 2^(e - 128): int4_gemm.c's e8m0_half16 */
+static inline __m256 e8m0_half8(const char *scales) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)scales));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i is_tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, is_tiny));
+}
+
 /* c rows [0, rows) x `blocks` blocks of 16 columns (the last one's first `cols` stored), from quantized rows q
- * (row stride int4_row_bytes(kp)) and the weight blocks at b; rows and blocks are constants at each call site */
+ * (row stride int4_row_bytes(kp)) and the weight blocks at b (int4, or MXFP4 when `mxfp4`: int4_gemm.c); rows,
+ * blocks and mxfp4 are constants at each call site */
 static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, int64_t group,
                                                              float *c, int64_t ldc, const int rows, const int blocks,
-                                                             int cols) {
+                                                             int cols, const int mxfp4) {
     enum { MAX_ROWS = 2, MAX_BLOCKS = 2 };
     const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     __m256 acc[MAX_ROWS][MAX_BLOCKS][2];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
@@ -115,7 +126,8 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
             __m256i sums[MAX_ROWS][MAX_BLOCKS][2];
             for (int i = 0; i < rows; i++) {
                 const int32_t *offsets = (const int32_t *)(q + i * q_stride + kp + kp / CHUNK * 4);
-                for (int j = 0; j < blocks; j++) sums[i][j][0] = sums[i][j][1] = _mm256_set1_epi32(offsets[c0 / CHUNK]);
+                const int32_t offset = mxfp4 ? offsets[c0 / CHUNK] / 2 * 3 : offsets[c0 / CHUNK];
+                for (int j = 0; j < blocks; j++) sums[i][j][0] = sums[i][j][1] = _mm256_set1_epi32(offset);
             }
             for (int64_t r = 0; r < CHUNK / 8; r++) { /* 8 k-rows per 64-byte row: two quads */
                 __m256i x0[MAX_ROWS], x1[MAX_ROWS];
@@ -128,8 +140,9 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
                     _mm_prefetch(row + blocks * stride, _MM_HINT_T0);
                     for (int h = 0; h < 2; h++) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(row + 32 * h));
-                        const __m256i lo = _mm256_and_si256(v, low4);
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        __m256i lo = _mm256_and_si256(v, low4);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        if (mxfp4) lo = _mm256_shuffle_epi8(e2m1, lo), hi = _mm256_shuffle_epi8(e2m1, hi);
                         for (int i = 0; i < rows; i++) {
                             const __m256i pairs =
                                 _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[i]), _mm256_maddubs_epi16(hi, x1[i]));
@@ -140,8 +153,9 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
             }
             for (int j = 0; j < blocks; j++)
                 for (int h = 0; h < 2; h++) {
-                    const __m256 weight_scale = _mm256_cvtph_ps(
-                        _mm_loadu_si128((const __m128i *)(gb + j * stride + (g1 - g0) * 8 + 16 * h)));
+                    const char *scales = gb + j * stride + (g1 - g0) * 8;
+                    const __m256 weight_scale = mxfp4 ? e8m0_half8(scales + 8 * h)
+                                                      : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
                     for (int i = 0; i < rows; i++) {
                         const __m256 row_scale = _mm256_set1_ps(((const float *)(q + i * q_stride + kp))[c0 / CHUNK]);
                         acc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][j][h]),
@@ -156,12 +170,34 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
                 store8(c + i * ldc + j * 16 + 8 * h, acc[i][j][h], j == blocks - 1 ? cols - 8 * h : 8);
 }
 
-#define BLOCK_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
+#define BLOCK_CASE(R, B) \
+    block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, mxfp4)
+
+static inline __attribute__((always_inline)) void quantized_gemm(const char *q, int64_t kp, const uint8_t *b_packed,
+                                                                 int64_t group, float *c, int64_t ldc, int64_t m,
+                                                                 int64_t n0, int64_t n1, const int mxfp4) {
+    const int64_t q_stride = int4_row_bytes(kp);
+    AVX2_TILES(m, n0, n1, b_packed, block_bytes(kp, group), BLOCK_CASE);
+}
 
 void int4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c,
                               int64_t ldc, int64_t m, int64_t n0, int64_t n1) {
-    const int64_t q_stride = int4_row_bytes(kp);
-    AVX2_TILES(m, n0, n1, b_packed, block_bytes(kp, group), BLOCK_CASE);
+    quantized_gemm(q, kp, b_packed, group, c, ldc, m, n0, n1, 0);
+}
+
+void mxfp4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                               int64_t n0, int64_t n1) {
+    quantized_gemm(q, kp, b_packed, 32, c, ldc, m, n0, n1, 1);
+}
+
+int mxfp4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                    int64_t m, int64_t n0, int64_t n1) {
+    char *q = malloc((size_t)(m * int4_row_bytes(kp)));
+    if (!q) return 1;
+    int4_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
+    mxfp4_gemm_quantized_avx2(q, kp, b_packed, c, ldc, m, n0, n1);
+    free(q);
+    return 0;
 }
 
 int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,

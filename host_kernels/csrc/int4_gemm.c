@@ -57,14 +57,27 @@ void int4_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t c0, i
     }
 }
 
+/* MXFP4 (`mxfp4` below): the same layout with group 32, each nibble an e2m1 code and each group's scales 16 e8m0
+ * bytes (then 16 unused). A code becomes its value doubled plus 12 by one byte shuffle (unsigned, in [0, 24], as
+ * VPDPBUSD wants; the record's offset -8 * sum(q_a) becomes -12 * sum(q_a)), and an e8m0 byte e the float
+ * 2^(e - 128), half the power of two to undo the doubling (ggml's ggml_e8m0_to_fp32_half). */
+static inline __m512 e8m0_half16(const char *scales) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)scales));
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(normal, tiny, _mm512_set1_epi32(0x00200000), e));
+}
+
 /* c rows [0, rows) x `blocks` blocks of 16 columns, from quantized rows q (row stride int4_row_bytes(kp)) and
- * the weight blocks at b. rows and blocks are constants at each call site, so the sums stay in registers. */
+ * the weight blocks at b (int4, or MXFP4 when `mxfp4`). rows, blocks and mxfp4 are constants at each call site, so
+ * the sums stay in registers. */
 static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, int64_t group,
                                                              float *c, int64_t ldc, const int rows, const int blocks,
-                                                             int cols) {
+                                                             int cols, const int mxfp4) {
     enum { MAX_ROWS = 4, MAX_BLOCKS = 4 };
     const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i e2m1 = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     __m512 acc[MAX_ROWS][MAX_BLOCKS];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
@@ -72,15 +85,18 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
         const int64_t g1 = g0 + group < kp ? g0 + group : kp;
         const char *gb = b + g0 / group * (group * 8 + SCALE_BYTES); /* this group in block 0 */
         __m512 weight_scale[MAX_BLOCKS];
-        for (int j = 0; j < blocks; j++)
-            weight_scale[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + j * stride + (g1 - g0) * 8)));
+        for (int j = 0; j < blocks; j++) {
+            const char *scales = gb + j * stride + (g1 - g0) * 8;
+            weight_scale[j] = mxfp4 ? e8m0_half16(scales) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        }
         for (int64_t c0 = g0; c0 < g1; c0 += CHUNK) {
             /* two sums per output vector (low and high nibbles' quads): twice the independent chains */
             __m512i sums[MAX_ROWS][MAX_BLOCKS], sums_hi[MAX_ROWS][MAX_BLOCKS];
             for (int i = 0; i < rows; i++) {
                 const int32_t *offsets = (const int32_t *)(q + i * q_stride + kp + kp / CHUNK * 4);
+                const int32_t offset = mxfp4 ? offsets[c0 / CHUNK] / 2 * 3 : offsets[c0 / CHUNK];
                 for (int j = 0; j < blocks; j++)
-                    sums[i][j] = _mm512_set1_epi32(offsets[c0 / CHUNK]), sums_hi[i][j] = _mm512_setzero_si512();
+                    sums[i][j] = _mm512_set1_epi32(offset), sums_hi[i][j] = _mm512_setzero_si512();
             }
             for (int64_t r = 0; r < CHUNK / 8; r++) { /* 8 k-rows per 64-byte row: two quads */
                 __m512i lo[MAX_BLOCKS], hi[MAX_BLOCKS];
@@ -89,6 +105,7 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
                     _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
                     const __m512i v = _mm512_loadu_si512((const void *)row);
                     lo[j] = _mm512_and_si512(v, low4), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    if (mxfp4) lo[j] = _mm512_shuffle_epi8(e2m1, lo[j]), hi[j] = _mm512_shuffle_epi8(e2m1, hi[j]);
                 }
                 for (int i = 0; i < rows; i++) {
                     const int32_t *quads = (const int32_t *)(q + i * q_stride + c0 + r * 8);
@@ -114,10 +131,12 @@ static inline __attribute__((always_inline)) void block_rows(const char *q, int6
 }
 
 /* rows [r0, r0 + rows) x `blocks` blocks: R and B constants, R x B <= 8 (16 accumulators) */
-#define BLOCK_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
+#define BLOCK_CASE(R, B) \
+    block_rows(q + r0 * q_stride, kp, b, group, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols, mxfp4)
 
-void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c, int64_t ldc,
-                         int64_t m, int64_t n0, int64_t n1) {
+static inline __attribute__((always_inline)) void quantized_gemm(const char *q, int64_t kp, const uint8_t *b_packed,
+                                                                 int64_t group, float *c, int64_t ldc, int64_t m,
+                                                                 int64_t n0, int64_t n1, const int mxfp4) {
     const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
     /* decode (1-2 rows): one block after another, a single prefetched stream. Four blocks side by side (four
      * streams) read Qwen3-30B-A3B's decode weights 1.2-1.36x slower end to end (tokens/s per GB/s of the machine's
@@ -152,6 +171,26 @@ void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int
             }
         }
     }
+}
+
+void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int64_t group, float *c, int64_t ldc,
+                         int64_t m, int64_t n0, int64_t n1) {
+    quantized_gemm(q, kp, b_packed, group, c, ldc, m, n0, n1, 0);
+}
+
+void mxfp4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                          int64_t n0, int64_t n1) {
+    quantized_gemm(q, kp, b_packed, 32, c, ldc, m, n0, n1, 1);
+}
+
+int mxfp4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
+               int64_t n0, int64_t n1) {
+    char *q = malloc((size_t)(m * int4_row_bytes(kp)));
+    if (!q) return 1;
+    int4_quantize_rows(a, lda, m, 0, kp, q, kp);
+    mxfp4_gemm_quantized(q, kp, b_packed, c, ldc, m, n0, n1);
+    free(q);
+    return 0;
 }
 
 int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,

@@ -19,6 +19,12 @@ void int4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, int
 int int4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
               int64_t n0, int64_t n1, int64_t group);
 
+/* the same over MXFP4 weights (group 32, e2m1 codes and e8m0 scales in the int4 layout: int4_gemm.c) */
+void mxfp4_gemm_quantized(const char *q, int64_t kp, const uint8_t *b_packed, float *c, int64_t ldc, int64_t m,
+                          int64_t n0, int64_t n1);
+int mxfp4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
+               int64_t n0, int64_t n1);
+
 /* The float32 weights (stored - 8) * scale of `blocks` 16-column blocks, rows [0, k), into out (row stride ldo
  * >= 16 * blocks): what the products compute with, for GEMMs that need the weights themselves (training's
  * backward). */

@@ -98,8 +98,10 @@ moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ff
     const int int8 = kernel == MOE_KERNEL_INT8_AVX512 || kernel == MOE_KERNEL_INT8_AVX2 || kernel == MOE_KERNEL_INT8_AMX;
     l->f32 = kernel == MOE_KERNEL_F32_AVX512 || kernel == MOE_KERNEL_F32_AVX2;
     l->kernel = kernel;
-    l->avx2 = kernel >= MOE_KERNEL_F32_AVX2 && kernel <= MOE_KERNEL_INT4_AVX2;
-    const int int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2;
+    l->avx2 = (kernel >= MOE_KERNEL_F32_AVX2 && kernel <= MOE_KERNEL_INT4_AVX2) || kernel == MOE_KERNEL_MXFP4_AVX2;
+    /* (MXFP4 reads int4's row records and layout) */
+    const int int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2 ||
+                     kernel == MOE_KERNEL_MXFP4_AVX512 || kernel == MOE_KERNEL_MXFP4_AVX2;
     l->records = int4 || kernel == MOE_KERNEL_INT8_AVX2;
     l->group = group;
     l->weight_bits = l->f32 ? 32 : int8 ? 8 : int4 ? 4 : 16;
@@ -185,6 +187,8 @@ void moe_expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *
         case MOE_KERNEL_F32_AVX2: f32_gemm_avx2((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_BF16_AVX2: bf16_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
         case MOE_KERNEL_INT8_AVX2: int8_gemm_quantized_avx2(a, kp, w, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_MXFP4_AVX512: mxfp4_gemm_quantized(a, kp, w, c, ldc, m, n0, n1); break;
+        case MOE_KERNEL_MXFP4_AVX2: mxfp4_gemm_quantized_avx2(a, kp, w, c, ldc, m, n0, n1); break;
         default: int4_gemm_quantized_avx2(a, kp, w, l->group, c, ldc, m, n0, n1); break;
     }
 }

@@ -21,7 +21,9 @@ enum {
     MOE_KERNEL_BF16_AVX2 = 6,
     MOE_KERNEL_INT8_AVX2 = 7,
     MOE_KERNEL_INT4_AVX2 = 8,
-    MOE_KERNEL_INT8_AMX = 9 /* int8_gemm's layout on AMX tiles above 16 rows of an expert (amx_gemm.h) */
+    MOE_KERNEL_INT8_AMX = 9, /* int8_gemm's layout on AMX tiles above 16 rows of an expert (amx_gemm.h) */
+    MOE_KERNEL_MXFP4_AVX512 = 10, /* MXFP4 (e2m1 values, e8m0 scales per 32) in int4's layout, on AVX512-VNNI */
+    MOE_KERNEL_MXFP4_AVX2 = 11
 };
 
 /* Where a call's helper threads come from: `schedule(context, task, data)` has task(data) run on another thread

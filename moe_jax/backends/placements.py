@@ -203,7 +203,7 @@ class HostPlacement(ExpertPlacement):
             return store if experts is None or self.checkpoint.store_experts == experts else store.shard(experts)
         storage = host_store_dtype(self.checkpoint, self.dtype.name)
         layers = {}
-        for i in tqdm(self.checkpoint.config.moe_layers, desc=f"quantizing experts to {quant}", disable=not quant):
+        for i in tqdm(self.checkpoint.config.moe_layers, desc=f"packing experts as {quant}", disable=not quant):
             if quant:
                 layers[i], _ = self.checkpoint.quantized_layer(i, quant, storage, experts)
                 if store is not None:

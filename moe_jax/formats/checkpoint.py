@@ -16,7 +16,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from host_kernels import ExpertStore, LayerExperts, QuantizedLayerExperts, StoreError, quantize_layer
+from host_kernels import (
+    ExpertStore,
+    LayerExperts,
+    QuantizedLayerExperts,
+    StoreError,
+    pack_mxfp4_layer,
+    quantize_layer,
+)
 from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, is_int, read_json_file
 from moe_jax.formats import fp8, hf_names, mxfp4
@@ -110,17 +117,29 @@ class Checkpoint:
             return _only(self.tensors.layer_experts(layer, dtype), experts)
         return stack_hf_experts(self.tensors, self.config, layer, dtype, experts)
 
+    def shipped_quant(self) -> str | None:
+        """The quantized expert format the checkpoint itself holds that moe_jax keeps as it is: "mxfp4" for a
+        GPT-OSS release or a GGUF file with MXFP4 experts; None otherwise (float, or formats read as float)."""
+        if isinstance(self.tensors, GGUFFile):
+            return "mxfp4" if self.tensors.experts_type() == "MXFP4" else None
+        if isinstance(self.tensors, mxfp4.MXFP4Tensors) and self.config.moe_layers:
+            gate_up, _ = hf_names.fused_expert_names(self.config, self.config.moe_layers[0])
+            return "mxfp4" if self.tensors.is_quantized(gate_up) else None
+        return None
+
     def quantized_layer(
         self, layer: int, quant: str, dtype: np.dtype, experts: range | None = None
     ) -> tuple[QuantizedLayerExperts, bool]:
         """One MoE layer's experts (all, or only `experts`) in `quant`'s format, and whether they arrived as they
         were stored: a GGUF file's Q4_0 experts are int4 already (repacked value for value); others are read as
-        float in `dtype` and quantized. A weight that cannot be quantized is a CheckpointError naming layer,
-        expert and position."""
-        if isinstance(self.tensors, GGUFFile) and quant == "int4":
-            repacked = self.tensors.q4_0_layer(layer)
+        float in `dtype` and quantized (so are MXFP4 experts, GPT-OSS's or a GGUF file's, for `quant` "mxfp4"). A
+        weight that cannot be quantized is a CheckpointError naming layer, expert and position."""
+        if isinstance(self.tensors, GGUFFile) and quant in ("int4", "mxfp4"):
+            repacked = self.tensors.q4_0_layer(layer) if quant == "int4" else self.tensors.mxfp4_layer(layer)
             if repacked is not None:
                 return _only(repacked, experts), True
+        if quant == "mxfp4" and self.shipped_quant() == "mxfp4" and not isinstance(self.tensors, GGUFFile):
+            return stack_mxfp4_experts(self.tensors, self.config, layer, experts), True
         try:
             float_layer = self.layer_experts(layer, dtype, experts)
             return quantize_layer(float_layer, quant, f"{self.path}: layer {layer}"), False
@@ -254,6 +273,25 @@ def stack_hf_experts(
         w13[row, :, f:] = tensors.get(up, (f, d)).T
         w2[row] = tensors.get(down, (d, f)).T
     return LayerExperts(w13, w2)
+
+
+def stack_mxfp4_experts(
+    tensors: mxfp4.MXFP4Tensors, config: ModelConfig, layer: int, experts: range | None = None
+) -> QuantizedLayerExperts:
+    """A GPT-OSS layer's MXFP4 experts (all, or only `experts`) in the kernels' layout, code for code: gate_up
+    [e, 2f, d] (gate and up rows interleaved) and down [e, d, f], [out, in] as stored."""
+    e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    ends = slice(0, e) if experts is None else slice(experts.start, experts.stop)
+    fused, fused_down = hf_names.fused_expert_names(config, layer)
+    parts = []
+    for name, shape in ((fused, (e, 2 * f, d)), (fused_down, (e, d, f))):
+        values, exponents = tensors.codes(name)
+        if values.shape != shape:
+            raise CheckpointError(f"{tensors.directory}: MXFP4 tensor {name!r} holds {values.shape}, expected {shape}")
+        parts.append([np.ascontiguousarray(a[ends].transpose(0, 2, 1)) for a in (values, exponents)])  # [e, in, out]
+    (w13, w13_exp), (w2, w2_exp) = parts
+    deinterleave = lambda a: np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)  # noqa: E731
+    return pack_mxfp4_layer(deinterleave(w13), deinterleave(w13_exp), w2, w2_exp)
 
 
 def _only(layer, experts: range | None):

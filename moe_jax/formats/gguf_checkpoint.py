@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from host_kernels import LayerExperts, QuantizedLayerExperts, pack_int4_layer
+from host_kernels import LayerExperts, QuantizedLayerExperts, pack_int4_layer, pack_mxfp4_layer
 from moe_jax.errors import CheckpointError
 from moe_jax.formats import hf_names
 from moe_jax.formats.gguf_config import ARCHITECTURES, hf_config
@@ -280,27 +280,54 @@ class GGUFFile:
 
     def closest_quant(self) -> str | None:
         """The expert format of moe_jax closest to this file's: None for float types, int4 for Q4_0 (the same
-        format) and the other types of at most 5 bits a weight, int8 for 6 and 8 bits."""
+        format) and the other types of at most 5 bits a weight, mxfp4 for MXFP4 (the same), int8 for 6 and 8
+        bits."""
         kind = self.experts_type()
         if kind in ("F32", "F16", "BF16"):
             return None
+        if kind == "MXFP4":
+            return "mxfp4"
         return "int8" if kind.startswith(("Q8", "Q6", "I8", "I16")) else "int4"
 
     def q4_0_layer(self, layer: int) -> QuantizedLayerExperts | None:
         """Layer `layer`'s experts repacked, value for value, as int4 experts, when all of them are stored Q4_0;
         None otherwise."""
+        tensors = self._quantized_expert_tensors(layer, gguf.GGMLQuantizationType.Q4_0)
+        if tensors is None:
+            return None
+        return pack_int4_layer(*self._stacked_codes(tensors, _q4_0_codes))
+
+    def _quantized_expert_tensors(self, layer: int, kind) -> list | None:
+        """The layer's stacked expert tensors when every one is of GGML type `kind`, else None."""
         gate_up, down = self._expert_tensors(layer)
         names = [*gate_up, down]
         for name in names:
             self.tensor_shape(name, ndim=3)  # present and stacked, or refused by name
         tensors = [self.tensors[name] for name in names]
-        if any(t.tensor_type != gguf.GGMLQuantizationType.Q4_0 for t in tensors):
-            return None
-        # codes [e, out, in] and scales [e, out, in / 32] -> the store's [e, k = in, n = out]
-        codes = [[a.transpose(0, 2, 1) for a in _q4_0_codes(t.data, self.tensor_shape(t.name))] for t in tensors]
+        return None if any(t.tensor_type != kind for t in tensors) else tensors
+
+    def mxfp4_layer(self, layer: int) -> QuantizedLayerExperts | None:
+        """Layer `layer`'s experts repacked code for code as MXFP4 experts, when all of them are stored MXFP4;
+        None otherwise."""
+        tensors = self._quantized_expert_tensors(layer, gguf.GGMLQuantizationType.MXFP4)
+        return None if tensors is None else pack_mxfp4_layer(*self._stacked_codes(tensors, _mxfp4_codes))
+
+    def _stacked_codes(self, tensors, decode) -> tuple[np.ndarray, ...]:
+        """(w13 values, w13 scales, w2 values, w2 scales) in the store's [e, k = in, n = out] from the stacked
+        [e, out, in] tensors (gate, up, down or gate_up, down) `decode` reads."""
+        codes = [[a.transpose(0, 2, 1) for a in decode(t.data, self.tensor_shape(t.name))] for t in tensors]
         w2_q, w2_scale = codes.pop()
         w13_q, w13_scale = (np.concatenate(parts, axis=2) for parts in zip(*codes, strict=True))
-        return pack_int4_layer(w13_q, w13_scale, w2_q, w2_scale)
+        return w13_q, w13_scale, w2_q, w2_scale
+
+
+def _mxfp4_codes(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's MXFP4 blocks (per 32 values: an e8m0 exponent byte, then 16 bytes whose low nibbles are codes 0..15
+    and high nibbles codes 16..31) as e2m1 codes uint8 [..., n] and exponents [..., n / 32]."""
+    blocks = np.asarray(data).reshape(-1, 17)
+    exponents = blocks[:, 0].reshape(*shape[:-1], shape[-1] // 32)
+    nibbles = blocks[:, 1:]
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).reshape(shape), exponents
 
 
 def _q4_0_codes(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

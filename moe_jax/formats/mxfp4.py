@@ -26,8 +26,27 @@ def is_mxfp4(hf_config: dict) -> bool:
     return isinstance(spec, dict) and spec.get("quant_method") == "mxfp4"
 
 
+def codes(blocks: np.ndarray, scales: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(e2m1 codes uint8 [..., rows, groups * 32], e8m0 exponents [..., rows, groups]) of MXFP4 blocks and
+    scales, checked."""
+    _check(blocks, scales, where)
+    values = np.empty((*blocks.shape[:-1], GROUP), np.uint8)
+    values[..., 0::2], values[..., 1::2] = blocks & 0x0F, blocks >> 4
+    return values.reshape(*blocks.shape[:-2], blocks.shape[-2] * GROUP), scales
+
+
 def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray:
     """bfloat16 [..., groups * 32, rows]: the blocks' values times their scales, last two dimensions swapped."""
+    _check(blocks, scales, where)
+    values = np.empty((*blocks.shape[:-1], GROUP), np.float32)
+    values[..., 0::2] = E2M1_VALUES[blocks & 0x0F]
+    values[..., 1::2] = E2M1_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    out = values.reshape(*blocks.shape[:-2], blocks.shape[-2] * GROUP)
+    return np.swapaxes(out, -1, -2).astype(ml_dtypes.bfloat16)
+
+
+def _check(blocks: np.ndarray, scales: np.ndarray, where: str):
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise CheckpointError(f"{where}: MXFP4 blocks and scales must be uint8, got {blocks.dtype}, {scales.dtype}")
     if blocks.ndim < 3 or blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
@@ -35,12 +54,6 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray
             f"{where}: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not fit ([..., groups, 16] and "
             "[..., groups])"
         )
-    values = np.empty((*blocks.shape[:-1], GROUP), np.float32)
-    values[..., 0::2] = E2M1_VALUES[blocks & 0x0F]
-    values[..., 1::2] = E2M1_VALUES[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    out = values.reshape(*blocks.shape[:-2], blocks.shape[-2] * GROUP)
-    return np.swapaxes(out, -1, -2).astype(ml_dtypes.bfloat16)
 
 
 class MXFP4Tensors:
@@ -80,14 +93,25 @@ class MXFP4Tensors:
     def release_pages(self):
         self.source.release_pages()
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    def is_quantized(self, name: str) -> bool:
+        return self._pair(name) is not None
+
+    def codes(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Tensor `name`'s e2m1 codes [..., out, in] and e8m0 exponents [..., out, in / 32], as stored."""
+        blocks, scales = self._parts(name)
+        return codes(blocks, scales, f"{self.directory}: tensor {name!r}")
+
+    def _parts(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         pair = self._pair(name)
-        if pair is None:
+        if pair is None or pair[1] not in self.source:
+            raise CheckpointError(f"{self.directory}: MXFP4 tensor {name!r} needs both its {BLOCKS} and {SCALES}")
+        return self.source.get(pair[0]), self.source.get(pair[1])
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        if self._pair(name) is None:
             return self.source.get(name, shape)
-        if pair[1] not in self.source:
-            raise CheckpointError(f"{self.directory}: MXFP4 tensor {pair[0]!r} has no {pair[1]!r}")
         where = f"{self.directory}: tensor {name!r}"
-        array = dequantize(self.source.get(pair[0]), self.source.get(pair[1]), where)
+        array = dequantize(*self._parts(name), where)
         if shape is not None and tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{where} has shape {tuple(array.shape)} (from its MXFP4 blocks), expected {shape}")
         return array

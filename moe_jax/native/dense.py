@@ -32,11 +32,17 @@ def dense_kernel(dtype=BF16, quant: str | None = None) -> tuple[str, str]:
     the fastest kernel the fused forward would pick for such weights (bfloat16: AMX tiles, else AVX512-BF16, else
     AVX2; float32: AVX-512, else AVX2), or with `quant` the one for those quantized weights whatever `dtype` (as
     llama.cpp's Q8_0 / Q4_0 files hold every product's weights quantized; a float32 model's rows are rounded to
-    the kernels' bfloat16 for them, `takes`); or ("", why none)."""
+    the kernels' bfloat16 for them, `takes`), except MXFP4, which quantizes only experts (as GPT-OSS ships and
+    llama.cpp's MXFP4 files hold them); or ("", why none)."""
     usable, reason = ffi.status()
     if not usable:
         return "", reason
+    if quant in EXPERTS_ONLY_FORMATS:
+        quant = None
     return best_kernel(BF16 if quant is not None else dtype, quant)
+
+
+EXPERTS_ONLY_FORMATS = ("mxfp4",)  # quantized formats that leave the dense weights as they are
 
 
 def row_dtype(kernel: str):
