@@ -12,6 +12,13 @@ deepseek-v2-lite
                 hidden 2048, 64 routed experts of ffn 1408 + 2 shared, top-6, latent attention with kv_lora_rank
                 512 and 16 heads of 128 + 64 (no query compression), YaRN rope as released (~1.8B parameters,
                 stored in bfloat16: 3.6 GB).
+gpt-oss-20b     gpt-oss-20b's real dims cut to 2 layers (one sliding-window, one full) and a 32k vocab: hidden 2880,
+                32 experts of ffn 2880 with biases and the clamped SwiGLU, top-4, 64 query / 8 KV heads of 64 with
+                sinks, YaRN rope as released (~1.8B parameters, stored in bfloat16: 3.6 GB; its experts as MXFP4
+                with `--quant mxfp4`, as the release ships them).
+minimax-m2      MiniMax-M2's real dims cut to 1 layer and a 32k vocab: hidden 3072, 256 experts of ffn 1536, top-8
+                with sigmoid routing and its correction bias, 48 query / 8 KV heads of 128, q/k norms over the
+                whole projections, rotary on 64 of each head's 128 (~3.8B parameters, stored in bfloat16: 7.6 GB).
 """
 
 from __future__ import annotations
@@ -76,11 +83,42 @@ DEEPSEEK_V2_LITE_LAYERS = dict(
         beta_slow=1,
     ),
 )
+GPT_OSS_20B_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=2,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+)
+MINIMAX_M2_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=3072,
+    intermediate_size=1536,
+    num_hidden_layers=1,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    head_dim=128,
+    rotary_dim=64,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+    max_position_embeddings=196608,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 # name -> (transformers config class, its settings, dtype the checkpoint is stored in)
 SHAPES = {
     "bench": ("MixtralConfig", "MixtralForCausalLM", BENCH_SHAPE, "float32"),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B_LAYERS, "bfloat16"),
     "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE_LAYERS, "bfloat16"),
+    "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS_20B_LAYERS, "bfloat16"),
+    "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", MINIMAX_M2_LAYERS, "bfloat16"),
 }
 _selected = "bench"
 

@@ -28,7 +28,7 @@ from bench.common import machine_info, print_table, write_json  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
-QUANTS = ("int8", "int4")  # moe_jax's host experts quantized (bfloat16 otherwise): LoRA on a quantized base
+QUANTS = ("int8", "int4", "mxfp4")  # moe_jax's host experts quantized (bfloat16 otherwise): LoRA on a quantized base
 SIDES = tuple(f"{side}-{dtype}" for side in ("moe_jax-host", "moe_jax-device", "transformers+peft") for dtype in DTYPES)
 SIDES += tuple(f"moe_jax-host-{quant}" for quant in QUANTS)
 
@@ -129,7 +129,10 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every side, alternating (medians over all)")
     parser.add_argument("--quick", action="store_true", help="batch 2 x 128, 2 steps")
-    parser.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ", ".join(SIDES))
+    default_sides = [side for side in SIDES if not side.endswith("mxfp4")]  # GPT-OSS's format: asked for by name
+    parser.add_argument(
+        "--sides", default=",".join(default_sides), help="comma-separated subset of " + ", ".join(SIDES)
+    )
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     add_shape_argument(parser)
     args = parser.parse_args()

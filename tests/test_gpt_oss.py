@@ -265,3 +265,18 @@ def test_converted_and_quantized_stores_keep_the_biases(gpt_oss, tmp_path):
     convert.main(["--hf", str(path), "--out", str(tmp_path / "int8"), "--quant", "int8"])
     int8 = moe_jax.load_model(tmp_path / "int8").logits(IDS)
     assert np.abs(int8 - reference).max() / np.abs(reference).max() < 0.05
+
+
+def test_converting_an_mxfp4_release_keeps_its_experts_mxfp4(tmp_path):
+    """`moe-jax convert` stores an MXFP4 release's experts MXFP4 by default (code for code): the converted model
+    computes what the release does on the host."""
+    import json
+
+    from moe_jax import convert
+
+    release, _ = mxfp4_release(make_hf_model("gpt_oss", seed=6, intermediate_size=32), tmp_path)
+    convert.main(["--hf", str(release), "--out", str(tmp_path / "converted")])
+    assert "quantization_config" not in json.loads((tmp_path / "converted" / "config.json").read_text())
+    converted = moe_jax.load_model(tmp_path / "converted", backend="host")
+    assert converted.plan.quant == "mxfp4"
+    np.testing.assert_array_equal(converted.logits(IDS), moe_jax.load_model(release, backend="host").logits(IDS))
