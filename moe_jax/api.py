@@ -438,7 +438,7 @@ def load_model(
     if (config.expert_bias or config.expert_glu != SWIGLU) and not kind.any_expert_function:
         raise InputError(
             f"backend={backend!r} does not compute {config.model_type}'s experts (biases, {config.expert_glu.kind}) "
-            "yet; use backend='host' or 'device'"
+            "yet; use backend='host', 'device' or 'offload'"
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     mla_decode = mla_decode if checkpoint.config.mla is not None else ""

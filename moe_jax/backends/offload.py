@@ -27,6 +27,7 @@ from flax import nnx
 from jax.experimental import io_callback
 from jax.sharding import SingleDeviceSharding
 
+from host_kernels.activations import GLU, SWIGLU
 from moe_jax.backends.expert_vjp import expert_function
 from moe_jax.backends.metrics import MetricsRecorder
 from moe_jax.model.layers import Frozen, lora_arrays
@@ -59,6 +60,7 @@ class OffloadSpec:
     slots: int
     lora_scale: float
     counter: TransferCounter
+    glu: GLU = SWIGLU  # the experts' activation (GPT-OSS's clamped SwiGLU)
 
 
 def _fetch(spec: OffloadSpec, w13_host, w2_host, expert_ids):
@@ -96,11 +98,11 @@ def _used_rounds(rounds, num_experts: int):
     return jnp.sum(rounds[:, 0] < num_experts)
 
 
-def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds):
+def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, b13=None):
     """Output of the pairs routed to the experts in `rounds` ([rounds, slots] ids packed first, num_experts =
     none), each round's experts copied to the device while the previous round computes. Only the rounds that
     hold experts run (a loop of dynamic length), so a decode step routed to few experts copies and computes
-    only those."""
+    only those. `b13`: every expert's gate/up biases ([e, 2f], on the device: they are small), or None."""
     num_experts = len(w13_host)
     used = _used_rounds(rounds, num_experts)
     nothing = jnp.full(spec.slots, num_experts, jnp.int32)
@@ -110,7 +112,9 @@ def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host
         y, w13_s, w2_s = carry
         next_ids = jnp.where(i + 1 < used, rounds[jnp.minimum(i + 1, len(rounds) - 1)], nothing)
         next_w13, next_w2 = _fetch(spec, w13_host, w2_host, next_ids)  # issued before this round computes
-        y = y + subset_experts(x_td, ids_tk, weights_tk, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale)
+        y = y + subset_experts(
+            x_td, ids_tk, weights_tk, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale, spec.glu, b13
+        )
         return y, next_w13, next_w2
 
     first = _fetch(spec, w13_host, w2_host, rounds[0])
@@ -118,7 +122,7 @@ def streamed_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host
     return y
 
 
-def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td):
+def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td, b13=None):
     """(dx, d weights, d lora) of `streamed_forward`: each used round's experts fetched again and that round
     differentiated alone, so backward holds one round of experts at a time."""
     num_experts = len(w13_host)
@@ -129,7 +133,9 @@ def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_hos
         w13_s, w2_s = _fetch(spec, w13_host, w2_host, rounds[i])
 
         def contribution(x, weights, lora):
-            return subset_experts(x, ids_tk, weights, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale)
+            return subset_experts(
+                x, ids_tk, weights, rounds[i], w13_s, w2_s, num_experts, lora, spec.lora_scale, spec.glu, b13
+            )
 
         _, vjp = jax.vjp(contribution, x_td, weights_tk, lora)
         return jax.tree.map(jnp.add, grads, vjp(dy_td))
@@ -138,15 +144,15 @@ def streamed_backward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_hos
     return jax.lax.fori_loop(0, _used_rounds(rounds, num_experts), step, zeros)
 
 
-def _offload_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host):
+def _offload_forward(spec: OffloadSpec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, b13):
     rounds = _rounds(spec, ids_tk, len(w13_host))
-    return streamed_forward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds)
+    return streamed_forward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, b13)
 
 
 def _offload_backward(spec: OffloadSpec, arguments, _kept, dy_td):
-    x_td, ids_tk, weights_tk, lora, w13_host, w2_host = arguments
+    x_td, ids_tk, weights_tk, lora, w13_host, w2_host, b13 = arguments
     rounds = _rounds(spec, ids_tk, len(w13_host))
-    return streamed_backward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td)
+    return streamed_backward(spec, x_td, ids_tk, weights_tk, lora, w13_host, w2_host, rounds, dy_td, b13)
 
 
 offload_experts = expert_function(_offload_forward, _offload_backward)
@@ -176,13 +182,26 @@ def pinned_expert_buffers(w13_edf2, w2_efd) -> tuple[nnx.List, nnx.List]:
 class OffloadExperts(SpecExperts):
     """Expert backend of one layer whose weights sit in pinned host memory, one buffer per expert."""
 
-    def __init__(self, w13_edf2: np.ndarray, w2_efd: np.ndarray, layer: int, slots: int, counter: TransferCounter):
+    def __init__(
+        self,
+        w13_edf2: np.ndarray,
+        w2_efd: np.ndarray,
+        layer: int,
+        slots: int,
+        counter: TransferCounter,
+        glu: GLU = SWIGLU,
+        b13_ef2=None,
+    ):
+        """`glu` and `b13_ef2` (the experts' gate/up biases, kept on the device): where the experts are not a
+        plain SwiGLU without biases (GPT-OSS)."""
         self.w13, self.w2 = pinned_expert_buffers(w13_edf2, w2_efd)
-        self.spec = OffloadSpec(layer, min(slots, w13_edf2.shape[0]), 0.0, counter)
+        self.spec = OffloadSpec(layer, min(slots, w13_edf2.shape[0]), 0.0, counter, glu)
+        self.b13 = Frozen(b13_ef2) if b13_ef2 is not None else None
         self.lora = nnx.data(None)
 
     def __call__(self, x_td, ids_tk, weights_tk):
         lora = lora_arrays(self.lora)
         w13 = tuple(w[...] for w in self.w13)
         w2 = tuple(w[...] for w in self.w2)
-        return offload_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, w13, w2)
+        b13 = None if self.b13 is None else self.b13[...]
+        return offload_experts(self.spec, x_td, ids_tk.astype(jnp.int32), weights_tk, lora, w13, w2, b13)

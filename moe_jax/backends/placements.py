@@ -57,8 +57,8 @@ class ExpertPlacement:
     needs_profile = False  # reads a probe profile (PlacementOptions.profile)
     expert_shard: ExpertShard | None = None  # expert parallel: the shard of the experts this process holds
     quantized_experts = False  # runs quantized experts (all on the host: none of them is copied to the device)
-    # computes experts other than a plain SwiGLU without biases (GPT-OSS's): the device and host backends; the
-    # others' device-side slots (model.moe.subset_experts through offload.py / hybrid.py) take neither yet
+    # computes experts other than a plain SwiGLU without biases (GPT-OSS's): device, host and offload; hybrid's
+    # device share (hybrid.py, and auto's over it) does not pass them to model.moe.subset_experts yet
     any_expert_function = False
 
     def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
@@ -75,6 +75,11 @@ class ExpertPlacement:
 
     def experts_for_layer(self, layer: int):
         raise NotImplementedError
+
+    def _gate_up_bias(self, layer: int):
+        """The layer's experts' gate/up biases on the device in the model's dtype (GPT-OSS), or None."""
+        b13 = self.checkpoint.expert_gate_up_bias(layer)
+        return None if b13 is None else jnp.asarray(b13, self.dtype)
 
     def describe(self) -> str:
         """The placement in a line."""
@@ -128,9 +133,8 @@ class DevicePlacement(ExpertPlacement):
 
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
-        b13 = self.checkpoint.expert_gate_up_bias(layer)
-        b13 = None if b13 is None else jnp.asarray(b13, self.dtype)
-        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2), self.checkpoint.config.expert_glu, b13)
+        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2), glu, b13)
 
     def device_expert_bytes(self, transformer) -> int:
         return self.total_expert_bytes
@@ -141,6 +145,7 @@ class OffloadPlacement(ExpertPlacement):
     of `offload_slots` experts (default: two top-k sets)."""
 
     name = "offload"
+    any_expert_function = True
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
@@ -152,7 +157,8 @@ class OffloadPlacement(ExpertPlacement):
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         counter = TransferCounter(self.metrics, self.expert_bytes)
-        return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter)
+        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter, glu, b13)
 
     def device_expert_bytes(self, transformer) -> int:
         return 2 * self.offload_slots * self.expert_bytes
