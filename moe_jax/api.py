@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from host_kernels import trim_heap
-from host_kernels.activations import SWIGLU
 from moe_jax import distributed
 from moe_jax.backends import BACKENDS, PLACEMENTS, ExpertPlacement, PlacementOptions, make_placement
 from moe_jax.backends.expert_parallel import ROWS, SAME, over_processes
@@ -433,12 +432,6 @@ def load_model(
         raise InputError(
             f"{quant} experts run on the host backend only; backend={backend!r} "
             f"{'may compute some on the device' if kind.host_engine else 'runs none on the host'}"
-        )
-    config = checkpoint.config
-    if (config.expert_bias or config.expert_glu != SWIGLU) and not kind.any_expert_function:
-        raise InputError(
-            f"backend={backend!r} does not compute {config.model_type}'s experts (biases, {config.expert_glu.kind}) "
-            "yet; use backend='host', 'device' or 'offload'"
         )
     store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
     mla_decode = mla_decode if checkpoint.config.mla is not None else ""

@@ -11,7 +11,6 @@ import pytest
 import moe_jax
 from host_kernels import activations
 from host_kernels.activations import GLU
-from moe_jax.errors import InputError
 from moe_jax.formats.hf_config import read_hf_config
 from moe_jax.model.lora import LoRAConfig
 from tests.hf_models import hf_logits, make_hf_model, save_hf_model, torch
@@ -127,9 +126,28 @@ def test_clamped_swiglu_passes_match_float64(isa):
 
 
 @pytest.mark.parametrize("backend", ["hybrid", "auto"])
-def test_backends_that_cannot_compute_its_experts_refuse_by_name(gpt_oss, backend):
-    with pytest.raises(InputError, match=f"backend='{backend}' does not compute gpt_oss's experts"):
-        moe_jax.load_model(gpt_oss[1], backend=backend)
+def test_hybrid_placements_compute_its_experts_on_both_sides(gpt_oss, backend):
+    """Half of every layer's experts in the device cache (hybrid), or auto on a synthetic machine whose planner
+    caches, streams and leaves experts on the host in one call: the device share takes the clamped SwiGLU and the
+    biases as the host share does; logits and LoRA gradients as the device's."""
+    from tests.test_auto import load_auto
+    from tests.test_backends import half_plan
+
+    hf, path = gpt_oss
+    config = moe_jax.load_model(path, backend="device").config
+    if backend == "hybrid":
+        model = moe_jax.load_model(path, backend="hybrid", placement_plan=half_plan(config))
+    else:
+        model = load_auto(path, config, "mixed")
+        assert model.memory_split()["experts_in_use"] > 0  # a device cache in use
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
+    ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(path, backend="device"), tokens)
+    loss, grad = lora_loss_grad(model, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
 
 
 def test_release_config_reads_as_transformers_computes_it():

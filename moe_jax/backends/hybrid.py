@@ -27,6 +27,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from host_kernels import NOT_ROUTED
+from host_kernels.activations import GLU, SWIGLU
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host import HostLayer, host_experts
 from moe_jax.backends.host_runtime import HostRuntime
@@ -37,7 +38,7 @@ from moe_jax.backends.offload import (
     streamed_backward,
     streamed_forward,
 )
-from moe_jax.model.layers import lora_arrays
+from moe_jax.model.layers import Frozen, lora_arrays
 from moe_jax.model.moe import subset_experts
 from moe_jax.planning.auto_choice import nearest_phase
 from moe_jax.planning.cost_model import Profile, best_placement
@@ -59,6 +60,7 @@ class HybridSpec:
     stream: OffloadSpec | None = None  # ... and may stream uncached ones over the bus
     shape: Shape | None = None  # with a profile: the model's expert shape, for the per-call-shape rule below
     host_phases: frozenset[int] = frozenset()  # phases where the host path measured faster (backends.calibrate)
+    glu: GLU = SWIGLU  # the experts' activation on the device side (the host engine holds its own)
 
     def device_pays(self, tokens: int) -> bool:
         """Whether calls of `tokens` tokens trace the planner and the device path at all: not where one real
@@ -109,13 +111,13 @@ def _placement(spec: HybridSpec, ids_tk, cache_ids) -> CallPlacement:
 
 
 def _stream_spec(spec: HybridSpec) -> OffloadSpec:
-    return dataclasses.replace(spec.stream, lora_scale=spec.lora_scale)
+    return dataclasses.replace(spec.stream, lora_scale=spec.lora_scale, glu=spec.glu)
 
 
 def _cached_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, cache_ids):
-    w13_slots, w2_slots, _ = cache
+    w13_slots, w2_slots, _, b13 = cache
     return subset_experts(
-        x_td, ids_tk, weights_tk, cache_ids, w13_slots, w2_slots, spec.num_experts, lora, spec.lora_scale
+        x_td, ids_tk, weights_tk, cache_ids, w13_slots, w2_slots, spec.num_experts, lora, spec.lora_scale, spec.glu, b13
     )
 
 
@@ -127,7 +129,9 @@ def _device_part(spec: HybridSpec, x_td, ids_tk, weights_tk, lora, cache, stream
         stream_spec = _stream_spec(spec)
         y = y + jax.lax.cond(
             placement.streamed > 0,
-            lambda: streamed_forward(stream_spec, x_td, ids_tk, weights_tk, lora, *streaming, placement.rounds),
+            lambda: streamed_forward(
+                stream_spec, x_td, ids_tk, weights_tk, lora, *streaming, placement.rounds, cache[3]
+            ),
             lambda: jnp.zeros_like(x_td),
         )
     return y
@@ -213,7 +217,7 @@ def _hybrid_backward(spec: HybridSpec, arguments, _kept, dy_td):
             rounds = placement.rounds
             streamed = jax.lax.cond(
                 placement.streamed > 0,
-                lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_t, *streaming, rounds, dy_td),
+                lambda: streamed_backward(stream_spec, x, ids_tk, weights, lora_t, *streaming, rounds, dy_td, cache[3]),
                 zeros,
             )
             grads = jax.tree.map(jnp.add, grads, streamed)
@@ -249,9 +253,14 @@ class HybridExperts(SpecExperts):
         profile: Profile | None = None,
         stream: OffloadSpec | None = None,
         shape: Shape | None = None,
+        glu: GLU = SWIGLU,
+        b13_ef2=None,
     ):
+        """`glu` and `b13_ef2` (every expert's gate/up biases, on the device): where the experts are not a plain
+        SwiGLU without biases (GPT-OSS)."""
         capacity = len(cached) if capacity is None else capacity
-        self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream, shape)
+        self.spec = HybridSpec(runtime, layer, layer_experts, capacity, 0.0, profile, stream, shape, glu=glu)
+        self.b13 = Frozen(b13_ef2) if b13_ef2 is not None else None
         self._empty_cache()
         self.set_cached(cached)
         if stream is not None:
@@ -304,8 +313,10 @@ class HybridExperts(SpecExperts):
         return sum(slot[...].nbytes for slot in (*self.cache_w13, *self.cache_w2))
 
     def device_arrays(self) -> tuple[tuple, tuple]:
-        """(cache, streaming) as `hybrid_experts` takes them: the slots' weights and ids, the stream buffers."""
-        cache = (tuple(w[...] for w in self.cache_w13), tuple(w[...] for w in self.cache_w2), self.cache_ids[...])
+        """(cache, streaming) as `hybrid_experts` takes them: the slots' weights and ids and the experts' gate/up
+        biases (or None), the stream buffers."""
+        b13 = None if self.b13 is None else self.b13[...]
+        cache = (tuple(w[...] for w in self.cache_w13), tuple(w[...] for w in self.cache_w2), self.cache_ids[...], b13)
         streaming = (tuple(w[...] for w in self.stream_w13), tuple(w[...] for w in self.stream_w2))
         return cache, streaming
 

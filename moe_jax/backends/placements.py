@@ -57,9 +57,6 @@ class ExpertPlacement:
     needs_profile = False  # reads a probe profile (PlacementOptions.profile)
     expert_shard: ExpertShard | None = None  # expert parallel: the shard of the experts this process holds
     quantized_experts = False  # runs quantized experts (all on the host: none of them is copied to the device)
-    # computes experts other than a plain SwiGLU without biases (GPT-OSS's): device, host and offload; hybrid's
-    # device share (hybrid.py, and auto's over it) does not pass them to model.moe.subset_experts yet
-    any_expert_function = False
 
     def __init__(self, checkpoint: Checkpoint, dtype, plan: ExecutionPlan, options: PlacementOptions):
         self.checkpoint = checkpoint
@@ -129,7 +126,6 @@ class DevicePlacement(ExpertPlacement):
     """All experts in device memory, `ragged_dot`: the pure-JAX reference."""
 
     name = "device"
-    any_expert_function = True
 
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
@@ -145,7 +141,6 @@ class OffloadPlacement(ExpertPlacement):
     of `offload_slots` experts (default: two top-k sets)."""
 
     name = "offload"
-    any_expert_function = True
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
@@ -180,7 +175,6 @@ class HostPlacement(ExpertPlacement):
     name = "host"
     host_engine = True
     quantized_experts = True
-    any_expert_function = True
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
@@ -237,7 +231,6 @@ class HybridPlacement(HostPlacement):
     """The experts a placement plan names ({layer: [ids]}) on the device, the rest on the host, both at once."""
 
     name = "hybrid"
-    any_expert_function = False
     quantized_experts = False  # its device share reads the float weights
 
     def __init__(self, checkpoint, dtype, plan, options):
@@ -245,7 +238,9 @@ class HybridPlacement(HostPlacement):
         self.placement_plan = _check_plan(options.placement_plan or {}, checkpoint.config)
 
     def experts_for_layer(self, layer: int):
-        return HybridExperts(self.runtime, layer, self._device_layer(layer), self.placement_plan.get(layer, ()))
+        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        cached = self.placement_plan.get(layer, ())
+        return HybridExperts(self.runtime, layer, self._device_layer(layer), cached, glu=glu, b13_ef2=b13)
 
 
 class AutoPlacement(HostPlacement):
@@ -255,7 +250,6 @@ class AutoPlacement(HostPlacement):
     (where the device reports it), else a quarter of the experts."""
 
     name = "auto"
-    any_expert_function = False
     needs_profile = True
     quantized_experts = False  # a device cache would read the float weights
 
@@ -313,8 +307,9 @@ class AutoPlacement(HostPlacement):
         # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
         first = range(capacity)
         shape = model_shape(self.checkpoint.config, self.dtype.itemsize)
+        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
         module = HybridExperts(
-            self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape
+            self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape, glu, b13
         )
         if self.host_phases is None:  # the first layer built: check the predictions on it, once
             calibrate = self.options.calibrate
