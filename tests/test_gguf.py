@@ -19,7 +19,7 @@ from moe_jax.convert import main as convert_main
 from moe_jax.errors import CheckpointError
 from moe_jax.formats.tokenizer import load_tokenizer
 from tests.gguf_files import Q, dequantize, dequantized_model, quantize_q6_k, write_gguf
-from tests.hf_models import hf_logits, make_hf_model, save_hf_model
+from tests.hf_models import FAMILY_VARIANTS, hf_logits, make_hf_model, save_hf_model
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -42,15 +42,7 @@ FAMILIES = {
     "minimax_m2": {},
     "gpt_oss": dict(  # what a GGUF file can say: llama.cpp fixes the clamp at 7 and truncates YaRN's ramp
         swiglu_limit=7.0,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=150000.0,
-            factor=4.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            truncate=True,
-            original_max_position_embeddings=64,
-        ),
+        rope_parameters={**FAMILY_VARIANTS["gpt_oss"][1]["rope_parameters"], "truncate": True},
     ),
     "deepseek_v2": {},
     "deepseek_v2_q_lora": {},

@@ -42,19 +42,24 @@ def test_greedy_generation_matches_transformers_past_the_window(gpt_oss):
     assert model.generate(PROMPTS, max_new_tokens=10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("native", [None, False], ids=["native", "numpy"])
-def test_lora_gradients_on_the_host_equal_the_devices(gpt_oss, native):
-    """Expert LoRA runs the host engine's forward and backward (the clamped passes' derivative, the biases in the
-    recomputed pre-activations); attention LoRA's gradients flow back through the experts too."""
-    _, path = gpt_oss
+def assert_training_matches_the_device(model, path):
+    """`model`'s LoRA loss and gradients (attention and expert adapters, random B) equal the device backend's."""
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
     ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(path, backend="device"), tokens)
-    loss, grad = lora_loss_grad(moe_jax.load_model(path, backend="host", native=native), tokens)
+    loss, grad = lora_loss_grad(model, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         scale = float(jnp.abs(want).max())
         assert scale > 0
         np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [None, False], ids=["native", "numpy"])
+def test_lora_gradients_on_the_host_equal_the_devices(gpt_oss, native):
+    """Expert LoRA runs the host engine's forward and backward (the clamped passes' derivative, the biases in the
+    recomputed pre-activations); attention LoRA's gradients flow back through the experts too."""
+    _, path = gpt_oss
+    assert_training_matches_the_device(moe_jax.load_model(path, backend="host", native=native), path)
 
 
 def test_offload_computes_its_experts_forward_and_backward(gpt_oss):
@@ -63,13 +68,7 @@ def test_offload_computes_its_experts_forward_and_backward(gpt_oss):
     hf, path = gpt_oss
     model = moe_jax.load_model(path, backend="offload", device_budget_bytes=1)  # the budget's floor: one slot
     np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
-    ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(path, backend="device"), tokens)
-    loss, grad = lora_loss_grad(model, tokens)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
-        scale = float(jnp.abs(want).max())
-        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+    assert_training_matches_the_device(model, path)
 
 
 def test_bfloat16_training_step_on_the_fused_backward_follows_the_device(gpt_oss):
@@ -141,13 +140,7 @@ def test_hybrid_placements_compute_its_experts_on_both_sides(gpt_oss, backend):
         model = load_auto(path, config, "mixed")
         assert model.memory_split()["experts_in_use"] > 0  # a device cache in use
     np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4, rtol=0)
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(2, 10)))
-    ref_loss, ref_grad = lora_loss_grad(moe_jax.load_model(path, backend="device"), tokens)
-    loss, grad = lora_loss_grad(model, tokens)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
-        scale = float(jnp.abs(want).max())
-        np.testing.assert_allclose(got / scale, want / scale, atol=1e-5)
+    assert_training_matches_the_device(model, path)
 
 
 def test_release_config_reads_as_transformers_computes_it():

@@ -190,24 +190,25 @@ void mxfp4_gemm_quantized_avx2(const char *q, int64_t kp, const uint8_t *b_packe
     quantized_gemm(q, kp, b_packed, 32, c, ldc, m, n0, n1, 1);
 }
 
-int mxfp4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
-                    int64_t m, int64_t n0, int64_t n1) {
+/* the rows quantized first (int4's records, for both formats), then the product; non-zero where memory runs out */
+static int from_rows(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+                     int64_t m, int64_t n0, int64_t n1, int64_t group, int mxfp4) {
     char *q = malloc((size_t)(m * int4_row_bytes(kp)));
     if (!q) return 1;
     int4_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
-    mxfp4_gemm_quantized_avx2(q, kp, b_packed, c, ldc, m, n0, n1);
+    quantized_gemm(q, kp, b_packed, group, c, ldc, m, n0, n1, mxfp4);
     free(q);
     return 0;
 }
 
 int int4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
-                   int64_t m, int64_t n0, int64_t n1, int64_t group) {
-    char *q = malloc((size_t)(m * int4_row_bytes(kp)));
-    if (!q) return 1;
-    int4_quantize_rows_avx2(a, lda, m, 0, kp, q, kp);
-    int4_gemm_quantized_avx2(q, kp, b_packed, group, c, ldc, m, n0, n1);
-    free(q);
-    return 0;
+              int64_t m, int64_t n0, int64_t n1, int64_t group) {
+    return from_rows(a, lda, b_packed, kp, c, ldc, m, n0, n1, group, 0);
+}
+
+int mxfp4_gemm_avx2(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t kp, float *c, int64_t ldc,
+               int64_t m, int64_t n0, int64_t n1) {
+    return from_rows(a, lda, b_packed, kp, c, ldc, m, n0, n1, 32, 1);
 }
 
 void int4_unpack_avx2(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
