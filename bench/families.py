@@ -125,7 +125,7 @@ def main():
     rows = []
     for side, dtype, quant in runs(args):
         label, mine = f"{side}_{quant or dtype}", medians(f"{side}_{quant or dtype}")
-        row = {"side": label.replace("_", " ", 1), **mine}
+        row = {"side": f"{side} {quant or dtype}", **mine}
         if side == "moe_jax":
             theirs = medians(f"transformers_{dtype}")
             row.update({f"{m} x": mine[m] / theirs[m] for m in MEASURES})
