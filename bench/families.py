@@ -13,8 +13,9 @@ For moe_jax's host backend and for transformers (+ peft for the step); `--quant`
 format (bfloat16 otherwise; gpt-oss-20b's release format: mxfp4), against transformers in bfloat16 (what it
 computes MXFP4 experts in on a CPU). Each side and dtype runs in its own process, the sides alternating A B A B over
 --rounds; the table holds medians and moe_jax / transformers. Writes bench/reports/families-SHAPE.md and
-bench/results/families-SHAPE.json. (transformers' bfloat16 step on a CPU without AVX512-BF16 or AMX takes minutes:
---step-seq 128 --steps 1 keeps a run near 20 minutes there.)
+bench/results/families-SHAPE.json (-DTYPES-QUANT appended for other dtypes or a quantized side). (transformers'
+bfloat16 on a CPU without AVX512-BF16 or AMX is slow beyond use, its step takes minutes: compare in float32 there,
+or --step-seq 128 --steps 1 keeps a run near 20 minutes.)
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def main():
     print_table(title, rows)
     settings = {"new_tokens": new_tokens, "prefill": prefill, "step_seq": args.step_seq, "steps": args.steps}
     name = "families" if args.shape == SHAPES[0] else f"families-{args.shape}"
+    if args.dtypes != "float32,bfloat16" or args.quant:  # a partial run: its own report
+        name += "-" + "-".join([*args.dtypes.split(","), *([args.quant] if args.quant else [])])
     write_json(name, {"shape": args.shape, "rounds": rounds, **settings, "rows": rows, "raw": raw})
     write_report(
         name,
