@@ -306,3 +306,15 @@ def test_converting_an_mxfp4_release_keeps_its_experts_mxfp4(tmp_path):
     converted = moe_jax.load_model(tmp_path / "converted", backend="host")
     assert converted.plan.quant == "mxfp4"
     np.testing.assert_array_equal(converted.logits(IDS), moe_jax.load_model(release, backend="host").logits(IDS))
+
+
+def test_advise_counts_a_release_as_it_loads_mxfp4_first(tmp_path):
+    """`moe-jax advise` asks first what a load does by default: an MXFP4 release's experts kept MXFP4, fewer bytes
+    than as floats."""
+    from moe_jax.formats.checkpoint import open_checkpoint
+    from moe_jax.planning.advise import host_memory_question
+
+    release, _ = mxfp4_release(make_hf_model("gpt_oss", seed=6, intermediate_size=32), tmp_path)
+    options = host_memory_question(open_checkpoint(release), "bfloat16", None)["options"]
+    assert [o["quant"] for o in options[:4]] == ["mxfp4", None, "int8", "int4"]
+    assert options[0]["bytes"] < options[1]["bytes"]

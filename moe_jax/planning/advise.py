@@ -153,11 +153,12 @@ def cpu_question(profile: Profile, shape: Shape) -> dict:
 def host_memory_question(checkpoint, dtype: str, available: int | None) -> dict:
     """Question 4: the host RAM a load needs with the host backend (dense weights, experts, the kernels' packed
     copies: what load_model counts before it allocates) in `dtype` and the other dtype, each with float, int8 and
-    int4 experts, against what this machine has; the first that fits, the asked dtype and float experts first."""
+    int4 experts (and first the format the checkpoint ships its experts in, which a load keeps by default: GPT-OSS's
+    MXFP4), against what this machine has; the first that fits, the asked dtype and the default experts first."""
     dtypes = [dtype, *(d for d in ("bfloat16", "float32") if d != dtype)]
     options = []
     for d in dtypes:
-        for quant in (None, "int8", "int4"):
+        for quant in dict.fromkeys((checkpoint.shipped_quant(), None, "int8", "int4")):
             try:
                 plan = make_plan(d, host_store_dtype(checkpoint, d), quant=stored_quant(checkpoint, quant))
             except (InputError, HostKernelError) as e:  # a format this CPU or this store cannot take
