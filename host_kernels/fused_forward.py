@@ -246,12 +246,12 @@ class FusedForward:
                 w = self.store[layer]
                 weights = self._packed(layer)
                 self._check_packed(layer, w, weights)
-                routed = np.zeros(w.num_experts, np.int64)
-                entry = self._layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, routed)
                 bias = self._gate_up_bias.get(layer)
                 want = (w.num_experts, 2 * w.ffn)
                 if bias is not None and bias.shape != want:
                     raise HostKernelError(f"layer {layer}: gate/up biases {bias.shape}, its experts need {want}")
+                routed = np.zeros(w.num_experts, np.int64)
+                entry = self._layers[layer] = self._native_layer(layer, w.hidden, w.ffn, weights, routed)
                 self._set_glu(entry, bias)
                 self._routed_reported[layer] = np.zeros_like(routed)
             return entry
