@@ -6,6 +6,8 @@ What the rest of the project uses, importable from here:
   for weights quantized elsewhere), `StoreWriter`,
   `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS),
   `keep_freed_buffers` (the C heap keeps large buffers it frees, for the next use);
+- the experts' function: `GLU` (SwiGLU, or GPT-OSS's clamped SwiGLU), which `HostMoE` takes with the experts'
+  gate/up biases
 - computing experts: `ExpertCompute`, the one face a caller computes through (forward, keeping pre-activations
   or not, backward, the native forward's address for XLA's FFI handler, and `HostTotals`: what the fused forward
   and the engine did, in one record), over `HostMoE` (the engine: tiled forward and backward; its
@@ -21,6 +23,7 @@ What the rest of the project uses, importable from here:
 The native library's own wrappers (amx, f32_gemm, native, ...) serve the engine; nothing outside imports them.
 """
 
+from host_kernels.activations import GLU, SWIGLU
 from host_kernels.amx import BF16
 from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
 from host_kernels.compute import ExpertCompute, HostTotals
@@ -44,6 +47,8 @@ from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pa
 from host_kernels.stream_worker import StreamWorker, is_live_worker
 
 __all__ = [
+    "GLU",
+    "SWIGLU",
     "BF16",
     "KERNELS",
     "MAX_THREADS",

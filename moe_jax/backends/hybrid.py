@@ -26,8 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from host_kernels import NOT_ROUTED
-from host_kernels.activations import GLU, SWIGLU
+from host_kernels import GLU, NOT_ROUTED, SWIGLU
 from moe_jax.backends.expert_vjp import expert_function, gradient_shapes
 from moe_jax.backends.host import HostLayer, host_experts
 from moe_jax.backends.host_runtime import HostRuntime

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.experimental import io_callback
 from jax.sharding import SingleDeviceSharding
 
-from host_kernels.activations import GLU, SWIGLU
+from host_kernels import GLU, SWIGLU
 from moe_jax.backends.expert_vjp import expert_function
 from moe_jax.backends.metrics import MetricsRecorder
 from moe_jax.model.layers import Frozen, lora_arrays

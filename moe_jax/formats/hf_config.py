@@ -5,7 +5,7 @@ silently). Defaults are transformers' own for each family, so a config that omit
 
 from __future__ import annotations
 
-from host_kernels.activations import GLU
+from host_kernels import GLU
 from moe_jax.errors import ConfigError, is_finite_number, is_int
 from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, ModelConfig, Router
 from moe_jax.model.rope import KINDS, Rope, yarn_mscale

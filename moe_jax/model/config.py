@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from host_kernels.activations import GLU, SWIGLU
+from host_kernels import GLU, SWIGLU
 from moe_jax.errors import ConfigError
 from moe_jax.model.rope import Rope
 

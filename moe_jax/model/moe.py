@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from host_kernels.activations import GLU, SWIGLU
+from host_kernels import GLU, SWIGLU
 from moe_jax.model.config import Router
 from moe_jax.model.layers import Frozen, SwiGLU, lora_arrays, native_product
 from moe_jax.native.dense import dense_kernel, pack_dense, row_dtype
