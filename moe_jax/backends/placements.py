@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from host_kernels import ExpertCompute, ExpertStore, HostMoE, trim_heap
+from host_kernels import GLU, ExpertCompute, ExpertStore, HostMoE, trim_heap
 from moe_jax.backends import calibrate as layer_calibration
 from moe_jax.backends.host import HostExperts
 from moe_jax.backends.host_runtime import HostRuntime
@@ -73,10 +73,11 @@ class ExpertPlacement:
     def experts_for_layer(self, layer: int):
         raise NotImplementedError
 
-    def _gate_up_bias(self, layer: int):
-        """The layer's experts' gate/up biases on the device in the model's dtype (GPT-OSS), or None."""
+    def _expert_function(self, layer: int) -> tuple[GLU, object]:
+        """(the experts' activation, the layer's experts' gate/up biases on the device in the model's dtype or
+        None): what a device-side expert module computes besides its weights (GPT-OSS's)."""
         b13 = self.checkpoint.expert_gate_up_bias(layer)
-        return None if b13 is None else jnp.asarray(b13, self.dtype)
+        return self.checkpoint.config.expert_glu, None if b13 is None else jnp.asarray(b13, self.dtype)
 
     def describe(self) -> str:
         """The placement in a line."""
@@ -129,7 +130,7 @@ class DevicePlacement(ExpertPlacement):
 
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
-        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        glu, b13 = self._expert_function(layer)
         return DeviceExperts(jnp.asarray(stacked.w13), jnp.asarray(stacked.w2), glu, b13)
 
     def device_expert_bytes(self, transformer) -> int:
@@ -152,7 +153,7 @@ class OffloadPlacement(ExpertPlacement):
     def experts_for_layer(self, layer: int):
         stacked = self.checkpoint.layer_experts(layer, self.dtype)
         counter = TransferCounter(self.metrics, self.expert_bytes)
-        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        glu, b13 = self._expert_function(layer)
         return OffloadExperts(stacked.w13, stacked.w2, layer, self.offload_slots, counter, glu, b13)
 
     def device_expert_bytes(self, transformer) -> int:
@@ -238,7 +239,7 @@ class HybridPlacement(HostPlacement):
         self.placement_plan = _check_plan(options.placement_plan or {}, checkpoint.config)
 
     def experts_for_layer(self, layer: int):
-        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        glu, b13 = self._expert_function(layer)
         cached = self.placement_plan.get(layer, ())
         return HybridExperts(self.runtime, layer, self._device_layer(layer), cached, glu=glu, b13_ef2=b13)
 
@@ -307,7 +308,7 @@ class AutoPlacement(HostPlacement):
         # until routing has been seen, the cache holds the lowest expert ids (all of them when they fit)
         first = range(capacity)
         shape = model_shape(self.checkpoint.config, self.dtype.itemsize)
-        glu, b13 = self.checkpoint.config.expert_glu, self._gate_up_bias(layer)
+        glu, b13 = self._expert_function(layer)
         module = HybridExperts(
             self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape, glu, b13
         )

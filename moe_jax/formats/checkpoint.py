@@ -95,8 +95,7 @@ class Checkpoint:
         if not self.config.expert_bias:
             return None
         b = np.asarray(self.tensors.get(hf_names.expert_biases(self.config, layer)[0]), np.float32)
-        b = b if experts is None else b[experts.start : experts.stop]
-        return np.concatenate([b[:, 0::2], b[:, 1::2]], axis=1)  # GPT-OSS interleaves gate and up
+        return gate_then_up(b if experts is None else b[experts.start : experts.stop])
 
     def layer_experts(self, layer: int, dtype: np.dtype, experts: range | None = None) -> LayerExperts:
         """One MoE layer's experts (all, or only `experts`) in kernel layout and `dtype` (a view when converted
@@ -162,10 +161,9 @@ def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)
-    block = None if mxfp4.is_mxfp4(hf_config) else fp8.block_size(hf_config, config_file)
     if mxfp4.is_mxfp4(hf_config):
         tensors = mxfp4.MXFP4Tensors(tensors)
-    elif block is not None:
+    elif (block := fp8.block_size(hf_config, config_file)) is not None:
         tensors = fp8.BlockScaledTensors(tensors, block)
     else:  # raw fp8 values without their scales would be a silently wrong model
         unscaled = next((n for n in tensors.names() if tensors.dtype_code(n) == "F8_E4M3"), None)
@@ -255,8 +253,7 @@ def stack_hf_experts(
     fused, fused_down = hf_names.fused_expert_names(config, layer)
     ends = slice(experts.start, experts.stop)
     if fused in tensors and config.model_type == "gpt_oss":  # x @ W layout: [e, d, 2f] gate/up interleaved, [e, f, d]
-        gate_up = tensors.get(fused, (e, d, 2 * f))[ends]
-        w13 = np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1)
+        w13 = gate_then_up(tensors.get(fused, (e, d, 2 * f))[ends])
         return LayerExperts(w13.astype(dtype), np.ascontiguousarray(tensors.get(fused_down, (e, f, d))[ends], dtype))
     if fused in tensors:  # transformers 5 fused layout: gate_up [e, 2f, d], down [e, d, f]
         gate_up = tensors.get(fused, (e, 2 * f, d))[ends]
@@ -290,8 +287,13 @@ def stack_mxfp4_experts(
             raise CheckpointError(f"{tensors.directory}: MXFP4 tensor {name!r} holds {values.shape}, expected {shape}")
         parts.append([np.ascontiguousarray(a[ends].transpose(0, 2, 1)) for a in (values, exponents)])  # [e, in, out]
     (w13, w13_exp), (w2, w2_exp) = parts
-    deinterleave = lambda a: np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)  # noqa: E731
-    return pack_mxfp4_layer(deinterleave(w13), deinterleave(w13_exp), w2, w2_exp)
+    return pack_mxfp4_layer(gate_then_up(w13), gate_then_up(w13_exp), w2, w2_exp)
+
+
+def gate_then_up(interleaved: np.ndarray) -> np.ndarray:
+    """GPT-OSS's gate/up columns (last axis: gate, up, gate, up, ...) as the kernels' layout holds them: the
+    gate's, then the up's."""
+    return np.concatenate([interleaved[..., 0::2], interleaved[..., 1::2]], axis=-1)
 
 
 def _only(layer, experts: range | None):
