@@ -42,6 +42,7 @@ from host_kernels.layer_experts import (
 from host_kernels.lora import ExpertLoRA
 from host_kernels.native import cpu_lacks, keep_freed_buffers, trim_heap, xla_ffi_library
 from host_kernels.pool import MAX_THREADS, default_threads
+from host_kernels.quant import QuantizedMXFP4
 from host_kernels.schedule import NOT_ROUTED
 from host_kernels.store import ExpertStore, StoreWriter, file_sha256, release_pages
 from host_kernels.stream_worker import StreamWorker, is_live_worker
@@ -49,6 +50,7 @@ from host_kernels.stream_worker import StreamWorker, is_live_worker
 __all__ = [
     "GLU",
     "SWIGLU",
+    "QuantizedMXFP4",
     "BF16",
     "KERNELS",
     "MAX_THREADS",

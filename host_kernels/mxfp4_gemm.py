@@ -15,7 +15,7 @@ import numpy as np
 from host_kernels import bf16_gemm, int4_gemm, native
 from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.errors import HostKernelError, KernelArgumentError
-from host_kernels.quant import E2M1_VALUES, MXFP4_GROUP, QuantizedMXFP4
+from host_kernels.quant import MXFP4_GROUP, QuantizedMXFP4
 
 CPU_FLAGS = {
     native.AVX512: ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
@@ -64,13 +64,6 @@ def pack(w: QuantizedMXFP4, empty=aligned_empty) -> PackedMXFP4:
     return PackedMXFP4(data, k, n)
 
 
-def pack_float(w: np.ndarray, empty=aligned_empty) -> PackedMXFP4:
-    """A float [k, n] weight quantized by ggml's rule (`quant.quantize_mxfp4`) and packed."""
-    from host_kernels.quant import quantize_mxfp4
-
-    return pack(quantize_mxfp4(w), empty)
-
-
 def codes_and_exponents(w: PackedMXFP4) -> QuantizedMXFP4:
     """The codes and exponents a packed weight holds (what `pack` was given)."""
     codes, scales = int4_gemm.read_layout(w.data, w.kp, MXFP4_GROUP)
@@ -95,6 +88,3 @@ def gemm(
     if bf16_gemm.run("mxfp4_gemm", a, w, out, n0, n1, statuses=statuses, isa=isa):
         raise HostKernelError(f"MXFP4 GEMM: out of memory for {a.shape[0]} quantized rows")
     return out
-
-
-__all__ = ["E2M1_VALUES", "PackedMXFP4", "gemm", "pack", "pack_float", "status", "unpack"]

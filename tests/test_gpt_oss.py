@@ -185,17 +185,13 @@ def test_attention_adapters_export_to_peft_with_equal_logits(gpt_oss, tmp_path):
 
 
 def quantize_mxfp4(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in], by ggml's rule (gguf.quants.MXFP4, so a
-    GGUF writer picks the same values): per 32 inputs the power of two 2^(floor(log2 max) - 2), each value the
-    nearest e2m1 multiple of it."""
-    from moe_jax.formats.mxfp4 import E2M1_VALUES
+    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in], per 32 inputs, by ggml's rule (the host
+    kernels' quantizer: a GGUF writer picks the same values)."""
+    from host_kernels.quant import quantize_mxfp4 as quantize
 
-    groups = w_out_in.astype(np.float32).reshape(*w_out_in.shape[:-1], -1, 32)
-    top = np.abs(groups).max(axis=-1)
-    exponent = np.where(top > 0, np.floor(np.log2(np.maximum(top, 1e-30))) - 2, -127).astype(np.int32)
-    step = np.ldexp(np.float32(1), exponent).astype(np.float32)
-    codes = np.abs(step[..., None, None] * E2M1_VALUES - groups[..., None]).argmin(axis=-1).astype(np.uint8)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), (exponent + 127).astype(np.uint8)
+    q = quantize(np.swapaxes(w_out_in, -1, -2))  # groups of 32 along k = in
+    groups = np.swapaxes(q.codes, -1, -2).reshape(*w_out_in.shape[:-1], -1, 32)  # [..., out, in / 32, 32]
+    return (groups[..., 0::2] | (groups[..., 1::2] << 4)).astype(np.uint8), np.swapaxes(q.exponents, -1, -2).copy()
 
 
 def mxfp4_release(hf, directory):

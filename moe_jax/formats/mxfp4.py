@@ -13,12 +13,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from host_kernels import QuantizedMXFP4
 from moe_jax.errors import CheckpointError
 
 BLOCKS, SCALES = "_blocks", "_scales"
 GROUP = 32  # values per scale
-# e2m1: sign, two exponent bits, one mantissa bit
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def is_mxfp4(hf_config: dict) -> bool:
@@ -37,13 +36,8 @@ def codes(blocks: np.ndarray, scales: np.ndarray, where: str) -> tuple[np.ndarra
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray:
     """bfloat16 [..., groups * 32, rows]: the blocks' values times their scales, last two dimensions swapped."""
-    _check(blocks, scales, where)
-    values = np.empty((*blocks.shape[:-1], GROUP), np.float32)
-    values[..., 0::2] = E2M1_VALUES[blocks & 0x0F]
-    values[..., 1::2] = E2M1_VALUES[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    out = values.reshape(*blocks.shape[:-2], blocks.shape[-2] * GROUP)
-    return np.swapaxes(out, -1, -2).astype(ml_dtypes.bfloat16)
+    values, exponents = codes(blocks, scales, where)
+    return QuantizedMXFP4(np.swapaxes(values, -1, -2), np.swapaxes(exponents, -1, -2)).dequantize(ml_dtypes.bfloat16)
 
 
 def _check(blocks: np.ndarray, scales: np.ndarray, where: str):
