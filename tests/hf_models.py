@@ -57,6 +57,14 @@ VARIANTS = {
 
 # DeepSeek / GLM / OLMoE: the families of issue 18. Kept apart from VARIANTS so the suites that run every backend
 # over every variant choose which of these they can afford (test time).
+QWEN3_NEXT = dict(
+    num_experts=8,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    intermediate_size=40,
+    num_experts_per_tok=3,
+    head_dim=16,
+)
 DEEPSEEK_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
 FAMILY_VARIANTS = {
     "deepseek_v2": (
@@ -159,12 +167,42 @@ FAMILY_VARIANTS = {
             ),
         ),
     ),
+    # Qwen3-Next's default pattern (full attention every 4th layer), grouped value heads
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        dict(
+            **QWEN3_NEXT,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+        ),
+    ),
+    # its layer types given, a dense layer, one value head per key head, attention biases
+    "qwen3_next_layer_types": (
+        transformers.Qwen3NextConfig,
+        dict(
+            **QWEN3_NEXT,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_only_layers=[0],
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=3,
+            attention_bias=True,
+        ),
+    ),
     "olmoe": (
         transformers.OlmoeConfig,
         dict(num_experts=8, intermediate_size=16, num_experts_per_tok=3, clip_qkv=3.0, norm_topk_prob=False),
     ),
 }
 ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
+# Qwen3-Next's RMSNorms scale by 1 + w: their random weights are shifted down by one to scale as the others' do
+UNIT_OFFSET_NORMS = ("qwen3_next",)
 
 
 def make_hf_model(variant: str, seed: int = 0, **overrides):
@@ -180,6 +218,10 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.3, 0.3)
+        if config.model_type in UNIT_OFFSET_NORMS:  # (not the DeltaNet's gated norm: a plain weight)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and ".linear_attn." not in name:
+                    p -= 1.0
     return model
 
 

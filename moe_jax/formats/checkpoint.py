@@ -333,6 +333,10 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
     }
     if config.mla is not None:
         table.update(_mla_shapes(config))
+    if config.attention_output_gate:  # each head's query and its gate
+        table.update({"q_proj.weight": (2 * q, d), "q_proj.bias": (2 * q,)})
+    if config.linear_attention is not None:
+        table.update(_linear_attention_shapes(config))
     if f".{hf_names.shared_expert_module(config)}." in name:
         width = config.shared_expert_intermediate_size
     else:
@@ -342,6 +346,19 @@ def expected_dense_shape(config: ModelConfig, name: str) -> tuple[int, ...] | No
         if name.endswith(suffix):
             return shape
     return None
+
+
+def _linear_attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    s, d = config.linear_attention, config.hidden_size
+    return {
+        "linear_attn.in_proj_qkvz.weight": (2 * s.key_dim + 2 * s.value_dim, d),
+        "linear_attn.in_proj_ba.weight": (2 * s.num_v_heads, d),
+        "linear_attn.conv1d.weight": (s.conv_dim, 1, s.conv_kernel),
+        "linear_attn.dt_bias": (s.num_v_heads,),
+        "linear_attn.A_log": (s.num_v_heads,),
+        "linear_attn.norm.weight": (s.v_head_dim,),
+        "linear_attn.out_proj.weight": (d, s.value_dim),
+    }
 
 
 def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

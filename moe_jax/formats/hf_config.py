@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from host_kernels import GLU
 from moe_jax.errors import ConfigError, is_finite_number, is_int
-from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, ModelConfig, Router
+from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, LinearAttention, ModelConfig, Router
 from moe_jax.model.rope import KINDS, Rope, yarn_mscale
 
 # model types that are a supported architecture under another name: Kimi-K2's config says "kimi_k2" and
@@ -76,12 +76,17 @@ def _mixtral(read: _Fields, num_layers: int) -> dict:
     )
 
 
+def _qwen_dense_layers(read: _Fields, num_layers: int) -> tuple[int, ...]:
+    """Qwen's dense layers: those in `mlp_only_layers`, and all but every `decoder_sparse_step`-th."""
+    step = read.int("decoder_sparse_step", 1)
+    mlp_only = set(read.layer_list("mlp_only_layers", num_layers))
+    return tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
+
+
 def _qwen(read: _Fields, num_layers: int) -> dict:
     head_dim = _head_dim(read)
     dense_ffn = read.int("intermediate_size", 0, minimum=0)
-    step = read.int("decoder_sparse_step", 1)
-    mlp_only = set(read.layer_list("mlp_only_layers", num_layers))
-    dense_layers = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0)
+    dense_layers = _qwen_dense_layers(read, num_layers)
     qwen2 = read.model_type == "qwen2_moe"
     shared_ffn = read.int("shared_expert_intermediate_size", 0, minimum=0) if qwen2 else 0
     return dict(
@@ -224,12 +229,8 @@ def _gpt_oss(read: _Fields, num_layers: int) -> dict:
     head_dim = _head_dim(read)
     bias = read.bool("attention_bias", True)
     window = read.window()
-    layer_types = read.hf.get("layer_types")
-    if layer_types is None:
-        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    kinds = ("sliding_attention", "full_attention")
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(t not in kinds for t in layer_types):
-        raise read.bad("layer_types", layer_types, f"a list of {num_layers} of {', '.join(kinds)}")
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    layer_types = read.layer_types(("sliding_attention", "full_attention"), alternating)
     if window is None and "sliding_attention" in layer_types:
         raise read.bad("sliding_window", read.hf.get("sliding_window"), "a window size for the sliding layers")
     return dict(
@@ -249,12 +250,54 @@ def _gpt_oss(read: _Fields, num_layers: int) -> dict:
     )
 
 
+def _qwen3_next(read: _Fields, num_layers: int) -> dict:
+    """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (`layer_types`; by default every
+    `full_attention_interval`-th is full), Qwen's experts with a gated shared expert, q/k RMSNorm per head, rotary on
+    a quarter of each head, RMSNorm weights stored as w - 1."""
+    head_dim = read.int("head_dim", 256)
+    read.choice("hidden_act", ("silu",), "silu")
+    interval = read.int("full_attention_interval", 4)
+    by_interval = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    layer_types = read.layer_types(("linear_attention", "full_attention"), by_interval)
+    linear = LinearAttention(
+        num_k_heads=read.int("linear_num_key_heads", 16),
+        num_v_heads=read.int("linear_num_value_heads", 32),
+        k_head_dim=read.int("linear_key_head_dim", 128),
+        v_head_dim=read.int("linear_value_head_dim", 128),
+        conv_kernel=read.int("linear_conv_kernel_dim", 4),
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise read.bad("linear_num_value_heads", linear.num_v_heads, "a multiple of linear_num_key_heads")
+    dense_layers = _qwen_dense_layers(read, num_layers)
+    bias = read.bool("attention_bias", False)
+    shared = read.int("shared_expert_intermediate_size", 512)
+    return dict(
+        head_dim=head_dim,
+        num_experts=_num_experts(read),
+        router=Router(top_k=read.int("num_experts_per_tok"), norm_topk_prob=read.bool("norm_topk_prob", True)),
+        expert_intermediate_size=read.int("moe_intermediate_size", 512),
+        rope=_rope(read, head_dim, partial_default=0.25),
+        dense_intermediate_size=_dense_width(read, dense_layers, read.int("intermediate_size", 5632, minimum=0)),
+        dense_layers=dense_layers,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gated=True,
+        qk_norm="head",
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_output_gate=True,
+        linear_attention=linear,
+        linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        norm_unit_offset=True,
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "gpt_oss": _gpt_oss,
     "minimax_m2": _minimax_m2,
     "qwen2_moe": _qwen,
     "qwen3_moe": _qwen,
+    "qwen3_next": _qwen3_next,
     "olmoe": _olmoe,
     "glm4_moe": _glm4_moe,
     "deepseek_v2": _deepseek,
@@ -426,6 +469,13 @@ class _Fields:
         value = self._get(key, [])
         if not isinstance(value, list) or not all(is_int(i) and 0 <= i < num_layers for i in value):
             raise self.bad(key, value, f"a list of layer indices in [0, {num_layers})")
+        return value
+
+    def layer_types(self, kinds: tuple[str, ...], default: list[str]) -> list[str]:
+        """`layer_types`: one of `kinds` per layer (absent: `default`)."""
+        value = self._get("layer_types", default)
+        if not isinstance(value, list) or len(value) != len(default) or any(t not in kinds for t in value):
+            raise self.bad("layer_types", value, f"a list of {len(default)} of {', '.join(kinds)}")
         return value
 
     def token_ids(self, key) -> tuple[int, ...]:

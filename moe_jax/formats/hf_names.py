@@ -14,6 +14,7 @@ LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm"
 DENSE_MLP = "mlp"  # a dense layer's MLP under the layer
 ATTENTION = "self_attn"
+LINEAR_ATTENTION = "linear_attn"  # Qwen3-Next's Gated DeltaNet
 # families whose released checkpoints keep Mixtral's names: `block_sparse_moe`, experts' w1 / w3 / w2
 MIXTRAL_LAYOUT = ("mixtral", "minimax_m2")
 # the routed experts' weights (held by the expert backends); their biases (GPT-OSS) are small and dense
@@ -26,6 +27,10 @@ def layer(i: int) -> str:
 
 def attention(i: int) -> str:
     return f"{layer(i)}.{ATTENTION}"
+
+
+def linear_attention(i: int) -> str:
+    return f"{layer(i)}.{LINEAR_ATTENTION}"
 
 
 def moe_module(config: ModelConfig) -> str:

@@ -2,7 +2,7 @@
 
 Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
 grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V2/V3, MiniMax-M2 and GPT-OSS. Reading a Hugging Face `config.json` into it is
+GLM-4.5, DeepSeek-V2/V3, MiniMax-M2, GPT-OSS and Qwen3-Next. Reading a Hugging Face `config.json` into it is
 `moe_jax.formats.hf_config`.
 """
 
@@ -25,6 +25,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
     "minimax_m2",
     "gpt_oss",
+    "qwen3_next",
 )
 MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
 
@@ -68,6 +69,33 @@ class MLA:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (Qwen3-Next's linear attention): `num_k_heads` query/key heads of `k_head_dim`, each serving
+    `num_v_heads / num_k_heads` value heads of `v_head_dim`, after a causal depthwise convolution of `conv_kernel`
+    taps. Its generation state per sequence is fixed-size: the last `conv_kernel - 1` convolution inputs and a
+    [k_head_dim, v_head_dim] matrix per value head."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -91,6 +119,11 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax's denominator
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also gives a gate; attention out *= sigmoid(gate)
+    # Qwen3-Next: the layers in `linear_layers` mix tokens with Gated DeltaNet instead of attention
+    linear_attention: LinearAttention | None = None
+    linear_layers: tuple[int, ...] = ()
+    norm_unit_offset: bool = False  # Qwen3-Next: RMSNorm weights are stored as w - 1 (the norm scales by 1 + w)
     # What each routed expert computes between its projections (GPT-OSS: a clamped SwiGLU), and whether its gate/up
     # and down projections carry biases (GPT-OSS)
     expert_glu: GLU = SWIGLU
@@ -124,6 +157,8 @@ class ModelConfig:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ConfigError(f"{len(self.sliding_windows)} sliding windows given for {self.num_layers} layers")
+        if self.linear_layers and (self.linear_attention is None or max(self.linear_layers) >= self.num_layers):
+            raise ConfigError(f"linear-attention layers {self.linear_layers} need a LinearAttention and layer indices")
         if not self.softmax_scale:
             query_dim = self.mla.qk_dim if self.mla else self.head_dim
             object.__setattr__(self, "softmax_scale", query_dim**-0.5)
@@ -146,6 +181,14 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache (all but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
     def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:

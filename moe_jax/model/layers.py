@@ -70,11 +70,17 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, weight, eps: float):
+    """`unit_offset` (Qwen3-Next): the weight is stored as w - 1, and the norm scales by 1 + w in float32 before
+    rounding to x's dtype (its order; the others round first, then scale)."""
+
+    def __init__(self, weight, eps: float, unit_offset: bool = False):
         self.weight = Frozen(weight)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x):
+        if self.unit_offset:
+            return (_normalized(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return rms_norm(x, self.weight[...], self.eps)
 
 
@@ -288,7 +294,8 @@ class Projection(nnx.Module):
 class Attention(nnx.Module):
     """Causal grouped-query attention with RoPE, optional q/k RMSNorm (per head, or over the whole projection as
     OLMoE), optional q/k/v clipping, an optional sliding window and optional sinks (GPT-OSS: a learned logit per
-    head that joins each softmax's denominator and attends to nothing)."""
+    head that joins each softmax's denominator and attends to nothing) and an optional output gate (Qwen3-Next: q_proj
+    gives each head's query and a gate beside it; the attention output is scaled by sigmoid(gate))."""
 
     def __init__(
         self,
@@ -309,14 +316,17 @@ class Attention(nnx.Module):
         clip_qkv: float | None = None,
         native_decode_attention: bool = False,
         sinks=None,
+        output_gate: bool = False,
+        norm_unit_offset: bool = False,
     ):
         """`native_decode_attention` (the execution plan's choice, moe_jax/planning/plan.py): a decode step's attention
         over the cache (bfloat16 or float32) runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c).
         XLA's own path (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on
         XLA:CPU."""
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
-        self.q_norm = RMSNorm(q_norm, eps) if q_norm is not None else None
-        self.k_norm = RMSNorm(k_norm, eps) if k_norm is not None else None
+        self.q_norm = RMSNorm(q_norm, eps, norm_unit_offset) if q_norm is not None else None
+        self.k_norm = RMSNorm(k_norm, eps, norm_unit_offset) if k_norm is not None else None
+        self.output_gate = output_gate
         self.norm_whole_projection = norm_whole_projection
         self.clip_qkv = clip_qkv
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -348,9 +358,14 @@ class Attention(nnx.Module):
         return tuple(p.adapt(x_btd, part) for p, part in zip(projections, parts, strict=True))
 
     def _projections(self, x_btd):
-        """q, k, v [b, t, heads, hd] token-major, normed and clipped as the family does."""
+        """q, k, v [b, t, heads, hd] token-major, normed and clipped as the family does, and the output gate
+        [b, t, heads * hd] (None without one)."""
         b, t, _ = x_btd.shape
         q, k, v = self._qkv(x_btd)
+        gate = None
+        if self.output_gate:  # each head's query, then its gate
+            q, gate = jnp.split(q.reshape(b, t, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
         if self.q_norm is not None and self.norm_whole_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -359,7 +374,7 @@ class Attention(nnx.Module):
         q, k, v = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd), v.reshape(b, t, -1, hd)
         if self.q_norm is not None and not self.norm_whole_projection:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return q, k, v, gate
 
     def __call__(self, x_btd, positions_bt, cache=None):
         """Returns (output [b, t, d], updated cache). `cache` is (k, v), each [b, kv, s, hd], or None.
@@ -374,7 +389,7 @@ class Attention(nnx.Module):
         # RoPE token-major, then kv-head-major (queries [b, kv, t, group, hd], keys/values [b, kv, t, hd]). RoPE
         # after the transpose ran ~3x faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers
         # makes: bf16 logits moved 2.4% from transformers' (0.7% in this order)
-        q, k, v = self._projections(x_btd)
+        q, k, v, gate = self._projections(x_btd)
         q = q.reshape(b, t, kv, self.num_heads // kv, hd)
         v = v.transpose(0, 2, 1, 3)
         cos, sin = self.rope.cos_sin(positions_bt)
@@ -398,7 +413,10 @@ class Attention(nnx.Module):
                 )
             cache = (k_all, v_all)
         # [b, kv, t, group, hd] -> [b, t, heads * hd]
-        return self.o_proj(out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)), cache
+        out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, self.num_heads * hd)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out), cache
 
 
 QUERY_CHUNK = 64

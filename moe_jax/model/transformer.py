@@ -24,6 +24,7 @@ from moe_jax.model.layers import (
     micro_batch_rows,
     native_frozen_matmul,
 )
+from moe_jax.model.delta_net import GatedDeltaNet, GatedRMSNorm
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
 from moe_jax.native.dense import huge_page_packing, pack_dense
@@ -31,8 +32,12 @@ from moe_jax.planning.plan import ExecutionPlan
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, attn: Attention, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
-        self.self_attn = attn
+    def __init__(self, attn: Attention | MLAttention | GatedDeltaNet, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
+        # the token mixer under its Hugging Face name (adapters are exported by module path)
+        if isinstance(attn, GatedDeltaNet):
+            self.linear_attn = attn
+        else:
+            self.self_attn = attn
         self.mlp = mlp
         self.input_layernorm = input_norm
         self.post_attention_layernorm = post_attn_norm
@@ -43,7 +48,8 @@ class DecoderLayer(nnx.Module):
 
     def attend(self, x_btd, positions_bt, cache=None):
         """(x + attention, its normed form that the MLP takes, the updated cache)"""
-        attn_out, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, cache)
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        attn_out, cache = mixer(self.input_layernorm(x_btd), positions_bt, cache)
         x_btd = x_btd + attn_out
         return x_btd, self.post_attention_layernorm(x_btd), cache
 
@@ -231,14 +237,17 @@ def build_transformer(
         return SwiGLU(*(proj(f"{prefix}.{p}_proj") for p in ("gate", "up", "down")))
 
     def norm(name):
-        return RMSNorm(dense(f"{name}.weight"), eps)
+        return RMSNorm(dense(f"{name}.weight"), eps, config.norm_unit_offset)
 
     layers = []
     for i in range(config.num_layers):
         p = hf_names.layer(i)
-        attn = (
-            _mla(config, hf_names.attention(i), proj, norm, plan) if config.mla else _gqa(config, i, proj, dense, plan)
-        )
+        if config.is_linear_layer(i):
+            attn = _delta_net(config, i, proj, dense)
+        elif config.mla:
+            attn = _mla(config, hf_names.attention(i), proj, norm, plan)
+        else:
+            attn = _gqa(config, i, proj, dense, plan)
         if config.is_moe_layer(i):
             moe_prefix = hf_names.moe_block(config, i)
             shared = swiglu(hf_names.shared_expert(config, i)) if config.shared_expert_intermediate_size else None
@@ -291,6 +300,22 @@ def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> A
         clip_qkv=config.clip_qkv,
         native_decode_attention=plan.decode_attention,
         sinks=dense(f"{p}.sinks") if config.attention_sinks else None,
+        output_gate=config.attention_output_gate,
+        norm_unit_offset=config.norm_unit_offset,
+    )
+
+
+def _delta_net(config: ModelConfig, layer: int, proj, dense) -> GatedDeltaNet:
+    p = hf_names.linear_attention(layer)
+    return GatedDeltaNet(
+        proj(f"{p}.in_proj_qkvz"),
+        proj(f"{p}.in_proj_ba"),
+        dense(f"{p}.conv1d.weight"),
+        dense(f"{p}.dt_bias"),
+        dense(f"{p}.A_log"),
+        GatedRMSNorm(dense(f"{p}.norm.weight"), config.rms_norm_eps),
+        proj(f"{p}.out_proj"),
+        spec=config.linear_attention,
     )
 
 

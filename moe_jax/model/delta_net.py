@@ -1,0 +1,201 @@
+"""Gated DeltaNet: Qwen3-Next's linear attention, as transformers computes it (`Qwen3NextGatedDeltaNet`).
+
+Each value head keeps a state S [k_dim, v_dim]; a token decays it by exp(g), writes its value with the delta rule
+(S += k (beta (v - S^T k))^T) and reads it with its query. A sequence goes through in chunks: parallel within a chunk
+(a unit lower-triangular solve turns the chunk's delta-rule writes into products), recurrent across chunks; a decode
+step is the recurrent update itself. Before that, queries, keys and values pass a causal depthwise convolution.
+
+The generation cache of such a layer is (the last conv_kernel - 1 convolution inputs [b, 1, kernel - 1, channels],
+S [b, v_heads, k_dim, v_dim] in float32): it holds the whole past and cannot be cut at a position, so a row whose
+first position is 0 starts from zeros (a new prompt in a reused slot), and only each row's real tokens
+(`prompt_token_counts`, the right-padded prefill) move it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.config import LinearAttention
+from moe_jax.model.layers import Frozen, _normalized, _set_while, micro_batch_slice
+
+CHUNK = 64  # transformers' chunk size (the algorithm's result does not depend on it beyond rounding)
+_HIGHEST = jax.lax.Precision.HIGHEST  # an accelerator's default float32 product (TF32) would round the state
+
+# While a prefill step is traced (generation/engine.py): how many of each row's positions are real tokens (the
+# rest is right padding, which must not reach the recurrent state). None: every position is real.
+_TOKEN_COUNTS: contextvars.ContextVar = contextvars.ContextVar("prompt_token_counts", default=None)
+
+
+def prompt_token_counts(counts_b):
+    return _set_while(_TOKEN_COUNTS, counts_b)
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm of each head's output, scaled by silu(z): transformers' Qwen3NextRMSNormGated."""
+
+    def __init__(self, weight, eps: float):
+        self.weight = Frozen(weight)
+        self.eps = eps
+
+    def __call__(self, x, z):
+        y = self.weight[...] * _normalized(x, self.eps).astype(x.dtype)
+        return (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, in_proj_qkvz, in_proj_ba, conv_weight, dt_bias, a_log, norm: GatedRMSNorm, out_proj, *, spec):
+        """Projections as in the checkpoint (`in_proj_qkvz` [d, ...] and `in_proj_ba`: per key head its queries,
+        keys, values and z, then its betas and decay inputs); `conv_weight` [channels, 1, kernel] as torch's."""
+        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+        self.conv_weight = Frozen(conv_weight[:, 0].T)  # [kernel, channels]
+        self.dt_bias = Frozen(dt_bias)
+        self.A_log = Frozen(a_log)
+        self.norm = norm
+        self.spec: LinearAttention = spec
+
+    def _project(self, x_btd):
+        """q, k [b, t, k_heads, k_dim]; v, z [b, t, v_heads, v_dim]; beta's logits and the decay input a [b, t,
+        v_heads]: transformers' `fix_query_key_value_ordering`."""
+        s = self.spec
+        b, t, _ = x_btd.shape
+        per = s.num_v_heads // s.num_k_heads
+        qkvz = self.in_proj_qkvz(x_btd).reshape(b, t, s.num_k_heads, -1)
+        q, k, v, z = jnp.split(qkvz, [s.k_head_dim, 2 * s.k_head_dim, 2 * s.k_head_dim + per * s.v_head_dim], -1)
+        ba = self.in_proj_ba(x_btd).reshape(b, t, s.num_k_heads, 2 * per)
+        beta_logit, a = ba[..., :per].reshape(b, t, -1), ba[..., per:].reshape(b, t, -1)
+        heads_v = (b, t, s.num_v_heads, s.v_head_dim)
+        return q, k, v.reshape(heads_v), z.reshape(heads_v), beta_logit, a
+
+    def __call__(self, x_btd, positions_bt, cache=None):
+        """(output [b, t, d], the updated cache or None)."""
+        s = self.spec
+        b, t, _ = x_btd.shape
+        q, k, v, z, beta_logit, a = self._project(x_btd)
+        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+        counts = _TOKEN_COUNTS.get()
+        counts = None if counts is None else micro_batch_slice(counts)
+        fresh = positions_bt[:, 0] == 0  # a new sequence in this row: no state from the slot's last occupant
+        if cache is None:
+            conv_state = jnp.zeros((b, s.conv_kernel - 1, mixed.shape[-1]), mixed.dtype)
+            state = None
+        else:
+            conv_state = jnp.where(fresh[:, None, None], 0, cache[0][:, 0]).astype(mixed.dtype)
+            state = jnp.where(fresh[:, None, None, None], 0, cache[1])
+        window = jnp.concatenate([conv_state, mixed], axis=1)  # [b, kernel - 1 + t, channels]
+        mixed = causal_conv(window, self.conv_weight[...], t)
+        q, k, v = jnp.split(mixed, [s.key_dim, 2 * s.key_dim], axis=-1)
+        q, k = q.reshape(b, t, s.num_k_heads, -1), k.reshape(b, t, s.num_k_heads, -1)
+        v = v.reshape(b, t, s.num_v_heads, -1)
+
+        beta = jax.nn.sigmoid(beta_logit)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        )
+        if counts is not None:  # padding: no decay and no write (the state passes through unchanged)
+            real_bt = jnp.arange(t)[None, :] < counts[:, None]
+            g, beta = jnp.where(real_bt[..., None], g, 0), jnp.where(real_bt[..., None], beta, 0)
+        out, state = gated_delta_rule(q, k, v, g, beta, state)
+        out = self.norm(out.astype(x_btd.dtype), z)
+        out = self.out_proj(out.reshape(b, t, s.value_dim))
+        if cache is None:
+            return out, None
+        return out, (last_inputs(window, counts, t, s.conv_kernel - 1)[:, None].astype(cache[0].dtype), state)
+
+
+def causal_conv(window_bsc, weight_kc, t: int):
+    """silu of the depthwise causal convolution of the last `t` positions of `window` (which starts with the
+    kernel - 1 inputs before them), in the inputs' dtype."""
+    kernel = weight_kc.shape[0]
+    acc = sum(
+        window_bsc[:, j : j + t].astype(jnp.float32) * weight_kc[j].astype(jnp.float32) for j in range(kernel)
+    )
+    return jax.nn.silu(acc.astype(window_bsc.dtype))
+
+
+def last_inputs(window_bsc, counts_b, t: int, keep: int):
+    """The convolution state after each row's last real token: the `keep` inputs before it."""
+    if counts_b is None:
+        return window_bsc[:, t : t + keep]
+    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, keep, axis=0))(window_bsc, counts_b)
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK):
+    """The gated delta rule over a sequence: q, k [b, t, k_heads, dk], v [b, t, v_heads, dv], g (log decay) and beta
+    [b, t, v_heads], state [b, v_heads, dk, dv] (None: zeros). Queries and keys are L2-normalised, queries scaled by
+    dk^-1/2. Returns (outputs [b, t, v_heads, dv] float32, the final state float32)."""
+    b, t, _, dk = k.shape
+    heads, dv = v.shape[2:]
+    per = heads // k.shape[2]  # each key head serves `per` consecutive value heads
+    q = jnp.repeat(_l2norm(q.astype(jnp.float32)), per, axis=2) * dk**-0.5
+    k = jnp.repeat(_l2norm(k.astype(jnp.float32)), per, axis=2)
+    v, beta = v.astype(jnp.float32), beta.astype(jnp.float32)
+    if state is None:
+        state = jnp.zeros((b, heads, dk, dv), jnp.float32)
+    if t == 1:
+        return _recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    return _chunked(q, k, v, g, beta, state, chunk)
+
+
+def _recurrent_step(q, k, v, g, beta, state):
+    """One token (q, k [b, h, dk], v [b, h, dv], g, beta [b, h]): transformers' torch_recurrent_gated_delta_rule."""
+    state = state * jnp.exp(g)[..., None, None]
+    remembered = jnp.einsum("bhk,bhkv->bhv", k, state, precision=_HIGHEST)
+    delta = (v - remembered) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    out = jnp.einsum("bhk,bhkv->bhv", q, state, precision=_HIGHEST)
+    return out[:, None], state
+
+
+def _chunked(q, k, v, g, beta, state, chunk: int):
+    """transformers' torch_chunk_gated_delta_rule: within a chunk the delta-rule writes are one unit
+    lower-triangular solve; across chunks a scan carries the state."""
+    b, t, heads, dk = k.shape
+    pad = -t % chunk
+    n = (t + pad) // chunk
+
+    def chunks(x):  # [b, t, h, ...] -> [n, b, h, chunk, ...] (zeros past t: no decay, no write)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, chunk, *x.shape[2:])
+        return jnp.moveaxis(x, (1, 2), (0, 3))
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))  # g, beta: [n, b, h, chunk]
+    cum = jnp.cumsum(g, axis=-1)
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], 0)), 0)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+
+    def mm(spec, x, y):
+        return jnp.einsum(spec, x, y, precision=_HIGHEST)
+
+    system = mm("...ik,...jk->...ij", k_beta, k) * decay  # its strictly lower part: the chunk's writes on each other
+    solved = jax.lax.linalg.triangular_solve(
+        system,
+        jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1),
+        left_side=True,
+        lower=True,
+        unit_diagonal=True,
+    )
+    values, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+    intra = mm("...ik,...jk->...ij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+
+    def step(s, xs):
+        values_i, k_cumdecay_i, q_i, k_i, intra_i, decay_i = xs
+        new_values = values_i - mm("bhck,bhkv->bhcv", k_cumdecay_i, s)
+        out = mm("bhck,bhkv->bhcv", q_i, s) + mm("bhcj,bhjv->bhcv", intra_i, new_values)
+        s = s * decay_i + mm("bhck,bhcv->bhkv", k_i, new_values)
+        return s, out
+
+    state, out = jax.lax.scan(step, state, (values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    out = jnp.moveaxis(out, (0, 3), (1, 2)).reshape(b, n * chunk, heads, -1)  # [n, b, h, c, dv] -> [b, t, h, dv]
+    return out[:, :t], state
