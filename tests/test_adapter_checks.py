@@ -98,7 +98,8 @@ def test_adapter_with_non_finite_weights_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "minimax_m2"]
+    "variant",
+    ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next"],
 )
 def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, variant):
     """Routed-expert LoRA goes to peft as LoRA on the fused expert parameters (target_parameters): peft loads the
@@ -113,7 +114,9 @@ def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, varia
     hf = make_hf_model(variant, seed=3)
     base = save_hf_model(hf, tmp_path / "base")
     model = moe_jax.load_model(base, backend="device")
-    attention = ("q_proj", "v_proj") if model.config.mla is None else ("attention",)
+    # every attention projection of the latent and linear attentions (Qwen3-Next: its DeltaNet's too)
+    plain = model.config.mla is None and not model.config.linear_layers
+    attention = ("q_proj", "v_proj") if plain else ("attention",)
     model.attach_lora(LoRAConfig(rank=3, alpha=5.0, targets=(*attention, "experts")), seed=1)
     config = model.lora_config  # "attention" resolved to the family's projections
     _, lora_state, _ = split_trainable(model.transformer)
@@ -128,7 +131,9 @@ def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, varia
     peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     theirs = hf_logits(peft_model, ids)
     assert np.abs(ours - moe_jax.load_model(base, backend="device").logits(ids)).max() > 1e-2
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    # (Qwen3-Next's tiny model carries float32 rounding further: transformers' own float32 logits are up to 1e-3 off
+    # its float64 ones on longer inputs, test_qwen3_next.py)
+    np.testing.assert_allclose(ours, theirs, atol=2e-4 if variant == "qwen3_next" else 1e-4, rtol=0)
     again = moe_jax.load_model(base, backend="host", adapter=tmp_path / "adapter").logits(ids)
     np.testing.assert_allclose(again, ours, atol=1e-5, rtol=0)
     with torch.no_grad():

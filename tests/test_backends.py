@@ -79,7 +79,7 @@ def device_reference(checkpoint):
     return ids, logits, tokens, lora_loss_grad(model, tokens)
 
 
-@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe", "deepseek_v2", "minimax_m2"])
+@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe", "deepseek_v2", "minimax_m2", "qwen3_next"])
 def test_more_families_logits_agree_on_every_backend(variant, tmp_path):
     """Issue 18's other families outside the full matrix above (test time): logits of every backend."""
     path = save_hf_model(make_hf_model(variant, seed=11), tmp_path)

@@ -19,7 +19,8 @@ def relative_error(got, truth):
     return float(np.linalg.norm(np.asarray(got, np.float64) - truth) / np.linalg.norm(truth))
 
 
-# qwen3_moe: tied head, shared-less, 16 experts; gpt_oss: sinks, biases, the clamped SwiGLU on the host's passes.
+# qwen3_moe: tied head, shared-less, 16 experts; gpt_oss: sinks, biases, the clamped SwiGLU on the host's passes;
+# (qwen3_next: layer by layer, in tests/test_qwen3_next.py)
 # (minimax_m2's sigmoid scores plus correction bias sit near ties on a tiny random model: bfloat16 flips an expert
 # choice here or there on either side, so its layers are compared instead, below)
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "gpt_oss"])

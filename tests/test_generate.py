@@ -29,7 +29,7 @@ def test_greedy_matches_transformers(pair):
         assert model.generate([prompt], max_new_tokens=8) == [hf_greedy(hf, prompt, 8)]
 
 
-@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe", "minimax_m2"])
+@pytest.mark.parametrize("variant", ["glm4_moe", "olmoe", "minimax_m2", "qwen3_next"])
 def test_greedy_matches_transformers_for_more_families(variant, tmp_path):
     """The other issue-18 families, greedy only (the fixture's four cover batching and sampling)."""
     # OLMoE's default pad token is 1, which transformers' generate would mask out of the prompt [1, 2, ...]

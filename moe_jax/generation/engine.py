@@ -27,6 +27,7 @@ from flax import nnx
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.model.delta_net import prompt_token_counts
 from moe_jax.model.layers import native_prefill
 from moe_jax.model.served_adapters import adapter_rows
 from moe_jax.native.argmax import argmax_tokens
@@ -229,6 +230,7 @@ class GenerationEngine:
             tokens = np.zeros((rows, width), np.int32)
             positions = np.zeros((rows, width), np.int32)
             last = np.zeros(rows, np.int32)
+            counts = np.zeros(rows, np.int32)  # real tokens of each row in this step (the rest pads)
             for row in range(rows):
                 i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
                 suffix = suffixes[i][chunk_start : chunk_start + width]
@@ -238,8 +240,17 @@ class GenerationEngine:
                 tokens[row, : len(suffix)] = suffix
                 positions[row] = reused[i] + chunk_start + np.arange(width)
                 last[row] = max(len(suffix) - 1, 0)
+                counts[row] = len(suffix)
             step_logits, caches = self.model.run_jitted(
-                self._steps.prefill, self.model.state_leaves(), caches, slot_ids, tokens, positions, last, adapters
+                self._steps.prefill,
+                self.model.state_leaves(),
+                caches,
+                slot_ids,
+                tokens,
+                positions,
+                last,
+                counts,
+                adapters,
             )
             step_logits = np.asarray(step_logits)
             for i, suffix in enumerate(suffixes):
@@ -309,10 +320,11 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
 
-    def prefill(leaves, caches, slot_ids, tokens, positions, last, adapters=None):
+    def prefill(leaves, caches, slot_ids, tokens, positions, last, counts, adapters=None):
+        """Each row's tokens (`counts` of them real, the rest right padding) into its slot's caches."""
         rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
         # the dense products on the decode steps' packed weights, where the plan packs them
-        with native_prefill(), adapter_rows(adapters):
+        with native_prefill(), adapter_rows(adapters), prompt_token_counts(counts):
             logits, rows = merged(leaves)(tokens, positions, rows, last)
         caches = [
             (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))

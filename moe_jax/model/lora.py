@@ -3,7 +3,8 @@
 Initialisation follows peft's default (A: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
 B: zeros), so a fresh adapter leaves the model's outputs unchanged and a run can be reproduced in peft.
 Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention; DeepSeek's latent
-attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj), gate_proj up_proj down_proj (dense
+attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj; Qwen3-Next's Gated DeltaNet:
+in_proj_qkvz in_proj_ba out_proj), gate_proj up_proj down_proj (dense
 and shared-expert MLPs), `experts` for the routed experts' gate/up/down, and `attention` for every attention
 projection of the model's family.
 """
@@ -23,14 +24,22 @@ from moe_jax.model.moe import MoEBlock
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+DELTA_NET_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERTS_TARGET = "experts"
 ATTENTION_ALIAS = "attention"
-KNOWN_TARGETS = tuple(dict.fromkeys((*ATTENTION_TARGETS, *MLA_TARGETS, *MLP_TARGETS, EXPERTS_TARGET, ATTENTION_ALIAS)))
+KNOWN_TARGETS = tuple(
+    dict.fromkeys(
+        (*ATTENTION_TARGETS, *MLA_TARGETS, *DELTA_NET_TARGETS, *MLP_TARGETS, EXPERTS_TARGET, ATTENTION_ALIAS)
+    )
+)
 
 
 def attention_targets(model_config) -> tuple[str, ...]:
-    """The attention projections of a model of this config (what the `attention` target stands for)."""
+    """The attention projections of a model of this config (what the `attention` target stands for): with
+    linear-attention layers, theirs too."""
+    if model_config.linear_layers:
+        return (*ATTENTION_TARGETS, *DELTA_NET_TARGETS)
     if model_config.mla is None:
         return ATTENTION_TARGETS
     query = ("q_a_proj", "q_b_proj") if model_config.mla.q_lora_rank else ("q_proj",)
