@@ -13,7 +13,6 @@ import moe_jax
 from moe_jax.generation.engine import PREFILL_CHUNK
 from moe_jax.generation.generate import generate_tokens
 from moe_jax.model.delta_net import gated_delta_rule
-from moe_jax.model.lora import LoRAConfig
 from tests.hf_models import make_hf_model, save_hf_model, torch
 from tests.test_backends import lora_loss_grad
 
@@ -53,7 +52,8 @@ def test_chunked_rule_equals_the_recurrent_one():
     out, final = gated_delta_rule(q, k, v, g, beta, state, chunk=16)
     s, outs = state, []
     for i in range(t):
-        o, s = gated_delta_rule(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], g[:, i : i + 1], beta[:, i : i + 1], s)
+        step = slice(i, i + 1)
+        o, s = gated_delta_rule(q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], s)
         outs.append(o)
     np.testing.assert_allclose(out, jnp.concatenate(outs, axis=1), atol=2e-5)
     np.testing.assert_allclose(final, s, atol=2e-5)
@@ -92,18 +92,14 @@ def test_recurrent_state_is_counted_by_the_kv_accounting(pair):
         assert model.kv.live_bytes == 3 * model.kv.bytes_per_sequence(length)
 
 
-def hf_layer_parts(layer, x, positions):
+def hf_layer_parts(layer, x, cos_sin):
     """(token mixer output, MoE block output) of a transformers decoder layer on its input x."""
     normed = layer.input_layernorm(x)
     if layer.block_type == "linear_attention":
         mixed = layer.linear_attn(normed)
     else:
-        cos_sin = ROTARY(x, positions)
         mixed = layer.self_attn(normed, tuple(p.to(x.dtype) for p in cos_sin), None)[0]
     return mixed.float().numpy(), layer.mlp(layer.post_attention_layernorm(x)).float().numpy()
-
-
-ROTARY = None
 
 
 @pytest.mark.parametrize("layer", range(4))
@@ -112,28 +108,25 @@ def test_layers_in_bfloat16_follow_float32_as_transformers_bfloat16_does(pair, l
     input rounded to bfloat16: as far from the float32 layer as transformers' bfloat16 layer is, within 2x. (The
     whole tiny model's bfloat16 logits are not compared: near-tie routing amplifies any rounding into expert flips;
     transformers' own bfloat16 logits are 9% away from its float32 ones.)"""
-    global ROTARY
     hf, path = pair
-    ROTARY = hf.model.rotary_emb
     seen = {}
     target = hf.model.layers[layer]
     hook = target.register_forward_pre_hook(
         lambda m, a, k: seen.update(x=a[0] if a else k["hidden_states"]), with_kwargs=True
     )
     ids = np.random.default_rng(1).integers(0, 96, size=(3, 13))
-    positions = torch.arange(13)[None]
     with torch.no_grad():
         hf(torch.as_tensor(ids))
         hook.remove()
         x = seen["x"]
-        truth = hf_layer_parts(target, x, positions)
-        theirs = hf_layer_parts(copy.deepcopy(target).to(torch.bfloat16), x.to(torch.bfloat16), positions)
+        cos_sin = hf.model.rotary_emb(x, torch.arange(13)[None])
+        truth = hf_layer_parts(target, x, cos_sin)
+        theirs = hf_layer_parts(copy.deepcopy(target).to(torch.bfloat16), x.to(torch.bfloat16), cos_sin)
     model = moe_jax.load_model(path, backend="device", dtype="bfloat16")
     ours_layer = model.transformer.layers[layer]
     x_bf16 = jnp.asarray(x.numpy(), jnp.bfloat16)
-    mixer = ours_layer.linear_attn if target.block_type == "linear_attention" else ours_layer.self_attn
     ours = (
-        mixer(ours_layer.input_layernorm(x_bf16), jnp.broadcast_to(jnp.arange(13), (3, 13)))[0],
+        ours_layer.mixer(ours_layer.input_layernorm(x_bf16), jnp.broadcast_to(jnp.arange(13), (3, 13)))[0],
         ours_layer.mlp(ours_layer.post_attention_layernorm(x_bf16)),
     )
     for got, hf_bf16, want in zip(ours, theirs, truth, strict=True):

@@ -110,9 +110,7 @@ def causal_conv(window_bsc, weight_kc, t: int):
     """silu of the depthwise causal convolution of the last `t` positions of `window` (which starts with the
     kernel - 1 inputs before them), in the inputs' dtype."""
     kernel = weight_kc.shape[0]
-    acc = sum(
-        window_bsc[:, j : j + t].astype(jnp.float32) * weight_kc[j].astype(jnp.float32) for j in range(kernel)
-    )
+    acc = sum(window_bsc[:, j : j + t].astype(jnp.float32) * weight_kc[j].astype(jnp.float32) for j in range(kernel))
     return jax.nn.silu(acc.astype(window_bsc.dtype))
 
 

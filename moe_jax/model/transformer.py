@@ -14,6 +14,7 @@ from flax import nnx
 
 from moe_jax.formats import hf_names
 from moe_jax.model.config import ModelConfig
+from moe_jax.model.delta_net import GatedDeltaNet, GatedRMSNorm
 from moe_jax.model.layers import (
     Attention,
     Frozen,
@@ -24,7 +25,6 @@ from moe_jax.model.layers import (
     micro_batch_rows,
     native_frozen_matmul,
 )
-from moe_jax.model.delta_net import GatedDeltaNet, GatedRMSNorm
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
 from moe_jax.native.dense import huge_page_packing, pack_dense
@@ -32,8 +32,9 @@ from moe_jax.planning.plan import ExecutionPlan
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, attn: Attention | MLAttention | GatedDeltaNet, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
-        # the token mixer under its Hugging Face name (adapters are exported by module path)
+    def __init__(self, attn, mlp, input_norm: RMSNorm, post_attn_norm: RMSNorm):
+        """`attn`: the token mixer (Attention, MLAttention or GatedDeltaNet), held under its Hugging Face name
+        (adapters are exported by module path)."""
         if isinstance(attn, GatedDeltaNet):
             self.linear_attn = attn
         else:
@@ -46,10 +47,13 @@ class DecoderLayer(nnx.Module):
         h_btd, normed_btd, cache = self.attend(x_btd, positions_bt, cache)
         return h_btd + self.mlp(normed_btd), cache
 
+    @property
+    def mixer(self):
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
     def attend(self, x_btd, positions_bt, cache=None):
         """(x + attention, its normed form that the MLP takes, the updated cache)"""
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        attn_out, cache = mixer(self.input_layernorm(x_btd), positions_bt, cache)
+        attn_out, cache = self.mixer(self.input_layernorm(x_btd), positions_bt, cache)
         x_btd = x_btd + attn_out
         return x_btd, self.post_attention_layernorm(x_btd), cache
 
