@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.generation.engine import PREFILL_CHUNK
+from moe_jax.generation.anchor_cache import AnchorCache
+from moe_jax.generation.engine import PREFILL_CHUNK, GenerationEngine, Request
 from moe_jax.generation.generate import generate_tokens
+from moe_jax.generation.prefill_pieces import piece, piece_ends
 from moe_jax.model.delta_net import gated_delta_rule
 from tests.hf_models import make_hf_model, save_hf_model, torch
 from tests.test_backends import lora_loss_grad
@@ -160,3 +162,42 @@ def test_deltanet_adapters_get_the_same_gradients_on_every_backend(pair):
     for got, want in zip(jax.tree.leaves(host_grads), jax.tree.leaves(grads), strict=True):
         scale = float(jnp.abs(want).max())
         np.testing.assert_allclose(got / scale, want / scale, atol=3e-4)
+
+
+def test_anchor_cache_resumes_the_recurrent_state_exactly(pair):
+    """Anchors save the DeltaNet state as of each anchor (the prefill ends a step there), so an appended turn and an
+    edited one resume from their last cached anchor, alone and batched, with the outputs of no cache at all."""
+    from tests.test_engine import ANCHOR, conversation
+
+    _, path = pair
+    model = moe_jax.load_model(path, backend="host")
+    rng = np.random.default_rng(1)
+    first = conversation(rng, [6, 5, 4])
+    second = first + rng.integers(8, 96, size=5).tolist()  # a turn appended
+    edited = first[:7] + rng.integers(8, 96, size=6).tolist() + [ANCHOR] + second[-5:]  # the second turn rewritten
+    prompts = [first + [3], second, edited]
+
+    def run(requests, cache=None):
+        return GenerationEngine(model, len(requests), 96, cache).run(requests)
+
+    without = [c.tokens for c in run([Request(p, 6) for p in prompts])]
+    cache = AnchorCache([ANCHOR], budget_bytes=1 << 20)
+    alone = [run([Request(p, 6)], cache)[0] for p in prompts]
+    assert [c.tokens for c in alone] == without
+    assert [c.reused_tokens for c in alone] == [0, len(first), 7]
+    together = run([Request(p, 6) for p in prompts], cache)
+    assert [c.tokens for c in together] == without
+    assert [c.reused_tokens for c in together] == [len(first), len(first), 7 + 7]  # the edited turn is cached now
+
+
+@pytest.mark.parametrize(
+    "length, width, stops, ends",
+    [
+        (10, 4, [], [4, 8, 10]),
+        (10, 4, [3, 9], [3, 7, 9, 10]),  # counted again from each stop
+        (10, 16, [5, 5, 0, 10], [5, 10]),  # repeated and out-of-range stops ignored
+    ],
+)
+def test_prefill_pieces_end_at_stops(length, width, stops, ends):
+    assert piece_ends(length, width, stops) == ends
+    assert [piece(ends, s) for s in range(len(ends) + 1)][-2:] == [(ends[-2], ends[-1]), (ends[-1], ends[-1])]

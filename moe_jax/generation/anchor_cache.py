@@ -7,7 +7,9 @@ result, a thinking segment) and prefill only the rest. Reuse is exact: an edit c
 everything after the edit point is prefilled again.
 
 Entries form a tree like a radix cache: each stores the KV of one segment (from its parent anchor to its own)
-under the hash of its whole prefix, so a long conversation costs its length once, not once per anchor.
+under the hash of its whole prefix, so a long conversation costs its length once, not once per anchor. A
+recurrent layer (Qwen3-Next's DeltaNet) has no per-token entries to cut at a position: its segment holds the
+layer's whole state as of the segment's anchor (`RecurrentState`), and a prefix takes its last segment's.
 Least-recently-used entries are evicted under a byte budget; evicting an entry evicts its descendants, which
 could no longer be rebuilt.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,13 +47,26 @@ def prefix_key(tokens, scope: bytes = b"") -> bytes:
     return hashlib.blake2b(np.asarray(tokens, np.int64).tobytes(), digest_size=16, key=scope).digest()
 
 
+class RecurrentState(NamedTuple):
+    """A recurrent layer's cache row as of an anchor: its convolution inputs and its state (model/delta_net.py)."""
+
+    conv: np.ndarray
+    state: np.ndarray
+
+
+def copied(entry):
+    """A layer's segment entry, (k, v) or RecurrentState, as owned numpy arrays."""
+    arrays = [np.array(a) for a in entry]
+    return RecurrentState(*arrays) if isinstance(entry, RecurrentState) else tuple(arrays)
+
+
 @dataclass
 class Segment:
     key: bytes
     parent: bytes | None
     start: int
     end: int
-    kv: list  # per layer: (k [end - start, kv_heads, head_dim], v [...]) numpy
+    kv: list  # per layer: (k [end - start, kv_heads, head_dim], v [...]) numpy, or a RecurrentState as of `end`
     children: set = field(default_factory=set)
 
     @property
@@ -92,7 +108,8 @@ class AnchorCache:
         return [i + 1 for i, t in enumerate(tokens[:-1]) if t in self.anchor_ids]
 
     def lookup(self, tokens, scope: bytes = b"") -> tuple[int, list]:
-        """(reused length, per-layer (k, v) of that prefix) for the longest anchor prefix cached in `scope`."""
+        """(reused length, per layer (k, v) of that prefix or its RecurrentState) for the longest anchor prefix cached
+        in `scope`."""
         self.stats.requests += 1
         self.stats.prompt_tokens += len(tokens)
         for length in reversed(self.anchors(tokens)):
@@ -101,7 +118,9 @@ class AnchorCache:
                 for seg in chain:
                     self.segments.move_to_end(seg.key)
                 kv = [
-                    (np.concatenate([s.kv[i][0] for s in chain]), np.concatenate([s.kv[i][1] for s in chain]))
+                    chain[-1].kv[i]
+                    if isinstance(chain[-1].kv[i], RecurrentState)
+                    else (np.concatenate([s.kv[i][0] for s in chain]), np.concatenate([s.kv[i][1] for s in chain]))
                     for i in range(len(chain[0].kv))
                 ]
                 self.stats.hits += 1
@@ -120,15 +139,22 @@ class AnchorCache:
             key = seg.parent
         return chain[::-1]
 
+    def cached(self, prefix, scope: bytes = b"") -> bool:
+        return prefix_key(prefix, scope) in self.segments
+
     def store(self, tokens, kv_of_range, scope: bytes = b""):
         """Caches every anchor prefix of `tokens` not cached yet in `scope`. `kv_of_range(start, end)` returns the
-        per-layer (k, v) of those positions (called only for segments that are new)."""
+        per-layer (k, v) of those positions, or a recurrent layer's RecurrentState as of `end` (called only for
+        segments that are new; None where it cannot: nothing from there on is stored)."""
         parent = None
         start = 0
         for end in self.anchors(tokens):
             key = prefix_key(tokens[:end], scope)
             if key not in self.segments:
-                seg = Segment(key, parent, start, end, [(np.array(k), np.array(v)) for k, v in kv_of_range(start, end)])
+                entries = kv_of_range(start, end)
+                if entries is None:
+                    return
+                seg = Segment(key, parent, start, end, [copied(entry) for entry in entries])
                 if seg.nbytes > self.budget:
                     return
                 self.segments[key] = seg

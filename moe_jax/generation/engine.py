@@ -26,7 +26,9 @@ from flax import nnx
 
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
+from moe_jax.generation.anchor_rows import recurrent_rows, slot_rows, state_stops, store_anchors
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.generation.prefill_pieces import piece, piece_ends
 from moe_jax.model.delta_net import prompt_token_counts
 from moe_jax.model.layers import native_prefill
 from moe_jax.model.served_adapters import adapter_rows
@@ -205,17 +207,17 @@ class GenerationEngine:
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
         anchor cache per job, next-token logits per job)."""
         start = time.perf_counter()
-        suffixes, reused = [], []
+        suffixes, reused, stops = [], [], []
         for slot, job in admitted:
             tokens = job.request.tokens
             scope = self.anchor_scope(job.request)
             n, prefix = self.anchor_cache.lookup(tokens, scope) if self.anchor_cache else (0, [])
             if n:
-                padded = round_up(n, TOKEN_BUCKET)
-                prefix = [(_pad(k, padded), _pad(v, padded)) for k, v in prefix]
+                prefix = slot_rows(prefix, round_up(n, TOKEN_BUCKET))
                 caches = self.model.run_jitted(self._steps.write_prefix, caches, np.int32(slot), prefix)
             suffixes.append(tokens[n:])
             reused.append(n)
+            stops.append(state_stops(self.anchor_cache, self.model.config, tokens, n, scope))
         first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
         longest = max(len(s) for s in suffixes)
         # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
@@ -223,9 +225,11 @@ class GenerationEngine:
         width = min(PREFILL_CHUNK, round_up(longest, TOKEN_BUCKET))
         if self.prefill_widths is not None:
             width = min((w for w in self.prefill_widths if w >= width), default=max(self.prefill_widths))
+        ends = [piece_ends(len(suffix), width, stop) for suffix, stop in zip(suffixes, stops, strict=True)]
+        states = [{} for _ in admitted]  # per job: recurrent layers' rows at its stops (prompt length -> rows)
         rows = row_bucket(len(admitted))
         adapters = self.adapter_ids(rows)
-        for chunk_start in range(0, longest, width):
+        for step in range(max(len(e) for e in ends)):
             slot_ids = np.zeros(rows, np.int32)
             tokens = np.zeros((rows, width), np.int32)
             positions = np.zeros((rows, width), np.int32)
@@ -233,14 +237,14 @@ class GenerationEngine:
             counts = np.zeros(rows, np.int32)  # real tokens of each row in this step (the rest pads)
             for row in range(rows):
                 i = min(row, len(admitted) - 1)  # bucket padding repeats the last row exactly
-                suffix = suffixes[i][chunk_start : chunk_start + width]
+                a, b = piece(ends[i], step)
                 slot_ids[row] = admitted[i][0]
                 if adapters is not None:
                     adapters[row] = admitted[i][1].request.adapter
-                tokens[row, : len(suffix)] = suffix
-                positions[row] = reused[i] + chunk_start + np.arange(width)
-                last[row] = max(len(suffix) - 1, 0)
-                counts[row] = len(suffix)
+                tokens[row, : b - a] = suffixes[i][a:b]
+                positions[row] = reused[i] + a + np.arange(width)
+                last[row] = max(b - a - 1, 0)
+                counts[row] = b - a
             step_logits, caches = self.model.run_jitted(
                 self._steps.prefill,
                 self.model.state_leaves(),
@@ -254,26 +258,19 @@ class GenerationEngine:
             )
             step_logits = np.asarray(step_logits)
             for i, suffix in enumerate(suffixes):
-                if chunk_start < len(suffix) <= chunk_start + width:  # this request's last prompt token
+                a, b = piece(ends[i], step)
+                if a < b == len(suffix):  # this request's last prompt token
                     first_logits[i] = step_logits[i]
+                elif a < b and b in stops[i]:
+                    states[i][reused[i] + b] = recurrent_rows(caches, admitted[i][0], self.model.config.linear_layers)
         if self.anchor_cache is not None:
-            for slot, job in admitted:
-                self._store_anchors(caches, slot, job.request.tokens, self.anchor_scope(job.request))
+            for (slot, job), saved in zip(admitted, states, strict=True):
+                scope = self.anchor_scope(job.request)
+                recurrent = self.model.config.linear_layers
+                store_anchors(self.anchor_cache, caches, slot, job.request.tokens, scope, saved, recurrent)
         self.stats.prefill_s += time.perf_counter() - start
         self.stats.prefill_tokens += sum(len(s) for s in suffixes)
         return caches, reused, first_logits
-
-    def _store_anchors(self, caches, slot, tokens, scope: bytes):
-        rows = None
-
-        def kv_of_range(start, end):
-            nonlocal rows
-            if rows is None:  # one device-to-host copy of the slot's rows, only when a segment is new
-                rows = [(np.asarray(k[slot]), np.asarray(v[slot])) for k, v in caches]
-            # the anchor cache holds token-major segments [n, kv, hd]; the engine's cache is [kv, s, hd] a row
-            return [(k[:, start:end].swapaxes(0, 1), v[:, start:end].swapaxes(0, 1)) for k, v in rows]
-
-        self.anchor_cache.store(tokens, kv_of_range, scope)
 
 
 @contextlib.contextmanager
@@ -289,12 +286,6 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _pad(array: np.ndarray, length: int) -> np.ndarray:
-    out = np.zeros((length, *array.shape[1:]), array.dtype)
-    out[: len(array)] = array
-    return out
 
 
 def put_rows(cache, slot_ids, rows):
@@ -390,12 +381,10 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         return out, last, caches, ran
 
     def write_prefix(caches, slot, prefix):
-        """Writes token-major prefixes [n, kv, hd] (the anchor cache's segments) into one slot's rows."""
+        """Writes each layer's rows (`slot_rows`: the anchor cache's prefix) at the start of one slot."""
 
-        def write(cache, prefix_skd):
-            return jax.lax.dynamic_update_slice(
-                cache, prefix_skd.swapaxes(0, 1)[None].astype(cache.dtype), (slot, 0, 0, 0)
-            )
+        def write(cache, row):
+            return jax.lax.dynamic_update_slice(cache, row[None].astype(cache.dtype), (slot, 0, 0, 0))
 
         return [(write(k, pk), write(v, pv)) for (k, v), (pk, pv) in zip(caches, prefix, strict=True)]
 
