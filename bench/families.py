@@ -1,11 +1,12 @@
 """The newer families against transformers on torch CPU, side by side on their real layer dims.
 
-    python bench/families.py [--shape deepseek-v2-lite|gpt-oss-20b|minimax-m2] [--dtypes float32,bfloat16]
+    python bench/families.py [--shape deepseek-v2-lite|gpt-oss-20b|minimax-m2|qwen3-next] [--dtypes float32,bfloat16]
         [--quant mxfp4] [--rounds 2] [--step-seq 512 --steps 3] [--quick]
 
 The models (bench/models.py): DeepSeek-V2-Lite's real dims cut to 4 layers (latent attention, 64 routed experts of
 1408 + 2 shared, top-6); gpt-oss-20b's cut to 2 layers (sinks, sliding and full attention, 32 experts of 2880 with
-biases and the clamped SwiGLU, top-4); MiniMax-M2's cut to 1 layer (256 experts of 1536, top-8, sigmoid routing).
+biases and the clamped SwiGLU, top-4); MiniMax-M2's cut to 1 layer (256 experts of 1536, top-8, sigmoid routing);
+Qwen3-Next's cut to 2 layers (a Gated DeltaNet and a gated attention, 512 experts of 512 + a shared one, top-10).
 Per dtype, tokens/s of: a forward (prefill) of one 512-token prompt; a LoRA training step (batch 1 x --step-seq,
 r=8 on the attention's projections, AdamW; median of --steps after two warm-up steps); decode at batch 1 and 16
 (32-token prompts, 32 new tokens, greedy and end to end: both sides decode the same tokens, so they route alike).
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine_info, markdown_table, print_table, report_header, write_json, write_report  # noqa: E402
 from bench.models import bench_model_dir, use_shape  # noqa: E402
 
-SHAPES = ("deepseek-v2-lite", "gpt-oss-20b", "minimax-m2")
+SHAPES = ("deepseek-v2-lite", "gpt-oss-20b", "minimax-m2", "qwen3-next")
 PROMPT, NEW, PREFILL, SEQ = 32, 32, 512, 512
 SIDES = ("moe_jax", "transformers")
 MEASURES = ("prefill", "lora_step", "decode_b1", "decode_b16")

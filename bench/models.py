@@ -19,6 +19,12 @@ gpt-oss-20b     gpt-oss-20b's real dims cut to 2 layers (one sliding-window, one
 minimax-m2      MiniMax-M2's real dims cut to 1 layer and a 32k vocab: hidden 3072, 256 experts of ffn 1536, top-8
                 with sigmoid routing and its correction bias, 48 query / 8 KV heads of 128, q/k norms over the
                 whole projections, rotary on 64 of each head's 128 (~3.8B parameters, stored in bfloat16: 7.6 GB).
+qwen3-next      Qwen3-Next-80B-A3B's real dims cut to 2 layers (one Gated DeltaNet, one gated full attention) and a
+                32k vocab: hidden 2048, 512 experts of ffn 512 + a gated shared expert of 512, top-10, DeltaNet with
+                16 key / 32 value heads of 128, attention with 16 query / 2 KV heads of 256, rotary on a quarter of
+                each head. The attention layer's MLP is dense (ffn 5120, `mlp_only_layers`): 512 experts a layer are
+                1.6B parameters, and a training process holds them twice (the store and its packed copies), so two
+                MoE layers would not fit a 24 GB machine (~1.9B parameters, stored in bfloat16: 3.8 GB).
 """
 
 from __future__ import annotations
@@ -112,6 +118,29 @@ MINIMAX_M2_LAYERS = dict(
     bos_token_id=None,
     eos_token_id=None,
 )
+QWEN3_NEXT_80B_LAYERS = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=5120,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    mlp_only_layers=[1],
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=512,
+    num_experts_per_tok=10,
+    norm_topk_prob=True,
+    max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+)
 # name -> (transformers config class, its settings, dtype the checkpoint is stored in)
 SHAPES = {
     "bench": ("MixtralConfig", "MixtralForCausalLM", BENCH_SHAPE, "float32"),
@@ -119,6 +148,7 @@ SHAPES = {
     "deepseek-v2-lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2_LITE_LAYERS, "bfloat16"),
     "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS_20B_LAYERS, "bfloat16"),
     "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", MINIMAX_M2_LAYERS, "bfloat16"),
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_80B_LAYERS, "bfloat16"),
 }
 _selected = "bench"
 

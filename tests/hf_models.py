@@ -195,14 +195,28 @@ FAMILY_VARIANTS = {
             attention_bias=True,
         ),
     ),
+    # Qwen3.5-MoE's language model (its text-only checkpoint; the multimodal one: test_qwen3_next.py): the DeltaNet's
+    # projections apart
+    "qwen3_5_moe": (
+        transformers.Qwen3_5MoeTextConfig,
+        dict(
+            **QWEN3_NEXT,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+        ),
+    ),
     "olmoe": (
         transformers.OlmoeConfig,
         dict(num_experts=8, intermediate_size=16, num_experts_per_tok=3, clip_qkv=3.0, norm_topk_prob=False),
     ),
 }
 ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
-# Qwen3-Next's RMSNorms scale by 1 + w: their random weights are shifted down by one to scale as the others' do
-UNIT_OFFSET_NORMS = ("qwen3_next",)
+# Qwen3-Next's and Qwen3.5's RMSNorms scale by 1 + w: their random weights are shifted down by one to scale as
+# the others' do
+UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def make_hf_model(variant: str, seed: int = 0, **overrides):

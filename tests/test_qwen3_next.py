@@ -15,7 +15,8 @@ from moe_jax.generation.engine import PREFILL_CHUNK, GenerationEngine, Request
 from moe_jax.generation.generate import generate_tokens
 from moe_jax.generation.prefill_pieces import piece, piece_ends
 from moe_jax.model.delta_net import gated_delta_rule
-from tests.hf_models import make_hf_model, save_hf_model, torch
+from moe_jax.model.lora import LoRAConfig, split_trainable
+from tests.hf_models import hf_logits, make_hf_model, save_hf_model, torch
 from tests.test_backends import lora_loss_grad
 
 
@@ -201,3 +202,39 @@ def test_anchor_cache_resumes_the_recurrent_state_exactly(pair):
 def test_prefill_pieces_end_at_stops(length, width, stops, ends):
     assert piece_ends(length, width, stops) == ends
     assert [piece(ends, s) for s in range(len(ends) + 1)][-2:] == [(ends[-2], ends[-1]), (ends[-1], ends[-1])]
+
+
+TINY_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+    temporal_patch_size=2, spatial_merge_size=2,
+)  # fmt: skip
+
+
+def test_qwen3_5_moe_multimodal_release_reads_its_language_model(tmp_path):
+    """A Qwen3.5-MoE release is multimodal: its config nests the language model's in `text_config` and its weights
+    sit under `model.language_model.` beside the vision tower's. moe_jax reads the language model: transformers'
+    multimodal model's logits on text, and exports adapters under the names peft finds there."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    text = make_hf_model("qwen3_5_moe", seed=4)
+    config = transformers.Qwen3_5MoeConfig(text_config=text.config.to_dict(), vision_config=TINY_VISION)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    weights = {k.replace("model.", "model.language_model.", 1): v for k, v in text.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    assert not unexpected and all(k.startswith("model.visual.") for k in missing)
+    path = save_hf_model(hf, tmp_path / "release")
+    model = moe_jax.load_model(path, backend="host")
+    assert model.config.model_type == "qwen3_5_moe" and not model.config.linear_attention.fused_projections
+    ids = np.random.default_rng(2).integers(0, 96, size=(2, 11))
+    np.testing.assert_allclose(model.logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+    from moe_jax.formats.adapters import export_peft
+
+    model.attach_lora(LoRAConfig(rank=2, alpha=4.0, targets=("attention",)), seed=1)
+    _, lora_state, _ = split_trainable(model.transformer)
+    rng = np.random.default_rng(3)
+    model.set_lora_state(jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype), lora_state))
+    export_peft(model.transformer, model.lora_config, tmp_path / "adapter", str(path))
+    theirs = hf_logits(peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval(), ids)
+    np.testing.assert_allclose(model.logits(ids), theirs, atol=2e-4, rtol=0)

@@ -28,7 +28,7 @@ from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, is_int, read_json_file
 from moe_jax.formats import fp8, hf_names, mxfp4
 from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
-from moe_jax.formats.hf_config import read_hf_config
+from moe_jax.formats.hf_config import language_model_config, read_hf_config
 from moe_jax.formats.safetensors_io import TensorSource
 from moe_jax.model.config import ModelConfig
 
@@ -161,6 +161,9 @@ def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None
     config_file = path / "config.json"
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)
+    model_type = language_model_config(hf_config).get("model_type") if isinstance(hf_config, dict) else None
+    if (prefix := hf_names.LANGUAGE_MODEL.get(model_type)) is not None:
+        tensors.rename_prefix(prefix, "model.")  # the language model's weights; the others are never read
     if mxfp4.is_mxfp4(hf_config):
         tensors = mxfp4.MXFP4Tensors(tensors)
     elif (block := fp8.block_size(hf_config, config_file)) is not None:
@@ -172,7 +175,7 @@ def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None
                 f"{config_file}: the weights hold fp8 tensors ({unscaled!r}) but there is no quantization_config "
                 "saying how they are scaled"
             )
-    _check_layer_count(hf_config, tensors, config_file)  # first: an absurd count must not size anything
+    _check_layer_count(language_model_config(hf_config), tensors, config_file)  # first: an absurd count sizes nothing
     config = read_hf_config(hf_config, source=str(config_file))
     store, held, store_dir = None, None, path / EXPERT_STORE_DIR
     shards = {int(m.group(2)) for d in path.iterdir() if (m := _SHARD_STORE.fullmatch(d.name)) and d.is_dir()}
@@ -353,6 +356,10 @@ def _linear_attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {
         "linear_attn.in_proj_qkvz.weight": (2 * s.key_dim + 2 * s.value_dim, d),
         "linear_attn.in_proj_ba.weight": (2 * s.num_v_heads, d),
+        "linear_attn.in_proj_qkv.weight": (s.conv_dim, d),
+        "linear_attn.in_proj_z.weight": (s.value_dim, d),
+        "linear_attn.in_proj_b.weight": (s.num_v_heads, d),
+        "linear_attn.in_proj_a.weight": (s.num_v_heads, d),
         "linear_attn.conv1d.weight": (s.conv_dim, 1, s.conv_kernel),
         "linear_attn.dt_bias": (s.num_v_heads,),
         "linear_attn.A_log": (s.num_v_heads,),

@@ -7,17 +7,32 @@ from __future__ import annotations
 
 from host_kernels import GLU
 from moe_jax.errors import ConfigError, is_finite_number, is_int
+from moe_jax.formats import hf_names
 from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, LinearAttention, ModelConfig, Router
 from moe_jax.model.rope import KINDS, Rope, yarn_mscale
 
 # model types that are a supported architecture under another name: Kimi-K2's config says "kimi_k2" and
 # DeepseekV3ForCausalLM (its remote code is DeepSeek-V3's)
-ALIASES = {"kimi_k2": "deepseek_v3"}
+# Qwen3.5-MoE's text-only checkpoints say "qwen3_5_moe_text" (its multimodal ones nest that config in `text_config`)
+ALIASES = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def language_model_config(hf: dict) -> dict:
+    """The part of a config.json that describes the language model: a multimodal release's `text_config` (under the
+    family's own model type, with the release's head tying), else the config itself."""
+    multimodal = isinstance(hf, dict) and hf.get("model_type") in hf_names.LANGUAGE_MODEL
+    if not multimodal or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = {**hf["text_config"], "model_type": hf["model_type"]}
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
 
 
 def read_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
     if not isinstance(hf, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    whole, hf = hf, language_model_config(hf)
     model_type = hf.get("model_type")
     model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -42,7 +57,7 @@ def read_hf_config(hf: dict, source: str = "config.json") -> ModelConfig:
         max_position_embeddings=read.int("max_position_embeddings", 4096),
         bos_token_id=read.token_ids("bos_token_id")[0] if read.token_ids("bos_token_id") else None,
         eos_token_ids=read.token_ids("eos_token_id"),
-        hf_config=dict(hf),
+        hf_config=dict(whole),
     )
     family = _FAMILIES[model_type](read, num_layers)
     return ModelConfig(**common, **family)
@@ -251,9 +266,13 @@ def _gpt_oss(read: _Fields, num_layers: int) -> dict:
 
 
 def _qwen3_next(read: _Fields, num_layers: int) -> dict:
-    """Qwen3-Next: Gated DeltaNet layers and gated full-attention layers (`layer_types`; by default every
-    `full_attention_interval`-th is full), Qwen's experts with a gated shared expert, q/k RMSNorm per head, rotary on
-    a quarter of each head, RMSNorm weights stored as w - 1."""
+    """Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet layers and gated full-attention layers (`layer_types`; by default
+    every `full_attention_interval`-th is full), Qwen's experts with a gated shared expert, q/k RMSNorm per head,
+    rotary on a quarter of each head, RMSNorm weights stored as w - 1. Qwen3.5 projects the DeltaNet's inputs
+    apart (in_proj_qkv, _z, _b, _a) where Qwen3-Next fuses them per key head, and always renormalises the top-k
+    weights. (Qwen3.5's multimodal rotary sections coincide with the plain rotary for text: every position is a
+    text position.)"""
+    qwen3_5 = read.model_type == "qwen3_5_moe"
     head_dim = read.int("head_dim", 256)
     read.choice("hidden_act", ("silu",), "silu")
     interval = read.int("full_attention_interval", 4)
@@ -265,6 +284,7 @@ def _qwen3_next(read: _Fields, num_layers: int) -> dict:
         k_head_dim=read.int("linear_key_head_dim", 128),
         v_head_dim=read.int("linear_value_head_dim", 128),
         conv_kernel=read.int("linear_conv_kernel_dim", 4),
+        fused_projections=not qwen3_5,
     )
     if linear.num_v_heads % linear.num_k_heads:
         raise read.bad("linear_num_value_heads", linear.num_v_heads, "a multiple of linear_num_key_heads")
@@ -274,7 +294,9 @@ def _qwen3_next(read: _Fields, num_layers: int) -> dict:
     return dict(
         head_dim=head_dim,
         num_experts=_num_experts(read),
-        router=Router(top_k=read.int("num_experts_per_tok"), norm_topk_prob=read.bool("norm_topk_prob", True)),
+        router=Router(
+            top_k=read.int("num_experts_per_tok"), norm_topk_prob=qwen3_5 or read.bool("norm_topk_prob", True)
+        ),
         expert_intermediate_size=read.int("moe_intermediate_size", 512),
         rope=_rope(read, head_dim, partial_default=0.25),
         dense_intermediate_size=_dense_width(read, dense_layers, read.int("intermediate_size", 5632, minimum=0)),
@@ -298,6 +320,7 @@ _FAMILIES = {
     "qwen2_moe": _qwen,
     "qwen3_moe": _qwen,
     "qwen3_next": _qwen3_next,
+    "qwen3_5_moe": _qwen3_next,
     "olmoe": _olmoe,
     "glm4_moe": _glm4_moe,
     "deepseek_v2": _deepseek,

@@ -13,6 +13,8 @@ EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm"
 DENSE_MLP = "mlp"  # a dense layer's MLP under the layer
+# multimodal families whose language model moe_jax runs: where its weights are (read as `model.`: checkpoint.py)
+LANGUAGE_MODEL = {"qwen3_5_moe": "model.language_model."}
 ATTENTION = "self_attn"
 LINEAR_ATTENTION = "linear_attn"  # Qwen3-Next's Gated DeltaNet
 # families whose released checkpoints keep Mixtral's names: `block_sparse_moe`, experts' w1 / w3 / w2
@@ -89,11 +91,12 @@ def is_expert_tensor(name: str) -> bool:
 
 
 def module_name(path, config: ModelConfig) -> str:
-    """moe_jax's module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name."""
+    """moe_jax's module path (('layers', 0, 'mlp', 'shared', 'gate_proj')) as the Hugging Face module name (a
+    multimodal release's: under its language model, `model.language_model.layers...`)."""
     parts = []
     for p in path:
         if p == "layers":
-            parts.append("model.layers")
+            parts.append(LANGUAGE_MODEL.get(config.model_type, "model.") + "layers")
         elif p == "shared":
             parts.append(shared_expert_module(config))
         elif p == "mlp":

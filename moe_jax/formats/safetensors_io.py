@@ -152,6 +152,7 @@ class TensorSource:
         self.directory = Path(directory)
         self._files = [SafetensorsFile(p) for p in files]
         self._where: dict[str, SafetensorsFile] = {}
+        self._stored: dict[str, str] = {}  # a renamed tensor's name in its file (`rename_prefix`)
         for f in self._files:
             for k in f.keys():
                 if k in self._where:
@@ -172,6 +173,16 @@ class TensorSource:
             raise CheckpointError(f"{directory}: no *.safetensors weight files found")
         return cls(directory, files)
 
+    def rename_prefix(self, stored: str, name: str):
+        """Tensors stored as `stored` + rest are read as `name` + rest (a multimodal release's language model,
+        `model.language_model.layers...`, as the `model.layers...` moe_jax reads)."""
+        for key in [k for k in self._where if k.startswith(stored)]:
+            renamed = name + key[len(stored) :]
+            if renamed in self._where:
+                raise CheckpointError(f"{self.directory}: holds both {key!r} and {renamed!r}")
+            self._where[renamed] = self._where.pop(key)
+            self._stored[renamed] = key
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
@@ -185,16 +196,16 @@ class TensorSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the header, without touching its data."""
-        return self._where[name].shape(name)
+        return self._where[name].shape(self._stored.get(name, name))
 
     def dtype_code(self, name: str) -> str:
-        return self._where[name].dtype_code(name)
+        return self._where[name].dtype_code(self._stored.get(name, name))
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         f = self._where.get(name)
         if f is None:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
-        array = f.get(name)
+        array = f.get(self._stored.get(name, name))
         if shape is not None and tuple(array.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
         return array

@@ -2,8 +2,8 @@
 
 Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
 grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V2/V3, MiniMax-M2, GPT-OSS and Qwen3-Next. Reading a Hugging Face `config.json` into it is
-`moe_jax.formats.hf_config`.
+GLM-4.5, DeepSeek-V2/V3, MiniMax-M2, GPT-OSS, Qwen3-Next and Qwen3.5-MoE. Reading a Hugging Face `config.json`
+into it is `moe_jax.formats.hf_config`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "minimax_m2",
     "gpt_oss",
     "qwen3_next",
+    "qwen3_5_moe",
 )
 MAX_LAYERS = 4096  # far beyond any real model; a config claiming more would size per-layer tuples forever
 
@@ -80,6 +81,9 @@ class LinearAttention:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # Qwen3-Next: queries, keys, values and z in one projection, beta and a in another, grouped per key head;
+    # Qwen3.5: four projections, each in plain head order
+    fused_projections: bool = True
 
     @property
     def key_dim(self) -> int:

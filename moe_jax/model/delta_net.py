@@ -22,6 +22,9 @@ from flax import nnx
 from moe_jax.model.config import LinearAttention
 from moe_jax.model.layers import Frozen, _normalized, _set_while, micro_batch_slice
 
+# the input projections by Hugging Face name: Qwen3-Next's fused ones, Qwen3.5's apart
+DELTA_NET_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")
+DELTA_NET_SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 CHUNK = 64  # transformers' chunk size (the algorithm's result does not depend on it beyond rounding)
 _HIGHEST = jax.lax.Precision.HIGHEST  # an accelerator's default float32 product (TF32) would round the state
 
@@ -47,10 +50,13 @@ class GatedRMSNorm(nnx.Module):
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, in_proj_qkvz, in_proj_ba, conv_weight, dt_bias, a_log, norm: GatedRMSNorm, out_proj, *, spec):
-        """Projections as in the checkpoint (`in_proj_qkvz` [d, ...] and `in_proj_ba`: per key head its queries,
-        keys, values and z, then its betas and decay inputs); `conv_weight` [channels, 1, kernel] as torch's."""
-        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = in_proj_qkvz, in_proj_ba, out_proj
+    def __init__(self, projections: dict, conv_weight, dt_bias, a_log, norm: GatedRMSNorm, out_proj, *, spec):
+        """`projections` by Hugging Face name: Qwen3-Next's in_proj_qkvz and in_proj_ba (per key head its queries,
+        keys, values and z, then its betas and decay inputs), or Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and
+        in_proj_a; `conv_weight` [channels, 1, kernel] as torch's."""
+        for name, projection in projections.items():
+            setattr(self, name, projection)
+        self.out_proj = out_proj
         self.conv_weight = Frozen(conv_weight[:, 0].T)  # [kernel, channels]
         self.dt_bias = Frozen(dt_bias)
         self.A_log = Frozen(a_log)
@@ -58,24 +64,27 @@ class GatedDeltaNet(nnx.Module):
         self.spec: LinearAttention = spec
 
     def _project(self, x_btd):
-        """q, k [b, t, k_heads, k_dim]; v, z [b, t, v_heads, v_dim]; beta's logits and the decay input a [b, t,
-        v_heads]: transformers' `fix_query_key_value_ordering`."""
+        """The convolution's inputs [b, t, channels] (queries, keys, values), z [b, t, v_heads, v_dim], beta's logits
+        and the decay input a [b, t, v_heads]."""
         s = self.spec
         b, t, _ = x_btd.shape
+        if not s.fused_projections:
+            z = self.in_proj_z(x_btd).reshape(b, t, s.num_v_heads, s.v_head_dim)
+            return self.in_proj_qkv(x_btd), z, self.in_proj_b(x_btd), self.in_proj_a(x_btd)
+        # transformers' `fix_query_key_value_ordering`: each key head's queries, keys, values and z side by side
         per = s.num_v_heads // s.num_k_heads
         qkvz = self.in_proj_qkvz(x_btd).reshape(b, t, s.num_k_heads, -1)
         q, k, v, z = jnp.split(qkvz, [s.k_head_dim, 2 * s.k_head_dim, 2 * s.k_head_dim + per * s.v_head_dim], -1)
         ba = self.in_proj_ba(x_btd).reshape(b, t, s.num_k_heads, 2 * per)
         beta_logit, a = ba[..., :per].reshape(b, t, -1), ba[..., per:].reshape(b, t, -1)
-        heads_v = (b, t, s.num_v_heads, s.v_head_dim)
-        return q, k, v.reshape(heads_v), z.reshape(heads_v), beta_logit, a
+        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+        return mixed, z.reshape(b, t, s.num_v_heads, s.v_head_dim), beta_logit, a
 
     def __call__(self, x_btd, positions_bt, cache=None):
         """(output [b, t, d], the updated cache or None)."""
         s = self.spec
         b, t, _ = x_btd.shape
-        q, k, v, z, beta_logit, a = self._project(x_btd)
-        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+        mixed, z, beta_logit, a = self._project(x_btd)
         counts = _TOKEN_COUNTS.get()
         counts = None if counts is None else micro_batch_slice(counts)
         fresh = positions_bt[:, 0] == 0  # a new sequence in this row: no state from the slot's last occupant

@@ -3,10 +3,10 @@
 Initialisation follows peft's default (A: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
 B: zeros), so a fresh adapter leaves the model's outputs unchanged and a run can be reproduced in peft.
 Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention; DeepSeek's latent
-attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj; Qwen3-Next's Gated DeltaNet:
-in_proj_qkvz in_proj_ba out_proj), gate_proj up_proj down_proj (dense
-and shared-expert MLPs), `experts` for the routed experts' gate/up/down, and `attention` for every attention
-projection of the model's family.
+attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj; the Gated DeltaNet: in_proj_qkvz
+in_proj_ba out_proj (Qwen3-Next) or in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj (Qwen3.5)), gate_proj up_proj
+down_proj (dense and shared-expert MLPs), `experts` for the routed experts' gate/up/down, and `attention` for every
+attention projection of the model's family.
 """
 
 from __future__ import annotations
@@ -19,17 +19,29 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.errors import ConfigError
+from moe_jax.model.delta_net import DELTA_NET_PROJECTIONS, DELTA_NET_SPLIT_PROJECTIONS
 from moe_jax.model.layers import LoRAParam, Projection
 from moe_jax.model.moe import MoEBlock
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-DELTA_NET_TARGETS = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+DELTA_NET_TARGETS = (*DELTA_NET_PROJECTIONS, "out_proj")
+DELTA_NET_SPLIT_TARGETS = (*DELTA_NET_SPLIT_PROJECTIONS, "out_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERTS_TARGET = "experts"
 ATTENTION_ALIAS = "attention"
 KNOWN_TARGETS = tuple(
-    dict.fromkeys((*ATTENTION_TARGETS, *MLA_TARGETS, *DELTA_NET_TARGETS, *MLP_TARGETS, EXPERTS_TARGET, ATTENTION_ALIAS))
+    dict.fromkeys(
+        (
+            *ATTENTION_TARGETS,
+            *MLA_TARGETS,
+            *DELTA_NET_TARGETS,
+            *DELTA_NET_SPLIT_TARGETS,
+            *MLP_TARGETS,
+            EXPERTS_TARGET,
+            ATTENTION_ALIAS,
+        )
+    )
 )
 
 
@@ -37,7 +49,8 @@ def attention_targets(model_config) -> tuple[str, ...]:
     """The attention projections of a model of this config (what the `attention` target stands for): with
     linear-attention layers, theirs too."""
     if model_config.linear_layers:
-        return (*ATTENTION_TARGETS, *DELTA_NET_TARGETS)
+        fused = model_config.linear_attention.fused_projections
+        return (*ATTENTION_TARGETS, *(DELTA_NET_TARGETS if fused else DELTA_NET_SPLIT_TARGETS))
     if model_config.mla is None:
         return ATTENTION_TARGETS
     query = ("q_a_proj", "q_b_proj") if model_config.mla.q_lora_rank else ("q_proj",)
