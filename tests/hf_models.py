@@ -65,6 +65,14 @@ QWEN3_NEXT = dict(
     num_experts_per_tok=3,
     head_dim=16,
 )
+# four layers of transformers' default pattern (full attention every 4th), two value heads per key head
+GROUPED_DELTA_NET = dict(
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+)
 DEEPSEEK_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
 FAMILY_VARIANTS = {
     "deepseek_v2": (
@@ -170,14 +178,7 @@ FAMILY_VARIANTS = {
     # Qwen3-Next's default pattern (full attention every 4th layer), grouped value heads
     "qwen3_next": (
         transformers.Qwen3NextConfig,
-        dict(
-            **QWEN3_NEXT,
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-        ),
+        dict(**QWEN3_NEXT, **GROUPED_DELTA_NET),
     ),
     # its layer types given, a dense layer, one value head per key head, attention biases
     "qwen3_next_layer_types": (
@@ -199,14 +200,7 @@ FAMILY_VARIANTS = {
     # projections apart
     "qwen3_5_moe": (
         transformers.Qwen3_5MoeTextConfig,
-        dict(
-            **QWEN3_NEXT,
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-        ),
+        dict(**QWEN3_NEXT, **GROUPED_DELTA_NET),
     ),
     "olmoe": (
         transformers.OlmoeConfig,

@@ -56,7 +56,13 @@ def step_shape(config, itemsize: int) -> StepShape:
         attention = q_in + kv + config.num_heads * m.v_dim * d
     else:
         hd = config.head_dim
-        attention = 2 * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd
+        gate = 2 if config.attention_output_gate else 1  # q_proj also gives the output gate
+        attention = (1 + gate) * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd
+    if config.linear_layers:  # an average layer's mixer: the DeltaNet's projections in its share of the layers
+        s = config.linear_attention
+        delta_net = d * (2 * s.key_dim + 3 * s.value_dim + 2 * s.num_v_heads)
+        linear = len(config.linear_layers)
+        attention = (attention * (config.num_layers - linear) + delta_net * linear) / config.num_layers
     moe = len(config.moe_layers)
     dense_mlp = (config.num_layers - moe) * 3 * d * config.dense_intermediate_size
     shared = moe * 3 * d * config.shared_expert_intermediate_size
