@@ -238,3 +238,12 @@ def test_qwen3_5_moe_multimodal_release_reads_its_language_model(tmp_path):
     export_peft(model.transformer, model.lora_config, tmp_path / "adapter", str(path))
     theirs = hf_logits(peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval(), ids)
     np.testing.assert_allclose(model.logits(ids), theirs, atol=2e-4, rtol=0)
+
+
+def test_unit_lower_inverse_is_the_inverse():
+    """The chunked rule's forward substitution against numpy's inverse of I + the strictly lower triangle."""
+    from moe_jax.model.delta_net import unit_lower_inverse
+
+    a = np.random.default_rng(4).normal(0, 0.3, size=(3, 2, 64, 64)).astype(np.float32)
+    want = np.linalg.inv(np.eye(64) + np.tril(a.astype(np.float64), -1))
+    np.testing.assert_allclose(unit_lower_inverse(jnp.asarray(a)), want, atol=1e-5)

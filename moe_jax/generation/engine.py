@@ -203,6 +203,15 @@ class GenerationEngine:
         block = max(block, steps)
         return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=block)
 
+    def _prefill_width(self, tokens: int) -> int:
+        """The width of a prefill step for `tokens` tokens a row. Chunked prefill: long prompts go through in
+        PREFILL_CHUNK-token steps, so one compiled shape serves every length; fewer tokens take one step of their
+        rounded-up width (or the narrowest of `prefill_widths` that holds them)."""
+        width = min(PREFILL_CHUNK, round_up(tokens, TOKEN_BUCKET))
+        if self.prefill_widths is not None:
+            width = min((w for w in self.prefill_widths if w >= width), default=max(self.prefill_widths))
+        return width
+
     def prefill(self, caches, admitted: list[tuple[int, Job]]):
         """Prefills each admitted (slot, job)'s prompt into its slot: (caches, prompt tokens reused from the
         anchor cache per job, next-token logits per job)."""
@@ -220,16 +229,14 @@ class GenerationEngine:
             stops.append(state_stops(self.anchor_cache, self.model.config, tokens, n, scope))
         first_logits = np.zeros((len(admitted), self.model.config.vocab_size), np.float32)
         longest = max(len(s) for s in suffixes)
-        # chunked prefill: long prompts go through in PREFILL_CHUNK-token steps, so one compiled shape
-        # serves every length; shorter prompts use one step of their rounded-up width
-        width = min(PREFILL_CHUNK, round_up(longest, TOKEN_BUCKET))
-        if self.prefill_widths is not None:
-            width = min((w for w in self.prefill_widths if w >= width), default=max(self.prefill_widths))
+        width = self._prefill_width(longest)
         ends = [piece_ends(len(suffix), width, stop) for suffix, stop in zip(suffixes, stops, strict=True)]
         states = [{} for _ in admitted]  # per job: recurrent layers' rows at its stops (prompt length -> rows)
         rows = row_bucket(len(admitted))
         adapters = self.adapter_ids(rows)
         for step in range(max(len(e) for e in ends)):
+            # as wide as this step's longest piece needs (pieces ending at anchors can be short)
+            width = self._prefill_width(max(b - a for a, b in (piece(e, step) for e in ends)))
             slot_ids = np.zeros(rows, np.int32)
             tokens = np.zeros((rows, width), np.int32)
             positions = np.zeros((rows, width), np.int32)

@@ -161,6 +161,22 @@ def _recurrent_step(q, k, v, g, beta, state):
     return out[:, None], state
 
 
+def unit_lower_inverse(a):
+    """(I + the strictly lower triangle of a)^-1 for a [..., c, c], by forward substitution: row i of the inverse
+    is e_i minus a's row i (left of the diagonal) times the rows above it. Plain XLA products in a loop rather than
+    XLA:CPU's triangular-solve custom call, whose backward inside this chunked scan hung now and then (jaxlib
+    0.10.2, 2 threads: every thread waiting, no CPU used)."""
+    c = a.shape[-1]
+    columns = jnp.arange(c)
+
+    def row(i, inverse):
+        left = jnp.where(columns < i, jax.lax.dynamic_index_in_dim(a, i, axis=-2, keepdims=False), 0)
+        new = (columns == i) - jnp.einsum("...j,...jk->...k", left, inverse, precision=_HIGHEST)
+        return jax.lax.dynamic_update_index_in_dim(inverse, new.astype(inverse.dtype), i, axis=-2)
+
+    return jax.lax.fori_loop(1, c, row, jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), a.shape))
+
+
 def _chunked(q, k, v, g, beta, state, chunk: int):
     """transformers' torch_chunk_gated_delta_rule: within a chunk the delta-rule writes are one unit
     lower-triangular solve; across chunks a scan carries the state."""
@@ -183,14 +199,11 @@ def _chunked(q, k, v, g, beta, state, chunk: int):
         return jnp.einsum(spec, x, y, precision=_HIGHEST)
 
     system = mm("...ik,...jk->...ij", k_beta, k) * decay  # its strictly lower part: the chunk's writes on each other
-    solved = jax.lax.linalg.triangular_solve(
-        system,
-        jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1),
-        left_side=True,
-        lower=True,
-        unit_diagonal=True,
+    inverse = unit_lower_inverse(system)
+    values, k_cumdecay = (
+        mm("...ij,...jv->...iv", inverse, v_beta),
+        mm("...ij,...jk->...ik", inverse, k_beta * jnp.exp(cum)[..., None]),
     )
-    values, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     intra = mm("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
