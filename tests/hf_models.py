@@ -208,6 +208,15 @@ FAMILY_VARIANTS = {
     ),
 }
 ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
+# The tiny Qwen3-Next carries float32 rounding far (transformers' own float32 logits of it are 1e-3 from its float64
+# ones at 150 tokens): where two float32 computations of it are compared, this tolerance at least
+AMPLIFIED_ROUNDING = {"qwen3_next": 2e-4}
+
+
+def float32_atol(variant: str, atol: float) -> float:
+    return max(atol, AMPLIFIED_ROUNDING.get(variant, 0.0))
+
+
 # Qwen3-Next's and Qwen3.5's RMSNorms scale by 1 + w: their random weights are shifted down by one to scale as
 # the others' do
 UNIT_OFFSET_NORMS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")

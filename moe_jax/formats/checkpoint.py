@@ -162,7 +162,7 @@ def open_checkpoint(path, verify: bool = False, expert_shard: ExpertShard | None
     hf_config = read_json_file(config_file, "a model directory")
     tensors = TensorSource.open(path)
     model_type = language_model_config(hf_config).get("model_type") if isinstance(hf_config, dict) else None
-    if (prefix := hf_names.LANGUAGE_MODEL.get(model_type)) is not None:
+    if isinstance(model_type, str) and (prefix := hf_names.LANGUAGE_MODEL.get(model_type)) is not None:
         tensors.rename_prefix(prefix, "model.")  # the language model's weights; the others are never read
     if mxfp4.is_mxfp4(hf_config):
         tensors = mxfp4.MXFP4Tensors(tensors)

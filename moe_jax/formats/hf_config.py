@@ -20,7 +20,9 @@ ALIASES = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 def language_model_config(hf: dict) -> dict:
     """The part of a config.json that describes the language model: a multimodal release's `text_config` (under the
     family's own model type, with the release's head tying), else the config itself."""
-    multimodal = isinstance(hf, dict) and hf.get("model_type") in hf_names.LANGUAGE_MODEL
+    multimodal = (
+        isinstance(hf, dict) and isinstance(hf.get("model_type"), str) and hf["model_type"] in hf_names.LANGUAGE_MODEL
+    )
     if not multimodal or not isinstance(hf.get("text_config"), dict):
         return hf
     text = {**hf["text_config"], "model_type": hf["model_type"]}
