@@ -124,7 +124,7 @@ def causal_conv(window_bsc, weight_kc, t: int):
 
 
 def last_inputs(window_bsc, counts_b, t: int, keep: int):
-    """The convolution state after each row's last real token: the `keep` inputs before it."""
+    """The convolution state as of each row's last real token: its last `keep` inputs, that token's included."""
     if counts_b is None:
         return window_bsc[:, t : t + keep]
     return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, keep, axis=0))(window_bsc, counts_b)
