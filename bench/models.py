@@ -25,6 +25,9 @@ qwen3-next      Qwen3-Next-80B-A3B's real dims cut to 2 layers (one Gated DeltaN
                 each head. The attention layer's MLP is dense (ffn 5120, `mlp_only_layers`): 512 experts a layer are
                 1.6B parameters, and a training process holds them twice (the store and its packed copies), so two
                 MoE layers would not fit a 24 GB machine (~1.9B parameters, stored in bfloat16: 3.8 GB).
+qwen3-next-small
+                Qwen3-Next's layer pattern at a small size (3 DeltaNet + 1 gated attention layer, hidden 256, 16
+                experts top-4, vocab 4096): for what does not depend on size (bench/hybrid_anchors.py).
 """
 
 from __future__ import annotations
@@ -141,6 +144,23 @@ QWEN3_NEXT_80B_LAYERS = dict(
     max_position_embeddings=262144,
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
 )
+QWEN3_NEXT_SMALL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,  # transformers' default pattern: full attention every 4th layer
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    max_position_embeddings=4096,
+)
 # name -> (transformers config class, its settings, dtype the checkpoint is stored in)
 SHAPES = {
     "bench": ("MixtralConfig", "MixtralForCausalLM", BENCH_SHAPE, "float32"),
@@ -149,6 +169,7 @@ SHAPES = {
     "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS_20B_LAYERS, "bfloat16"),
     "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", MINIMAX_M2_LAYERS, "bfloat16"),
     "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_80B_LAYERS, "bfloat16"),
+    "qwen3-next-small": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_SMALL, "float32"),
 }
 _selected = "bench"
 

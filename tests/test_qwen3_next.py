@@ -87,7 +87,9 @@ def test_recurrent_state_is_counted_by_the_kv_accounting(pair):
     s, length = c.linear_attention, 64
     kv = 2 * c.num_kv_heads * c.head_dim * length * 4  # float32 keys and values
     state = (s.conv_kernel - 1) * s.conv_dim * 4 + s.num_v_heads * s.k_head_dim * s.v_head_dim * 4
-    assert model.kv.bytes_per_sequence(length) == len(c.attention_layers) * kv + len(c.linear_layers) * state
+    assert (
+        model.kv.bytes_per_sequence(length) == (c.num_layers - len(c.linear_layers)) * kv + len(c.linear_layers) * state
+    )
     caches = model.kv.new_caches(3, length)
     assert caches[0][1].shape == (3, s.num_v_heads, s.k_head_dim, s.v_head_dim) and caches[0][1].dtype == jnp.float32
     assert caches[3][0].shape == (3, c.num_kv_heads, length, c.head_dim)

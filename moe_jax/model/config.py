@@ -190,11 +190,6 @@ class ModelConfig:
         return layer in self.linear_layers
 
     @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """The layers with a KV cache (all but the linear-attention ones)."""
-        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
-
-    @property
     def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, dim) of the two arrays each layer caches per token: keys and values, or with MLA the compressed
         latent and the rotary key (one "head" each: what the DeepSeek papers cache, not the expanded heads)."""

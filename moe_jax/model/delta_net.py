@@ -25,6 +25,7 @@ from moe_jax.model.layers import Frozen, _normalized, _set_while, micro_batch_sl
 # the input projections by Hugging Face name: Qwen3-Next's fused ones, Qwen3.5's apart
 DELTA_NET_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")
 DELTA_NET_SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
 CHUNK = 64  # transformers' chunk size (the algorithm's result does not depend on it beyond rounding)
 _HIGHEST = jax.lax.Precision.HIGHEST  # an accelerator's default float32 product (TF32) would round the state
 
@@ -35,6 +36,11 @@ _TOKEN_COUNTS: contextvars.ContextVar = contextvars.ContextVar("prompt_token_cou
 
 def prompt_token_counts(counts_b):
     return _set_while(_TOKEN_COUNTS, counts_b)
+
+
+def input_projections(spec: LinearAttention) -> tuple[str, ...]:
+    """The input projections of a DeltaNet of this layout, by Hugging Face name."""
+    return DELTA_NET_PROJECTIONS if spec.fused_projections else DELTA_NET_SPLIT_PROJECTIONS
 
 
 class GatedRMSNorm(nnx.Module):

@@ -19,14 +19,13 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.errors import ConfigError
-from moe_jax.model.delta_net import DELTA_NET_PROJECTIONS, DELTA_NET_SPLIT_PROJECTIONS
+from moe_jax.model.delta_net import DELTA_NET_PROJECTIONS, DELTA_NET_SPLIT_PROJECTIONS, input_projections
 from moe_jax.model.layers import LoRAParam, Projection
 from moe_jax.model.moe import MoEBlock
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-DELTA_NET_TARGETS = (*DELTA_NET_PROJECTIONS, "out_proj")
-DELTA_NET_SPLIT_TARGETS = (*DELTA_NET_SPLIT_PROJECTIONS, "out_proj")
+DELTA_NET_OUTPUT = "out_proj"
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERTS_TARGET = "experts"
 ATTENTION_ALIAS = "attention"
@@ -35,8 +34,9 @@ KNOWN_TARGETS = tuple(
         (
             *ATTENTION_TARGETS,
             *MLA_TARGETS,
-            *DELTA_NET_TARGETS,
-            *DELTA_NET_SPLIT_TARGETS,
+            *DELTA_NET_PROJECTIONS,
+            *DELTA_NET_SPLIT_PROJECTIONS,
+            DELTA_NET_OUTPUT,
             *MLP_TARGETS,
             EXPERTS_TARGET,
             ATTENTION_ALIAS,
@@ -49,8 +49,7 @@ def attention_targets(model_config) -> tuple[str, ...]:
     """The attention projections of a model of this config (what the `attention` target stands for): with
     linear-attention layers, theirs too."""
     if model_config.linear_layers:
-        fused = model_config.linear_attention.fused_projections
-        return (*ATTENTION_TARGETS, *(DELTA_NET_TARGETS if fused else DELTA_NET_SPLIT_TARGETS))
+        return (*ATTENTION_TARGETS, *input_projections(model_config.linear_attention), DELTA_NET_OUTPUT)
     if model_config.mla is None:
         return ATTENTION_TARGETS
     query = ("q_a_proj", "q_b_proj") if model_config.mla.q_lora_rank else ("q_proj",)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from moe_jax.formats import hf_names
 from moe_jax.model.config import ModelConfig
-from moe_jax.model.delta_net import DELTA_NET_PROJECTIONS, DELTA_NET_SPLIT_PROJECTIONS, GatedDeltaNet, GatedRMSNorm
+from moe_jax.model.delta_net import GatedDeltaNet, GatedRMSNorm, input_projections
 from moe_jax.model.layers import (
     Attention,
     Frozen,
@@ -311,9 +311,8 @@ def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> A
 
 def _delta_net(config: ModelConfig, layer: int, proj, dense) -> GatedDeltaNet:
     p = hf_names.linear_attention(layer)
-    names = DELTA_NET_PROJECTIONS if config.linear_attention.fused_projections else DELTA_NET_SPLIT_PROJECTIONS
     return GatedDeltaNet(
-        {name: proj(f"{p}.{name}") for name in names},
+        {name: proj(f"{p}.{name}") for name in input_projections(config.linear_attention)},
         dense(f"{p}.conv1d.weight"),
         dense(f"{p}.dt_bias"),
         dense(f"{p}.A_log"),
