@@ -456,8 +456,8 @@ def load_model(
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""
     check_fits(parts, f"loading {checkpoint.path}", hint=hint)
 
-    def dense(name):
-        return jnp.asarray(checkpoint.dense(name), dtype=jdtype)
+    def dense(name, dtype=None):  # dtype: a weight the family keeps in float32 whatever the model's dtype
+        return jnp.asarray(checkpoint.dense(name), dtype=dtype or jdtype)
 
     if kv_fraction is not None and device_budget_bytes is None:
         raise InputError("kv_fraction needs device_budget_bytes: the budget it is a fraction of")

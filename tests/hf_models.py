@@ -132,6 +132,29 @@ FAMILY_VARIANTS = {
             ),
         ),
     ),
+    # DeepSeek-V3.2: V3 with the lightning indexer; prompts past 6 tokens attend sparsely (each query to its 6
+    # best-scored tokens); its MLP layer types given, a dense layer between MoE ones
+    "deepseek_v32": (
+        transformers.DeepseekV32Config,
+        dict(
+            **DEEPSEEK_MLA,
+            q_lora_rank=12,
+            n_routed_experts=8,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            intermediate_size=40,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            num_experts_per_tok=3,
+            num_hidden_layers=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            index_n_heads=8,
+            index_head_dim=16,
+            index_topk=6,
+            num_key_value_heads=4,  # (its attention repeats kv heads for heads / kv heads groups; MLA has none)
+        ),
+    ),
     "glm4_moe": (
         transformers.Glm4MoeConfig,
         dict(

@@ -99,7 +99,17 @@ def test_adapter_with_non_finite_weights_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "variant",
-    ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "minimax_m2", "qwen3_next"],
+    [
+        "mixtral",
+        "qwen2_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm4_moe",
+        "olmoe",
+        "minimax_m2",
+        "qwen3_next",
+    ],
 )
 def test_routed_expert_adapters_export_to_peft_with_equal_logits(tmp_path, variant):
     """Routed-expert LoRA goes to peft as LoRA on the fused expert parameters (target_parameters): peft loads the

@@ -50,7 +50,16 @@ def lora_modules(transformer):
 # transformers 5) rewrites the targets gate_proj / up_proj / down_proj of these to the routed experts' fused
 # parameters, as adapters trained on transformers 4's per-expert modules meant them. An adapter on their dense or
 # shared-expert MLPs therefore cannot be written for peft: peft would put it on the experts, silently.
-PEFT_REMAPS_MLP_TARGETS = ("qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+PEFT_REMAPS_MLP_TARGETS = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+)
 
 
 def peft_unexpressible(lora_config: LoRAConfig, model_config) -> str:

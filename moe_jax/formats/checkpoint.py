@@ -382,4 +382,16 @@ def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "kv_a_layernorm.weight": (mla.kv_lora_rank,),
         "kv_b_proj.weight": (h * (mla.nope_dim + mla.v_dim), mla.kv_lora_rank),
         "o_proj.weight": (d, h * mla.v_dim),
+        **(_indexer_shapes(config) if mla.indexer is not None else {}),
+    }
+
+
+def _indexer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    s, d = config.mla.indexer, config.hidden_size
+    return {
+        "indexer.wq_b.weight": (s.num_heads * s.head_dim, config.mla.q_lora_rank),
+        "indexer.wk.weight": (s.head_dim, d),
+        "indexer.k_norm.weight": (s.head_dim,),
+        "indexer.k_norm.bias": (s.head_dim,),
+        "indexer.weights_proj.weight": (s.num_heads, d),
     }

@@ -8,7 +8,15 @@ from __future__ import annotations
 from host_kernels import GLU
 from moe_jax.errors import ConfigError, is_finite_number, is_int
 from moe_jax.formats import hf_names
-from moe_jax.model.config import MAX_LAYERS, MLA, SUPPORTED_MODEL_TYPES, LinearAttention, ModelConfig, Router
+from moe_jax.model.config import (
+    MAX_LAYERS,
+    MLA,
+    SUPPORTED_MODEL_TYPES,
+    LinearAttention,
+    ModelConfig,
+    Router,
+    SparseIndexer,
+)
 from moe_jax.model.rope import KINDS, Rope, yarn_mscale
 
 # model types that are a supported architecture under another name: Kimi-K2's config says "kimi_k2" and
@@ -160,26 +168,30 @@ def _glm4_moe(read: _Fields, num_layers: int) -> dict:
 
 
 def _deepseek(read: _Fields, num_layers: int) -> dict:
-    v3 = read.model_type == "deepseek_v3"
-    q_lora_rank = read.int("q_lora_rank", 0 if not v3 else 1536, minimum=0)
+    v3 = read.model_type in ("deepseek_v3", "deepseek_v32")
+    v32 = read.model_type == "deepseek_v32"
+    q_lora_rank = read.int("q_lora_rank", 0 if not v3 else 1536, minimum=1 if v32 else 0)
+    rope_dim = read.int("qk_rope_head_dim", 64)
     mla = MLA(
         q_lora_rank=q_lora_rank,
         kv_lora_rank=read.int("kv_lora_rank", 512),
         nope_dim=read.int("qk_nope_head_dim", 128),
-        rope_dim=read.int("qk_rope_head_dim", 64),
+        rope_dim=rope_dim,
         v_dim=read.int("v_head_dim", 128),
+        indexer=_sparse_indexer(read, rope_dim, num_layers) if v32 else None,
     )
     if mla.rope_dim % 2:
         raise read.bad("qk_rope_head_dim", mla.rope_dim, "even (rotary dimensions come in pairs)")
-    # DeepSeek-V2 rotates interleaved pairs always (complex multiplication); V3 unless rope_interleave is false
-    rope = _rope(read, mla.rope_dim, interleave=read.bool("rope_interleave", True) if v3 else True)
+    # DeepSeek-V2 and V3.2 rotate interleaved pairs always (complex multiplication); V3 unless rope_interleave is false
+    interleave = read.bool("rope_interleave", True) if v3 and not v32 else True
+    rope = _rope(read, mla.rope_dim, interleave=interleave)
     scale = mla.qk_dim**-0.5
     params = _rope_params(read)
     if rope.kind != "default" and params.get("mscale_all_dim"):  # DeepSeek's YaRN also sharpens the softmax
         scale *= yarn_mscale(rope.factor, float(params["mscale_all_dim"])) ** 2
     moe_ffn = read.int("moe_intermediate_size", 1407)
     if v3:
-        router = _grouped_sigmoid_router(read)
+        router = _grouped_sigmoid_router(read, default_groups=(8, 4))  # transformers' defaults for both
     else:
         method = read.choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
         groups, topk_groups = _groups(read, required=True) if method == "group_limited_greedy" else (1, 1)
@@ -192,7 +204,7 @@ def _deepseek(read: _Fields, num_layers: int) -> dict:
             scale=read.positive("routed_scaling_factor", 1.0),
             float32_logits=True,
         )
-    dense_layers = _first_dense(read, num_layers)
+    dense_layers = _v32_dense_layers(read, num_layers) if v32 else _first_dense(read, num_layers, 3 if v3 else 0)
     return dict(
         head_dim=mla.qk_dim,
         num_experts=_num_experts(read),
@@ -207,6 +219,23 @@ def _deepseek(read: _Fields, num_layers: int) -> dict:
         o_bias=read.bool("attention_bias", False),
         softmax_scale=scale,
     )
+
+
+def _sparse_indexer(read: _Fields, rope_dim: int, num_layers: int) -> SparseIndexer:
+    """DeepSeek-V3.2's lightning indexer, on every layer (transformers' only layer type for it)."""
+    read.layer_types(("indexed_attention",), ["indexed_attention"] * num_layers)
+    head_dim = read.int("index_head_dim", 128)
+    if head_dim < rope_dim:
+        raise read.bad("index_head_dim", head_dim, f"at least qk_rope_head_dim = {rope_dim} (its rotary part)")
+    return SparseIndexer(num_heads=read.int("index_n_heads", 64), head_dim=head_dim, top_k=read.int("index_topk", 2048))
+
+
+def _v32_dense_layers(read: _Fields, num_layers: int) -> tuple[int, ...]:
+    """DeepSeek-V3.2: `mlp_layer_types` ("dense" or "sparse" per layer), else the first `first_k_dense_replace`."""
+    first = min(read.int("first_k_dense_replace", 3, minimum=0), num_layers)
+    default = ["dense"] * first + ["sparse"] * (num_layers - first)
+    kinds = read.layer_types(("dense", "sparse"), default, key="mlp_layer_types")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
 
 
 def _minimax_m2(read: _Fields, num_layers: int) -> dict:
@@ -327,24 +356,24 @@ _FAMILIES = {
     "glm4_moe": _glm4_moe,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "deepseek_v32": _deepseek,
 }
 
 
-def _groups(read: _Fields, required: bool = False) -> tuple[int, int]:
+def _groups(read: _Fields, required: bool = False, defaults: tuple[int, int] = (1, 1)) -> tuple[int, int]:
     """(n_group, topk_group) of a group-limited router, checked against the expert count."""
-    default = _MISSING if required else 1
-    num_experts, groups = _num_experts(read), read.int("n_group", default)
+    num_experts, groups = _num_experts(read), read.int("n_group", _MISSING if required else defaults[0])
     if num_experts % groups:
         raise read.bad("n_group", groups, f"a divisor of the {num_experts} routed experts")
-    topk_groups = read.int("topk_group", default)
+    topk_groups = read.int("topk_group", _MISSING if required else defaults[1])
     if topk_groups > groups:
         raise read.bad("topk_group", topk_groups, f"at most n_group = {groups}")
     return groups, topk_groups
 
 
-def _grouped_sigmoid_router(read: _Fields) -> Router:
+def _grouped_sigmoid_router(read: _Fields, default_groups: tuple[int, int] = (1, 1)) -> Router:
     """DeepSeek-V3 / GLM-4.5: sigmoid scores, correction bias for the choice, groups scored by their best two."""
-    groups, topk_groups = _groups(read)
+    groups, topk_groups = _groups(read, defaults=default_groups)
     return Router(
         top_k=read.int("num_experts_per_tok"),
         scores="sigmoid",
@@ -358,10 +387,10 @@ def _grouped_sigmoid_router(read: _Fields) -> Router:
     )
 
 
-def _first_dense(read: _Fields, num_layers: int) -> tuple[int, ...]:
+def _first_dense(read: _Fields, num_layers: int, default_first: int = 0) -> tuple[int, ...]:
     """DeepSeek / GLM: the first `first_k_dense_replace` layers are dense, and of the rest every
     `moe_layer_freq`-th (DeepSeek's own code; transformers' ignores the key, which every released config sets 1)."""
-    first = read.int("first_k_dense_replace", 0, minimum=0)
+    first = read.int("first_k_dense_replace", default_first, minimum=0)
     freq = read.int("moe_layer_freq", 1)
     return tuple(i for i in range(num_layers) if i < first or i % freq != 0)
 
@@ -496,11 +525,11 @@ class _Fields:
             raise self.bad(key, value, f"a list of layer indices in [0, {num_layers})")
         return value
 
-    def layer_types(self, kinds: tuple[str, ...], default: list[str]) -> list[str]:
-        """`layer_types`: one of `kinds` per layer (absent: `default`)."""
-        value = self._get("layer_types", default)
+    def layer_types(self, kinds: tuple[str, ...], default: list[str], key: str = "layer_types") -> list[str]:
+        """`key` (`layer_types`): one of `kinds` per layer (absent: `default`)."""
+        value = self._get(key, default)
         if not isinstance(value, list) or len(value) != len(default) or any(t not in kinds for t in value):
-            raise self.bad("layer_types", value, f"a list of {len(default)} of {', '.join(kinds)}")
+            raise self.bad(key, value, f"a list of {len(default)} of {', '.join(kinds)}")
         return value
 
     def token_ids(self, key) -> tuple[int, ...]:

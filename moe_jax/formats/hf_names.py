@@ -43,7 +43,11 @@ def moe_module(config: ModelConfig) -> str:
 
 def shared_expert_module(config: ModelConfig) -> str:
     """The shared expert(s) under the MoE block."""
-    return "shared_experts" if config.model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe") else "shared_expert"
+    return (
+        "shared_experts"
+        if config.model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe")
+        else "shared_expert"
+    )
 
 
 def moe_block(config: ModelConfig, i: int) -> str:

@@ -71,7 +71,7 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+        return sum(a.nbytes for entry in self.kv for a in entry)
 
 
 @dataclass
@@ -120,7 +120,7 @@ class AnchorCache:
                 kv = [
                     chain[-1].kv[i]
                     if isinstance(chain[-1].kv[i], RecurrentState)
-                    else (np.concatenate([s.kv[i][0] for s in chain]), np.concatenate([s.kv[i][1] for s in chain]))
+                    else tuple(np.concatenate([s.kv[i][j] for s in chain]) for j in range(len(chain[0].kv[i])))
                     for i in range(len(chain[0].kv))
                 ]
                 self.stats.hits += 1

@@ -39,15 +39,12 @@ def store_anchors(cache: AnchorCache, caches, slot: int, tokens, scope: bytes, s
             return None
         if rows is None:  # one device-to-host copy of the slot's rows, only when a segment is new
             rows = [
-                None if i in recurrent else (np.asarray(k[slot]), np.asarray(v[slot]))
-                for i, (k, v) in enumerate(caches)
+                None if i in recurrent else tuple(np.asarray(a[slot]) for a in layer) for i, layer in enumerate(caches)
             ]
         # the anchor cache holds token-major segments [n, kv, hd]; the engine's cache is [kv, s, hd] a row
         return [
-            states[end][i]
-            if i in recurrent
-            else (kv[0][:, start:end].swapaxes(0, 1), kv[1][:, start:end].swapaxes(0, 1))
-            for i, kv in enumerate(rows)
+            states[end][i] if i in recurrent else tuple(a[:, start:end].swapaxes(0, 1) for a in layer)
+            for i, layer in enumerate(rows)
         ]
 
     cache.store(tokens, kv_of_range, scope)

@@ -320,13 +320,13 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
     def prefill(leaves, caches, slot_ids, tokens, positions, last, counts, adapters=None):
         """Each row's tokens (`counts` of them real, the rest right padding) into its slot's caches."""
-        rows = [(k[slot_ids], v[slot_ids]) for k, v in caches]
+        rows = [tuple(a[slot_ids] for a in layer) for layer in caches]
         # the dense products on the decode steps' packed weights, where the plan packs them
         with native_prefill(), adapter_rows(adapters), prompt_token_counts(counts):
             logits, rows = merged(leaves)(tokens, positions, rows, last)
         caches = [
-            (put_rows(k, slot_ids, rk), put_rows(v, slot_ids, rv))
-            for (k, v), (rk, rv) in zip(caches, rows, strict=True)
+            tuple(put_rows(a, slot_ids, r) for a, r in zip(layer, layer_rows, strict=True))
+            for layer, layer_rows in zip(caches, rows, strict=True)
         ]
         return logits[:, 0], caches
 
@@ -339,11 +339,14 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         rarely full)."""
         every = rows is None or rows == caches[0][0].shape[0]
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
-        part = caches if every else [(k[:rows], v[:rows]) for k, v in caches]
+        part = caches if every else [tuple(a[:rows] for a in layer) for layer in caches]
         with adapter_rows(adapters):
             logits, part = merged(leaves)(tokens, positions, part)
         if not every:
-            part = [(k.at[:rows].set(pk), v.at[:rows].set(pv)) for (k, v), (pk, pv) in zip(caches, part, strict=True)]
+            part = [
+                tuple(a.at[:rows].set(p) for a, p in zip(layer, layer_part, strict=True))
+                for layer, layer_part in zip(caches, part, strict=True)
+            ]
         logits = logits[:, 0]
         return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
@@ -393,7 +396,10 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         def write(cache, row):
             return jax.lax.dynamic_update_slice(cache, row[None].astype(cache.dtype), (slot, 0, 0, 0))
 
-        return [(write(k, pk), write(v, pv)) for (k, v), (pk, pv) in zip(caches, prefix, strict=True)]
+        return [
+            tuple(write(a, row) for a, row in zip(layer, rows, strict=True))
+            for layer, rows in zip(caches, prefix, strict=True)
+        ]
 
     return GenerationSteps(
         jax.jit(prefill, donate_argnums=1),

@@ -2,7 +2,7 @@
 
 Architectures differ in a handful of switches (attention kind, shared experts, q/k norm, the router's scoring and
 grouping, biases, rotary layout), so one config and one module tree cover Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V2/V3, MiniMax-M2, GPT-OSS, Qwen3-Next and Qwen3.5-MoE. Reading a Hugging Face `config.json`
+GLM-4.5, DeepSeek-V2/V3/V3.2, MiniMax-M2, GPT-OSS, Qwen3-Next and Qwen3.5-MoE. Reading a Hugging Face `config.json`
 into it is `moe_jax.formats.hf_config`.
 """
 
@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v32",
     "minimax_m2",
     "gpt_oss",
     "qwen3_next",
@@ -54,15 +55,28 @@ class Router:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): `num_heads` small query heads of `head_dim`
+    score every earlier token through one key of `head_dim` per token, and each query attends to its `top_k`
+    best-scored tokens only (all of them while a sequence is shorter than that)."""
+
+    num_heads: int
+    head_dim: int
+    top_k: int
+
+
+@dataclass(frozen=True)
 class MLA:
     """DeepSeek's multi-head latent attention: queries through an optional low-rank `q_lora_rank` (0: one
-    projection), keys and values from a shared `kv_lora_rank` latent plus one rotary key of `rope_dim` per token."""
+    projection), keys and values from a shared `kv_lora_rank` latent plus one rotary key of `rope_dim` per token;
+    with an `indexer` (DeepSeek-V3.2), sparse over the tokens it selects."""
 
     q_lora_rank: int
     kv_lora_rank: int
     nope_dim: int  # query/key dimensions without rotary
     rope_dim: int
     v_dim: int
+    indexer: SparseIndexer | None = None
 
     @property
     def qk_dim(self) -> int:
@@ -190,11 +204,15 @@ class ModelConfig:
         return layer in self.linear_layers
 
     @property
-    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(heads, dim) of the two arrays each layer caches per token: keys and values, or with MLA the compressed
-        latent and the rotary key (one "head" each: what the DeepSeek papers cache, not the expanded heads)."""
+    def kv_cache_dims(self) -> tuple[tuple[int, int], ...]:
+        """(heads, dim) of the arrays each attention layer caches per token: keys and values, or with MLA the
+        compressed latent and the rotary key (one "head" each: what the DeepSeek papers cache, not the expanded
+        heads), and with a sparse indexer its key too."""
         if self.mla is not None:
-            return (1, self.mla.kv_lora_rank), (1, self.mla.rope_dim)
+            indexer = self.mla.indexer
+            return ((1, self.mla.kv_lora_rank), (1, self.mla.rope_dim)) + (
+                ((1, indexer.head_dim),) if indexer is not None else ()
+            )
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     def replace(self, **changes) -> ModelConfig:

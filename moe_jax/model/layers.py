@@ -423,10 +423,10 @@ QUERY_CHUNK = 64
 
 
 def chunked_causal_attention(
-    q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK, sinks_kg=None
+    q_bktgd, k_bksd, v_bksd, positions_bt, window, scale=None, chunk: int = QUERY_CHUNK, sinks_kg=None, key_mask=None
 ):
     """Self-attention of a sequence on itself, `chunk` queries at a time, each against the keys it can see.
-    Inputs and output in kv-head-major layout (`attend`).
+    Inputs and output in kv-head-major layout (`attend`); `key_mask` [b, t, t], the keys each query may see besides.
 
     Keys after a chunk's last query are skipped, as are keys a sliding window has left behind: this relies on
     positions increasing strictly along the sequence (true for whole sequences; the KV-cache path does not use
@@ -435,7 +435,7 @@ def chunked_causal_attention(
     """
     t = q_bktgd.shape[2]
     if t <= chunk:
-        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale, sinks_kg)
+        return attend(q_bktgd, k_bksd, v_bksd, positions_bt, positions_bt, window, scale, sinks_kg, key_mask)
     query_ranges, key_ranges = [], []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
@@ -443,7 +443,17 @@ def chunked_causal_attention(
         key_ranges.append((0 if window is None else max(0, start - window + 1), stop))
     query_ranges, key_ranges = tuple(query_ranges), tuple(key_ranges)
     outs = [
-        attend(q, k, v, positions_bt[:, qa:qb], positions_bt[:, ka:kb], window, scale, sinks_kg)
+        attend(
+            q,
+            k,
+            v,
+            positions_bt[:, qa:qb],
+            positions_bt[:, ka:kb],
+            window,
+            scale,
+            sinks_kg,
+            None if key_mask is None else key_mask[:, qa:qb, ka:kb],
+        )
         for q, k, v, (qa, qb), (ka, kb) in zip(
             take_ranges(q_bktgd, query_ranges, 2),
             take_ranges(k_bksd, key_ranges, 2),
@@ -506,10 +516,11 @@ def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
     return jnp.where(match_bst.any(axis=2)[:, None, :, None], moved.astype(cache_bksd.dtype), cache_bksd)
 
 
-def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None, sinks_kg=None):
+def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None, sinks_kg=None, key_mask=None):
     """Grouped-query attention in kv-head-major layout: queries [b, kv, t, group, d], keys [b, kv, s, d], values
     [b, kv, s, dv]. The group's queries share their keys, so (t, group) is one matrix dimension: one GEMM per kv
-    head. Scores are scaled by `scale` (default 1 / sqrt(d)); `sinks_kg`, each head's sink logit."""
+    head. Scores are scaled by `scale` (default 1 / sqrt(d)); `sinks_kg`, each head's sink logit; `key_mask`
+    [b, t, s], the keys each query may see besides causality and the window (a sparse attention's choice)."""
     b, kv, t, g, hd = q_bktgd.shape
     q = q_bktgd.reshape(b, kv, t * g, hd)
     # float32 accumulation: also the form XLA:CPU runs on its bfloat16 GEMM (see frozen_matmul)
@@ -518,6 +529,8 @@ def attend(q_bktgd, k_bksd, v_bksd, q_pos_bt, k_pos_bs, window, scale=None, sink
     allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
     if window is not None:
         allowed &= k_pos_bs[:, None, :] > q_pos_bt[:, :, None] - window
+    if key_mask is not None:
+        allowed &= key_mask
     scores = jnp.where(allowed[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
     if sinks_kg is None:
         probs = jax.nn.softmax(scores, axis=-1)

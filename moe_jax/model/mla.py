@@ -9,6 +9,9 @@ Two forms of the same function:
 - absorbed (a decode step over the cache): `kv_b_proj`'s key half is folded into the query and its value half
   applied after attention, so a step reads the compressed cache as is and never expands it (the DeepSeek-V2
   paper's "absorb" trick). The plan chooses (`ExecutionPlan.mla_decode`); the two agree to float rounding.
+
+DeepSeek-V3.2 adds a lightning indexer (model/sparse_indexer.py): each query attends only to the tokens it
+selects, and its per-token key is cached beside the latent.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from flax import nnx
 from moe_jax.model.config import MLA
 from moe_jax.model.layers import Projection, RMSNorm, attend, chunked_causal_attention, write_positions
 from moe_jax.model.rope import Rope
+from moe_jax.model.sparse_indexer import LightningIndexer
 
 
 class MLAttention(nnx.Module):
@@ -41,6 +45,7 @@ class MLAttention(nnx.Module):
         rope: Rope,
         scale: float,
         absorbed_decode: bool = True,
+        indexer: LightningIndexer | None = None,
     ):
         # attribute names are Hugging Face's module names (LoRA targets and PEFT export use them)
         self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_proj, q_a_proj, q_a_layernorm, q_b_proj
@@ -48,12 +53,18 @@ class MLAttention(nnx.Module):
         self.o_proj = o_proj
         self.num_heads, self.mla, self.rope, self.scale = num_heads, mla, rope, scale
         self.absorbed_decode = absorbed_decode
+        self.indexer = indexer
 
     def __call__(self, x_btd, positions_bt, cache=None):
-        """Returns (output [b, t, d], updated cache); `cache` is (latent [b, 1, s, r], rotary key [b, 1, s, p])."""
+        """Returns (output [b, t, d], updated cache); `cache` is (latent [b, 1, s, r], rotary key [b, 1, s, p]) and
+        with an indexer its keys [b, 1, s, index_head_dim]."""
         b, t, _ = x_btd.shape
         m, h = self.mla, self.num_heads
-        q = self.q_proj(x_btd) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_btd)))
+        if self.q_proj is not None:
+            q_latent, q = None, self.q_proj(x_btd)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x_btd))
+            q = self.q_b_proj(q_latent)
         q = q.reshape(b, t, h, m.qk_dim)
         compressed = self.kv_a_proj_with_mqa(x_btd)
         latent_btr = self.kv_a_layernorm(compressed[..., : m.kv_lora_rank])
@@ -62,22 +73,34 @@ class MLAttention(nnx.Module):
         q = jnp.concatenate([q[..., : m.nope_dim], q_rope], axis=-1)
         k_rope_btp = self.rope.apply(compressed[..., m.kv_lora_rank :], cos, sin)
 
+        index_keys_btk = self.indexer.keys(x_btd, cos, sin) if self.indexer is not None else None
         if cache is None:
-            out = self._expanded(q, latent_btr, k_rope_btp, positions_bt, positions_bt, causal_chunks=True)
+            chosen = self._sparse_choice(x_btd, q_latent, cos, sin, index_keys_btk, positions_bt, positions_bt)
+            out = self._expanded(q, latent_btr, k_rope_btp, positions_bt, positions_bt, True, chosen)
         else:
-            latent_cache, rope_cache = cache
-            key_pos_bs = jnp.broadcast_to(jnp.arange(latent_cache.shape[2]), (b, latent_cache.shape[2]))
-            latent_all = write_positions(latent_cache, latent_btr[:, None], positions_bt, key_pos_bs)
-            rope_all = write_positions(rope_cache, k_rope_btp[:, None], positions_bt, key_pos_bs)
-            latent_bsr, rope_bsp = latent_all[:, 0].astype(q.dtype), rope_all[:, 0].astype(q.dtype)
+            key_pos_bs = jnp.broadcast_to(jnp.arange(cache[0].shape[2]), (b, cache[0].shape[2]))
+            new_entries = (latent_btr, k_rope_btp) + ((index_keys_btk,) if self.indexer is not None else ())
+            cache = tuple(
+                write_positions(old, new[:, None], positions_bt, key_pos_bs)
+                for old, new in zip(cache, new_entries, strict=True)
+            )
+            latent_bsr, rope_bsp = cache[0][:, 0].astype(q.dtype), cache[1][:, 0].astype(q.dtype)
+            index_keys_bsk = cache[2][:, 0] if self.indexer is not None else None
+            chosen = self._sparse_choice(x_btd, q_latent, cos, sin, index_keys_bsk, positions_bt, key_pos_bs)
             if t == 1 and self.absorbed_decode:
-                out = self._absorbed(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs)
+                out = self._absorbed(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, chosen)
             else:
-                out = self._expanded(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, causal_chunks=False)
-            cache = (latent_all, rope_all)
+                out = self._expanded(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, False, chosen)
         return self.o_proj(out.reshape(b, t, h * m.v_dim)), cache
 
-    def _expanded(self, q_bthd, latent_bsr, rope_bsp, q_pos_bt, k_pos_bs, causal_chunks: bool):
+    def _sparse_choice(self, x_btd, q_latent_btr, cos, sin, index_keys_bsk, q_pos_bt, k_pos_bs):
+        """The keys the indexer lets each query attend to [b, t, s], or None (dense attention: no indexer)."""
+        if self.indexer is None:
+            return None
+        causal_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+        return self.indexer.selection(x_btd, q_latent_btr, cos, sin, index_keys_bsk, causal_bts)
+
+    def _expanded(self, q_bthd, latent_bsr, rope_bsp, q_pos_bt, k_pos_bs, causal_chunks: bool, chosen_bts=None):
         """Attention with per-head keys and values multiplied out of the latent: [b, t, h, v_dim]."""
         m, h = self.mla, self.num_heads
         b, s = latent_bsr.shape[:2]
@@ -87,12 +110,12 @@ class MLAttention(nnx.Module):
         v_bhsd = kv[..., m.nope_dim :].transpose(0, 2, 1, 3)
         q_bht1d = q_bthd.transpose(0, 2, 1, 3)[:, :, :, None]  # every head its own kv head: group of 1
         if causal_chunks:
-            out = chunked_causal_attention(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, None, self.scale)
+            out = chunked_causal_attention(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, None, self.scale, key_mask=chosen_bts)
         else:
-            out = attend(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, k_pos_bs, None, self.scale)
+            out = attend(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, k_pos_bs, None, self.scale, key_mask=chosen_bts)
         return out[:, :, :, 0].transpose(0, 2, 1, 3)
 
-    def _absorbed(self, q_b1hd, latent_bsr, rope_bsp, q_pos_b1, k_pos_bs):
+    def _absorbed(self, q_b1hd, latent_bsr, rope_bsp, q_pos_b1, k_pos_bs, chosen_b1s=None):
         """One query per row against the compressed cache: [b, 1, h, v_dim]."""
         m, h = self.mla, self.num_heads
         w = self.kv_b_proj.merged_weight().astype(q_b1hd.dtype).reshape(m.kv_lora_rank, h, m.nope_dim + m.v_dim)
@@ -106,6 +129,8 @@ class MLAttention(nnx.Module):
         scores = jnp.einsum("bhr,bsr->bhs", q_latent_bhr.astype(q.dtype), latent_bsr, preferred_element_type=f32)
         scores += jnp.einsum("bhp,bsp->bhs", q[..., m.nope_dim :], rope_bsp, preferred_element_type=f32)
         allowed = k_pos_bs <= q_pos_b1  # [b, s]
+        if chosen_b1s is not None:
+            allowed &= chosen_b1s[:, 0]
         scores = jnp.where(allowed[:, None], scores * self.scale, jnp.finfo(f32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         context_bhr = jnp.einsum("bhs,bsr->bhr", probs, latent_bsr, preferred_element_type=f32).astype(q.dtype)

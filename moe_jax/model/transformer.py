@@ -27,6 +27,7 @@ from moe_jax.model.layers import (
 )
 from moe_jax.model.mla import MLAttention
 from moe_jax.model.moe import MoEBlock
+from moe_jax.model.sparse_indexer import LightningIndexer
 from moe_jax.native.dense import huge_page_packing, pack_dense
 from moe_jax.planning.plan import ExecutionPlan
 
@@ -249,7 +250,7 @@ def build_transformer(
         if config.is_linear_layer(i):
             attn = _delta_net(config, i, proj, dense)
         elif config.mla:
-            attn = _mla(config, hf_names.attention(i), proj, norm, plan)
+            attn = _mla(config, hf_names.attention(i), proj, norm, dense, plan)
         else:
             attn = _gqa(config, i, proj, dense, plan)
         if config.is_moe_layer(i):
@@ -322,8 +323,19 @@ def _delta_net(config: ModelConfig, layer: int, proj, dense) -> GatedDeltaNet:
     )
 
 
-def _mla(config: ModelConfig, p: str, proj, norm, plan: ExecutionPlan) -> MLAttention:
+def _mla(config: ModelConfig, p: str, proj, norm, dense, plan: ExecutionPlan) -> MLAttention:
     low_rank_q = config.mla.q_lora_rank > 0
+    indexer = None
+    if config.mla.indexer is not None:
+        indexer = LightningIndexer(
+            proj(f"{p}.indexer.wq_b"),
+            proj(f"{p}.indexer.wk"),
+            dense(f"{p}.indexer.k_norm.weight"),
+            dense(f"{p}.indexer.k_norm.bias"),
+            dense(f"{p}.indexer.weights_proj.weight", jnp.float32),
+            spec=config.mla.indexer,
+            rope=config.rope,
+        )
     return MLAttention(
         q_proj=None if low_rank_q else proj(f"{p}.q_proj"),
         q_a_proj=proj(f"{p}.q_a_proj", config.qkv_bias) if low_rank_q else None,
@@ -338,4 +350,5 @@ def _mla(config: ModelConfig, p: str, proj, norm, plan: ExecutionPlan) -> MLAtte
         rope=config.rope,
         scale=config.softmax_scale,
         absorbed_decode=plan.mla_decode != "expanded",
+        indexer=indexer,
     )

@@ -1,0 +1,85 @@
+"""DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention), as transformers' `deepseek_v32` computes it.
+
+Each layer's indexer gives every token one key (a LayerNorm'd projection of its hidden state, rotary on its first
+`rope_dim` values, in the half-split layout unlike MLA's interleaved pairs) and every query `num_heads` small
+queries from MLA's low-rank query latent. A query's score for a token is sum_h w_h relu(q_h . k) (the weights
+w_h from the hidden state, in float32), and the query attends to its `top_k` best-scored tokens among those it may
+see: exactly `top_k` of them (ties broken towards earlier tokens), all of them while there are fewer.
+
+DeepSeek's own kernels rotate q and k by a Hadamard transform and score in FP8; the transform is orthogonal
+(dot products unchanged) and transformers scores in float32, so does this. The indexer is not trained here (its
+choice is discrete, and transformers runs it without gradients) and carries no adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.model.config import SparseIndexer
+from moe_jax.model.layers import Frozen, Projection
+from moe_jax.model.rope import Rope
+
+LAYER_NORM_EPS = 1e-6  # transformers' k_norm (the config has no key for it)
+
+
+class LightningIndexer(nnx.Module):
+    def __init__(
+        self,
+        wq_b: Projection,
+        wk: Projection,
+        k_norm_weight,
+        k_norm_bias,
+        weights_proj_dh,
+        spec: SparseIndexer,
+        rope: Rope,
+    ):
+        # attribute names are Hugging Face's module names (the checkpoint's tensors)
+        self.wq_b, self.wk = wq_b, wk
+        self.k_norm_weight, self.k_norm_bias = Frozen(k_norm_weight), Frozen(k_norm_bias)
+        self.weights_proj = Frozen(weights_proj_dh.astype(jnp.float32))  # float32, as transformers keeps it
+        self.spec = spec
+        self.rope = dataclasses.replace(rope, interleave=False)
+
+    def keys(self, x_btd, cos, sin):
+        """Each token's indexer key [b, t, head_dim], in x's dtype (what a generation cache holds)."""
+        k = _layer_norm(self.wk(x_btd), self.k_norm_weight[...], self.k_norm_bias[...])
+        return self.rope.apply(k, cos, sin)
+
+    def selection(self, x_btd, q_latent_btr, cos, sin, keys_bsd, allowed_bts):
+        """[b, t, s] booleans: the keys each query attends to, among those `allowed_bts` lets it see."""
+        b, t, _ = x_btd.shape
+        s = self.spec
+        q = self.wq_b(q_latent_btr).reshape(b, t, s.num_heads, s.head_dim)
+        q = self.rope.apply(q, cos[:, :, None], sin[:, :, None])
+        f32 = jnp.float32
+        scores = jnp.einsum("bthd,bsd->bths", q.astype(f32), keys_bsd.astype(f32), precision="highest")
+        scores = jax.nn.relu(scores * s.head_dim**-0.5)
+        weights = jnp.einsum("btd,dh->bth", x_btd.astype(f32), self.weights_proj[...], precision="highest")
+        index_bts = jnp.einsum("bth,bths->bts", weights * s.num_heads**-0.5, scores, precision="highest")
+        return jax.lax.stop_gradient(top_k_mask(index_bts, allowed_bts, s.top_k))
+
+
+def top_k_mask(scores_bts, allowed_bts, k: int):
+    """The `k` best-scored allowed keys of each query (all allowed ones where fewer): [b, t, s] booleans. Disallowed
+    keys score lowest, so they are chosen only where fewer than k are allowed, and then dropped by `allowed`."""
+    if k >= scores_bts.shape[-1]:
+        return allowed_bts
+    lowest = jnp.finfo(scores_bts.dtype).min
+    _, chosen = jax.lax.top_k(jnp.where(allowed_bts, scores_bts, lowest), k)  # ties: the earlier key
+    hit = jnp.zeros(scores_bts.shape, jnp.bool_)
+    rows = jnp.arange(scores_bts.shape[0])[:, None, None]
+    queries = jnp.arange(scores_bts.shape[1])[None, :, None]
+    return hit.at[rows, queries, chosen].set(True) & allowed_bts
+
+
+def _layer_norm(x, weight, bias):
+    """torch's LayerNorm on a CPU: in float32 throughout, the affine part included, rounded once to x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    normed = (xf - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS)
+    return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
