@@ -75,17 +75,19 @@ def ours(backend, dtype, batch, new_tokens, prompt=PROMPT, xla_ffi=True, fused=T
     return engine_runner(model, batch, new_tokens, prompt)
 
 
-def engine_runner(model, batch, new_tokens, prompt=PROMPT):
+def engine_runner(model, batch, new_tokens, prompt=PROMPT, temperature=0.0):
     """A function that runs one timed generation of `model` (compiled before it is returned): `batch` prompts of
-    `prompt` tokens, `new_tokens` each; with no new tokens, a prefill (one token, the prompt's tokens/s)."""
+    `prompt` tokens, `new_tokens` each, greedy or sampled at `temperature` (a random-weight model's greedy tokens
+    cycle among a few, whose experts then stay in cache: sampling routes as a real model's text does); with no new
+    tokens, a prefill (one token, the prompt's tokens/s)."""
     engine = GenerationEngine(model, batch, prompt + max(new_tokens, 1))
-    reqs = [Request(p, max(new_tokens, 1)) for p in prompts(batch, prompt)]
-    engine.run(reqs)  # compiles the steps
+    reqs = [Request(p, max(new_tokens, 1), seed=i) for i, p in enumerate(prompts(batch, prompt))]
+    engine.run(reqs, temperature=temperature)  # compiles the steps
 
     def run():
         engine.stats = type(engine.stats)()
         start = time.perf_counter()
-        engine.run(reqs)
+        engine.run(reqs, temperature=temperature)
         total = time.perf_counter() - start
         st = engine.stats
         if not new_tokens:  # a prefill row: the prompt's tokens/s

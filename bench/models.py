@@ -35,6 +35,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 BENCH_SHAPE = dict(
     vocab_size=4096,
     hidden_size=512,
@@ -208,6 +210,43 @@ def bench_model_dir(shape: str | None = None, layers: int | None = None) -> Path
     partial = path.with_name(path.name + ".partial")
     model.save_pretrained(partial)
     partial.rename(path)  # whole or not at all: an interrupted save is not mistaken for a model
+    return path
+
+
+def mxfp4_release_dir(shape: str | None = None) -> Path:
+    """The GPT-OSS checkpoint of `shape` laid out as openai/gpt-oss-* ship: its experts as MXFP4 blocks and scales
+    (ggml's rounding), the rest as stored, `quantization_config` mxfp4; made on first use beside it."""
+    import json
+
+    from moe_jax.formats.mxfp4 import release_blocks
+    from moe_jax.formats.safetensors_io import TensorSource, save_safetensors
+
+    source = bench_model_dir(shape)
+    config = json.loads((source / "config.json").read_text())
+    if config.get("model_type") != "gpt_oss":
+        raise ValueError(f"{source}: an MXFP4 release is made of a GPT-OSS shape, not {config.get('model_type')}")
+    path = source.with_name(source.name + "_mxfp4")
+    if (path / "config.json").exists():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    partial.mkdir(exist_ok=True)
+    tensors = TensorSource.open(source)
+    out = {}
+    for name in tensors.names():
+        w = tensors.get(name)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [e, in, out] in transformers' layout
+            # an expert at a time: the quantizer's temporaries for a whole layer's experts would not fit 24 GB
+            parts = [release_blocks(np.swapaxes(e.astype(np.float32), -1, -2)) for e in w]
+            out[name + "_blocks"], out[name + "_scales"] = (np.stack(p) for p in zip(*parts, strict=True))
+        else:
+            out[name] = w
+    save_safetensors(partial / "model.safetensors", out)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (source / extra).exists():
+            (partial / extra).write_bytes((source / extra).read_bytes())
+    partial.rename(path)
     return path
 
 

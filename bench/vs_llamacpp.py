@@ -1,6 +1,7 @@
 """moe_jax against llama.cpp on the same model, side by side in one run.
 
     python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8,int4] [--rounds 5]
+    python bench/vs_llamacpp.py --llama-cpp DIR --shape gpt-oss-20b --pairs mxfp4
 
 DIR (or $LLAMA_CPP_DIR) is a llama.cpp source tree with its tools built. llama.cpp is not a dependency of this
 project; to build one here (~10 minutes on 2 cores), from the sources the llama-cpp-python sdist carries:
@@ -14,11 +15,15 @@ project; to build one here (~10 minutes on 2 cores), from the sources the llama-
 The bench checkpoint (bench/models.py) is converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (f32, bf16,
 q8_0; q4_0 with llama-quantize), in a directory beside it with a small sentencepiece tokenizer added (the converter
 needs one; it pads the vocab; for Qwen MoE it is told to read that one too, see CONVERT). Each pair (moe_jax
-float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0) runs the same cases with the same threads,
-each case back to back, A B in one round and B A in the next, over `--rounds`: decode of 32-token prompts, 64 new
-tokens, at batch 1 and 16 (decode tokens/s: llama-batched-bench's S_TG, moe_jax's decode steps), and the prefill of
-one 512-token prompt. Each side's median tokens/s, and moe_jax / llama.cpp as the median of the rounds' own ratios
-(a round's two runs of a case saw the same stretch of a noisy machine) with the lowest round's beside it; writes
+float32 / llama.cpp f32, bfloat16 / bf16, int8 / Q8_0, int4 / Q4_0, and for GPT-OSS mxfp4: the checkpoint laid out
+as OpenAI ships it, its experts MXFP4 blocks, which both sides keep as they are, the rest bfloat16) runs the same
+cases with the same threads, each case back to back, A B in one round and B A in the next, over `--rounds`: decode
+of 32-token prompts, 64 new tokens, at batch 1 and 16 (decode tokens/s: llama-batched-bench's S_TG, moe_jax's
+decode steps), and the prefill of one 512-token prompt. Both sides decode tokens that route as text does:
+llama-batched-bench feeds a random id each step, moe_jax samples at temperature 1 (greedy decoding of a random-weight
+model cycles among a few tokens whose experts stay in cache, which would flatter moe_jax). Each side's median
+tokens/s, and moe_jax / llama.cpp as the median of the rounds' own ratios (a round's two runs of a case saw the same
+stretch of a noisy machine) with the lowest round's beside it; writes
 bench/results/vs_llamacpp[-SHAPE].json.
 
 As on an older CPU, from this one: MOE_JAX_HIDE_CPU_FLAGS hides CPU flags from moe_jax's kernel choice (by prefix),
@@ -46,6 +51,7 @@ import sys
 import tempfile
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,19 +68,30 @@ from bench.common import (  # noqa: E402
     write_report,
 )
 from bench.infer import NEW, PREFILL, PROMPT, engine_runner  # noqa: E402
-from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
+from bench.models import add_shape_argument, bench_model_dir, mxfp4_release_dir, use_shape  # noqa: E402
 from host_kernels import default_threads  # noqa: E402
 from moe_jax.errors import MemoryLimitError  # noqa: E402
 
 BATCHES = (1, 16)
 CASES = [*(f"decode b{b}" for b in BATCHES), f"prefill 1 x {PREFILL}"]
-# pair -> (moe_jax load_model settings, llama.cpp GGUF type)
+SAMPLED = 1.0  # moe_jax's decode temperature (see above)
+
+
+class Pair(NamedTuple):
+    settings: dict  # moe_jax's load_model settings
+    gguf_type: str  # llama.cpp's
+    mxfp4_release: bool = False  # both read the MXFP4 release of the (GPT-OSS) checkpoint (bench.models)
+
+
 PAIRS = {
-    "f32": ({"dtype": "float32"}, "f32"),
-    "bf16": ({"dtype": "bfloat16"}, "bf16"),
-    "int8": ({"dtype": "bfloat16", "quant": "int8"}, "q8_0"),
-    "int4": ({"dtype": "bfloat16", "quant": "int4"}, "q4_0"),
+    "f32": Pair({"dtype": "float32"}, "f32"),
+    "bf16": Pair({"dtype": "bfloat16"}, "bf16"),
+    "int8": Pair({"dtype": "bfloat16", "quant": "int8"}, "q8_0"),
+    "int4": Pair({"dtype": "bfloat16", "quant": "int4"}, "q4_0"),
+    # experts as shipped (moe_jax's default quant for such a checkpoint), the rest bfloat16 on both sides
+    "mxfp4": Pair({"dtype": "bfloat16"}, "bf16", mxfp4_release=True),
 }
+DEFAULT_PAIRS = ("f32", "bf16", "int8", "int4")
 
 
 def llama_tools(directory: Path) -> dict[str, Path]:
@@ -178,9 +195,9 @@ def llama_case(tools, model: Path, threads: int, case: str) -> float | None:
     return results[0][speed] if results else None
 
 
-def moe_jax_runners(settings: dict, threads: int) -> dict:
-    model = moe_jax.load_model(bench_model_dir(), backend="host", host_threads=threads, **settings)
-    runners = {f"decode b{b}": engine_runner(model, b, NEW) for b in BATCHES}
+def moe_jax_runners(checkpoint: Path, settings: dict, threads: int) -> dict:
+    model = moe_jax.load_model(checkpoint, backend="host", host_threads=threads, **settings)
+    runners = {f"decode b{b}": engine_runner(model, b, NEW, temperature=SAMPLED) for b in BATCHES}
     runners[f"prefill 1 x {PREFILL}"] = engine_runner(model, 1, 0, PREFILL)
     return runners
 
@@ -204,7 +221,7 @@ def round_ratios(rounds: dict[str, list[dict]]) -> dict[str, list[float]]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree")
-    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, from {', '.join(PAIRS)}")
+    parser.add_argument("--pairs", default=",".join(DEFAULT_PAIRS), help=f"comma-separated, from {', '.join(PAIRS)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--no-repack", action="store_true", help="llama.cpp without repacked weights (no AMX)")
@@ -214,17 +231,19 @@ def main():
     if args.llama_cpp is None:
         parser.error("give --llama-cpp DIR or set LLAMA_CPP_DIR (how to build one: --help)")
     pairs = comma_choices(parser, args.pairs, PAIRS, "--pairs")
+    if "mxfp4" in pairs and not args.shape.startswith("gpt-oss"):
+        parser.error("the mxfp4 pair reads a GPT-OSS release: give --shape gpt-oss-20b")
     tools = llama_tools(args.llama_cpp)
-    source = with_tokenizer(bench_model_dir())
     print(machine_info())
     rows, raw = [], {}
     for pair in pairs:
-        settings, kind = PAIRS[pair]
-        model_file = gguf(tools, source, kind)
+        settings, kind, release = PAIRS[pair]
+        checkpoint = mxfp4_release_dir() if release else bench_model_dir()
+        model_file = gguf(tools, with_tokenizer(checkpoint), kind)
         if args.no_repack:
             NO_REPACK.add(model_file)
         try:
-            runners = moe_jax_runners(settings, args.threads) if settings else None
+            runners = moe_jax_runners(checkpoint, settings, args.threads) if settings else None
         except MemoryLimitError as e:  # the other pairs still run; the table says why this one is missing
             rows.append({"pair": pair, "side": f"moe_jax: not run ({e})"})
             runners = None
@@ -248,7 +267,8 @@ def main():
                 # a llama-batched-bench run now and then leaves a case out of its output: the others' median
                 cases = dict.fromkeys(case for r in results for case in r)
                 median = {case: float(np.median([r[case] for r in results if case in r])) for case in cases}
-                llama = f"llama.cpp {kind}" + (" --no-repack" if model_file in NO_REPACK else "")
+                llama = f"llama.cpp {'MXFP4 experts, ' if release else ''}{kind}"
+                llama += " --no-repack" if model_file in NO_REPACK else ""
                 rows.append({"pair": pair, "side": side if side == "moe_jax" else llama, **median})
         if runners:
             ratios = round_ratios(rounds)
@@ -262,7 +282,11 @@ def main():
     name = "vs_llamacpp" if args.shape == "bench" else f"vs_llamacpp-{args.shape}"
     write_json(name, {"shape": args.shape, "threads": args.threads, "rows": rows, "raw": raw})
     title = f"moe_jax against llama.cpp, {args.shape} shape, {args.threads} threads: tokens/s and their ratio"
-    write_report(name, [*report_header(title), *markdown_table(rows), ""])
+    routing = (
+        f"Decode tokens route as text does on both sides: llama-batched-bench feeds a random id each step, moe_jax "
+        f"samples at temperature {SAMPLED}."
+    )
+    write_report(name, [*report_header(title), routing, "", *markdown_table(rows), ""])
 
 
 if __name__ == "__main__":

@@ -184,22 +184,12 @@ def test_attention_adapters_export_to_peft_with_equal_logits(gpt_oss, tmp_path):
     assert np.abs(ours - moe_jax.load_model(path, backend="device").logits(IDS)).max() > 1e-2
 
 
-def quantize_mxfp4(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks, scales) as GPT-OSS releases store a weight [..., out, in], per 32 inputs, by ggml's rule (the host
-    kernels' quantizer: a GGUF writer picks the same values)."""
-    from host_kernels.quant import quantize_mxfp4 as quantize
-
-    q = quantize(np.swapaxes(w_out_in, -1, -2))  # groups of 32 along k = in
-    groups = np.swapaxes(q.codes, -1, -2).reshape(*w_out_in.shape[:-1], -1, 32)  # [..., out, in / 32, 32]
-    return (groups[..., 0::2] | (groups[..., 1::2] << 4)).astype(np.uint8), np.swapaxes(q.exponents, -1, -2).copy()
-
-
 def mxfp4_release(hf, directory):
     """`hf`'s weights laid out as openai/gpt-oss-* ship (experts as MXFP4 blocks and scales, quantization_config
     mxfp4); returns the directory and the experts' dequantized values by name."""
     import json
 
-    from moe_jax.formats.mxfp4 import dequantize
+    from moe_jax.formats.mxfp4 import dequantize, release_blocks
     from moe_jax.formats.safetensors_io import save_safetensors
 
     source = save_hf_model(hf, directory / "float")
@@ -207,7 +197,7 @@ def mxfp4_release(hf, directory):
     for name, p in hf.state_dict().items():
         w = p.detach().float().numpy()
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
+            blocks, scales = release_blocks(np.ascontiguousarray(np.swapaxes(w, -1, -2)))
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
             dequantized[name] = np.asarray(dequantize(blocks, scales, name), np.float32)
             assert 0 < np.abs(dequantized[name] - w).max() < 0.3 * np.abs(w).max()  # quantized, not garbage

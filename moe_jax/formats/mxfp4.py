@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from host_kernels import QuantizedMXFP4
+from host_kernels.quant import quantize_mxfp4
 from moe_jax.errors import CheckpointError
 
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -38,6 +39,14 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray
     """bfloat16 [..., groups * 32, rows]: the blocks' values times their scales, last two dimensions swapped."""
     values, exponents = codes(blocks, scales, where)
     return QuantizedMXFP4(np.swapaxes(values, -1, -2), np.swapaxes(exponents, -1, -2)).dequantize(ml_dtypes.bfloat16)
+
+
+def release_blocks(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, scales) as a release stores a float weight [..., out, in] (the inverse of `codes`), quantized per 32
+    inputs by ggml's rule (the host kernels' quantizer: a GGUF writer picks the same values)."""
+    q = quantize_mxfp4(np.swapaxes(w_out_in, -1, -2))  # groups of 32 along k = in
+    groups = np.swapaxes(q.codes, -1, -2).reshape(*w_out_in.shape[:-1], -1, GROUP)  # [..., out, in / 32, 32]
+    return (groups[..., 0::2] | (groups[..., 1::2] << 4)).astype(np.uint8), np.swapaxes(q.exponents, -1, -2).copy()
 
 
 def _check(blocks: np.ndarray, scales: np.ndarray, where: str):
