@@ -54,6 +54,8 @@ def step_shape(config, itemsize: int) -> StepShape:
         q_in = (d + q_heads) * m.q_lora_rank if m.q_lora_rank else d * q_heads
         kv = d * (m.kv_lora_rank + m.rope_dim) + m.kv_lora_rank * config.num_heads * (m.nope_dim + m.v_dim)
         attention = q_in + kv + config.num_heads * m.v_dim * d
+        if m.indexer is not None:  # DeepSeek-V3.2's indexer: its queries, key and head weights
+            attention += (m.q_lora_rank * m.indexer.num_heads + d) * m.indexer.head_dim + d * m.indexer.num_heads
     else:
         hd = config.head_dim
         gate = 2 if config.attention_output_gate else 1  # q_proj also gives the output gate
