@@ -119,6 +119,7 @@ MINIMAX_M2_LAYERS = dict(
     rotary_dim=64,
     num_local_experts=256,
     num_experts_per_tok=8,
+    scoring_func="sigmoid",  # as the release's config says (llama.cpp's converter writes its gating from it)
     max_position_embeddings=196608,
     bos_token_id=None,
     eos_token_id=None,

@@ -23,7 +23,10 @@ ARCH = {
     "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
     "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2,
     "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
+    "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+    "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE,
 }
+DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 Q = gguf.GGMLQuantizationType
 
 
@@ -58,6 +61,11 @@ def tensors(model) -> dict[str, np.ndarray]:
     for name, tensor in model.state_dict().items():
         array = tensor.detach().float().numpy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if config.model_type in DELTA_NET_FAMILIES:
+            name, array = _delta_net_tensor(name, array, config)
+            if name.endswith("in_proj_qkvz.weight"):  # Qwen3-Next's, split as its converter splits it
+                out[f"blk.{layer}.attn_qkv.weight"], out[f"blk.{layer}.attn_gate.weight"] = _split_qkvz(array, config)
+                continue
         if config.model_type == "gpt_oss" and ".experts." in name:  # [e, d, 2f] / [e, f, d], gate and up interleaved
             kind = name.rsplit(".", 1)[1]
             if kind == "gate_up_proj":
@@ -96,6 +104,48 @@ def tensors(model) -> dict[str, np.ndarray]:
     if config.tie_word_embeddings:
         out.pop("output.weight", None)
     return out
+
+
+def _delta_net_tensor(name: str, array: np.ndarray, config) -> tuple[str, np.ndarray]:
+    """llama.cpp's converter on a Qwen3-Next / Qwen3.5 tensor (conversion/qwen.py): norms stored as 1 + w (not the
+    DeltaNet's gated norm), A = -exp(A_log), dt_bias as dt_proj.bias, the convolution squeezed; Qwen3.5's value
+    heads tiled."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        array = array + 1.0
+    elif name.endswith("A_log"):
+        array = -np.exp(array)
+    elif name.endswith("dt_bias"):
+        name = name.replace("dt_bias", "dt_proj.bias")
+    elif name.endswith("conv1d.weight"):
+        array = array.squeeze(1)
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    if config.model_type == "qwen3_5_moe_text" and ".linear_attn." in name and hk != hv:
+        key_dim = hk * config.linear_key_head_dim
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            array = np.concatenate([array[: 2 * key_dim], _tile_value_heads(array[2 * key_dim :], 0, hk, hv // hk)])
+        elif name.endswith("out_proj.weight"):
+            array = _tile_value_heads(array, 1, hk, hv // hk)
+        elif name.endswith(("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_proj.bias")):
+            array = _tile_value_heads(array, 0, hk, hv // hk)
+    return name, array
+
+
+def _tile_value_heads(array: np.ndarray, axis: int, key_heads: int, per_key: int) -> np.ndarray:
+    """The converter's _reorder_v_heads: grouped by key head [key_heads, per_key, ...] -> tiled [per_key, ...]."""
+    moved = np.moveaxis(array, axis, 0)
+    grouped = moved.reshape(key_heads, per_key, -1, *moved.shape[1:])
+    return np.moveaxis(grouped.swapaxes(0, 1).reshape(moved.shape), 0, axis)
+
+
+def _split_qkvz(array: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
+    """in_proj_qkvz [key heads x (q, k, values, z), d] -> attn_qkv [q all, k all, values all] and attn_gate [z]."""
+    hk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    per_key = config.linear_num_value_heads // hk * dv
+    grouped = array.reshape(hk, 2 * dk + 2 * per_key, -1)
+    q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + per_key], axis=1)
+    d = array.shape[-1]
+    qkv = np.concatenate([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
+    return qkv, np.ascontiguousarray(z.reshape(-1, d))
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -214,6 +264,19 @@ def _metadata(writer, config):
     if t == "glm4_moe":
         partial = config.rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5))
         writer.add_rope_dimension_count(int(config.head_dim * partial))
+    if t in DELTA_NET_FAMILIES:
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+        recurrent = [kind == "linear_attention" for kind in config.layer_types]
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers", recurrent)
+        writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
+        writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
     if t.startswith("deepseek"):
         if config.q_lora_rank:
             writer.add_q_lora_rank(config.q_lora_rank)

@@ -75,7 +75,8 @@ def fp8_checkpoint(variant, tmp_path):
     return *directories, error
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "minimax_m2", "deepseek_v32"])  # the last two: released in FP8
+# the last two: released in FP8
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "minimax_m2", "deepseek_v32"])
 def test_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, variant):
     fp8_dir, reference_dir, error = fp8_checkpoint(variant, tmp_path)
     assert 0 < error <= 2**-4  # e4m3 keeps 3 mantissa bits: within half a step of 1/8 of the block's largest value

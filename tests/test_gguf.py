@@ -47,6 +47,8 @@ FAMILIES = {
     "deepseek_v2": {},
     "deepseek_v2_q_lora": {},
     "deepseek_v3": EQUAL_MSCALE,
+    "qwen3_next": {},
+    "qwen3_5_moe": {},
 }
 IDS = np.random.default_rng(1).integers(0, 96, size=(3, 13))
 
@@ -278,13 +280,14 @@ def test_a_gguf_file_moe_jax_cannot_run_is_refused_by_name(tmp_path):
 
 LLAMA_CPP = os.environ.get("LLAMA_CPP_DIR")
 # the tiny configs' values that no release has and llama.cpp's converter does not carry over: DeepSeek's
-# num_key_value_heads below the head count (it splits kv_b by it), V3 without `scoring_func` (it writes the gating
-# function from it; llama.cpp reads a file without one as softmax), OLMoE's clip_qkv and an rms_norm_eps other
-# than 1e-5 (it writes 1e-5 for every OLMoE)
+# num_key_value_heads below the head count (it splits kv_b by it), V3 and MiniMax-M2 without `scoring_func` (it
+# writes the gating function from it; llama.cpp reads a file without one as softmax), OLMoE's clip_qkv and an
+# rms_norm_eps other than 1e-5 (it writes 1e-5 for every OLMoE)
 AS_RELEASED = {
     "deepseek_v2": dict(num_key_value_heads=4),
     "deepseek_v2_q_lora": dict(num_key_value_heads=4),
     "deepseek_v3": dict(num_key_value_heads=4, scoring_func="sigmoid"),
+    "minimax_m2": dict(scoring_func="sigmoid"),
     "olmoe": dict(clip_qkv=None, rms_norm_eps=1e-5),
 }
 

@@ -6,7 +6,8 @@ llama.cpp's converter lays tensors out its own way, undone here: Mixtral ("llama
 permuted for ggml's rotary layout; the routed experts are stacked per layer (`ffn_{gate,up,down}_exps`, or
 `ffn_gate_up_exps`) and read as transformers 5's fused layout (`experts.gate_up_proj` [e, 2f, d],
 `experts.down_proj` [e, d, f]), which checkpoint.stack_hf_experts takes; DeepSeek's kv_b is stored as k_b
-(transposed) and v_b; Qwen2-MoE's shared-expert gate [1, d] as [d].
+(transposed) and v_b; Qwen2-MoE's shared-expert gate [1, d] as [d]; the DeltaNet families' tensors as
+gguf_delta_net says.
 
 Q4_0 experts are moe_jax's int4 format exactly (a float16 scale per 32 k-rows, values in [-8, 7]): `q4_0_layer`
 repacks them as they are, which `python -m moe_jax.convert --gguf F` does.
@@ -24,7 +25,7 @@ import numpy as np
 
 from host_kernels import LayerExperts, QuantizedLayerExperts, pack_int4_layer, pack_mxfp4_layer
 from moe_jax.errors import CheckpointError
-from moe_jax.formats import hf_names
+from moe_jax.formats import gguf_delta_net, hf_names
 from moe_jax.formats.gguf_config import ARCHITECTURES, hf_config
 from moe_jax.formats.hf_config import read_hf_config
 
@@ -59,8 +60,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": f"{hf_names.FINAL_NORM}.weight",
     "output.weight": hf_names.LM_HEAD,
 }
+DELTA_NET = gguf_delta_net.ARCHITECTURES
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(weight|bias)$")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+?)(?:\.(weight|bias))?$")  # (DeltaNet's ssm_a has no suffix)
 _PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 
 
@@ -147,7 +149,14 @@ class GGUFFile:
                 continue
             layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
             prefix = hf_names.layer(layer)
-            if part in _EXPERTS and kind == "bias":  # GPT-OSS: each expert's biases, gate and up apart
+            delta_net = gguf_delta_net.hf_name(self.arch, part, kind) if self.arch in DELTA_NET else None
+            if delta_net == gguf_delta_net.FUSED_QKVZ:
+                names[f"{prefix}.{delta_net}"] = ("qkvz", layer)
+            elif delta_net is not None:
+                names[f"{prefix}.{delta_net}"] = ("tensor", name)
+            elif kind is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not one moe_jax knows for {self.arch!r}")
+            elif part in _EXPERTS and kind == "bias":  # GPT-OSS: each expert's biases, gate and up apart
                 gate_up_bias, down_bias = hf_names.expert_biases(self.config, layer)
                 names[down_bias if part == "ffn_down_exps" else gate_up_bias] = (
                     ("tensor", name) if part == "ffn_down_exps" else ("gate_up_bias", layer)
@@ -180,7 +189,12 @@ class GGUFFile:
         kind, key = self._where(name)
         if kind == "tensor":
             shape = self.tensor_shape(key)
+            if self.arch in DELTA_NET:
+                shape = gguf_delta_net.hf_shape(name, shape)
             return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
+        if kind == "qkvz":
+            qkv, z = (self.tensor_shape(f"blk.{key}.attn_{p}.weight", ndim=2) for p in ("qkv", "gate"))
+            return qkv[0] + z[0], qkv[1]
         if kind == "kv_b":
             heads, rank, nope = self.tensor_shape(f"blk.{key}.attn_k_b.weight", ndim=3)
             return heads * (nope + self.tensor_shape(f"blk.{key}.attn_v_b.weight", ndim=3)[1]), rank
@@ -197,7 +211,13 @@ class GGUFFile:
         """A tensor by Hugging Face name and layout, dequantized to float32; checked against `shape` if given."""
         kind, key = self._where(name)
         if kind == "tensor":
-            array = self._tensor(key).reshape(self.shape(name))
+            array = self._tensor(key)
+            if self.arch in DELTA_NET:
+                array = gguf_delta_net.hf_value(self.arch, name, array, self.config.linear_attention)
+            array = array.reshape(self.shape(name))
+        elif kind == "qkvz":
+            qkv, z = (self._tensor(f"blk.{key}.attn_{p}.weight") for p in ("qkv", "gate"))
+            array = gguf_delta_net.fused_qkvz(qkv, z, self.config.linear_attention)
         elif kind == "kv_b":
             array = self._kv_b(key)
         elif kind == "gate_up_bias":  # as GPT-OSS's safetensors hold them: gate and up interleaved

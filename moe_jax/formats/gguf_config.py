@@ -29,6 +29,8 @@ ARCHITECTURES = {
     "deepseek2": "deepseek_v2",
     "minimax-m2": "minimax_m2",
     "gpt-oss": "gpt_oss",
+    "qwen3next": "qwen3_next",
+    "qwen35moe": "qwen3_5_moe",
 }
 
 
@@ -201,6 +203,38 @@ def _gpt_oss(file, layout: _Layout, config: dict) -> dict:
     }
 
 
+def _qwen3_next(file, layout: _Layout, config: dict) -> dict:
+    """llama.cpp's qwen3next / qwen35moe: the layers its `attention.recurrent_layers` marks are Gated DeltaNet, else
+    all but every `full_attention_interval`-th (4); the chosen experts' weights always renormalised."""
+    f, layers = file.arch_field, config["num_hidden_layers"]
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    recurrent = f("attention.recurrent_layers")
+    if recurrent is not None and not isinstance(recurrent, (int, bool)):
+        linear = [bool(r) for r in list(recurrent)[:layers]]
+    else:
+        interval = int(f("full_attention_interval", 4))
+        linear = [(i + 1) % interval != 0 for i in range(layers)]
+    v_heads = _int(file, "ssm.time_step_rank")
+    full = next((i for i, is_linear in enumerate(linear) if not is_linear), None)
+    return {
+        "num_experts": layout.experts,
+        "moe_intermediate_size": layout.expert_ffn,
+        "shared_expert_intermediate_size": layout.shared_ffn,
+        "intermediate_size": layout.dense_ffn,
+        "mlp_only_layers": layout.dense_layers,
+        "norm_topk_prob": True,
+        "head_dim": head_dim,
+        "partial_rotary_factor": int(f("rope.dimension_count", head_dim // 4)) / head_dim,
+        "layer_types": ["linear_attention" if is_linear else "full_attention" for is_linear in linear],
+        "linear_conv_kernel_dim": _int(file, "ssm.conv_kernel"),
+        "linear_key_head_dim": _int(file, "ssm.state_size"),
+        "linear_num_key_heads": _int(file, "ssm.group_count"),
+        "linear_num_value_heads": v_heads,
+        "linear_value_head_dim": _int(file, "ssm.inner_size") // v_heads,
+        "attention_bias": full is not None and f"blk.{full}.attn_q.bias" in file.tensors,
+    }
+
+
 def _deepseek(file, layout: _Layout, config: dict) -> dict:
     f = file.arch_field
     rope_dim = _int(file, "rope.dimension_count")
@@ -258,6 +292,8 @@ _READERS = {
     "deepseek2": _deepseek,
     "minimax-m2": _minimax_m2,
     "gpt-oss": _gpt_oss,
+    "qwen3next": _qwen3_next,
+    "qwen35moe": _qwen3_next,
 }
 
 
