@@ -44,8 +44,11 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = input_norm
         self.post_attention_layernorm = post_attn_norm
 
-    def __call__(self, x_btd, positions_bt, cache=None):
+    def __call__(self, x_btd, positions_bt, cache=None, only_b=None):
+        """`only_b` (a position per row): the output of those positions only, [b, 1, d] (the MLP skips the rest)."""
         h_btd, normed_btd, cache = self.attend(x_btd, positions_bt, cache)
+        if only_b is not None:
+            h_btd, normed_btd = at_positions(h_btd, only_b), at_positions(normed_btd, only_b)
         return h_btd + self.mlp(normed_btd), cache
 
     @property
@@ -141,25 +144,28 @@ class Transformer(nnx.Module):
         """Logits [b, t, vocab] in float32, and the updated per-layer KV caches (None without caches).
 
         With `last_b` (one position index per row), logits [b, 1, vocab] of those positions only: a prefill needs
-        just the next-token logits (the head over every prompt position: ~2 ms of a batch-16 prefill's 15 ms of XLA).
+        just the next-token logits. The last layer's MLP then runs on those positions only too (the other
+        positions' outputs of the last layer feed nothing; llama.cpp skips them alike).
         """
         micro_batches = self.decode_micro_batches if tokens_bt.shape[1] == 1 else self.micro_batches
         if min(micro_batches, tokens_bt.shape[0]) > 1:
-            x, new_caches = self.pipelined(tokens_bt, positions_bt, caches, micro_batches)
+            x, new_caches = self.pipelined(tokens_bt, positions_bt, caches, micro_batches, last_b)
         else:
             x = self.embed[...][tokens_bt]
             new_caches = [] if caches is not None else None
             for i, layer in enumerate(self.layers):
-                x, cache = layer(x, positions_bt, None if caches is None else caches[i])
+                only_b = last_b if i == len(self.layers) - 1 else None
+                x, cache = layer(x, positions_bt, None if caches is None else caches[i], only_b)
                 if new_caches is not None:
                     new_caches.append(cache)
-        return self.head(x, last_b), new_caches
+        return self.head(x), new_caches
 
-    def pipelined(self, tokens_bt, positions_bt, caches=None, micro_batches: int = 2):
+    def pipelined(self, tokens_bt, positions_bt, caches=None, micro_batches: int = 2, last_b=None):
         """The layers over micro-batches of rows in ping-pong (backends/pipeline.py): each micro-batch's host
         experts are started after its attention and finished just before its next attention, so while the host
         computes one micro-batch's experts the device computes the others' attention. Same results as the plain
-        pass (each row's arithmetic is unchanged); returns (the last hidden states, the updated caches)."""
+        pass (each row's arithmetic is unchanged); returns (the last hidden states, of `last_b`'s positions only
+        where given, and the updated caches)."""
         parts = [slice(a, b) for a, b in micro_batch_bounds(tokens_bt.shape[0], micro_batches)]
         moe = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoEBlock)]
         chain = jnp.zeros((), jnp.float32)
@@ -176,6 +182,8 @@ class Transformer(nnx.Module):
                 cache = None if caches is None else tuple(c[rows] for c in caches[i])
                 with micro_batch_rows(rows.start, rows.stop, tokens_bt.shape[0]):
                     h, normed, cache = layer.attend(xs[m], positions_bt[rows], cache)
+                    if last_b is not None and i == len(self.layers) - 1:  # as in the plain pass
+                        h, normed = at_positions(h, last_b[rows]), at_positions(normed, last_b[rows])
                     mlp, chain = layer.start_mlp(normed, chain, m, opens=bool(moe) and (i, m) == (moe[0], 0))
                 started[m] = (h, mlp)
                 layer_caches.append(cache)
@@ -191,10 +199,8 @@ class Transformer(nnx.Module):
             xs[m], chain = self.layers[last].finish_mlp(*started[m], chain, closes=(last, m) == last_finish)
         return jnp.concatenate(xs, axis=0), new_caches
 
-    def head(self, x, last_b=None):
-        """Logits in float32 of hidden states [b, t, d] (with `last_b`, of those positions only)."""
-        if last_b is not None:
-            x = x[jnp.arange(x.shape[0]), last_b][:, None]
+    def head(self, x):
+        """Logits in float32 of hidden states [b, t, d]."""
         x = self.norm(x)
         vocab = self.lm_head.shape[-1] if self.lm_head is not None else self.embed.shape[0]
         if self.training_head is not None and x.shape[1] > 1 and x.dtype == jnp.bfloat16:  # a training step's rows
@@ -207,6 +213,11 @@ class Transformer(nnx.Module):
             head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
         packed = None if self.head_packed is None else self.head_packed[...]
         return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel)
+
+
+def at_positions(x_btd, positions_b):
+    """x at one position per row: [b, 1, d]."""
+    return x_btd[jnp.arange(x_btd.shape[0]), positions_b][:, None]
 
 
 def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
