@@ -153,9 +153,9 @@ def convert_with_llama_cpp(converter: Path, source: Path, kind: str, out: Path, 
 # metadata differs; the weights and the compute graph are the converter's own.
 CONVERT = """
 import runpy, sys
-from conversion import base, glm, qwen
+from conversion import base, deepseek, glm, qwen
 base.TextModel._set_vocab_gpt2 = base.TextModel._set_vocab_sentencepiece
-for cls in (qwen.Qwen2MoeModel, qwen.Qwen3MoeModel, glm.Glm4MoeModel):
+for cls in (qwen.Qwen2MoeModel, qwen.Qwen3MoeModel, glm.Glm4MoeModel, deepseek.DeepseekV32Model):
     cls.set_vocab = lambda self: self._set_vocab_sentencepiece()
 script = sys.argv.pop(1)
 runpy.run_path(script, run_name="__main__")

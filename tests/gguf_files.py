@@ -21,12 +21,21 @@ ARCH = {
     "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
     "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
     "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v32": gguf.MODEL_ARCH.DEEPSEEK2,  # its tensor names but the indexer's (the package has no deepseek32)
     "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2,
     "gpt_oss": gguf.MODEL_ARCH.GPT_OSS,
     "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
     "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE,
 }
 DELTA_NET_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
+ARCH_NAMES = {"deepseek_v32": "deepseek32"}  # llama.cpp's names the gguf package lacks
+# DeepSeek-V3.2's indexer tensors: Hugging Face module (after self_attn.indexer.) -> GGUF part (after blk.N.)
+INDEXER = {
+    "wq_b": "indexer.attn_q_b",
+    "wk": "indexer.attn_k",
+    "k_norm": "indexer.k_norm",
+    "weights_proj": "indexer.proj",
+}
 Q = gguf.GGMLQuantizationType
 
 
@@ -35,7 +44,7 @@ def write_gguf(model, path, dense: str = "F32", experts: str | None = None, toke
     weights (F32, F16, Q8_0, Q4_0, Q6_K). `tokenizer`: metadata keys to add (tokenizer.ggml.*)."""
     config = model.config
     arch = ARCH[config.model_type]
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(path), ARCH_NAMES.get(config.model_type, gguf.MODEL_ARCH_NAMES[arch]))
     _metadata(writer, config)
     for key, value in (tokenizer or {}).items():
         _add_field(writer, key, value)
@@ -78,6 +87,9 @@ def tensors(model) -> dict[str, np.ndarray]:
                 out[f"blk.{layer}.ffn_down_exps.weight"] = np.ascontiguousarray(array.transpose(0, 2, 1))
             else:
                 out[f"blk.{layer}.ffn_down_exps.bias"] = array
+        elif ".self_attn.indexer." in name:
+            module, kind = name.split(".self_attn.indexer.")[1].rsplit(".", 1)
+            out[f"blk.{layer}.{INDEXER[module]}.{kind}"] = array
         elif name.endswith("self_attn.sinks"):
             out[f"blk.{layer}.attn_sinks.weight"] = array
         elif name.endswith("experts.gate_up_proj"):
@@ -236,7 +248,7 @@ def _metadata(writer, config):
             writer.add_expert_weights_norm(True)
     if t == "olmoe" and config.clip_qkv:
         writer.add_clamp_kqv(config.clip_qkv)
-    if t in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+    if t in ("glm4_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32"):
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_leading_dense_block_count(config.first_k_dense_replace)
@@ -287,6 +299,10 @@ def _metadata(writer, config):
         writer.add_value_length_mla(config.v_head_dim)
         writer.add_rope_dimension_count(config.qk_rope_head_dim)
         _yarn(writer, config)
+    if t == "deepseek_v32":
+        writer.add_uint32(f"{writer.arch}.attention.indexer.head_count", config.index_n_heads)
+        writer.add_uint32(f"{writer.arch}.attention.indexer.key_length", config.index_head_dim)
+        writer.add_uint32(f"{writer.arch}.attention.indexer.top_k", config.index_topk)
 
 
 def _yarn(writer, config):

@@ -47,6 +47,7 @@ FAMILIES = {
     "deepseek_v2": {},
     "deepseek_v2_q_lora": {},
     "deepseek_v3": EQUAL_MSCALE,
+    "deepseek_v32": dict(mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1),  # leading dense
     "qwen3_next": {},
     "qwen3_5_moe": {},
 }
@@ -287,6 +288,7 @@ AS_RELEASED = {
     "deepseek_v2": dict(num_key_value_heads=4),
     "deepseek_v2_q_lora": dict(num_key_value_heads=4),
     "deepseek_v3": dict(num_key_value_heads=4, scoring_func="sigmoid"),
+    "deepseek_v32": dict(scoring_func="sigmoid"),
     "minimax_m2": dict(scoring_func="sigmoid"),
     "olmoe": dict(clip_qkv=None, rms_norm_eps=1e-5),
 }

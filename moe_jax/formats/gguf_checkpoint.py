@@ -47,6 +47,10 @@ _LAYER_NAMES = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
+    "indexer.attn_q_b": "self_attn.indexer.wq_b",  # DeepSeek-V3.2's lightning indexer
+    "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm",
+    "indexer.proj": "self_attn.indexer.weights_proj",
     "ffn_gate_inp_shexp": "{moe}.shared_expert_gate",
     "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
     "ffn_up_shexp": "{moe}.{shared}.up_proj",

@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v2",
+    "deepseek32": "deepseek_v32",
     "minimax-m2": "minimax_m2",
     "gpt-oss": "gpt_oss",
     "qwen3next": "qwen3_next",
@@ -249,6 +250,8 @@ def _deepseek(file, layout: _Layout, config: dict) -> dict:
     groups = _grouped_experts(file, layout)
     if config["model_type"] == "deepseek_v2":
         groups["topk_method"] = "group_limited_greedy" if groups["n_group"] > 1 else "greedy"
+    if config["model_type"] == "deepseek_v32":
+        groups.update(_indexer(file))
     return {
         **groups,
         "num_key_value_heads": config["num_attention_heads"],  # llama.cpp writes MLA as one shared latent head
@@ -259,6 +262,18 @@ def _deepseek(file, layout: _Layout, config: dict) -> dict:
         "v_head_dim": v_dim,
         "rope_interleave": True,  # ggml's deepseek2 rotates interleaved pairs
         "attention_bias": "blk.0.attn_q_a.bias" in file.tensors or "blk.0.attn_kv_a_mqa.bias" in file.tensors,
+    }
+
+
+def _indexer(file) -> dict:
+    """DeepSeek-V3.2's lightning indexer (its sigmoid routing is the only one llama.cpp's deepseek32 runs)."""
+    gating = int(file.arch_field("expert_gating_func", gguf.ExpertGatingFuncType.SIGMOID))
+    if gating != int(gguf.ExpertGatingFuncType.SIGMOID):
+        raise CheckpointError(f"{file.path}: deepseek32 with expert gating function {gating} (moe_jax runs sigmoid)")
+    return {
+        "index_n_heads": _int(file, "attention.indexer.head_count"),
+        "index_head_dim": _int(file, "attention.indexer.key_length"),
+        "index_topk": _int(file, "attention.indexer.top_k"),
     }
 
 
@@ -290,6 +305,7 @@ _READERS = {
     "olmoe": _olmoe,
     "glm4moe": _glm4_moe,
     "deepseek2": _deepseek,
+    "deepseek32": _deepseek,
     "minimax-m2": _minimax_m2,
     "gpt-oss": _gpt_oss,
     "qwen3next": _qwen3_next,
