@@ -140,10 +140,17 @@ def gguf(tools, source: Path, kind: str) -> Path:
     return path
 
 
+# checkpoints saved by transformers hold no multi-token-prediction weights, which llama.cpp's converter requires of
+# these families unless told there are none
+WITHOUT_MTP = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def convert_with_llama_cpp(converter: Path, source: Path, kind: str, out: Path, quiet: bool = False):
     """llama.cpp's convert_hf_to_gguf.py (`converter`) on a checkpoint directory with a sentencepiece tokenizer
     (with_tokenizer's), writing `out` of GGUF type `kind`."""
     args = [str(source), "--outtype", kind, "--outfile", str(out)]
+    if json.loads((source / "config.json").read_text()).get("model_type") in WITHOUT_MTP:
+        args.append("--no-mtp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(converter.parent / d) for d in ("", "gguf-py"))}
     subprocess.run([sys.executable, "-c", CONVERT, str(converter), *args], check=True, env=env, capture_output=quiet)
 
