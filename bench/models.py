@@ -25,6 +25,9 @@ qwen3-next      Qwen3-Next-80B-A3B's real dims cut to 2 layers (one Gated DeltaN
                 each head. The attention layer's MLP is dense (ffn 5120, `mlp_only_layers`): 512 experts a layer are
                 1.6B parameters, and a training process holds them twice (the store and its packed copies), so two
                 MoE layers would not fit a 24 GB machine (~1.9B parameters, stored in bfloat16: 3.8 GB).
+qwen3-next-all-moe
+                qwen3-next with both layers' MLPs mixtures of experts, as in the model (llama.cpp's qwen3next has no
+                dense MLP layers): for inference only (~3.5B parameters, stored in bfloat16: 7 GB).
 qwen3-next-small
                 Qwen3-Next's layer pattern at a small size (3 DeltaNet + 1 gated attention layer, hidden 256, 16
                 experts top-4, vocab 4096): for what does not depend on size (bench/hybrid_anchors.py).
@@ -172,6 +175,12 @@ SHAPES = {
     "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS_20B_LAYERS, "bfloat16"),
     "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", MINIMAX_M2_LAYERS, "bfloat16"),
     "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_80B_LAYERS, "bfloat16"),
+    "qwen3-next-all-moe": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {k: v for k, v in QWEN3_NEXT_80B_LAYERS.items() if k != "mlp_only_layers"},
+        "bfloat16",
+    ),
     "qwen3-next-small": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_SMALL, "float32"),
 }
 _selected = "bench"
