@@ -74,6 +74,20 @@ GROUPED_DELTA_NET = dict(
     linear_value_head_dim=12,
 )
 DEEPSEEK_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+# DeepSeek-V3's grouped routing over 8 experts (V3.2's too), three layers, queries through a low rank
+DEEPSEEK_V3_ROUTING = dict(
+    **DEEPSEEK_MLA,
+    q_lora_rank=12,
+    n_routed_experts=8,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    intermediate_size=40,
+    num_experts_per_tok=3,
+    num_hidden_layers=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+)
 FAMILY_VARIANTS = {
     "deepseek_v2": (
         transformers.DeepseekV2Config,
@@ -108,18 +122,8 @@ FAMILY_VARIANTS = {
     "deepseek_v3": (
         transformers.DeepseekV3Config,
         dict(
-            **DEEPSEEK_MLA,
-            q_lora_rank=12,
-            n_routed_experts=8,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            intermediate_size=40,
+            **DEEPSEEK_V3_ROUTING,
             first_k_dense_replace=1,
-            num_experts_per_tok=3,
-            num_hidden_layers=3,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
             rope_parameters=dict(
                 rope_type="yarn",
                 rope_theta=10000.0,
@@ -137,18 +141,8 @@ FAMILY_VARIANTS = {
     "deepseek_v32": (
         transformers.DeepseekV32Config,
         dict(
-            **DEEPSEEK_MLA,
-            q_lora_rank=12,
-            n_routed_experts=8,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            intermediate_size=40,
+            **DEEPSEEK_V3_ROUTING,
             mlp_layer_types=["sparse", "dense", "sparse"],
-            num_experts_per_tok=3,
-            num_hidden_layers=3,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
             index_n_heads=8,
             index_head_dim=16,
             index_topk=6,
