@@ -66,7 +66,9 @@ class Segment:
     parent: bytes | None
     start: int
     end: int
-    kv: list  # per layer: (k [end - start, kv_heads, head_dim], v [...]) numpy, or a RecurrentState as of `end`
+    # per layer: its cached arrays over these positions (k [end - start, kv_heads, head_dim] and v; MLA's latent,
+    # rotary key and indexer key), numpy, or a RecurrentState as of `end`
+    kv: list
     children: set = field(default_factory=set)
 
     @property

@@ -60,8 +60,8 @@ class LightningIndexer(nnx.Module):
         q, keys_bsd = q.astype(f32), keys_bsd.astype(f32)
         weights = jnp.einsum("btd,dh->bth", x_btd.astype(f32), self.weights_proj[...], precision="highest")
         weights = weights * s.num_heads**-0.5
-        # a few heads at a time: all heads' scores at once ([b, t, heads, s] in float32) would take ~0.5 GB a row
-        # for a 256-token prefill step over an 8k cache at DeepSeek-V3.2's 64 heads
+        # a few heads at a time: all heads' scores at once would be one [b, t, heads, s] float32 array, 64 heads
+        # over a long cache for every query of a prefill step
         index_bts = 0.0
         for h in range(0, s.num_heads, HEAD_GROUP):
             group = slice(h, h + HEAD_GROUP)
