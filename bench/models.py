@@ -228,7 +228,7 @@ def mxfp4_release_dir(shape: str | None = None) -> Path:
     (ggml's rounding), the rest as stored, `quantization_config` mxfp4; made on first use beside it."""
     import json
 
-    from moe_jax.formats.mxfp4 import release_blocks
+    from moe_jax.formats.mxfp4 import RELEASE_QUANTIZATION_CONFIG, release_blocks
     from moe_jax.formats.safetensors_io import TensorSource, save_safetensors
 
     source = bench_model_dir(shape)
@@ -251,11 +251,10 @@ def mxfp4_release_dir(shape: str | None = None) -> Path:
         else:
             out[name] = w
     save_safetensors(partial / "model.safetensors", out)
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = RELEASE_QUANTIZATION_CONFIG
     (partial / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in ("generation_config.json",):
-        if (source / extra).exists():
-            (partial / extra).write_bytes((source / extra).read_bytes())
+    if (source / "generation_config.json").exists():
+        (partial / "generation_config.json").write_bytes((source / "generation_config.json").read_bytes())
     partial.rename(path)
     return path
 

@@ -189,7 +189,7 @@ def mxfp4_release(hf, directory):
     mxfp4); returns the directory and the experts' dequantized values by name."""
     import json
 
-    from moe_jax.formats.mxfp4 import dequantize, release_blocks
+    from moe_jax.formats.mxfp4 import RELEASE_QUANTIZATION_CONFIG, dequantize, release_blocks
     from moe_jax.formats.safetensors_io import save_safetensors
 
     source = save_hf_model(hf, directory / "float")
@@ -207,7 +207,7 @@ def mxfp4_release(hf, directory):
     release.mkdir()
     save_safetensors(release / "model.safetensors", tensors)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = RELEASE_QUANTIZATION_CONFIG
     (release / "config.json").write_text(json.dumps(config))
     return release, dequantized
 

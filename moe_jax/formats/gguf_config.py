@@ -155,7 +155,7 @@ def _olmoe(file, layout: _Layout, config: dict) -> dict:
 
 
 def _glm4_moe(file, layout: _Layout, config: dict) -> dict:
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    head_dim = _head_dim(config)
     return {
         **_grouped_experts(file, layout),
         "head_dim": head_dim,
@@ -167,7 +167,7 @@ def _glm4_moe(file, layout: _Layout, config: dict) -> dict:
 
 
 def _minimax_m2(file, layout: _Layout, config: dict) -> dict:
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    head_dim = _head_dim(config)
     gating = int(file.arch_field("expert_gating_func", gguf.ExpertGatingFuncType.SIGMOID))
     if gating != int(gguf.ExpertGatingFuncType.SIGMOID):
         raise CheckpointError(f"{file.path}: minimax-m2 with expert gating function {gating} (moe_jax runs sigmoid)")
@@ -195,7 +195,7 @@ def _gpt_oss(file, layout: _Layout, config: dict) -> dict:
         **plain,
         "num_local_experts": layout.experts,
         "intermediate_size": layout.expert_ffn,
-        "head_dim": config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
+        "head_dim": _head_dim(config),
         "sliding_window": int(file.arch_field("attention.sliding_window", 128)),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding[:layers]],
         "swiglu_alpha": 1.702,
@@ -208,7 +208,7 @@ def _qwen3_next(file, layout: _Layout, config: dict) -> dict:
     """llama.cpp's qwen3next / qwen35moe: the layers its `attention.recurrent_layers` marks are Gated DeltaNet, else
     all but every `full_attention_interval`-th (4); the chosen experts' weights always renormalised."""
     f, layers = file.arch_field, config["num_hidden_layers"]
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    head_dim = _head_dim(config)
     recurrent = f("attention.recurrent_layers")
     if recurrent is not None and not isinstance(recurrent, (int, bool)):
         linear = [bool(r) for r in list(recurrent)[:layers]]
@@ -330,6 +330,11 @@ def _rope_scaling(file) -> dict:
         if log_mul:
             params["mscale"] = params["mscale_all_dim"] = float(log_mul) / 0.1
     return {"rope_scaling": params}
+
+
+def _head_dim(config: dict) -> int:
+    """The attention head size: the file's key_length, else hidden size / heads."""
+    return config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
 
 
 def _int(file, key: str) -> int:

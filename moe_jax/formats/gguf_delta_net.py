@@ -45,12 +45,12 @@ def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def hf_value(arch: str, name: str, array: np.ndarray, spec) -> np.ndarray:
-    """A tensor read from the file as the Hugging Face checkpoint holds it (`spec`: the LinearAttention)."""
+    """A tensor read from the file with the values the Hugging Face checkpoint holds (`spec`: the LinearAttention;
+    its shape is `hf_shape`'s, which the caller gives it)."""
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         array = array - 1.0  # stored 1 + w
     elif name.endswith("A_log"):
         array = np.log(-array)  # stored A = -exp(A_log)
-    array = array.reshape(hf_shape(name, array.shape))
     if arch == "qwen35moe" and ".linear_attn." in name and spec.num_v_heads != spec.num_k_heads:
         array = _grouped_value_heads(name, array, spec)
     return array

@@ -18,6 +18,8 @@ from host_kernels.quant import quantize_mxfp4
 from moe_jax.errors import CheckpointError
 
 BLOCKS, SCALES = "_blocks", "_scales"
+# what openai/gpt-oss-* releases say in config.json (their attention weights are not quantized)
+RELEASE_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
 GROUP = 32  # values per scale
 
 

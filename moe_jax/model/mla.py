@@ -94,8 +94,9 @@ class MLAttention(nnx.Module):
         return self.o_proj(out.reshape(b, t, h * m.v_dim)), cache
 
     def _sparse_choice(self, x_btd, q_latent_btr, cos, sin, index_keys_bsk, q_pos_bt, k_pos_bs):
-        """The keys the indexer lets each query attend to [b, t, s], or None (dense attention: no indexer)."""
-        if self.indexer is None:
+        """The keys the indexer lets each query attend to [b, t, s], or None where attention is dense: no indexer, or
+        one whose top-k takes every key there is (no scoring then)."""
+        if self.indexer is None or self.indexer.spec.top_k >= index_keys_bsk.shape[1]:
             return None
         causal_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
         return self.indexer.selection(x_btd, q_latent_btr, cos, sin, index_keys_bsk, causal_bts)
