@@ -4,7 +4,7 @@
 
 1. Decode throughput at batch 1 and 16 (32-token prompts, 64 new tokens, no early stop) and prefill of one
    512-token prompt, on a bench model (bench/models.py; --shape): moe_jax with the host backend (float32;
-   bfloat16, whose experts and decode attention XLA calls through the FFI handlers; bfloat16 with xla_ffi=False:
+   bfloat16, whose experts and cache attention XLA calls through the FFI handlers; bfloat16 with xla_ffi=False:
    experts through a Python callback; bfloat16 without the fused forward: the engine's numpy path; int8 and int4
    experts) and the device backend (float32), auto (--sides auto_float32,auto_bfloat16; --profile), and Hugging
    Face `generate` on torch CPU in float32 and bfloat16; medians of 3 interleaved rounds; ratios against

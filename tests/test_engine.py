@@ -11,8 +11,8 @@ from tests.hf_models import make_hf_model, save_hf_model
 ANCHOR = 7  # token id that ends a "message" in these synthetic conversations
 
 
-# bfloat16 too: its decode steps take the native attention (host_kernels/csrc/xla_decode_attention.c) where built, and
-# its prefills XLA's, so cached, batched and alone runs mix the two paths differently
+# bfloat16 too: its cache rounds every entry, and cached, batched and alone runs split the same tokens into
+# different prefill and decode steps
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def model(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("mixtral")

@@ -38,7 +38,7 @@ def test_greedy_generation_matches_transformers_past_the_window(gpt_oss):
     """Decode steps attend over the cache with the sinks, the sliding layers' window moving past the prompt."""
     hf, path = gpt_oss
     model = moe_jax.load_model(path, backend="host")
-    assert model.plan.decode_attention is False  # the native decode attention has no sinks
+    assert model.plan.cache_attention is False  # the native cache attention has no sinks
     assert model.generate(PROMPTS, max_new_tokens=10) == [hf_greedy(hf, p, 10) for p in PROMPTS]
 
 

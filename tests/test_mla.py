@@ -41,7 +41,7 @@ def test_absorbed_decode_gives_the_expanded_forms_tokens(checkpoint):
     absorbed = moe_jax.load_model(checkpoint, backend="host")
     expanded = moe_jax.load_model(checkpoint, backend="host", mla_decode="expanded")
     assert (absorbed.plan.mla_decode, expanded.plan.mla_decode) == ("absorbed", "expanded")
-    assert not absorbed.plan.decode_attention and "latent attention" in absorbed.plan.reason("attention")
+    assert not absorbed.plan.cache_attention and "latent attention" in absorbed.plan.reason("attention")
     assert absorbed.generate(PROMPTS, max_new_tokens=10) == expanded.generate(PROMPTS, max_new_tokens=10)
 
 

@@ -94,7 +94,7 @@ def test_other_host_lane_backends_pipelined_equal_the_plain_pass(mixtral, backen
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_generation_pipelined_equals_the_plain_pass(mixtral, dtype):
     """Prefill and decode steps over the KV cache, each micro-batch's rows written back into it (in bfloat16 with
-    the native decode attention and dense products where this CPU runs them)."""
+    the native cache attention and dense products where this CPU runs them)."""
     prompts = [[3, 4, 5, 6], [7], [8, 9], [10, 11, 12]]
     plain = moe_jax.load_model(mixtral, backend="host", pipeline=1, dtype=dtype)
     piped = moe_jax.load_model(mixtral, backend="host", pipeline=2, dtype=dtype)

@@ -13,7 +13,7 @@ from host_kernels.layer_experts import LayerExperts
 from host_kernels.store import ExpertStore
 from moe_jax import doctor
 from moe_jax.native import argmax as native_argmax
-from moe_jax.native import decode_attention as native_attention
+from moe_jax.native import cache_attention as native_attention
 from moe_jax.native import dense as native_dense
 from moe_jax.native import ffi as native_ffi
 from moe_jax.planning.plan import make_plan
@@ -33,9 +33,9 @@ def test_default_plan_follows_this_machine():
         assert plan.host_kernels == choose_kernels(store)
         assert plan.experts_ffi == (bool(plan.host_kernels.fused) and native_ffi.status()[0])
         assert plan.argmax == native_argmax.status()[0]
-        assert plan.decode_attention == native_attention.status()[0]  # over bfloat16 and float32 caches
+        assert plan.cache_attention == native_attention.status()[0]  # over bfloat16 and float32 caches
         assert plan.dense_decode == native_dense.dense_kernel(store)[0]  # bfloat16 or float32 weights
-        for part, native in (("attention", plan.decode_attention), ("dense", plan.dense_decode)):
+        for part, native in (("attention", plan.cache_attention), ("dense", plan.dense_decode)):
             assert bool(plan.reason(part)) != native  # every part not native says why
     assert make_plan("float32").host_kernels is None  # no host engine: no host kernels
 
@@ -43,7 +43,7 @@ def test_default_plan_follows_this_machine():
 def test_native_off_turns_every_part_off_and_says_so():
     plan = make_plan("bfloat16", BF16, native=False)
     assert plan.host_kernels == KernelChoice("numpy", "", "numpy", plan.host_kernels.why)
-    assert not (plan.experts_ffi or plan.decode_attention or plan.dense_decode or plan.argmax)
+    assert not (plan.experts_ffi or plan.cache_attention or plan.dense_decode or plan.argmax)
     for part in ("attention", "dense", "argmax"):
         assert plan.reason(part) == "XLA FFI handlers turned off by the caller"
     assert all("turned off by the caller" in why for why in plan.host_kernels.why.values())

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax.model.rope import Rope
-from moe_jax.native.decode_attention import decode_attention_call
+from moe_jax.native.cache_attention import cache_attention_call
 from moe_jax.native.dense import dense_call, dense_rows_call, pack_dense, row_dtype, takes
 
 
@@ -314,15 +314,15 @@ class Attention(nnx.Module):
         k_norm=None,
         norm_whole_projection: bool = False,
         clip_qkv: float | None = None,
-        native_decode_attention: bool = False,
+        native_cache_attention: bool = False,
         sinks=None,
         output_gate: bool = False,
         norm_unit_offset: bool = False,
     ):
-        """`native_decode_attention` (the execution plan's choice, moe_jax/planning/plan.py): a decode step's attention
-        over the cache (bfloat16 or float32) runs as the native FFI call (host_kernels/csrc/xla_decode_attention.c).
-        XLA's own path (a select over the cache, two batched products, a softmax) took ~125 us a layer at batch 16 on
-        XLA:CPU."""
+        """`native_cache_attention` (the execution plan's choice, moe_jax/planning/plan.py): a generation step's
+        attention over the cache (bfloat16 or float32), decode or prefill, runs as the native FFI call
+        (host_kernels/csrc/xla_cache_attention.c). XLA's own path writes the cache by a select over all of it and
+        attends every query to every cache entry under a mask; the native one reads only the keys a token sees."""
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.q_norm = RMSNorm(q_norm, eps, norm_unit_offset) if q_norm is not None else None
         self.k_norm = RMSNorm(k_norm, eps, norm_unit_offset) if k_norm is not None else None
@@ -332,7 +332,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope = rope
         self.window = window
-        self.native_decode_attention = native_decode_attention
+        self.native_cache_attention = native_cache_attention
         self.sinks = Frozen(sinks) if sinks is not None else None
         # W_q | W_k | W_v packed as one weight for the native products (`pack_for_decode`): one call where three
         # each paid a call's fixed cost (a bench-model k or v product took ~20 us of a batch-1 step for 37 KB)
@@ -401,9 +401,8 @@ class Attention(nnx.Module):
             out = chunked_causal_attention(q, k, v, positions_bt, self.window, sinks_kg=sinks)
         else:
             k_cache, v_cache = cache
-            if t == 1 and self.native_decode_attention:
-                out, k_all, v_all = decode_attention_call(q[:, :, 0], k, v, positions_bt, k_cache, v_cache, self.window)
-                out = out[:, :, None]
+            if self.native_cache_attention:
+                out, k_all, v_all = cache_attention_call(q, k, v, positions_bt, k_cache, v_cache, self.window)
             else:
                 key_pos_bs = jnp.broadcast_to(jnp.arange(k_cache.shape[2]), (b, k_cache.shape[2]))
                 k_all = write_positions(k_cache, k, positions_bt, key_pos_bs)

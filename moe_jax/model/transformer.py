@@ -314,7 +314,7 @@ def _gqa(config: ModelConfig, layer: int, proj, dense, plan: ExecutionPlan) -> A
         k_norm=dense(f"{p}.k_norm.weight") if config.qk_norm else None,
         norm_whole_projection=config.qk_norm == "full",
         clip_qkv=config.clip_qkv,
-        native_decode_attention=plan.decode_attention,
+        native_cache_attention=plan.cache_attention,
         sinks=dense(f"{p}.sinks") if config.attention_sinks else None,
         output_gate=config.attention_output_gate,
         norm_unit_offset=config.norm_unit_offset,

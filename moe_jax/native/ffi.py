@@ -2,7 +2,7 @@
 
 The handlers (host_kernels/csrc/xla_*.c) are built into host_kernels' native library with its kernels (one build,
 one source hash), when jaxlib's headers were there to build them. Each handler has its module beside this one:
-`host_experts` (the host's fused expert forward), `decode_attention` (a decode step's attention over a bfloat16 or
+`host_experts` (the host's fused expert forward), `cache_attention` (a generation step's attention over a bfloat16 or
 float32 KV cache), `argmax` (a greedy step's tokens) and `dense` (a decode step's dense products over packed
 weights). Where the handlers are not built, are turned off (the execution plan, moe_jax/planning/plan.py), or the
 jitted step runs on an accelerator (they serve XLA:CPU only), the host backend calls the same fused forward through
@@ -18,7 +18,7 @@ import jax
 from host_kernels import cpu_lacks, xla_ffi_library
 
 # the custom-call targets, each registered under its C symbol's name
-HANDLERS = ("moe_jax_host_experts", "moe_jax_decode_attention", "moe_jax_argmax", "moe_jax_dense")
+HANDLERS = ("moe_jax_host_experts", "moe_jax_cache_attention", "moe_jax_argmax", "moe_jax_dense")
 
 
 def status() -> tuple[bool, str]:

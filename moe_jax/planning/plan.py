@@ -26,7 +26,7 @@ from host_kernels import KernelChoice, choose_kernels
 from host_kernels.stream_worker import cuda_memops
 from moe_jax.errors import InputError
 from moe_jax.native import argmax as native_argmax
-from moe_jax.native import decode_attention as native_attention
+from moe_jax.native import cache_attention as native_attention
 from moe_jax.native import dense as native_dense
 from moe_jax.native import ffi as native_ffi
 from moe_jax.native import stream_experts
@@ -46,7 +46,7 @@ class ExecutionPlan:
     dtype: str  # the model's: "float32" or "bfloat16"
     host_kernels: KernelChoice | None  # None: the placement runs no host engine
     host_call: str  # how a jitted step reaches the fused host forward: FFI, STREAM or CALLBACK
-    decode_attention: bool  # native decode attention over the KV cache (bfloat16 or float32)
+    cache_attention: bool  # native attention of new tokens over the KV cache (bfloat16 or float32)
     # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
@@ -91,7 +91,7 @@ class ExecutionPlan:
             if self.stream_signal:
                 called += f", signalled by {self.stream_signal}"
             out.append(line("host experts called", called, "host call"))
-        out.append(line("decode attention", "native" if self.decode_attention else "XLA", "attention"))
+        out.append(line("cache attention", "native" if self.cache_attention else "XLA", "attention"))
         if self.mla_decode:
             out.append(f"latent attention decode: {self.mla_decode} form")
         out.append(
@@ -122,7 +122,7 @@ class ExecutionPlan:
         if self.host_kernels is not None:
             fused = self.host_kernels.fused or f"engine {self.host_kernels.gemm}"
             parts.append(f"experts {fused} via {HOST_CALL_SHORT[self.host_call]}")
-        parts.append(f"attention {'native' if self.decode_attention else 'XLA'}")
+        parts.append(f"attention {'native' if self.cache_attention else 'XLA'}")
         parts.append(f"dense {'native' if self.dense_decode else 'XLA'}")
         parts.append(f"argmax {'native' if self.argmax else 'XLA'}")
         if self.micro_batches > 1:
@@ -163,10 +163,10 @@ def make_plan(
     the host kernel choice (`host_kernels.choose_kernels`), e.g. to run one kernel path against another; `quant`
     ("int8", "int4", ...: host_kernels.fused_forward.QUANTIZED) has the host experts' fused forward read them
     quantized. `mla_decode` (models with multi-head latent attention): "absorbed" or "expanded"
-    (moe_jax/model/mla.py); their decode attention is XLA's (the native handler computes grouped-query attention).
+    (moe_jax/model/mla.py); their generation attention is XLA's (the native handler computes grouped-query attention).
     `pipeline`: micro-batches of the device/host ping-pong (`pipeline_choice`). `host_call` (FFI, STREAM or
     CALLBACK; default: MOE_JAX_HOST_CALL, else `host_call_choice`'s): how a jitted step reaches the host experts.
-    `attention_sinks` (GPT-OSS): the model's softmax has a sink logit per head, which the native decode attention
+    `attention_sinks` (GPT-OSS): the model's softmax has a sink logit per head, which the native cache attention
     does not take."""
     if mla_decode not in ("", "absorbed", "expanded"):
         raise ValueError(f"mla_decode must be 'absorbed' or 'expanded', got {mla_decode!r}")
@@ -208,7 +208,7 @@ def make_plan(
         host_kernels=host,
         host_call=call,
         stream_signal=signal,
-        decode_attention=native_part(
+        cache_attention=native_part(
             "attention",
             not mla_decode and not attention_sinks,
             "latent attention (the native handler computes grouped-query attention)"

@@ -1,19 +1,23 @@
-/* XLA FFI handler "moe_jax_decode_attention": one decode step's attention on XLA:CPU, bfloat16 or float32 KV cache.
+/* XLA FFI handler "moe_jax_cache_attention": the attention of a step's new tokens to the KV cache on XLA:CPU, one
+ * token a row (a decode step) or many (a prefill step), bfloat16 or float32 KV cache.
  *
- * For each row and KV head it writes the step's new key and value into the cache at the row's position (the
- * cache buffers are aliased to the results, so this is in place) and attends the group's queries to the cache
- * entries the position can see. XLA ran this as a select over the whole cache plus two batched products and a
- * softmax: ~125 us a layer on the bench model at batch 16, against ~50 us here at position 48 (the keys past the
- * position are not read at all).
+ * For each row and KV head it writes the step's new keys and values into the cache at their positions (the cache
+ * buffers are aliased to the results, so this is in place), then attends each new token's group of queries to the
+ * cache entries its position sees: keys up to the position (within a sliding window), so a prefill's causal
+ * attention reads each key block once for a block of tokens and never the keys past a token. XLA's path writes by a
+ * select (a one-hot product for many tokens) over the whole cache and attends every query to every cache entry
+ * under a mask.
  *
- * Operands: q [b, kv, g, d], k_new and v_new [b, kv, 1, d], positions [b, 1] (s32), k_cache and v_cache
- * [b, kv, s, d]; all bf16, or all float32 (a float32 model's cache), but positions. Results: out [b, kv, g, d],
- * k_cache, v_cache. Attributes (s64): `window`, a sliding window's length, 0 for none; `avx512`, 1 for the AVX-512
- * variant, 0 for the AVX2 + FMA one (the same arithmetic 16 or 8 lanes wide: decode_attention_head.h, written once
- * for both, and for both element types). Arithmetic as the XLA path (layers.attend): q.k products summed in
- * float32, scaled by d^-0.5, softmax in float32, probabilities rounded to bf16 for a bf16 cache, p.v summed in
- * float32, rounded to bf16 for a bf16 cache (summation order and exp differ: results agree to the dtype's rounding,
- * not bit for bit). The (row, kv head) pairs are shared by the calling thread and helpers from XLA's pool.
+ * Operands: q [b, kv, t, g, d], k_new and v_new [b, kv, t, d], positions [b, t] (s32), k_cache and v_cache
+ * [b, kv, s, d]; all bf16, or all float32 (a float32 model's cache), but positions. Results: out [b, kv, t, g, d],
+ * k_cache, v_cache. A row's first position must lie in the cache; a later one past its end (a prefill's right
+ * padding) is not written and sees the whole cache. Attributes (s64): `window`, a sliding window's length, 0 for
+ * none; `avx512`, 1 for the AVX-512 variant, 0 for the AVX2 + FMA one (the same arithmetic 16 or 8 lanes wide:
+ * cache_attention_block.h, written once for both, and for both element types). Arithmetic as the XLA path
+ * (layers.attend): q.k products summed in float32, scaled by d^-0.5, softmax in float32, probabilities rounded to
+ * bf16 for a bf16 cache, p.v summed in float32, rounded to bf16 for a bf16 cache (summation order and exp differ:
+ * results agree to the dtype's rounding, not bit for bit). The tasks, a block of up to TASK_ROWS query rows of one
+ * (row, kv head), are shared by the calling thread and helpers from XLA's pool.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */
 #include <immintrin.h>
@@ -24,6 +28,10 @@
 #include <string.h>
 
 #include "ffi_common.h"
+
+#define DP_ALIGN 32    /* head dims padded to a multiple of two AVX-512 vectors, p.v's column tile */
+#define VALUE_CHUNK 64 /* values widened to float32 at a time for p.v */
+#define TASK_ROWS 64   /* query rows (tokens x group) a task attends together, sharing each key block's widening */
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's convert */
     uint32_t bits;
@@ -110,7 +118,7 @@ static inline V avx512_sum_lanes(const V *v) {
     /* s holds sum(v[4l + r]) at 4r + l */
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
 }
-#include "decode_attention_heads.h"
+#include "cache_attention_blocks.h"
 #undef SET1
 #undef W
 #undef V
@@ -170,97 +178,142 @@ static inline V avx2_sum_lanes(const V *v) {
     /* b0: sums of v[0..3]'s low halves, then of their high halves; b1 the same for v[4..7] */
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
-#include "decode_attention_heads.h"
+#include "cache_attention_blocks.h"
 #undef SET1
 #undef W
 #undef V
 #undef ISA
 #pragma GCC pop_options
 
-/* One call's operands, shared by the tasks: one task a (row, kv head). Arrays of `elem`-byte values (bf16 or
- * float32), addressed in bytes. */
-typedef void (*attend_head_fn)(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int64_t,
-                               float *, int64_t);
+/* One call's operands, shared by the tasks: a task is a block of up to `block` tokens of one (row, kv head). Arrays
+ * of `elem`-byte values (bf16 or float32), addressed in bytes. */
+typedef void (*attend_block_fn)(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t,
+                                const int64_t *, const int64_t *, float *, int64_t);
 typedef struct {
-    const char *q, *k_new, *v_new;
+    const char *q;
     const int32_t *positions;
-    char *k_cache, *v_cache, *out;
-    int64_t kv, s, d, g, window, elem;
-    attend_head_fn attend_head;
+    const char *k_cache, *v_cache;
+    char *out;
+    int64_t kv, t, s, d, g, window, elem, block, blocks;
+    attend_block_fn attend_block;
     _Atomic int failed; /* a task could not allocate its work space */
 } attention_call;
 
-/* Writes the row's new key and value into the cache at its position, then attends its queries to the keys it sees. */
-static void attend_one(void *data, int64_t head) {
+/* Each thread's work space, kept for its next task and call (a fresh one each task, above malloc's mmap threshold
+ * for long caches, page-faulted its scores in every time); at most one task's size per thread, for the process. */
+static __thread float *thread_work;
+static __thread size_t thread_work_floats;
+
+static float *work_space(size_t floats) {
+    if (floats > thread_work_floats) {
+        float *grown = realloc(thread_work, floats * sizeof(float));
+        if (!grown) return NULL;
+        thread_work = grown, thread_work_floats = floats;
+    }
+    return thread_work;
+}
+
+/* the keys [first, last] a token at `position` sees in a cache of `s` entries */
+static void key_range(int64_t position, int64_t window, int64_t s, int64_t *first, int64_t *last) {
+    *last = position < s ? position : s - 1;
+    *first = window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+    if (*first > *last) *first = *last; /* right padding past the cache's end */
+}
+
+/* Attends one block of a (row, kv head)'s tokens to the keys they see (the new entries already written). */
+static void attend_task(void *data, int64_t task) {
     attention_call *c = data;
-    const int64_t d = c->d, g = c->g, dp = (d + 15) / 16 * 16, stride = (c->s + 15) / 16 * 16, row = d * c->elem;
-    const int64_t last = c->positions[head / c->kv];
-    const int64_t first = c->window > 0 && last - c->window + 1 > 0 ? last - c->window + 1 : 0;
-    char *k = c->k_cache + head * c->s * row, *v = c->v_cache + head * c->s * row;
-    memcpy(k + last * row, c->k_new + head * row, (size_t)row);
-    memcpy(v + last * row, c->v_new + head * row, (size_t)row);
-    float *work = malloc((size_t)(2 * g * dp + 16 * dp + g * stride) * sizeof(float));
+    const int64_t head = task / c->blocks, t0 = task % c->blocks * c->block, row_index = head / c->kv;
+    const int64_t tokens = c->t - t0 < c->block ? c->t - t0 : c->block;
+    int64_t firsts[TASK_ROWS], lasts[TASK_ROWS], lowest = INT64_MAX, highest = 0;
+    for (int64_t j = 0; j < tokens; j++) {
+        key_range(c->positions[row_index * c->t + t0 + j], c->window, c->s, firsts + j, lasts + j);
+        lowest = firsts[j] < lowest ? firsts[j] : lowest;
+        highest = lasts[j] > highest ? lasts[j] : highest;
+    }
+    const int64_t d = c->d, dp = (d + DP_ALIGN - 1) / DP_ALIGN * DP_ALIGN, rows4 = (tokens * c->g + 3) / 4 * 4;
+    const int64_t stride = (highest - lowest + 16) / 16 * 16, row = d * c->elem;
+    float *work = work_space((size_t)(rows4 * (2 * dp + stride) + (16 + VALUE_CHUNK) * dp));
     if (!work) {
         atomic_store(&c->failed, 1);
         return;
     }
-    c->attend_head(c->q + head * g * row, k, v, c->out + head * g * row, g, d, first, last, work, stride);
-    free(work);
+    const int64_t query = (head * c->t + t0) * c->g * row;
+    c->attend_block(c->q + query, c->k_cache + head * c->s * row, c->v_cache + head * c->s * row, c->out + query,
+                    tokens, c->g, d, firsts, lasts, work, stride);
 }
 
-static attend_head_fn variant(int avx512, int f32) {
-    if (avx512) return f32 ? avx512_attend_head_f32 : avx512_attend_head_bf16;
-    return f32 ? avx2_attend_head_f32 : avx2_attend_head_bf16;
+/* Writes each row's new keys and values into the cache at their positions (those inside it). */
+static void write_new_entries(const char *k_new, const char *v_new, const int32_t *positions, char *k_cache,
+                              char *v_cache, int64_t b, int64_t kv, int64_t t, int64_t s, int64_t row) {
+    for (int64_t head = 0; head < b * kv; head++)
+        for (int64_t j = 0; j < t; j++) {
+            const int64_t position = positions[head / kv * t + j];
+            if (position >= s) continue;
+            memcpy(k_cache + (head * s + position) * row, k_new + (head * t + j) * row, (size_t)row);
+            memcpy(v_cache + (head * s + position) * row, v_new + (head * t + j) * row, (size_t)row);
+        }
+}
+
+static attend_block_fn variant(int avx512, int f32) {
+    if (avx512) return f32 ? avx512_attend_block_f32 : avx512_attend_block_bf16;
+    return f32 ? avx2_attend_block_f32 : avx2_attend_block_bf16;
 }
 
 static int is_type(const XLA_FFI_Buffer *b, XLA_FFI_DataType type, int64_t rank) {
     return b->dtype == type && b->rank == rank;
 }
 
-XLA_FFI_Error *moe_jax_decode_attention(XLA_FFI_CallFrame *frame) {
+XLA_FFI_Error *moe_jax_cache_attention(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
     if (ffi_answer_metadata(frame)) return NULL;
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE)
-        return ffi_error(api, "moe_jax_decode_attention: not the execute stage");
+        return ffi_error(api, "moe_jax_cache_attention: not the execute stage");
     if (frame->args.size != 6 || frame->rets.size != 3)
-        return ffi_error(api, "moe_jax_decode_attention takes (q, k_new, v_new, positions, k_cache, v_cache) and "
-                                    "returns (out, k_cache, v_cache)");
+        return ffi_error(api, "moe_jax_cache_attention takes (q, k_new, v_new, positions, k_cache, v_cache) and "
+                              "returns (out, k_cache, v_cache)");
     int64_t window, avx512;
     if (ffi_s64_attr(frame, "window", &window) || ffi_s64_attr(frame, "avx512", &avx512))
-        return ffi_error(api, "moe_jax_decode_attention: s64 attributes `window` and `avx512` expected");
+        return ffi_error(api, "moe_jax_cache_attention: s64 attributes `window` and `avx512` expected");
     for (int i = 0; i < 6; i++)
         if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER)
-            return ffi_error(api, "moe_jax_decode_attention: operands are arrays");
+            return ffi_error(api, "moe_jax_cache_attention: operands are arrays");
     const XLA_FFI_Buffer *q = frame->args.args[0], *k_new = frame->args.args[1], *v_new = frame->args.args[2];
     const XLA_FFI_Buffer *positions = frame->args.args[3], *k_in = frame->args.args[4], *v_in = frame->args.args[5];
     const XLA_FFI_Buffer *out = frame->rets.rets[0], *k_out = frame->rets.rets[1], *v_out = frame->rets.rets[2];
     const XLA_FFI_DataType type = q->dtype;
-    if ((type != XLA_FFI_DataType_BF16 && type != XLA_FFI_DataType_F32) || !is_type(q, type, 4) ||
+    if ((type != XLA_FFI_DataType_BF16 && type != XLA_FFI_DataType_F32) || !is_type(q, type, 5) ||
         !is_type(k_new, type, 4) || !is_type(v_new, type, 4) || !is_type(k_in, type, 4) || !is_type(v_in, type, 4) ||
-        !is_type(out, type, 4) || !is_type(k_out, type, 4) || !is_type(v_out, type, 4) ||
+        !is_type(out, type, 5) || !is_type(k_out, type, 4) || !is_type(v_out, type, 4) ||
         positions->dtype != XLA_FFI_DataType_S32)
-        return ffi_error(api, "moe_jax_decode_attention: arrays of rank 4, all bf16 or all f32, and s32 positions "
-                              "expected");
+        return ffi_error(api, "moe_jax_cache_attention: q and out of rank 5, the rest of rank 4, all bf16 or all f32, "
+                              "and s32 positions expected");
     const int64_t elem = type == XLA_FFI_DataType_F32 ? 4 : 2;
-    const int64_t b = k_in->dims[0], kv = k_in->dims[1], s = k_in->dims[2], d = k_in->dims[3], g = q->dims[2];
-    for (int i = 0; i < 4; i++)
-        if (v_in->dims[i] != k_in->dims[i] || k_out->dims[i] != k_in->dims[i] || v_out->dims[i] != k_in->dims[i] ||
-            out->dims[i] != q->dims[i])
-            return ffi_error(api, "moe_jax_decode_attention: cache, result and query shapes disagree");
-    if (q->dims[0] != b || q->dims[1] != kv || q->dims[3] != d || k_new->dims[0] != b || k_new->dims[1] != kv ||
-        k_new->dims[2] != 1 || k_new->dims[3] != d || v_new->dims[2] != 1 || positions->rank != 2 ||
-        positions->dims[0] != b || positions->dims[1] != 1)
-        return ffi_error(api, "moe_jax_decode_attention: q [b, kv, g, d], new entries [b, kv, 1, d], "
-                                    "positions [b, 1], cache [b, kv, s, d] expected");
+    const int64_t b = k_in->dims[0], kv = k_in->dims[1], s = k_in->dims[2], d = k_in->dims[3];
+    const int64_t t = q->dims[2], g = q->dims[3];
+    for (int i = 0; i < 5; i++)
+        if (out->dims[i] != q->dims[i] || (i < 4 && (v_in->dims[i] != k_in->dims[i] ||
+                                                     k_out->dims[i] != k_in->dims[i] || v_out->dims[i] != k_in->dims[i])))
+            return ffi_error(api, "moe_jax_cache_attention: cache, result and query shapes disagree");
+    if (q->dims[0] != b || q->dims[1] != kv || q->dims[4] != d || k_new->dims[0] != b || k_new->dims[1] != kv ||
+        k_new->dims[2] != t || k_new->dims[3] != d || v_new->dims[0] != b || v_new->dims[1] != kv ||
+        v_new->dims[2] != t || v_new->dims[3] != d || positions->rank != 2 || positions->dims[0] != b ||
+        positions->dims[1] != t)
+        return ffi_error(api, "moe_jax_cache_attention: q [b, kv, t, g, d], new entries [b, kv, t, d], "
+                              "positions [b, t], cache [b, kv, s, d] expected");
     const int32_t *pos = positions->data;
     for (int64_t r = 0; r < b; r++)
-        if (pos[r] < 0 || pos[r] >= s) return ffi_error(api, "moe_jax_decode_attention: a position is outside the cache");
+        for (int64_t j = 0; j < t; j++)
+            if (pos[r * t + j] < 0 || (j == 0 && pos[r * t] >= s))
+                return ffi_error(api, "moe_jax_cache_attention: a position is outside the cache");
     const size_t cache_bytes = (size_t)(b * kv * s * d * elem);
     if (k_out->data != k_in->data) memcpy(k_out->data, k_in->data, cache_bytes); /* not aliased: copy, then write */
     if (v_out->data != v_in->data) memcpy(v_out->data, v_in->data, cache_bytes);
-    attention_call call = {q->data, k_new->data, v_new->data, pos, k_out->data, v_out->data, out->data, kv, s, d, g,
-                           window, elem, variant(avx512, elem == 4), 0};
-    if (ffi_parallel_for(api, frame->ctx, b * kv, attend_one, &call) || atomic_load(&call.failed))
-        return ffi_error(api, "moe_jax_decode_attention: out of memory for its work space");
+    write_new_entries(k_new->data, v_new->data, pos, k_out->data, v_out->data, b, kv, t, s, d * elem);
+    const int64_t block = g < TASK_ROWS ? TASK_ROWS / g : 1, blocks = (t + block - 1) / block;
+    attention_call call = {q->data, pos,   k_out->data, v_out->data, out->data, kv,     t, s, d, g, window, elem,
+                           block,   blocks, variant(avx512, elem == 4), 0};
+    if (ffi_parallel_for(api, frame->ctx, b * kv * blocks, attend_task, &call) || atomic_load(&call.failed))
+        return ffi_error(api, "moe_jax_cache_attention: out of memory for its work space");
     return NULL;
 }
