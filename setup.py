@@ -1,8 +1,8 @@
 """Builds the native library; everything else is declared in pyproject.toml.
 
 host_kernels._native: every native source (host_kernels/csrc/), plain C loaded with ctypes (no Python C API): the
-host kernels, and XLA's FFI handlers (the fused expert forward, the attention over the KV cache, the dense decode products,
-argmax), which jitted steps on XLA:CPU call directly, compiled against the C API header jaxlib ships (a build
+host kernels, and XLA's FFI handlers (the fused expert forward, the attention over the KV cache, the dense decode
+products, argmax), which jitted steps on XLA:CPU call directly, compiled against the C API header jaxlib ships (a build
 requirement, pyproject.toml). Optional: where it cannot be built, the code runs without it (numpy kernels; a Python
 callback) and says why (`python -m moe_jax.doctor`); where jaxlib's header is missing, it is built without the
 handlers; where CUDA's cuda.h is found too (CUDA_HOME, the `nvidia-cuda-runtime` wheel this build requires, or

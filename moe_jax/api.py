@@ -329,13 +329,14 @@ class Model:
             self._edit(lambda transformer: transformer.pack_for_decode(self.plan.dense_decode))
             trim_heap()  # the packing's temporaries
 
-    def engine(self, slots: int, max_len: int, anchor_cache=None):
-        """A generation engine over this model for `slots` sequences of up to `max_len` tokens (see
-        CompiledGeneration.engine)."""
+    def engine(self, slots: int, max_len: int, anchor_cache=None, drafts: int = 0):
+        """A generation engine over this model for `slots` sequences of up to `max_len` tokens, speculative with
+        up to `drafts` prompt-lookup drafts a step (see CompiledGeneration.engine)."""
         self._check_open()
-        return self.generation.engine(slots, max_len, anchor_cache)
+        return self.generation.engine(slots, max_len, anchor_cache, drafts)
 
-    generate = generate  # (prompts, *, max_new_tokens, temperature, top_p, seed, adapter): generation/generate.py
+    # (prompts, *, max_new_tokens, temperature, top_p, seed, adapter, draft_tokens): generation/generate.py
+    generate = generate
 
 
 def load_model(

@@ -32,6 +32,7 @@ from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
 from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.generation.engine import EngineStats, GenerationEngine, Request
 from moe_jax.generation.sampling import check_sampling
+from moe_jax.generation.speculation import MAX_DRAFTS
 from moe_jax.output_files import NewFile, check_writable_dir, create_new, write_text
 from moe_jax.run_log import GenerationMonitor, RunLog
 
@@ -59,6 +60,13 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding of greedy prompts: up to this many prompt-lookup drafts a step, verified at once, "
+        f"as many as pay on this machine (1-{MAX_DRAFTS}; default: 0, off; outputs unchanged)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -115,6 +123,8 @@ def check_settings(args):
         raise InputError("--stop must not be empty (an empty string would stop every prompt before its first token)")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise InputError("--batch-size and --max-new-tokens must be >= 1")
+    if not 0 <= args.draft_tokens <= MAX_DRAFTS:
+        raise InputError(f"--draft-tokens must be in [0, {MAX_DRAFTS}], got {args.draft_tokens}")
     if args.host_threads is not None:
         if not 1 <= args.host_threads <= MAX_THREADS:
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
@@ -246,7 +256,9 @@ def main(argv=None):
         for start in range(0, len(requests), wave_size):
             wave = requests[start : start + wave_size]
             longest = max(len(r.tokens) for r in wave)
-            engine = GenerationEngine(model, args.batch_size, longest + args.max_new_tokens, cache)
+            engine = GenerationEngine(
+                model, args.batch_size, longest + args.max_new_tokens, cache, drafts=args.draft_tokens
+            )
             if args.kv_fraction == "auto":
                 fit_split_to_wave(model, engine, len(wave))
             engine.run(
@@ -335,6 +347,8 @@ def print_summary(args, model, metrics, st, cache, truncated, rejected, world):
         lines.append(
             f"hybrid: {split['experts_in_use'] / 2**20:.1f} MiB of experts on the device ({args.placement_plan})"
         )
+    if st.acceptance is not None:
+        lines.append(f"speculative decoding: {st.accepted_tokens} of {st.drafted_tokens} drafts accepted")
     if truncated or rejected:
         lines.append(f"too long for the context window: {truncated} truncated, {len(rejected)} rejected")
     if cache is not None:

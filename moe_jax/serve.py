@@ -28,6 +28,7 @@ from moe_jax.backends import BACKENDS
 from moe_jax.cli import MODEL_HELP, prog, run_cli
 from moe_jax.errors import InputError, MemoryLimitError
 from moe_jax.formats.hub import hub_id
+from moe_jax.generation.speculation import MAX_DRAFTS
 from moe_jax.serving.app import create_app
 from moe_jax.serving.http_limits import HttpLimits, bounded_protocol
 from moe_jax.serving.service import Limits, Service
@@ -59,6 +60,13 @@ def parse_args(argv):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences generating at once (KV-cache slots)")
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding of greedy requests: up to this many prompt-lookup drafts a step, as many as pay "
+        f"(1-{MAX_DRAFTS}; default: 0, off; answers unchanged)",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429s")
     p.add_argument("--max-model-len", type=int, help="context per sequence (default: the model's)")
     p.add_argument("--anchor-cache-mb", type=float, default=512.0, help="host memory for the anchor cache (0: off)")
@@ -97,6 +105,8 @@ def check_settings(args):
         raise InputError("--max-batch must be >= 1 and --max-queue >= 0")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if not 0 <= args.draft_tokens <= MAX_DRAFTS:
+        raise InputError(f"--draft-tokens must be in [0, {MAX_DRAFTS}], got {args.draft_tokens}")
     if args.anchor_cache_mb < 0 or args.shutdown_timeout < 0:
         raise InputError("--anchor-cache-mb and --shutdown-timeout must be >= 0")
     if args.host_threads is not None and not 1 <= args.host_threads <= MAX_THREADS:
@@ -142,7 +152,12 @@ def main(argv=None):
         quant=args.quant,
     )
     limits = Limits(
-        args.max_batch, args.max_queue, args.max_model_len, int(args.anchor_cache_mb * 2**20), args.max_prompt_chars
+        args.max_batch,
+        args.max_queue,
+        args.max_model_len,
+        int(args.anchor_cache_mb * 2**20),
+        args.max_prompt_chars,
+        args.draft_tokens,
     )
     service = Service(model, args.served_model_name or served_name(model_dir), limits)
     try:

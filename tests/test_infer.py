@@ -142,6 +142,20 @@ def test_auto_backend_with_a_memory_split_per_wave_gives_the_host_backends_outpu
     assert "device memory 2.0 MiB: KV cache" in result.stderr
 
 
+def test_speculative_decoding_gives_the_same_completions(tmp_path):
+    # the bundled model copies its prompt's word: prompt-lookup drafts of the rest of the word are accepted
+    words = ("abcdefgh", "hello", "mnopqrst", "xyzzy")
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": f"copy {w} >"} for w in words])
+    plain_out, speculative_out = tmp_path / "plain.jsonl", tmp_path / "speculative.jsonl"
+    infer("--prompts", prompts, "--out", plain_out, "--batch-size", 2)
+    result = infer("--prompts", prompts, "--out", speculative_out, "--batch-size", 2, "--draft-tokens", 7)
+    completions = [
+        [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()] for f in (plain_out, speculative_out)
+    ]
+    assert completions[0] == completions[1]
+    assert "speculative decoding: " in result.stderr and " drafts accepted" in result.stderr
+
+
 def test_hybrid_takes_a_placement_plan_and_moves_those_experts(tmp_path):
     prompts = write(tmp_path / "p.jsonl", [{"prompt": p} for p in ("copy abc >", "reverse hello >", "sort dcba >")])
     plan = tmp_path / "plan.json"
@@ -182,6 +196,7 @@ def test_bad_memory_settings_refused_before_loading_the_model(tmp_path, capsys):
         (["--wave-size", "0"], "--wave-size must be >= 1"),
         (["--device-memory-mb", "nan"], "--device-memory-mb must be a finite number > 0, got nan"),
         (["--host-threads", "1000000"], "--host-threads must be in [1, 4096], got 1000000"),
+        (["--draft-tokens", "16"], "--draft-tokens must be in [0, 15], got 16"),
     ):
         assert message in refusal(capsys, *flags, model=tmp_path / "no-such-model")
 

@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
+from moe_jax.generation.drafting import NgramDrafter
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
+from moe_jax.generation.speculation import Acceptance, DraftPolicy
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
@@ -131,6 +133,8 @@ class _Slot:
     reused: int
     out: list[int] = field(default_factory=list)
     fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
+    drafter: NgramDrafter | None = None  # its prompt-lookup drafts, with speculative decoding
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 @dataclass
@@ -143,19 +147,35 @@ class _Step:
     decoded: dict[int, _Slot]
     steps: int = 1
     ran: jax.Array | None = None  # a block that may end early: the steps it ran (on the device)
+    started: float = 0.0  # when it was dispatched (time.perf_counter)
 
 
 class Batch:
     """`slots` KV-cache rows over `engine` (a GenerationEngine whose steps are compiled and whose caches are
     `caches`). Not thread-safe: one thread admits and steps; other threads may only cancel jobs."""
 
-    def __init__(self, engine, slots: int, caches, shrink: bool = False, block_steps: int = BLOCK_STEPS):
+    def __init__(
+        self,
+        engine,
+        slots: int,
+        caches,
+        shrink: bool = False,
+        block_steps: int = BLOCK_STEPS,
+        drafts: DraftPolicy | None = None,
+    ):
         """`shrink`: decode only the slots up to the highest one in use (in powers of two, one compiled step
         each) rather than all of them: for a server, whose batch is mostly less than full; a fixed list of
         requests fills its batch but in its last steps, which would compile those steps for little.
-        `block_steps`: the most greedy steps per call (1: one step a call)."""
+        `block_steps`: the most greedy steps per call (1: one step a call). `drafts`: speculative decoding of
+        greedy jobs, as wide as this policy chooses (None: off)."""
         self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.block_steps = block_steps
+        self.drafts = drafts
+        # with drafts: the most steps the next plain call runs, doubled each time drafting is declined in a row (up
+        # to block_steps) and back to 1 after a verify step, so copying stretches are caught within a few tokens
+        # while text that never copies keeps its long blocks
+        self.plain_steps = 1
+        self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
@@ -171,9 +191,12 @@ class Batch:
         if len(admitted) < len(jobs):
             raise ValueError(f"{len(jobs)} jobs for {len(admitted)} free slots")
         start = time.perf_counter()
+        self.admitted_meanwhile = True
         self.caches, reused, first_logits = self.engine.prefill(self.caches, admitted)
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
+            if self.drafts is not None:
+                s.drafter = NgramDrafter(job.request.tokens)
             self.active[slot] = s
             self.take_chosen(slot, s, row)
 
@@ -183,15 +206,77 @@ class Batch:
                 self.finish(slot, s, "cancelled")
 
     def step(self):
-        """Decodes one token for every active slot (or reads the step in flight, when none can use another)."""
+        """Decodes one token for every active slot (or reads the step in flight, when none can use another); with
+        speculative decoding and every job greedy, as many as a verify step accepts where drafts pay."""
+        if self.drafts is not None and self.active and all(s.job.greedy for s in self.active.values()):
+            self.read_in_flight()
+            if self.active and self.speculate():
+                return
         step = self.dispatch()
         if self.in_flight is not None:
             self.read(self.in_flight)
         # (a block that may end early is read before the next dispatch, whose positions follow from its length)
         pipelined = step is not None and step.ran is None and all(s.job.greedy for s in step.decoded.values())
-        self.in_flight = step if pipelined else None
+        self.in_flight = step
         if step is not None and not pipelined:
-            self.read(step)
+            self.read_in_flight()
+
+    def read_in_flight(self):
+        """Reads the step in flight; with speculative decoding its seconds a token step count as a plain step's
+        time (unless a prefill ran meanwhile)."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return
+        ran = step.steps if step.ran is None else int(step.ran)
+        self.read(step)
+        if self.drafts is not None and not self.admitted_meanwhile and ran:
+            self.drafts.measured(1, (time.perf_counter() - step.started) / ran)
+
+    def speculate(self) -> bool:
+        """A verify step for every active slot (`GenerationSteps.verify`: its last token and its drafts), read at
+        once, each slot taking its tokens up to its first rejected draft and the model's own token there (exactly
+        greedy decoding's tokens); False where the draft policy says a plain step pays better. The KV written
+        for rejected drafts lies past the slot's position, where the next step overwrites it before any token
+        attends to it."""
+        drafts = {}
+        for slot, s in self.active.items():
+            to_go = s.job.request.max_new_tokens - len(s.out)
+            drafts[slot] = s.drafter.propose(min(self.drafts.widths[-1] - 1, to_go - 1))
+        width = self.drafts.choose([(s.acceptance, len(drafts[slot])) for slot, s in self.active.items()])
+        if width == 1:
+            self.plain_steps = min(2 * self.plain_steps, self.block_steps) if self.plain_steps else 1
+            return False
+        self.plain_steps = 0  # the next declined drafting: one plain step
+        rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
+        tokens = np.zeros((rows, width), np.int32)  # rows and places without drafts: padding, their output unread
+        positions = np.zeros((rows, width), np.int32)
+        adapters = self.engine.adapter_ids(rows)
+        for slot, s in self.active.items():
+            row = [s.out[-1], *drafts[slot][: width - 1]]
+            tokens[slot, : len(row)] = row
+            positions[slot] = s.position + np.arange(width)
+            if adapters is not None:
+                adapters[slot] = s.job.request.adapter
+        start = time.perf_counter()
+        chosen, self.caches = self.engine.verify(self.caches, tokens, positions, adapters)
+        chosen = np.asarray(chosen)
+        self.drafts.measured(width, time.perf_counter() - start)
+        stats = self.engine.stats
+        for slot, s in list(self.active.items()):
+            draft = drafts[slot][: width - 1]
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == chosen[slot, accepted]:
+                accepted += 1
+            s.acceptance.add(accepted, len(draft))
+            stats.drafted_tokens += len(draft)
+            stats.accepted_tokens += accepted
+            s.position += accepted + 1
+            for token in chosen[slot, : accepted + 1]:
+                self.take(slot, s, int(token), fresh=True)
+                stats.decode_tokens += 1
+                if self.active.get(slot) is not s:
+                    break
+        return True
 
     def dispatch(self) -> _Step | None:
         """Starts a decode step for the active slots, unless none of them could keep its output (the step in
@@ -206,6 +291,8 @@ class Batch:
             return None
         greedy = all(s.job.greedy for s in self.active.values())
         steps = max(1, min(self.block_steps, *to_go)) if greedy else 1
+        if self.drafts is not None:
+            steps = min(steps, max(self.plain_steps, 1))
         if any(s.job.on_token is not None for s in self.active.values()):
             steps = min(steps, HOST_STOP_STEPS)
         rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
@@ -223,11 +310,13 @@ class Batch:
             s.fresh = False
             positions[slot, 0] = s.position
             s.position += steps
+        self.admitted_meanwhile = False
+        started = time.perf_counter()
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode(
                 self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
             )
-            return _Step(logits, self.last_tokens, dict(self.active))
+            return _Step(logits, self.last_tokens, dict(self.active), started=started)
         watched = np.zeros(rows, bool)  # rows whose EOS ends the block: a job that ends there spends no more steps
         watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
         stop_ids = stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values())))
@@ -243,7 +332,7 @@ class Batch:
             stop_ids,
             watched,
         )
-        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None)
+        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started)
 
     def read(self, step: _Step):
         """Takes a decode step's tokens for the slots it decoded that are still theirs."""
@@ -302,6 +391,8 @@ class Batch:
         the token ends its sequence."""
         s.out.append(token)
         s.fresh = fresh
+        if s.drafter is not None:
+            s.drafter.extend((token,))
         if token in s.job.eos_ids:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):

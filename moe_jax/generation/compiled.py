@@ -35,6 +35,6 @@ class CompiledGeneration:
         self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
         return steps
 
-    def engine(self, slots: int, max_len: int, anchor_cache=None) -> GenerationEngine:
-        """A new engine (fresh stats) over the model's compiled steps."""
-        return GenerationEngine(self.model, slots, max_len, anchor_cache)
+    def engine(self, slots: int, max_len: int, anchor_cache=None, drafts: int = 0) -> GenerationEngine:
+        """A new engine (fresh stats) over the model's compiled steps (`drafts`: see GenerationEngine)."""
+        return GenerationEngine(self.model, slots, max_len, anchor_cache, drafts=drafts)

@@ -29,6 +29,7 @@ from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.anchor_rows import recurrent_rows, slot_rows, state_stops, store_anchors
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.generation.prefill_pieces import piece, piece_ends
+from moe_jax.generation.speculation import DraftPolicy
 from moe_jax.model.delta_net import prompt_token_counts
 from moe_jax.model.layers import native_prefill
 from moe_jax.model.served_adapters import adapter_rows
@@ -53,6 +54,13 @@ class EngineStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_calls: int = 0  # dispatches: a block of greedy steps is one
+    drafted_tokens: int = 0  # drafts verified by speculative steps
+    accepted_tokens: int = 0  # ... and accepted
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of verified drafts accepted (None before any)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
     def add(self, other: EngineStats):
         for name in self.__dataclass_fields__:
@@ -61,8 +69,17 @@ class EngineStats:
 
 class GenerationEngine:
     def __init__(
-        self, model, slots: int, max_len: int, anchor_cache: AnchorCache | None = None, block_steps: int = BLOCK_STEPS
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        anchor_cache: AnchorCache | None = None,
+        block_steps: int = BLOCK_STEPS,
+        drafts: int = 0,
+        draft_policy: str = "cost",
     ):
+        """`drafts`: the most prompt-lookup drafts a greedy sequence's step verifies (0: no speculative decoding),
+        as many as `draft_policy` says pay (generation/speculation.py)."""
         if model.expert_shard is not None:
             raise InputError(
                 f"this process holds only {model.expert_shard.describe()}: generation over expert shards is not "
@@ -71,6 +88,14 @@ class GenerationEngine:
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
         self.block_steps = block_steps  # greedy decode steps per call in its batches (Batch)
+        if drafts and model.config.linear_layers:
+            raise InputError(
+                "speculative decoding (drafts) is not built for models with linear-attention layers: their "
+                "recurrent state would need rolling back past rejected drafts"
+            )
+        if drafts:
+            DraftPolicy(drafts, draft_policy)  # checks both
+        self.drafts, self.draft_policy = drafts, draft_policy
         # None: a prefill step as wide as its prompts need (each new width compiles once); else only these widths,
         # the narrowest that holds the prompts (a server compiles them before it opens: no request waits for XLA)
         self.prefill_widths: tuple[int, ...] | None = None
@@ -170,7 +195,9 @@ class GenerationEngine:
         # changes the structure; the model keeps the steps of each structure it has had)
         self._steps = model.generation.steps()
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
-            yield Batch(self, slots, caches, shrink, self.block_steps if block_steps is None else block_steps)
+            block_steps = self.block_steps if block_steps is None else block_steps
+            policy = DraftPolicy(self.drafts, self.draft_policy) if self.drafts else None
+            yield Batch(self, slots, caches, shrink, block_steps, policy)
 
     def decode(
         self,
@@ -202,6 +229,16 @@ class GenerationEngine:
             return self._steps.decode(*args, rows=rows)
         block = max(block, steps)
         return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=block)
+
+    def verify(self, caches, tokens, positions, adapters: np.ndarray | None = None):
+        """Dispatches a speculative step for as many slots as `tokens` [rows, width] has rows
+        (`GenerationSteps.verify`): (the argmax after each token [rows, width], caches)."""
+        if self.stats.decode_steps % CACHE_REFRESH_STEPS + 1 >= CACHE_REFRESH_STEPS:
+            self.model.refresh_expert_cache()
+        self.stats.decode_steps += 1
+        self.stats.decode_calls += 1
+        rows = len(tokens) if len(tokens) < caches[0][0].shape[0] else None  # None: every slot
+        return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
 
     def _prefill_width(self, tokens: int) -> int:
         """The width of a prefill step for `tokens` tokens a row. Chunked prefill: long prompts go through in
@@ -307,6 +344,7 @@ class GenerationSteps(NamedTuple):
     decode: Callable
     decode_block: Callable
     write_prefix: Callable
+    verify: Callable
 
 
 def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
@@ -390,6 +428,23 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ran, out, last, caches, _ = jax.lax.while_loop(go_on, step, (jnp.int32(0), out, last_tokens, caches, False))
         return out, last, caches, ran
 
+    def verify(leaves, caches, tokens, positions, adapters=None, rows=None):
+        """A speculative step: each of the first `rows` slots' (None: all) tokens [rows, width] at consecutive
+        `positions` (its last token, then its drafts) through the model at once, their KV written; returns (the
+        argmax after each token [rows, width], caches). The dense products take the native kernels as a prefill's
+        do, whose rows are the decode steps' rows (the same sums a token)."""
+        every = rows is None or rows == caches[0][0].shape[0]
+        part = caches if every else [tuple(a[:rows] for a in layer) for layer in caches]
+        with native_prefill(), adapter_rows(adapters):
+            logits, part = merged(leaves)(tokens, positions, part)
+        if not every:
+            part = [
+                tuple(a.at[:rows].set(p) for a, p in zip(layer, layer_part, strict=True))
+                for layer, layer_part in zip(caches, part, strict=True)
+            ]
+        b, width, vocab = logits.shape
+        return argmax_tokens(logits.reshape(b * width, vocab), native_argmax).reshape(b, width), part
+
     def write_prefix(caches, slot, prefix):
         """Writes each layer's rows (`slot_rows`: the anchor cache's prefix) at the start of one slot."""
 
@@ -414,4 +469,5 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},
         ),
         jax.jit(write_prefix, donate_argnums=0),
+        jax.jit(verify, donate_argnums=1, static_argnames="rows"),
     )

@@ -25,10 +25,13 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     adapter: str | list[str | None] | None = None,
+    draft_tokens: int = 0,
 ) -> list:
     """Generates for a batch of prompts (`Model.generate`): token-id lists give token-id lists, strings give
     strings. Greedy by default; prompt i samples with seed `seed + i`. `adapter`: a served adapter's name
-    (`Model.serve_adapters`) for every prompt, or one per prompt (None: the model as loaded)."""
+    (`Model.serve_adapters`) for every prompt, or one per prompt (None: the model as loaded). `draft_tokens`:
+    speculative decoding of greedy generation with up to that many prompt-lookup drafts a step, as many as pay
+    (the same outputs; generation/speculation.py)."""
     check_sampling(temperature, top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -49,7 +52,9 @@ def generate(
     if len(names) != len(prompts):
         raise InputError(f"{len(names)} adapters for {len(prompts)} prompts: give one per prompt, or one name")
     adapters = [model.adapter_index(name) for name in names]
-    completions = generate_tokens(model, token_prompts, max_new_tokens, temperature, top_p, seed, adapters=adapters)
+    completions = generate_tokens(
+        model, token_prompts, max_new_tokens, temperature, top_p, seed, adapters=adapters, drafts=draft_tokens
+    )
     outputs = [c.tokens for c in completions]
     if as_text:
         return [model.tokenizer.decode(o) for o in outputs]
@@ -69,12 +74,14 @@ def generate_tokens(
     slots: int | None = None,
     anchor_cache=None,
     adapters: list[int] | None = None,
+    drafts: int = 0,
 ) -> list[Completion]:
     """Generates for each prompt until EOS, `should_stop(index, tokens)` or `max_new_tokens`, with continuous
     batching over `slots` KV-cache rows (default: up to 16). Prompt i samples with seed `seed + i` and, with
     `adapters`, through served adapter `adapters[i]` (`Model.adapter_index`).
 
-    `timings`, when given, receives prefill/decode seconds and token counts (added to what it holds).
+    `timings`, when given, receives prefill/decode seconds and token counts (added to what it holds). `drafts`:
+    speculative decoding (GenerationEngine).
     """
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > model.config.max_position_embeddings:
@@ -82,7 +89,7 @@ def generate_tokens(
             f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the context window "
             f"({model.config.max_position_embeddings})"
         )
-    engine = model.engine(slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache)
+    engine = model.engine(slots or min(len(prompts), 16), longest + max_new_tokens, anchor_cache, drafts)
     adapters = adapters or [NO_ADAPTER] * len(prompts)
     pairs = enumerate(zip(prompts, adapters, strict=True))
     requests = [Request(list(p), max_new_tokens, seed + i, adapter=a) for i, (p, a) in pairs]

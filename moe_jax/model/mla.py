@@ -6,9 +6,10 @@ key shared by all heads (`rope_dim` values): that pair is what the KV cache hold
 
 Two forms of the same function:
 - expanded (training, prefill): the latent is multiplied out to per-head keys and values by `kv_b_proj`;
-- absorbed (a decode step over the cache): `kv_b_proj`'s key half is folded into the query and its value half
-  applied after attention, so a step reads the compressed cache as is and never expands it (the DeepSeek-V2
-  paper's "absorb" trick). The plan chooses (`ExecutionPlan.mla_decode`); the two agree to float rounding.
+- absorbed (steps of a few tokens over the cache: decode, speculative verification): `kv_b_proj`'s key half is
+  folded into the query and its value half applied after attention, so a step reads the compressed cache as is and
+  never expands it (the DeepSeek-V2 paper's "absorb" trick). The plan chooses (`ExecutionPlan.mla_decode`); the
+  two agree to float rounding.
 
 DeepSeek-V3.2 adds a lightning indexer (model/sparse_indexer.py): each query attends only to the tokens it
 selects, and its per-token key is cached beside the latent.
@@ -26,6 +27,10 @@ from moe_jax.model.config import MLA
 from moe_jax.model.layers import Projection, RMSNorm, attend, chunked_causal_attention, write_positions
 from moe_jax.model.rope import Rope
 from moe_jax.model.sparse_indexer import LightningIndexer
+
+# steps of up to this many tokens a row over the cache (decode, a speculative step's token and drafts) take the
+# absorbed form, as many queries as that against the compressed cache; prefill pieces (wider) the expanded one
+ABSORBED_TOKENS = 16
 
 
 class MLAttention(nnx.Module):
@@ -87,7 +92,7 @@ class MLAttention(nnx.Module):
             latent_bsr, rope_bsp = cache[0][:, 0].astype(q.dtype), cache[1][:, 0].astype(q.dtype)
             index_keys_bsk = cache[2][:, 0] if self.indexer is not None else None
             chosen = self._sparse_choice(x_btd, q_latent, cos, sin, index_keys_bsk, positions_bt, key_pos_bs)
-            if t == 1 and self.absorbed_decode:
+            if t <= ABSORBED_TOKENS and self.absorbed_decode:
                 out = self._absorbed(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, chosen)
             else:
                 out = self._expanded(q, latent_bsr, rope_bsp, positions_bt, key_pos_bs, False, chosen)
@@ -116,40 +121,48 @@ class MLAttention(nnx.Module):
             out = attend(q_bht1d, k_bhsd, v_bhsd, q_pos_bt, k_pos_bs, None, self.scale, key_mask=chosen_bts)
         return out[:, :, :, 0].transpose(0, 2, 1, 3)
 
-    def _absorbed(self, q_b1hd, latent_bsr, rope_bsp, q_pos_b1, k_pos_bs, chosen_b1s=None):
-        """One query per row against the compressed cache: [b, 1, h, v_dim]."""
+    def _absorbed(self, q_bthd, latent_bsr, rope_bsp, q_pos_bt, k_pos_bs, chosen_bts=None):
+        """A few queries per row (a decode step's one, a speculative step's token and drafts) against the
+        compressed cache: [b, t, h, v_dim]. The t queries and heads are one axis of rows, so each query's products
+        are those of a one-token step."""
         m, h = self.mla, self.num_heads
-        w = self.kv_b_proj.merged_weight().astype(q_b1hd.dtype).reshape(m.kv_lora_rank, h, m.nope_dim + m.v_dim)
+        b, t = q_bthd.shape[:2]
+        w = self.kv_b_proj.merged_weight().astype(q_bthd.dtype).reshape(m.kv_lora_rank, h, m.nope_dim + m.v_dim)
         w_uk_rhn, w_uv_rhv = w[..., : m.nope_dim], w[..., m.nope_dim :]
-        q = q_b1hd[:, 0]
+        q = q_bthd.reshape(b * t, h, m.qk_dim)
         f32 = jnp.float32
         q_latent_bhr = jnp.einsum("bhn,rhn->bhr", q[..., : m.nope_dim], w_uk_rhn, preferred_element_type=f32)
-        served = self._served_absorbed(q.shape[0])
+        served = self._served_absorbed(b, t)
         if served is not None:
             q_latent_bhr += served.query(q[..., : m.nope_dim])
-        scores = jnp.einsum("bhr,bsr->bhs", q_latent_bhr.astype(q.dtype), latent_bsr, preferred_element_type=f32)
-        scores += jnp.einsum("bhp,bsp->bhs", q[..., m.nope_dim :], rope_bsp, preferred_element_type=f32)
-        allowed = k_pos_bs <= q_pos_b1  # [b, s]
-        if chosen_b1s is not None:
-            allowed &= chosen_b1s[:, 0]
-        scores = jnp.where(allowed[:, None], scores * self.scale, jnp.finfo(f32).min)
+        q_latent_bmr = q_latent_bhr.astype(q.dtype).reshape(b, t * h, m.kv_lora_rank)
+        scores = jnp.einsum("bmr,bsr->bms", q_latent_bmr, latent_bsr, preferred_element_type=f32)
+        q_rope_bmp = q[..., m.nope_dim :].reshape(b, t * h, m.rope_dim)
+        scores += jnp.einsum("bmp,bsp->bms", q_rope_bmp, rope_bsp, preferred_element_type=f32)
+        allowed = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]  # [b, t, s]
+        if chosen_bts is not None:
+            allowed &= chosen_bts
+        allowed = jnp.repeat(allowed, h, axis=1)  # [b, t * h, s]: query-major, as the rows
+        scores = jnp.where(allowed, scores * self.scale, jnp.finfo(f32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        context_bhr = jnp.einsum("bhs,bsr->bhr", probs, latent_bsr, preferred_element_type=f32).astype(q.dtype)
+        context_bmr = jnp.einsum("bms,bsr->bmr", probs, latent_bsr, preferred_element_type=f32).astype(q.dtype)
+        context_bhr = context_bmr.reshape(b * t, h, m.kv_lora_rank)
         out = jnp.einsum("bhr,rhv->bhv", context_bhr, w_uv_rhv, preferred_element_type=f32)
         if served is not None:
             out += served.output(context_bhr)
-        return out.astype(q.dtype)[:, None]
+        return out.astype(q.dtype).reshape(b, t, h, m.v_dim)
 
-    def _served_absorbed(self, rows: int):
-        """The rows' per-request adapters on kv_b_proj in the absorbed form, or None (none served, or none chosen
-        in this step)."""
+    def _served_absorbed(self, rows: int, tokens: int):
+        """The rows' per-request adapters on kv_b_proj in the absorbed form, each row's repeated for its `tokens`
+        queries, or None (none served, or none chosen in this step)."""
         served = self.kv_b_proj.served
         weights = served.row_weights((rows,)) if served is not None else None
         if weights is None:
             return None
         m = self.mla
         b_jhd = served.b[...].reshape(-1, self.num_heads, m.nope_dim + m.v_dim)
-        return AbsorbedAdapters(served.a[...], b_jhd[..., : m.nope_dim], b_jhd[..., m.nope_dim :], *weights)
+        mask_bj, scale_b = (jnp.repeat(x, tokens, axis=0) for x in weights)
+        return AbsorbedAdapters(served.a[...], b_jhd[..., : m.nope_dim], b_jhd[..., m.nope_dim :], mask_bj, scale_b)
 
 
 class AbsorbedAdapters(NamedTuple):

@@ -114,6 +114,15 @@ class _LiveCollector:
             value=self.metrics.tokens_per_second(),
         )
         yield CounterMetricFamily("moe_jax_decode_steps", "Decode steps run", value=stats.steps)
+        engine = service.scheduler.engine.stats
+        yield CounterMetricFamily(
+            "moe_jax_draft_tokens", "Prompt-lookup drafts verified by speculative steps", value=engine.drafted_tokens
+        )
+        yield CounterMetricFamily(
+            "moe_jax_accepted_draft_tokens",
+            "Verified drafts accepted (the model's own tokens)",
+            value=engine.accepted_tokens,
+        )
         yield CounterMetricFamily(
             "moe_jax_step_failures", "Steps that failed (their requests got errors)", value=stats.failures
         )

@@ -59,8 +59,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, model, slots: int, max_len: int, anchor_cache=None, max_queue: int = 256):
-        self.engine = GenerationEngine(model, slots, max_len, anchor_cache)
+    def __init__(self, model, slots: int, max_len: int, anchor_cache=None, max_queue: int = 256, drafts: int = 0):
+        self.engine = GenerationEngine(model, slots, max_len, anchor_cache, drafts=drafts)
         self.slots = self.engine.slots_that_fit()
         self.max_queue = max_queue
         self.stats = SchedulerStats()

@@ -47,6 +47,7 @@ class Limits:
     max_model_len: int | None = None  # default: the model's context window
     anchor_cache_bytes: int = 512 << 20
     max_prompt_chars: int | None = None  # default: the context times the longest token's characters
+    draft_tokens: int = 0  # speculative decoding of greedy requests: the most prompt-lookup drafts a step (0: off)
 
 
 class Service:
@@ -64,7 +65,9 @@ class Service:
             anchors = anchor_token_ids(self.tokenizer)
             if anchors:
                 self.anchor_cache = AnchorCache(anchors, limits.anchor_cache_bytes)
-        self.scheduler = Scheduler(model, limits.max_batch, self.context, self.anchor_cache, limits.max_queue)
+        self.scheduler = Scheduler(
+            model, limits.max_batch, self.context, self.anchor_cache, limits.max_queue, limits.draft_tokens
+        )
         self.dialect = Dialect.of_template(self.tokenizer.chat_template if self.tokenizer else None)
         self.special_ids = special_token_ids(self.tokenizer, keep=self.dialect.markers)
         self.max_prompt_chars = limits.max_prompt_chars or self.context * longest_token_chars(self.tokenizer)
