@@ -150,7 +150,8 @@ def test_speculative_decoding_gives_the_same_completions(tmp_path):
     infer("--prompts", prompts, "--out", plain_out, "--batch-size", 2)
     result = infer("--prompts", prompts, "--out", speculative_out, "--batch-size", 2, "--draft-tokens", 7)
     completions = [
-        [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()] for f in (plain_out, speculative_out)
+        [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()]
+        for f in (plain_out, speculative_out)
     ]
     assert completions[0] == completions[1]
     assert "speculative decoding: " in result.stderr and " drafts accepted" in result.stderr

@@ -24,17 +24,50 @@ def test_the_drafter_continues_the_latest_occurrence_of_the_longest_suffix():
     assert drafter.propose(0) == []
 
 
+def timed(policy, rows, width, seconds):
+    """Feeds the policy a call's time twice: the first of each kind is left out (it compiles)."""
+    for _ in range(2):
+        if width == 1:
+            policy.plain_call(rows, 1, seconds)
+        else:
+            policy.measured(rows, width, seconds)
+
+
 def test_the_policy_drafts_only_where_it_pays():
     policy = DraftPolicy(max_drafts=7)
     hopeful, hopeless = Acceptance(9, 10), Acceptance(0, 50)
-    assert policy.choose([(hopeful, 7)]) == 1  # no plain step timed yet
-    policy.measured(1, 0.010)
-    assert policy.choose([(hopeful, 7)]) == 8  # unmeasured widths are guessed at the plain step's cost
-    assert policy.choose([(hopeful, 0)]) == 1  # no drafts: nothing to verify
+    assert policy.choose([(hopeful, 7)], 1, rows=1) == 1  # no plain call timed yet
+    policy.plain_call(1, 1, 10.0)  # a first call compiles: left out
+    assert policy.choose([(hopeful, 7)], 1, rows=1) == 1
+    policy.plain_call(1, 1, 0.010)
+    assert policy.choose([(hopeful, 7)], 1, rows=1) == 8  # unmeasured widths are guessed at a one-step call's cost
+    assert policy.choose([(hopeful, 7)], 1, rows=2) == 1  # another row count is another step, not timed yet
+    assert policy.choose([(hopeful, 0)], 1, rows=1) == 1  # no drafts: nothing to verify
     for width, seconds in ((2, 0.011), (4, 0.013), (8, 0.030)):
-        policy.measured(width, seconds)
-    assert policy.choose([(hopeful, 7)]) == 4  # 8 wide costs 3x a plain step: 4 wide yields more per second
-    assert policy.choose([(hopeless, 7)]) == 1
+        timed(policy, 1, width, seconds)
+    assert policy.choose([(hopeful, 7)], 1, rows=1) == 4  # 8 wide costs 3x a plain step: 4 wide yields more
+    assert policy.choose([(hopeless, 7)], 1, rows=1) == 1
+    assert not policy.worth_a_look([hopeless], 1, rows=1)  # the batch need not wait for its step in flight
+
+
+def test_the_policy_weighs_drafts_against_a_block_of_plain_steps():
+    # calls of 1 and 8 steps: 4 ms fixed and 1 ms a step; a verify step costs a call's fixed part every time
+    policy = DraftPolicy(max_drafts=3)
+    for steps in (1, 1, 8, 1, 8):
+        policy.plain_call(4, steps, 0.004 + 0.001 * steps)
+    assert abs(policy.plain[4].seconds(32) - 0.036) < 1e-9
+    timed(policy, 4, 4, 0.006)
+    middling = Acceptance(6, 10)  # 2.18 tokens a 4-wide step: 363 a second against 200 one step a call...
+    assert policy.choose([(middling, 3)], plain_steps=1, rows=4) == 4
+    assert policy.choose([(middling, 3)], plain_steps=32, rows=4) == 1  # ...but a 32-step block yields 889
+
+
+def test_new_sequences_start_from_the_acceptance_so_far():
+    policy = DraftPolicy(max_drafts=3)
+    first = policy.new_sequence()
+    assert first.rate == 0.5
+    policy.record(first, 1, 20)
+    assert policy.new_sequence().rate == policy.overall.rate == 2 / 22
 
 
 # every family without a recurrent state: grouped-query attention (with sliding windows and sinks: gpt_oss; q/k

@@ -148,6 +148,7 @@ class _Step:
     steps: int = 1
     ran: jax.Array | None = None  # a block that may end early: the steps it ran (on the device)
     started: float = 0.0  # when it was dispatched (time.perf_counter)
+    rows: int = 0  # the rows it computed
 
 
 class Batch:
@@ -196,7 +197,7 @@ class Batch:
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
             if self.drafts is not None:
-                s.drafter = NgramDrafter(job.request.tokens)
+                s.drafter, s.acceptance = NgramDrafter(job.request.tokens), self.drafts.new_sequence()
             self.active[slot] = s
             self.take_chosen(slot, s, row)
 
@@ -209,9 +210,13 @@ class Batch:
         """Decodes one token for every active slot (or reads the step in flight, when none can use another); with
         speculative decoding and every job greedy, as many as a verify step accepts where drafts pay."""
         if self.drafts is not None and self.active and all(s.job.greedy for s in self.active.values()):
-            self.read_in_flight()
-            if self.active and self.speculate():
-                return
+            acceptances = [s.acceptance for s in self.active.values()]
+            if self.drafts.worth_a_look(acceptances, self.plain_call_steps(), self.step_rows()):
+                self.read_in_flight()
+                if self.active and self.speculate():
+                    return
+            else:  # long pipelined blocks while drafting would not pay
+                self.plain_steps = self.block_steps
         step = self.dispatch()
         if self.in_flight is not None:
             self.read(self.in_flight)
@@ -230,24 +235,36 @@ class Batch:
         ran = step.steps if step.ran is None else int(step.ran)
         self.read(step)
         if self.drafts is not None and not self.admitted_meanwhile and ran:
-            self.drafts.measured(1, (time.perf_counter() - step.started) / ran)
+            self.drafts.plain_call(step.rows, ran, time.perf_counter() - step.started)
+
+    def step_rows(self) -> int:
+        """The rows a step computes: every slot, or with `shrink` those up to the highest in use (a power of two)."""
+        return min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
+
+    def plain_call_steps(self) -> int:
+        """The steps a plain call would run now: a block as long as the job nearest its end allows."""
+        return max(1, min(self.block_steps, *(s.job.request.max_new_tokens - len(s.out) for s in self.active.values())))
 
     def speculate(self) -> bool:
         """A verify step for every active slot (`GenerationSteps.verify`: its last token and its drafts), read at
         once, each slot taking its tokens up to its first rejected draft and the model's own token there (exactly
         greedy decoding's tokens); False where the draft policy says a plain step pays better. The KV written
         for rejected drafts lies past the slot's position, where the next step overwrites it before any token
-        attends to it."""
-        drafts = {}
-        for slot, s in self.active.items():
-            to_go = s.job.request.max_new_tokens - len(s.out)
-            drafts[slot] = s.drafter.propose(min(self.drafts.widths[-1] - 1, to_go - 1))
-        width = self.drafts.choose([(s.acceptance, len(drafts[slot])) for slot, s in self.active.items()])
+        attends to it. The policy learns the width's cost from the whole call, drafting and bookkeeping included:
+        unlike a plain block's, none of it overlaps the device's work."""
+        start = time.perf_counter()
+        longest = self.drafts.widths[-1] - 1
+        drafts = {
+            slot: s.drafter.propose(min(longest, s.job.request.max_new_tokens - len(s.out) - 1))
+            for slot, s in self.active.items()
+        }
+        candidates = [(s.acceptance, len(drafts[slot])) for slot, s in self.active.items()]
+        rows = self.step_rows()
+        width = self.drafts.choose(candidates, self.plain_call_steps(), rows)
         if width == 1:
             self.plain_steps = min(2 * self.plain_steps, self.block_steps) if self.plain_steps else 1
             return False
         self.plain_steps = 0  # the next declined drafting: one plain step
-        rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
         tokens = np.zeros((rows, width), np.int32)  # rows and places without drafts: padding, their output unread
         positions = np.zeros((rows, width), np.int32)
         adapters = self.engine.adapter_ids(rows)
@@ -257,17 +274,15 @@ class Batch:
             positions[slot] = s.position + np.arange(width)
             if adapters is not None:
                 adapters[slot] = s.job.request.adapter
-        start = time.perf_counter()
         chosen, self.caches = self.engine.verify(self.caches, tokens, positions, adapters)
         chosen = np.asarray(chosen)
-        self.drafts.measured(width, time.perf_counter() - start)
         stats = self.engine.stats
         for slot, s in list(self.active.items()):
             draft = drafts[slot][: width - 1]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == chosen[slot, accepted]:
                 accepted += 1
-            s.acceptance.add(accepted, len(draft))
+            self.drafts.record(s.acceptance, accepted, len(draft))
             stats.drafted_tokens += len(draft)
             stats.accepted_tokens += accepted
             s.position += accepted + 1
@@ -276,6 +291,7 @@ class Batch:
                 stats.decode_tokens += 1
                 if self.active.get(slot) is not s:
                     break
+        self.drafts.measured(rows, width, time.perf_counter() - start)
         return True
 
     def dispatch(self) -> _Step | None:
@@ -295,7 +311,7 @@ class Batch:
             steps = min(steps, max(self.plain_steps, 1))
         if any(s.job.on_token is not None for s in self.active.values()):
             steps = min(steps, HOST_STOP_STEPS)
-        rows = min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
+        rows = self.step_rows()
         host_tokens = np.zeros((rows, 1), np.int32)
         from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
         positions = np.zeros((rows, 1), np.int32)
@@ -316,7 +332,7 @@ class Batch:
             logits, self.last_tokens, self.caches = self.engine.decode(
                 self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
             )
-            return _Step(logits, self.last_tokens, dict(self.active), started=started)
+            return _Step(logits, self.last_tokens, dict(self.active), started=started, rows=rows)
         watched = np.zeros(rows, bool)  # rows whose EOS ends the block: a job that ends there spends no more steps
         watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
         stop_ids = stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values())))
@@ -332,7 +348,7 @@ class Batch:
             stop_ids,
             watched,
         )
-        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started)
+        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started, rows)
 
     def read(self, step: _Step):
         """Takes a decode step's tokens for the slots it decoded that are still theirs."""

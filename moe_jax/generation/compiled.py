@@ -8,6 +8,7 @@ import weakref
 import jax
 
 from moe_jax.generation.engine import GenerationEngine, compile_generation_steps
+from moe_jax.generation.speculation import DraftPolicy
 
 KEPT_STRUCTURES = 4
 
@@ -19,6 +20,7 @@ class CompiledGeneration:
         # reference counting frees them)
         self._model = weakref.ref(model)
         self._steps = []  # [(graphdef, generation steps)], most recent first
+        self._draft_policies: dict[tuple[int, str], DraftPolicy] = {}
 
     @property
     def model(self):
@@ -34,6 +36,14 @@ class CompiledGeneration:
         steps = compile_generation_steps(model.graphdef, jax.tree.structure(model.state), model.plan.argmax)
         self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
         return steps
+
+    def draft_policy(self, drafts: int, policy: str) -> DraftPolicy:
+        """The model's speculative-decoding policy for these settings, kept from engine to engine: what it has
+        measured of this model's steps on this machine, and of its workload's acceptance, stays learned."""
+        key = (drafts, policy)
+        if key not in self._draft_policies:
+            self._draft_policies[key] = DraftPolicy(drafts, policy)
+        return self._draft_policies[key]
 
     def engine(self, slots: int, max_len: int, anchor_cache=None, drafts: int = 0) -> GenerationEngine:
         """A new engine (fresh stats) over the model's compiled steps (`drafts`: see GenerationEngine)."""

@@ -196,7 +196,7 @@ class GenerationEngine:
         self._steps = model.generation.steps()
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
             block_steps = self.block_steps if block_steps is None else block_steps
-            policy = DraftPolicy(self.drafts, self.draft_policy) if self.drafts else None
+            policy = model.generation.draft_policy(self.drafts, self.draft_policy) if self.drafts else None
             yield Batch(self, slots, caches, shrink, block_steps, policy)
 
     def decode(

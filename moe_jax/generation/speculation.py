@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from moe_jax.errors import InputError
 
 MAX_DRAFTS = 15  # the most drafts a row's step verifies
-TIME_WEIGHT = 0.2  # weight of the newest measurement in a width's running step time
-PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a new sequence's acceptance rate starts at 1/2, worth two drafts
+TIME_WEIGHT = 0.2  # weight of the newest measurement in a running step time
+PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a first sequence's acceptance rate starts at 1/2, worth two drafts
+OUTLIER = 10.0  # a call this many times slower than its estimate is not counted (a compilation)
+EXPLORE_EVERY = 64  # decisions between verify steps taken whatever the cost (a workload can start copying)
 
 
 @dataclass
@@ -44,11 +48,38 @@ class Acceptance:
 POLICIES = ("cost", "always")
 
 
+class PlainCalls:
+    """Plain decode calls' seconds as a call's fixed cost plus a cost per step, fitted by least squares to the
+    calls measured (a block of many steps pays the fixed cost once; a verify step pays it every time), the recent
+    ones weighted most."""
+
+    def __init__(self):
+        self.sums = np.zeros(5)  # weight, steps, seconds, steps^2, steps x seconds
+
+    def add(self, steps: int, seconds: float):
+        self.sums = (1 - TIME_WEIGHT) * self.sums + np.array([1, steps, seconds, steps * steps, steps * seconds])
+
+    def seconds(self, steps: int) -> float:
+        """A call of `steps` steps: from the fit where the calls measured had different lengths, else in proportion
+        to their seconds a step."""
+        w, s, t, ss, st = self.sums
+        spread = w * ss - s * s
+        if spread > 1e-9 * max(w * ss, 1.0):
+            per_step = (w * st - s * t) / spread
+            fixed = (t - per_step * s) / w
+            if per_step > 0 and fixed >= 0:
+                return fixed + per_step * steps
+        return t / s * steps
+
+
 class DraftPolicy:
-    """The width of the next step from measured step times and the rows' acceptance ("cost"). Widths not measured
-    yet are tried where their guessed cost (the plain step's time) would pay; a width then keeps a running mean of
-    its measured seconds. "always": the narrowest width that holds every row's drafts, whatever it costs (to
-    measure acceptance, and for tests)."""
+    """The width of the next step from measured step times and the rows' acceptance ("cost"): a verify step's
+    expected tokens a second against those of the plain call that would run instead (a block of up to
+    `block_steps` steps, `PlainCalls`). Widths not measured yet are tried where their guessed cost (a one-step
+    plain call's) would pay; a width then keeps a running mean of its measured seconds. A new sequence starts from
+    the acceptance of those before it, and every EXPLORE_EVERY-th decision verifies whatever the cost, so a
+    workload that never copies stops drafting and one that starts to is seen. "always": the narrowest width that
+    holds every row's drafts, whatever it costs (to measure acceptance, and for tests)."""
 
     def __init__(self, max_drafts: int, policy: str = "cost"):
         if not 1 <= max_drafts <= MAX_DRAFTS:
@@ -58,24 +89,69 @@ class DraftPolicy:
         # tokens a row in a step: 1 (a plain step), then powers of two and the widest (each width compiles once)
         self.widths = tuple(sorted({1 << i for i in range(5) if 1 << i <= max_drafts} | {max_drafts + 1}))
         self.always = policy == "always"
-        self.seconds: dict[int, float] = {}
+        # costs by the step's rows (each row count is its own compiled step, and costs its own): plain calls',
+        # verify steps' by (rows, width); the first call of each compiled step is left out (it compiles), as is a
+        # call far slower than its kind's estimate (a compilation the policy did not see coming)
+        self.plain: dict[int, PlainCalls] = {}
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.seen: set[tuple[int, int]] = set()
+        self.overall = Acceptance()  # every sequence's drafts
+        self.decisions = 0
+        self.exploring = False  # this decision verifies whatever the cost
 
-    def measured(self, width: int, seconds: float):
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+    def new_sequence(self) -> Acceptance:
+        """A new sequence's acceptance: the rate so far, worth two drafts."""
+        return Acceptance(PRIOR_DRAFTED * self.overall.rate, PRIOR_DRAFTED)
 
-    def choose(self, rows: list[tuple[Acceptance, int]]) -> int:
-        """The width for rows given as (acceptance, drafts available): 1 until a plain step has been timed."""
-        if self.always:
-            longest = max((n for _, n in rows), default=0)
+    def record(self, acceptance: Acceptance, accepted: int, drafted: int):
+        acceptance.add(accepted, drafted)
+        self.overall.add(accepted, drafted)
+
+    def _first(self, key: tuple[int, int]) -> bool:
+        first = key not in self.seen
+        self.seen.add(key)
+        return first
+
+    def plain_call(self, rows: int, steps: int, seconds: float):
+        """A plain call of `steps` steps over `rows` rows took `seconds`."""
+        if self._first((rows, -1 if steps == 1 else 0)):  # one step and a block are different compiled steps
+            return
+        plain = self.plain.setdefault(rows, PlainCalls())
+        if not plain.sums[0] or seconds < OUTLIER * plain.seconds(steps):
+            plain.add(steps, seconds)
+
+    def measured(self, rows: int, width: int, seconds: float):
+        """A verify step `width` tokens wide over `rows` rows took `seconds`, its drafting and bookkeeping in."""
+        if self._first((rows, width)):
+            return
+        old = self.seconds.get((rows, width))
+        if old is None:
+            self.seconds[rows, width] = seconds
+        elif seconds < OUTLIER * old:
+            self.seconds[rows, width] = (1 - TIME_WEIGHT) * old + TIME_WEIGHT * seconds
+
+    def worth_a_look(self, acceptances: list[Acceptance], plain_steps: int, rows: int) -> bool:
+        """Whether drafts could pay for these sequences (at their running rates and the most drafts a step takes),
+        or it is time to explore: only then does the batch wait for its step in flight to draft."""
+        self.decisions += 1
+        self.exploring = self.decisions % EXPLORE_EVERY == 0
+        if self.always or self.exploring or rows not in self.plain:
+            return True
+        return self.choose([(a, self.widths[-1] - 1) for a in acceptances], plain_steps, rows) > 1
+
+    def choose(self, candidates: list[tuple[Acceptance, int]], plain_steps: int, rows: int) -> int:
+        """The width for sequences given as (acceptance, drafts available) in a step of `rows` rows, where a plain
+        call instead would run `plain_steps` steps: 1 (that plain call) until plain calls have been timed."""
+        if self.always or self.exploring:
+            longest = max((n for _, n in candidates), default=0)
             return 1 if not longest else next((w for w in self.widths if w > longest), self.widths[-1])
-        plain = self.seconds.get(1)
+        plain = self.plain.get(rows)
         if plain is None:
             return 1
-        best, best_rate = 1, len(rows) / plain
+        best, best_rate = 1, len(candidates) * plain_steps / plain.seconds(plain_steps)
         for width in self.widths[1:]:
-            tokens = sum(a.expected_tokens(min(width - 1, n)) for a, n in rows)
-            rate = tokens / self.seconds.get(width, plain)
+            tokens = sum(a.expected_tokens(min(width - 1, n)) for a, n in candidates)
+            rate = tokens / self.seconds.get((rows, width), plain.seconds(1))
             if rate > best_rate:
                 best, best_rate = width, rate
         return best
