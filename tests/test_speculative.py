@@ -50,16 +50,20 @@ def test_the_policy_drafts_only_where_it_pays():
     assert not policy.worth_a_look([hopeless], 1, rows=1)  # the batch need not wait for its step in flight
 
 
-def test_the_policy_weighs_drafts_against_a_block_of_plain_steps():
-    # calls of 1 and 8 steps: 4 ms fixed and 1 ms a step; a verify step costs a call's fixed part every time
+def test_the_policy_weighs_drafts_against_the_plain_calls_rate():
+    # plain calls of 32 steps at 36 ms (a call's fixed cost shared by its steps); a verify step pays its own
     policy = DraftPolicy(max_drafts=3)
-    for steps in (1, 1, 8, 1, 8):
-        policy.plain_call(4, steps, 0.004 + 0.001 * steps)
-    assert abs(policy.plain[4].seconds(32) - 0.036) < 1e-9
-    timed(policy, 4, 4, 0.006)
-    middling = Acceptance(6, 10)  # 2.18 tokens a 4-wide step: 363 a second against 200 one step a call...
-    assert policy.choose([(middling, 3)], plain_steps=1, rows=4) == 4
-    assert policy.choose([(middling, 3)], plain_steps=32, rows=4) == 1  # ...but a 32-step block yields 889
+    for _ in range(3):
+        policy.plain_call(4, 32, 0.036)
+    assert abs(policy.plain[4].seconds(1) - 0.036 / 32) < 1e-12
+    policy.plain_call(4, 32, 3.6)  # 100x slower: a compilation, not counted
+    assert abs(policy.plain[4].seconds(1) - 0.036 / 32) < 1e-12
+    timed(policy, 4, 2, 0.0025)
+    timed(policy, 4, 4, 0.003)
+    middling, eager = Acceptance(6, 10), Acceptance(95, 100)
+    # 2.18 tokens a 4-wide step: 725 a second, against the blocks' 889
+    assert policy.choose([(middling, 3)], plain_steps=32, rows=4) == 1
+    assert policy.choose([(eager, 3)], plain_steps=32, rows=4) == 4  # 3.71 tokens a step: 1236 a second
 
 
 def test_new_sequences_start_from_the_acceptance_so_far():

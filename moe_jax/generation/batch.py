@@ -177,6 +177,7 @@ class Batch:
         # while text that never copies keeps its long blocks
         self.plain_steps = 1
         self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
+        self.last_read = 0.0  # when the last plain step was read (time.perf_counter)
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
@@ -191,8 +192,12 @@ class Batch:
         admitted = list(zip(self.free_slots, jobs, strict=False))
         if len(admitted) < len(jobs):
             raise ValueError(f"{len(jobs)} jobs for {len(admitted)} free slots")
+        if self.drafts is not None and self.in_flight is not None:
+            if self.drafts.timed(self.in_flight.rows):
+                self.admitted_meanwhile = True  # the prefill will run after it on the device
+            else:  # no plain call of its rows timed yet: read it first, its time alone
+                self.read_in_flight()
         start = time.perf_counter()
-        self.admitted_meanwhile = True
         self.caches, reused, first_logits = self.engine.prefill(self.caches, admitted)
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
@@ -219,7 +224,7 @@ class Batch:
                 self.plain_steps = self.block_steps
         step = self.dispatch()
         if self.in_flight is not None:
-            self.read(self.in_flight)
+            self.read_timed(self.in_flight)
         # (a block that may end early is read before the next dispatch, whose positions follow from its length)
         pipelined = step is not None and step.ran is None and all(s.job.greedy for s in step.decoded.values())
         self.in_flight = step
@@ -227,15 +232,21 @@ class Batch:
             self.read_in_flight()
 
     def read_in_flight(self):
-        """Reads the step in flight; with speculative decoding its seconds a token step count as a plain step's
-        time (unless a prefill ran meanwhile)."""
+        """Reads the step in flight (if any)."""
         step, self.in_flight = self.in_flight, None
-        if step is None:
-            return
+        if step is not None:
+            self.read_timed(step)
+
+    def read_timed(self, step: _Step):
+        """Reads a plain step; with speculative decoding its seconds count as a plain call's time: from its
+        dispatch, or where it waited behind the step before it (pipelined), from when that one was read (unless a
+        prefill ran meanwhile)."""
         ran = step.steps if step.ran is None else int(step.ran)
         self.read(step)
+        now = time.perf_counter()
         if self.drafts is not None and not self.admitted_meanwhile and ran:
-            self.drafts.plain_call(step.rows, ran, time.perf_counter() - step.started)
+            self.drafts.plain_call(step.rows, ran, now - max(step.started, self.last_read))
+        self.last_read = now
 
     def step_rows(self) -> int:
         """The rows a step computes: every slot, or with `shrink` those up to the highest in use (a power of two)."""

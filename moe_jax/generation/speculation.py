@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from moe_jax.errors import InputError
 
 MAX_DRAFTS = 15  # the most drafts a row's step verifies
@@ -49,37 +47,29 @@ POLICIES = ("cost", "always")
 
 
 class PlainCalls:
-    """Plain decode calls' seconds as a call's fixed cost plus a cost per step, fitted by least squares to the
-    calls measured (a block of many steps pays the fixed cost once; a verify step pays it every time), the recent
-    ones weighted most."""
+    """The seconds a step of plain decode calls as they ran (blocks of up to `block_steps` steps: a call's fixed
+    cost shared by its steps, where a verify step pays it every time), the recent calls weighted most. A fit of a
+    fixed cost plus a cost a step extrapolated wildly from the few, noisy lengths a batch runs; the realized rate
+    is what drafting competes with."""
 
     def __init__(self):
-        self.sums = np.zeros(5)  # weight, steps, seconds, steps^2, steps x seconds
+        self.steps = self.total = 0.0
 
     def add(self, steps: int, seconds: float):
-        self.sums = (1 - TIME_WEIGHT) * self.sums + np.array([1, steps, seconds, steps * steps, steps * seconds])
+        self.steps = (1 - TIME_WEIGHT) * self.steps + steps
+        self.total = (1 - TIME_WEIGHT) * self.total + seconds
 
     def seconds(self, steps: int) -> float:
-        """A call of `steps` steps: from the fit where the calls measured had different lengths, else in proportion
-        to their seconds a step."""
-        w, s, t, ss, st = self.sums
-        spread = w * ss - s * s
-        if spread > 1e-9 * max(w * ss, 1.0):
-            per_step = (w * st - s * t) / spread
-            fixed = (t - per_step * s) / w
-            if per_step > 0 and fixed >= 0:
-                return fixed + per_step * steps
-        return t / s * steps
+        return self.total / self.steps * steps
 
 
 class DraftPolicy:
     """The width of the next step from measured step times and the rows' acceptance ("cost"): a verify step's
-    expected tokens a second against those of the plain call that would run instead (a block of up to
-    `block_steps` steps, `PlainCalls`). Widths not measured yet are tried where their guessed cost (a one-step
-    plain call's) would pay; a width then keeps a running mean of its measured seconds. A new sequence starts from
-    the acceptance of those before it, and every EXPLORE_EVERY-th decision verifies whatever the cost, so a
-    workload that never copies stops drafting and one that starts to is seen. "always": the narrowest width that
-    holds every row's drafts, whatever it costs (to measure acceptance, and for tests)."""
+    expected tokens a second against plain calls' (`PlainCalls`). Widths not measured yet are tried where their
+    guessed cost (a plain step's) would pay; a width then keeps a running mean of its measured seconds. A new
+    sequence starts from the acceptance of those before it, and every EXPLORE_EVERY-th decision verifies whatever
+    the cost, so a workload that never copies stops drafting and one that starts to is seen. "always": the
+    narrowest width that holds every row's drafts, whatever it costs (to measure acceptance, and for tests)."""
 
     def __init__(self, max_drafts: int, policy: str = "cost"):
         if not 1 <= max_drafts <= MAX_DRAFTS:
@@ -112,12 +102,16 @@ class DraftPolicy:
         self.seen.add(key)
         return first
 
+    def timed(self, rows: int) -> bool:
+        """Whether plain calls over `rows` rows have been timed."""
+        return rows in self.plain
+
     def plain_call(self, rows: int, steps: int, seconds: float):
         """A plain call of `steps` steps over `rows` rows took `seconds`."""
         if self._first((rows, -1 if steps == 1 else 0)):  # one step and a block are different compiled steps
             return
         plain = self.plain.setdefault(rows, PlainCalls())
-        if not plain.sums[0] or seconds < OUTLIER * plain.seconds(steps):
+        if not plain.steps or seconds < OUTLIER * plain.seconds(steps):
             plain.add(steps, seconds)
 
     def measured(self, rows: int, width: int, seconds: float):
@@ -135,13 +129,14 @@ class DraftPolicy:
         or it is time to explore: only then does the batch wait for its step in flight to draft."""
         self.decisions += 1
         self.exploring = self.decisions % EXPLORE_EVERY == 0
-        if self.always or self.exploring or rows not in self.plain:
+        if self.always or self.exploring or not self.timed(rows):
             return True
         return self.choose([(a, self.widths[-1] - 1) for a in acceptances], plain_steps, rows) > 1
 
     def choose(self, candidates: list[tuple[Acceptance, int]], plain_steps: int, rows: int) -> int:
         """The width for sequences given as (acceptance, drafts available) in a step of `rows` rows, where a plain
-        call instead would run `plain_steps` steps: 1 (that plain call) until plain calls have been timed."""
+        call instead would run `plain_steps` steps: 1 (that plain call) until plain calls have been timed. An
+        unmeasured width is guessed at a plain step's cost."""
         if self.always or self.exploring:
             longest = max((n for _, n in candidates), default=0)
             return 1 if not longest else next((w for w in self.widths if w > longest), self.widths[-1])
