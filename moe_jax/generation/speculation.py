@@ -17,8 +17,9 @@ from moe_jax.errors import InputError
 MAX_DRAFTS = 15  # the most drafts a row's step verifies
 TIME_WEIGHT = 0.2  # weight of the newest measurement in a running step time
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 1.0, 2.0  # a first sequence's acceptance rate starts at 1/2, worth two drafts
-OUTLIER = 10.0  # a call this many times slower than its estimate is not counted (a compilation)
-EXPLORE_EVERY = 64  # decisions between verify steps taken whatever the cost (a workload can start copying)
+OUTLIER = 10.0  # a verify step this many times slower than its estimate is not counted (a compilation)
+PLAIN_DRIFT = 0.01  # the fastest plain step's time rises this share with every plain call (to follow a slowdown)
+EXPLORE_EVERY = 128  # decisions between verify steps taken whatever the cost (a workload can start copying)
 
 
 @dataclass
@@ -47,29 +48,30 @@ POLICIES = ("cost", "always")
 
 
 class PlainCalls:
-    """The seconds a step of plain decode calls as they ran (blocks of up to `block_steps` steps: a call's fixed
-    cost shared by its steps, where a verify step pays it every time), the recent calls weighted most. A fit of a
-    fixed cost plus a cost a step extrapolated wildly from the few, noisy lengths a batch runs; the realized rate
-    is what drafting competes with."""
+    """The seconds a plain decode step can take over some rows: the fastest a step of the recent plain calls ran
+    (a long pipelined block shares a call's fixed cost among its steps and hides the host's work behind the device's;
+    the short calls around verify steps do neither), let drift up slowly so a machine that slows down is followed.
+    Against plain decoding at its best, drafting is chosen only where it wins by its own measure."""
 
     def __init__(self):
-        self.steps = self.total = 0.0
+        self.best: float | None = None
 
     def add(self, steps: int, seconds: float):
-        self.steps = (1 - TIME_WEIGHT) * self.steps + steps
-        self.total = (1 - TIME_WEIGHT) * self.total + seconds
+        per_step = seconds / steps
+        self.best = per_step if self.best is None else min(self.best * (1 + PLAIN_DRIFT), per_step)
 
     def seconds(self, steps: int) -> float:
-        return self.total / self.steps * steps
+        return self.best * steps
 
 
 class DraftPolicy:
     """The width of the next step from measured step times and the rows' acceptance ("cost"): a verify step's
     expected tokens a second against plain calls' (`PlainCalls`). Widths not measured yet are tried where their
     guessed cost (a plain step's) would pay; a width then keeps a running mean of its measured seconds. A new
-    sequence starts from the acceptance of those before it, and every EXPLORE_EVERY-th decision verifies whatever
-    the cost, so a workload that never copies stops drafting and one that starts to is seen. "always": the
-    narrowest width that holds every row's drafts, whatever it costs (to measure acceptance, and for tests)."""
+    sequence starts from the acceptance of those before it, and every EXPLORE_EVERY-th decision verifies one draft
+    a row whatever the cost, so a workload that never copies stops drafting and one that starts to is seen.
+    "always": the narrowest width that holds every row's drafts, whatever it costs (to measure acceptance, and for
+    tests)."""
 
     def __init__(self, max_drafts: int, policy: str = "cost"):
         if not 1 <= max_drafts <= MAX_DRAFTS:
@@ -110,9 +112,7 @@ class DraftPolicy:
         """A plain call of `steps` steps over `rows` rows took `seconds`."""
         if self._first((rows, -1 if steps == 1 else 0)):  # one step and a block are different compiled steps
             return
-        plain = self.plain.setdefault(rows, PlainCalls())
-        if not plain.steps or seconds < OUTLIER * plain.seconds(steps):
-            plain.add(steps, seconds)
+        self.plain.setdefault(rows, PlainCalls()).add(steps, seconds)
 
     def measured(self, rows: int, width: int, seconds: float):
         """A verify step `width` tokens wide over `rows` rows took `seconds`, its drafting and bookkeeping in."""
@@ -137,7 +137,9 @@ class DraftPolicy:
         """The width for sequences given as (acceptance, drafts available) in a step of `rows` rows, where a plain
         call instead would run `plain_steps` steps: 1 (that plain call) until plain calls have been timed. An
         unmeasured width is guessed at a plain step's cost."""
-        if self.always or self.exploring:
+        if self.exploring:  # the narrowest verify step: one draft a row tells the rate
+            return 2 if any(n for _, n in candidates) else 1
+        if self.always:
             longest = max((n for _, n in candidates), default=0)
             return 1 if not longest else next((w for w in self.widths if w > longest), self.widths[-1])
         plain = self.plain.get(rows)
