@@ -172,10 +172,6 @@ class Batch:
         self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.block_steps = block_steps
         self.drafts = drafts
-        # with drafts: the most steps the next plain call runs, doubled each time drafting is declined in a row (up
-        # to block_steps) and back to 1 after a verify step, so copying stretches are caught within a few tokens
-        # while text that never copies keeps its long blocks
-        self.plain_steps = 1
         self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
         self.last_read = 0.0  # when the last plain step was read (time.perf_counter)
         self.active: dict[int, _Slot] = {}
@@ -220,8 +216,6 @@ class Batch:
                 self.read_in_flight()
                 if self.active and self.speculate():
                     return
-            else:  # long pipelined blocks while drafting would not pay
-                self.plain_steps = self.block_steps
         step = self.dispatch()
         if self.in_flight is not None:
             self.read_timed(self.in_flight)
@@ -273,9 +267,7 @@ class Batch:
         rows = self.step_rows()
         width = self.drafts.choose(candidates, self.plain_call_steps(), rows)
         if width == 1:
-            self.plain_steps = min(2 * self.plain_steps, self.block_steps) if self.plain_steps else 1
             return False
-        self.plain_steps = 0  # the next declined drafting: one plain step
         tokens = np.zeros((rows, width), np.int32)  # rows and places without drafts: padding, their output unread
         positions = np.zeros((rows, width), np.int32)
         adapters = self.engine.adapter_ids(rows)
@@ -318,8 +310,6 @@ class Batch:
             return None
         greedy = all(s.job.greedy for s in self.active.values())
         steps = max(1, min(self.block_steps, *to_go)) if greedy else 1
-        if self.drafts is not None:
-            steps = min(steps, max(self.plain_steps, 1))
         if any(s.job.on_token is not None for s in self.active.values()):
             steps = min(steps, HOST_STOP_STEPS)
         rows = self.step_rows()
