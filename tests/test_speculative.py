@@ -99,7 +99,8 @@ def requests(seed: int) -> list[Request]:
 
 
 def generate(model, reqs, slots, drafts, **kwargs):
-    engine = GenerationEngine(model, slots, 128, drafts=drafts, draft_policy="always")
+    # blocks of 4 plain steps between verify steps: many drafting decisions in short generations
+    engine = GenerationEngine(model, slots, 128, block_steps=4, drafts=drafts, draft_policy="always")
     return engine, engine.run(reqs, **kwargs)
 
 
