@@ -347,8 +347,11 @@ def print_summary(args, model, metrics, st, cache, truncated, rejected, world):
         lines.append(
             f"hybrid: {split['experts_in_use'] / 2**20:.1f} MiB of experts on the device ({args.placement_plan})"
         )
-    if st.acceptance is not None:
-        lines.append(f"speculative decoding: {st.accepted_tokens} of {st.drafted_tokens} drafts accepted")
+    if args.draft_tokens:
+        lines.append(
+            f"speculative decoding: {st.accepted_tokens} of {st.drafted_tokens} drafts accepted"
+            + ("" if st.drafted_tokens else " (drafting did not pay on this model here: plain steps ran)")
+        )
     if truncated or rejected:
         lines.append(f"too long for the context window: {truncated} truncated, {len(rejected)} rejected")
     if cache is not None:

@@ -1,6 +1,7 @@
 """infer.py end to end on the bundled default model: output records, chat prompts, anchor reuse, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,7 +155,8 @@ def test_speculative_decoding_gives_the_same_completions(tmp_path):
         for f in (plain_out, speculative_out)
     ]
     assert completions[0] == completions[1]
-    assert "speculative decoding: " in result.stderr and " drafts accepted" in result.stderr
+    # whether drafts are verified at all is the cost policy's call on this machine: the summary says what it did
+    assert re.search(r"speculative decoding: \d+ of \d+ drafts accepted", result.stderr)
 
 
 def test_hybrid_takes_a_placement_plan_and_moves_those_experts(tmp_path):
