@@ -339,6 +339,23 @@ def put_rows(cache, slot_ids, rows):
     return jnp.where(match.any(axis=1)[:, None, None, None], rows[jnp.argmax(match, axis=1)], cache)
 
 
+def first_rows(caches, rows: int | None):
+    """Each layer's cache arrays cut to their first `rows` slots (None, or every slot: as they are)."""
+    if rows is None or rows == caches[0][0].shape[0]:
+        return caches
+    return [tuple(a[:rows] for a in layer) for layer in caches]
+
+
+def with_first_rows(caches, part, rows: int | None):
+    """`caches` with their first `rows` slots replaced by `part` (`first_rows`' counterpart)."""
+    if rows is None or rows == caches[0][0].shape[0]:
+        return part
+    return [
+        tuple(a.at[:rows].set(p) for a, p in zip(layer, layer_part, strict=True))
+        for layer, layer_part in zip(caches, part, strict=True)
+    ]
+
+
 class GenerationSteps(NamedTuple):
     prefill: Callable
     decode: Callable
@@ -375,16 +392,10 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         (logits [rows, vocab], argmax tokens of all slots, caches). Fewer rows than slots read and write those
         rows' caches only (the copy of their rows costs less than computing the idle ones: a server's batch is
         rarely full)."""
-        every = rows is None or rows == caches[0][0].shape[0]
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
-        part = caches if every else [tuple(a[:rows] for a in layer) for layer in caches]
         with adapter_rows(adapters):
-            logits, part = merged(leaves)(tokens, positions, part)
-        if not every:
-            part = [
-                tuple(a.at[:rows].set(p) for a, p in zip(layer, layer_part, strict=True))
-                for layer, layer_part in zip(caches, part, strict=True)
-            ]
+            logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
+        part = with_first_rows(caches, part, rows)
         logits = logits[:, 0]
         return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
@@ -433,15 +444,9 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         `positions` (its last token, then its drafts) through the model at once, their KV written; returns (the
         argmax after each token [rows, width], caches). The dense products take the native kernels as a prefill's
         do, whose rows are the decode steps' rows (the same sums a token)."""
-        every = rows is None or rows == caches[0][0].shape[0]
-        part = caches if every else [tuple(a[:rows] for a in layer) for layer in caches]
         with native_prefill(), adapter_rows(adapters):
-            logits, part = merged(leaves)(tokens, positions, part)
-        if not every:
-            part = [
-                tuple(a.at[:rows].set(p) for a, p in zip(layer, layer_part, strict=True))
-                for layer, layer_part in zip(caches, part, strict=True)
-            ]
+            logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
+        part = with_first_rows(caches, part, rows)
         b, width, vocab = logits.shape
         return argmax_tokens(logits.reshape(b * width, vocab), native_argmax).reshape(b, width), part
 
