@@ -23,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, mxfp4_gemm, native
+from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, kernel_table, mxfp4_gemm, native
 from host_kernels.activations import GLU, SWIGLU
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.expert_matmuls import AMXExpertMatmuls, AVX2BF16ExpertMatmuls, AVX512BF16ExpertMatmuls
@@ -45,7 +45,7 @@ F32 = np.dtype(np.float32)
 class FusedKernel:
     """One GEMM kernel of the fused forward: what it computes from and how its weights are packed."""
 
-    code: int  # moe_forward.h's MOE_KERNEL_*
+    table_name: str  # its row of the native kernel table (kernel_table.h): int4's serves every group
     store_dtypes: tuple  # the store dtypes it computes from
     status: Callable[[], tuple[bool, str]]  # whether this machine runs it, and why not
     packed: type  # the packed weight type it reads
@@ -58,6 +58,11 @@ class FusedKernel:
     format: QuantFormat | None = None
 
     @property
+    def code(self) -> int:
+        """The native kernel table's code (looked up in the library by name)."""
+        return kernel_table.code(self.table_name)
+
+    @property
     def quantized(self) -> bool:
         return self.format is not None
 
@@ -67,27 +72,16 @@ class FusedKernel:
         return self.format.group if self.format else 0
 
 
-# moe_forward.h's MOE_KERNEL_* of the quantized kernels, by (format kind, instruction set)
-_QUANTIZED_CODES = {
-    ("int8", int8_gemm.AMX): 9,
-    ("int8", native.AVX512): 3,
-    ("int8", native.AVX2): 7,
-    ("int4", native.AVX512): 4,
-    ("int4", native.AVX2): 8,
-    ("mxfp4", native.AVX512): 10,
-    ("mxfp4", native.AVX2): 11,
-}
 _QUANTIZED_MODULES = {"int8": int8_gemm, "int4": int4_gemm, "mxfp4": mxfp4_gemm}
 
 
 def _quantized_kernel(quant: QuantFormat, isa: str) -> FusedKernel:
-    """int8: MOE_KERNEL_INT8_AMX, MOE_KERNEL_INT8_AVX512 (AVX512-BF16) or _AVX2; int4 (any group):
-    MOE_KERNEL_INT4_AVX512 (AVX512-VNNI) or _AVX2; mxfp4: MOE_KERNEL_MXFP4_AVX512 (AVX512-VNNI) or _AVX2."""
+    """int8 on AMX, AVX512-BF16 or AVX2; int4 (any group) and mxfp4 on AVX512-VNNI or AVX2."""
     kind = quant.name.split("-")[0]
-    module, code = _QUANTIZED_MODULES[kind], _QUANTIZED_CODES[(kind, isa)]
     packed, pack = quant.packed_type, quant.pack
-    status = partial(module.status, isa)
-    return FusedKernel(code, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)
+    status = partial(_QUANTIZED_MODULES[kind].status, isa)
+    table_name = f"{isa}-{kind}"
+    return FusedKernel(table_name, (F32, amx.BF16), status, packed, amx.N_BLOCK, F32, pack, quant.bits, format=quant)
 
 
 # load_model(quant=...) -> the kernels that read such weights, fastest first ("int4": llama.cpp Q4_0's group of
@@ -97,11 +91,11 @@ QUANTIZED = {name: tuple(f"{isa}-{name}" for isa in isas) for name, isas in QUAN
 _F32_PACKING = (f32_gemm.PackedF32, f32_gemm.N_BLOCK, F32, f32_gemm.pack, 32)
 _BF16_PACKING = (amx.PackedWeight, amx.N_BLOCK, amx.BF16, amx.pack_layout, 16)
 KERNELS = {  # fastest first for each store dtype
-    AVX512_F32: FusedKernel(0, (F32,), f32_gemm.status, *_F32_PACKING),
-    AMX_BF16: FusedKernel(1, (amx.BF16,), amx.status, *_BF16_PACKING),
-    AVX512_BF16: FusedKernel(2, (amx.BF16,), bf16_gemm.status, *_BF16_PACKING),
-    AVX2_F32: FusedKernel(5, (F32,), partial(f32_gemm.status, native.AVX2), *_F32_PACKING),
-    AVX2_BF16: FusedKernel(6, (amx.BF16,), partial(bf16_gemm.status, native.AVX2), *_BF16_PACKING),
+    AVX512_F32: FusedKernel(AVX512_F32, (F32,), f32_gemm.status, *_F32_PACKING),
+    AMX_BF16: FusedKernel(AMX_BF16, (amx.BF16,), amx.status, *_BF16_PACKING),
+    AVX512_BF16: FusedKernel(AVX512_BF16, (amx.BF16,), bf16_gemm.status, *_BF16_PACKING),
+    AVX2_F32: FusedKernel(AVX2_F32, (F32,), partial(f32_gemm.status, native.AVX2), *_F32_PACKING),
+    AVX2_BF16: FusedKernel(AVX2_BF16, (amx.BF16,), partial(bf16_gemm.status, native.AVX2), *_BF16_PACKING),
     **{
         kernel: _quantized_kernel(quant, isa)
         for name, quant in FORMATS.items()

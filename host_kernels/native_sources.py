@@ -19,12 +19,13 @@ SOURCES = (
     "moe_forward.c",
     "moe_backward.c",
     "pack_layout.c",
+    "kernel_table.c",
     "stream_worker.c",
     "source_hash.c",
 )  # the kernels, and the host worker of stream-ordered expert calls
 HEADERS = (
     "simd.h", "simd_avx2.h", "moe_forward.h", "moe_call.h", "runner.h", "amx_gemm.h", "bf16_gemm.h", "f32_gemm.h",
-    "int4_gemm.h", "int8_vnni_gemm.h", "avx2_kernels.h", "stream_worker.h",
+    "int4_gemm.h", "int8_vnni_gemm.h", "avx2_kernels.h", "stream_worker.h", "kernel_table.h",
 )  # fmt: skip
 CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the

@@ -71,7 +71,7 @@ static void input_grad_task(void *state, int worker, int64_t task) {
 static int backward_locked(moe_runner *r, const moe_layer *l, const float *dy, const int32_t *ids,
                            const float *weights, const float *kept, int64_t tokens, int64_t hidden, int64_t top_k,
                            float *dx, float *dweights, char *err, int64_t err_len) {
-    if (l->kernel != MOE_KERNEL_BF16_AMX && l->kernel != MOE_KERNEL_BF16_AVX512 && l->kernel != MOE_KERNEL_BF16_AVX2)
+    if (l->k->format != MOE_FORMAT_BF16)
         return moe_fail(err, err_len, "the fused backward runs bfloat16 kernels only (kernel %lld)", l->kernel, 0);
     if (tokens <= 0 && hidden == l->hidden) return 0;
     backward_state b = {.kept = kept, .blocks = padded(l->ffn, COLUMN_BLOCK) / COLUMN_BLOCK};

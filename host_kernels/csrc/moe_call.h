@@ -7,6 +7,7 @@
 #define MOE_CALL_H
 #include <stdint.h>
 
+#include "kernel_table.h"
 #include "runner.h"
 
 #define COLUMN_BLOCK 128   /* output columns per tile: a multiple of the AMX tile's 16 */
@@ -18,8 +19,9 @@ typedef struct {
     int64_t experts, hidden, ffn;
     int f32;                   /* weights: float32 (f32_gemm.c) or bfloat16, and so the rows' type */
     int kernel;                /* MOE_KERNEL_*: which GEMM reads the packed weights (bfloat16 rows unless f32) */
-    int avx2;                  /* the AVX2 kernels (SwiGLU and int4's row quantizer too), else AVX-512 ones */
-    int records;               /* its GEMMs read quantized row records (int4 kernels, AVX2's int8; quantize_rows) */
+    const moe_kernel *k;       /* its row of the kernel table: the GEMM, and the row quantizer where it reads records */
+    int avx2;                  /* the AVX2 kernels (SwiGLU too), else AVX-512 ones */
+    int records;               /* its GEMMs read quantized row records (k->quantize) */
     int64_t group;             /* int4: k-rows per scale */
     int64_t weight_bits;       /* bits per packed weight: 32, 16, 8 or 4 (scales aside) */
     int64_t row_bytes;         /* bytes per element of the gathered inputs and activations: 4 or 2 */

@@ -87,24 +87,22 @@ void moe_layer_free(moe_layer *l) {
     free(l->w13), free(l->w2), free(l);
 }
 
-/* w13, w2: addresses of each expert's packed weights for `kernel` (MOE_KERNEL_BF16_*: amx.pack's layout;
- * MOE_KERNEL_F32_*: f32_gemm.c's; int8: bf16_gemm.h's; int4: int4_gemm.h's; the AVX2 kernels read the AVX-512
- * ones' layouts). group: int4's k-rows per scale. */
+/* w13, w2: addresses of each expert's packed weights for `kernel` (a kernel table code; bfloat16: amx.pack's
+ * layout; float32: f32_gemm.c's; int8: bf16_gemm.h's; int4 and MXFP4: int4_gemm.h's; the AVX2 kernels read the
+ * AVX-512 ones' layouts). group: int4's k-rows per scale. NULL for a code the table does not know. */
 moe_layer *moe_layer_new(int kernel, int64_t experts, int64_t hidden, int64_t ffn, const uint64_t *w13,
                          const uint64_t *w2, int64_t *routed, int64_t group) {
+    const moe_kernel *k = moe_kernel_get(kernel);
+    if (!k) return NULL;
     moe_layer *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->experts = experts, l->hidden = hidden, l->ffn = ffn;
-    const int int8 = kernel == MOE_KERNEL_INT8_AVX512 || kernel == MOE_KERNEL_INT8_AVX2 || kernel == MOE_KERNEL_INT8_AMX;
-    l->f32 = kernel == MOE_KERNEL_F32_AVX512 || kernel == MOE_KERNEL_F32_AVX2;
-    l->kernel = kernel;
-    l->avx2 = (kernel >= MOE_KERNEL_F32_AVX2 && kernel <= MOE_KERNEL_INT4_AVX2) || kernel == MOE_KERNEL_MXFP4_AVX2;
-    /* (MXFP4 reads int4's row records and layout) */
-    const int int4 = kernel == MOE_KERNEL_INT4_AVX512 || kernel == MOE_KERNEL_INT4_AVX2 ||
-                     kernel == MOE_KERNEL_MXFP4_AVX512 || kernel == MOE_KERNEL_MXFP4_AVX2;
-    l->records = int4 || kernel == MOE_KERNEL_INT8_AVX2;
+    l->f32 = k->format == MOE_FORMAT_F32;
+    l->kernel = kernel, l->k = k;
+    l->avx2 = k->isa == MOE_ISA_AVX2;
+    l->records = k->quantize != NULL;
     l->group = group;
-    l->weight_bits = l->f32 ? 32 : int8 ? 8 : int4 ? 4 : 16;
+    l->weight_bits = k->bits;
     l->row_bytes = l->f32 ? 4 : 2;
     l->kp_hidden = l->f32 ? hidden : padded(hidden, 32), l->kp_ffn = l->f32 ? ffn : padded(ffn, 32);
     l->ffn_padded = padded(ffn, l->f32 ? 32 : 16);
@@ -131,18 +129,7 @@ int moe_layer_set_glu(moe_layer *l, int glu, float alpha, float limit, const flo
 
 /* Bytes of one quantized row record of kp values, for a layer whose GEMMs read records */
 static int64_t record_bytes(const moe_layer *l, int64_t kp) {
-    return l->kernel == MOE_KERNEL_INT8_AVX2 ? int8_row_bytes_avx2(kp) : int4_row_bytes(kp);
-}
-
-/* Columns [c0, c1) of m bfloat16 rows (row stride lda, also the records' kp) quantized into their records */
-static void quantize_rows(const moe_layer *l, const uint16_t *a, int64_t lda, int64_t m, int64_t c0, int64_t c1,
-                          char *q) {
-    if (l->kernel == MOE_KERNEL_INT8_AVX2)
-        int8_quantize_rows_avx2(a, lda, m, c0, c1, q, lda);
-    else if (l->avx2)
-        int4_quantize_rows_avx2(a, lda, m, c0, c1, q, lda);
-    else
-        int4_quantize_rows(a, lda, m, c0, c1, q, lda);
+    return l->k->record_bytes(kp);
 }
 
 int64_t moe_gather_tasks(const call_state *s) { return (s->pairs + GATHER_BLOCK - 1) / GATHER_BLOCK; }
@@ -169,7 +156,7 @@ void moe_gather_task(void *state, int worker, int64_t task) {
         memset(dst + d * size, 0, (kp - d) * size);
         char *act_row = s->act + i * s->act_kp * size;
         memset(act_row + s->act_width * size, 0, (s->act_kp - s->act_width) * size);
-        if (l->records) quantize_rows(l, (const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * record_bytes(l, kp));
+        if (l->records) l->k->quantize((const uint16_t *)dst, kp, 1, 0, kp, s->rows_q + i * record_bytes(l, kp), kp);
     }
 }
 
@@ -177,20 +164,7 @@ void moe_gather_task(void *state, int worker, int64_t task) {
  * times packed weight w. */
 void moe_expert_gemm(const moe_layer *l, const char *a, int64_t kp, const void *w, float *c, int64_t ldc, int64_t m,
                         int64_t n0, int64_t n1) {
-    switch (l->kernel) {
-        case MOE_KERNEL_F32_AVX512: f32_gemm((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_BF16_AMX: amx_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_BF16_AVX512: bf16_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_INT8_AVX512: int8_gemm((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_INT8_AMX: int8_gemm_amx((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_INT4_AVX512: int4_gemm_quantized(a, kp, w, l->group, c, ldc, m, n0, n1); break; /* a: records */
-        case MOE_KERNEL_F32_AVX2: f32_gemm_avx2((const float *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_BF16_AVX2: bf16_gemm_avx2((const uint16_t *)a, kp, w, kp, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_INT8_AVX2: int8_gemm_quantized_avx2(a, kp, w, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_MXFP4_AVX512: mxfp4_gemm_quantized(a, kp, w, c, ldc, m, n0, n1); break;
-        case MOE_KERNEL_MXFP4_AVX2: mxfp4_gemm_quantized_avx2(a, kp, w, c, ldc, m, n0, n1); break;
-        default: int4_gemm_quantized_avx2(a, kp, w, l->group, c, ldc, m, n0, n1); break;
-    }
+    l->k->gemm(a, kp, w, l->group, c, ldc, m, n0, n1);
 }
 
 /* Where the GEMMs read row r0 of the gathered inputs or SwiGLU outputs (row stride kp): those rows, or (a layer
@@ -244,7 +218,8 @@ static void gate_up_task(void *state, int worker, int64_t task) {
                                                           !l->f32, m, width);
     if (l->records) { /* this tile's 32-column chunks (the last one's padding was zeroed by the gather) */
         const int64_t end = padded(t.c1, 32) < l->kp_ffn ? padded(t.c1, 32) : l->kp_ffn;
-        quantize_rows(l, (const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * record_bytes(l, l->kp_ffn));
+        l->k->quantize((const uint16_t *)act, l->kp_ffn, m, t.c0, end, s->act_q + r0 * record_bytes(l, l->kp_ffn),
+                       l->kp_ffn);
     }
 }
 

@@ -7,24 +7,7 @@
 #include <stdint.h>
 
 enum { MOE_FLOAT32 = 0, MOE_BFLOAT16 = 1 }; /* activations' and routing weights' dtypes */
-/* the GEMM kernel of a layer's packed weights (moe_layer_new): float32 on AVX-512 FMA, bfloat16 on AMX tiles or on
- * AVX512-BF16 (both read the same packed layout), int8 with per-column scales on AVX512-BF16 or int4 with per-group
- * scales on AVX512-VNNI; each of float32, bfloat16, int8 and int4 on AVX2 + FMA over the same layouts; and int8 on
- * AMX (prefill-sized experts on the tiles) */
-enum {
-    MOE_KERNEL_F32_AVX512 = 0,
-    MOE_KERNEL_BF16_AMX = 1,
-    MOE_KERNEL_BF16_AVX512 = 2,
-    MOE_KERNEL_INT8_AVX512 = 3,
-    MOE_KERNEL_INT4_AVX512 = 4,
-    MOE_KERNEL_F32_AVX2 = 5,
-    MOE_KERNEL_BF16_AVX2 = 6,
-    MOE_KERNEL_INT8_AVX2 = 7,
-    MOE_KERNEL_INT4_AVX2 = 8,
-    MOE_KERNEL_INT8_AMX = 9, /* int8_gemm's layout on AMX tiles above 16 rows of an expert (amx_gemm.h) */
-    MOE_KERNEL_MXFP4_AVX512 = 10, /* MXFP4 (e2m1 values, e8m0 scales per 32) in int4's layout, on AVX512-VNNI */
-    MOE_KERNEL_MXFP4_AVX2 = 11
-};
+/* a layer's GEMM kernel: a code of the kernel table (kernel_table.h) */
 
 /* Where a call's helper threads come from: `schedule(context, task, data)` has task(data) run on another thread
  * (XLA's thread pool, for the FFI handler), at most `count` times; it returns non-zero if it cannot. A forward

@@ -11,20 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import BF16, KERNELS, HugePageArena, best_kernel
+from host_kernels import BF16, KERNELS, HugePageArena, best_kernel, kernel_table
 from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
 MAX_ROWS = 64  # a decode step's batch, 16 rows (an AMX tile) at a time
 PREFILL_MAX_ROWS = 8192  # a prefill's rows (batch x positions); xla_dense.c copies x, padded, for the kernels
-# the fused forward's bfloat16 and quantized kernels (host_kernels/fused_forward.py KERNELS, which say how to pack
-# for them, int4's group and whether this machine runs them) -> xla_dense.c's DENSE_* codes, by (instruction set:
-# a kernel name's first part, bits per packed weight)
-_CODES_BY_KIND = {
-    ("avx512", 16): 0, ("amx", 16): 1, ("avx512", 8): 2, ("avx512", 4): 3, ("avx2", 16): 4, ("avx2", 8): 5,
-    ("avx2", 4): 6, ("avx512", 32): 7, ("avx2", 32): 8, ("amx", 8): 9,
-}  # fmt: skip
-CODES = {name: _CODES_BY_KIND[name.split("-")[0], kernel.packed_bits] for name, kernel in KERNELS.items()}
 
 
 def dense_kernel(dtype=BF16, quant: str | None = None) -> tuple[str, str]:
@@ -91,9 +83,11 @@ def dense_rows_call(x_mk, packed_w, n: int, kernel: str):
 def dense_call(x_mk, packed_w, n: int, kernel: str):
     """x @ W in float32 for x [m <= PREFILL_MAX_ROWS, k] (`row_dtype(kernel)`), W given as `pack_dense(W, kernel)`
     with n columns, on `kernel` (`dense_kernel()`'s answer, which the plan recorded)."""
-    usable, reason = KERNELS[kernel].status() if kernel in CODES else (False, f"unknown kernel {kernel!r}")
+    usable, reason = KERNELS[kernel].status() if kernel in KERNELS else (False, f"unknown kernel {kernel!r}")
     ffi.require((usable, reason), f"dense products on {kernel}")
     ffi.require(ffi.status(), f"dense products on {kernel}")  # registers the handler on first use
+    row = kernel_table.row(KERNELS[kernel].table_name)
+    ffi.require((row.dense, f"{row.format} is an experts-only format"), f"dense products on {kernel}")
     result = jax.ShapeDtypeStruct((x_mk.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, result, vmap_method="sequential")
-    return call(x_mk, packed_w, kernel=np.int64(CODES[kernel]), group=np.int64(KERNELS[kernel].group))
+    return call(x_mk, packed_w, kernel=np.int64(row.code), group=np.int64(KERNELS[kernel].group))
