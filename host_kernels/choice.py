@@ -8,7 +8,6 @@ environment only supplies the default; callers that know what they want pass `na
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,16 +87,13 @@ def check_choice(choice: KernelChoice, store_dtype, quant: str | None = None):
         )
 
 
-def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = None) -> KernelChoice:
-    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine. `quant` (a
-    quant_formats.FORMATS name): the experts are held quantized (a quantized store, or quantized at load), the
-    fused forward reads them so and the engine's GEMMs dequantize them; refused where this machine has no kernel
-    for it or native kernels are off: an explicit request is never silently dropped."""
-    if native is None:
-        native = os.environ.get("MOE_JAX_HOST_KERNEL", "").lower() != NUMPY
-        off = "MOE_JAX_HOST_KERNEL=numpy"
-    else:
-        off = "native kernels turned off by the caller"
+def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = None, off: str = "") -> KernelChoice:
+    """The kernels for a store of `store_dtype` (float32 or bfloat16) on this machine: native unless `native` is
+    False (None: on), `off` saying why they are not. `quant` (a quant_formats.FORMATS name): the experts are held
+    quantized (a quantized store, or quantized at load), the fused forward reads them so and the engine's GEMMs
+    dequantize them; refused where this machine has no kernel for it or native kernels are off: an explicit request
+    is never silently dropped."""
+    native, off = native is not False, off or "native kernels turned off by the caller"
     if not native:
         if quant:
             raise HostKernelError(f"{quant} experts need the native kernels, and they are off ({off})")

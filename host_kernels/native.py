@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
-import os
 from functools import cache
 from pathlib import Path
 
@@ -174,13 +173,22 @@ def built_from_sources(library, hash_symbol: str, source_hash_now, path: Path) -
     return ""
 
 
-HIDE_CPU_FLAGS = "MOE_JAX_HIDE_CPU_FLAGS"  # comma-separated prefixes: flags starting with one are treated as absent
+HIDE_CPU_FLAGS = "MOE_JAX_HIDE_CPU_FLAGS"  # moe_jax's variable for `hide_cpu_flags` (moe_jax/planning/environment.py)
+_hidden_prefixes: tuple[str, ...] = ()
+
+
+def hide_cpu_flags(prefixes: tuple[str, ...]):
+    """Treats the CPU flags starting with any of `prefixes` as absent from now on ("amx", "avx512", "avx_vnni": run
+    the AVX2 kernels as on a CPU without AVX-512, e.g. to compare against such a CPU's other engines here). Call it
+    before anything asks for a kernel's status: the answers are kept."""
+    global _hidden_prefixes
+    _hidden_prefixes = tuple(prefixes)
+    cpu_lacks.cache_clear()
 
 
 def cpu_flags() -> frozenset[str]:
-    """This CPU's flags, less those $MOE_JAX_HIDE_CPU_FLAGS names by prefix ("amx,avx512,avx_vnni": run the AVX2
-    kernels as on a CPU without AVX-512, e.g. to compare against such a CPU's other engines on this machine)."""
-    hidden = tuple(prefix.strip() for prefix in os.environ.get(HIDE_CPU_FLAGS, "").split(",") if prefix.strip())
+    """This CPU's flags, less those `hide_cpu_flags` hid."""
+    hidden = _hidden_prefixes
     return frozenset(flag for flag in _proc_cpu_flags() if not flag.startswith(hidden)) if hidden else _proc_cpu_flags()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -469,7 +468,7 @@ def load_model(
         expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
     if kind.needs_profile:
         profile = resolve_profile(profile, checkpoint.config, jdtype)
-        if pipeline is None and plan.micro_batches > 1 and not os.environ.get("MOE_JAX_PIPELINE"):
+        if plan.micro_batches > 1 and not plan.pipeline_asked:
             plan = plan_with_profile(plan, profile, step_shape(checkpoint.config, np.dtype(jdtype).itemsize))
     options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_jax.errors import ConfigError, MoeJaxError
+from moe_jax.planning import environment
+from moe_jax.planning.environment import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
-COORDINATOR, NUM_PROCESSES, PROCESS_ID = "MOE_JAX_COORDINATOR", "MOE_JAX_NUM_PROCESSES", "MOE_JAX_PROCESS_ID"
 AXIS = "processes"  # the mesh axis over the run's processes (process_mesh)
 HEARTBEAT_TIMEOUT_S = 40  # a silent process is dead after this (JAX: 100; a loaded machine can stall 10+ s)
 START_TIMEOUT_S = 120  # how long process 0 waits for the others to join
@@ -132,7 +133,7 @@ def join() -> World:
 
 
 def _settings_from_environment() -> dict | None:
-    given = {name: os.environ.get(name) for name in (COORDINATOR, NUM_PROCESSES, PROCESS_ID)}
+    given = environment.distributed()
     if any(given.values()):
         missing = [name for name, value in given.items() if not value]
         if missing:
@@ -146,7 +147,7 @@ def _settings_from_environment() -> dict | None:
         if count == 1:
             return None
         return {"coordinator_address": given[COORDINATOR], "num_processes": count, "process_id": index}
-    tasks = os.environ.get("SLURM_NTASKS") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+    tasks = environment.scheduler_tasks()
     if tasks and tasks.isdigit() and int(tasks) > 1:
         return {}  # jax.distributed.initialize finds the coordinator, count and index itself
     return None

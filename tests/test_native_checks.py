@@ -108,6 +108,7 @@ def test_hidden_cpu_flags_are_absent_to_every_choice():
     and the kernels chosen from what is left."""
     script = textwrap.dedent("""
         import ml_dtypes, numpy as np
+        import moe_jax  # reads MOE_JAX_HIDE_CPU_FLAGS and hands it to host_kernels.native.hide_cpu_flags
         from host_kernels import amx, native
         from host_kernels.fused_forward import best_kernel
         assert not any(flag.startswith(("amx", "avx512")) for flag in native.cpu_flags())

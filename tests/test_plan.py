@@ -98,3 +98,26 @@ def test_doctor_reports_the_machine_and_both_plans(tmp_path, capsys):
     assert report["plans"]["float32"]["lines"] == make_plan("float32", np.float32).lines()
     assert doctor.main(["--no-native"]) == 0
     assert "greedy argmax: XLA" in capsys.readouterr().out
+
+
+def test_the_environment_is_read_in_one_module():
+    """Only moe_jax/planning/environment.py reads environment variables; the launcher and the server's test
+    process copy the whole environment for the processes they start, reading nothing from it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    copies = {"moe_jax/launch.py", "moe_jax/serving/process.py"}
+    for path in sorted((root / "moe_jax").rglob("*.py")) + sorted((root / "host_kernels").rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if name == "moe_jax/planning/environment.py":
+            continue
+        tree = ast.parse(path.read_text())
+        unpacked = [d for d in ast.walk(tree) if isinstance(d, ast.Dict)]  # {**os.environ, ...}: a copy
+        starred = {id(v) for d in unpacked for k, v in zip(d.keys, d.values, strict=True) if k is None}
+        for node in ast.walk(tree):
+            reads = isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+            reads = reads and isinstance(node.value, ast.Name) and node.value.id == "os"
+            if reads:
+                copy = name in copies and id(node) in starred
+                assert copy, f"{name}:{node.lineno} reads the environment (read it in moe_jax/planning/environment.py)"

@@ -15,7 +15,6 @@ prints it for each dtype on this machine.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from moe_jax.native import cache_attention as native_attention
 from moe_jax.native import dense as native_dense
 from moe_jax.native import ffi as native_ffi
 from moe_jax.native import stream_experts
+from moe_jax.planning import environment
 
 BFLOAT16 = "bfloat16"
 # how a jitted step reaches the host experts' fused forward: XLA:CPU's direct FFI handler, the stream-ordered
@@ -37,6 +37,7 @@ BFLOAT16 = "bfloat16"
 FFI, STREAM, CALLBACK = "ffi", "stream", "callback"
 HOST_CALLS = (FFI, STREAM, CALLBACK)
 HOST_CALL_NAMES = {FFI: "through XLA FFI", STREAM: "by stream-ordered FFI calls", CALLBACK: "by pure_callback"}
+ASKED = "asked by the caller"  # the reason of a choice the caller made
 HOST_CALL_SHORT = {FFI: "FFI", STREAM: "stream calls", CALLBACK: "callback"}  # the one-line summary's
 
 
@@ -60,6 +61,7 @@ class ExecutionPlan:
     # model/transformer.Transformer.pipelined); why in `reason("pipeline")`
     micro_batches: int = 1
     decode_micro_batches: int = 1  # the same for decode steps (one token a row)
+    pipeline_asked: bool = False  # the micro-batches were asked for (the caller, MOE_JAX_PIPELINE), not defaults
     # the stream calls' signal on CUDA (stream_experts.SIGNALS); "" where the host call is not STREAM
     stream_signal: str = ""
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
@@ -175,8 +177,8 @@ def make_plan(
     turned_off = ""
     if xla_ffi is False:
         turned_off = "XLA FFI handlers turned off by the caller"
-    elif xla_ffi is None and os.environ.get("MOE_JAX_XLA_FFI", "1") == "0":
-        turned_off = "MOE_JAX_XLA_FFI=0"
+    elif xla_ffi is None:
+        turned_off = environment.xla_ffi_off()
     ffi_on, ffi_off = (False, turned_off) if turned_off else native_ffi.status()
 
     def native_part(part: str, applies: bool, not_applicable: str, status) -> bool:
@@ -191,7 +193,8 @@ def make_plan(
 
     host = host_kernels
     if host is None and store_dtype is not None:
-        host = choose_kernels(store_dtype, native, quant)
+        env_off = environment.host_kernels_off() if native is None else ""
+        host = choose_kernels(store_dtype, native is not False and not env_off, quant, env_off)
     call, signal = CALLBACK, ""
     if host is not None:
         call, why["host call"] = host_call_choice(host_call, bool(host.fused), turned_off)
@@ -225,6 +228,7 @@ def make_plan(
         mla_decode=mla_decode,
         micro_batches=micro_batches,
         decode_micro_batches=decode_micro_batches,
+        pipeline_asked=why["pipeline"] in (ASKED, environment.PIPELINE),
         why=tuple(why.items()),
     )
 
@@ -236,9 +240,9 @@ def host_call_choice(asked: str | None, fused: bool, turned_off: str = "") -> tu
     signals (a pure_callback there copies through unpinned buffers, synchronises the stream and takes the GIL);
     a callback where neither can run (no fused forward, FFI turned off, handlers not built). An unusable choice
     that was asked for is an error."""
-    source = "asked by the caller"
-    if asked is None and os.environ.get("MOE_JAX_HOST_CALL"):
-        asked, source = os.environ["MOE_JAX_HOST_CALL"], "MOE_JAX_HOST_CALL"
+    source = ASKED
+    if asked is None and environment.host_call():
+        asked, source = environment.host_call(), environment.HOST_CALL
     if asked is not None and asked not in HOST_CALLS:
         raise InputError(f"host call must be one of {', '.join(HOST_CALLS)}, got {asked!r} ({source})")
     if asked == CALLBACK:
@@ -263,10 +267,11 @@ def stream_signal_choice() -> str:
     """How the stream calls' device side signals the host worker: MOE_JAX_STREAM_SIGNAL, else stream memory
     operations on the mapped flags where the GPU runs them (FreeToken measured CUDA's host functions at ~30-50 us a
     call and moved off them; bench/accelerator.sh measures both here), else host functions."""
-    asked = os.environ.get("MOE_JAX_STREAM_SIGNAL")
+    asked = environment.stream_signal()
     if asked is not None:
         if asked not in stream_experts.SIGNALS:
-            raise InputError(f"MOE_JAX_STREAM_SIGNAL must be one of {', '.join(stream_experts.SIGNALS)}, got {asked!r}")
+            signals = ", ".join(stream_experts.SIGNALS)
+            raise InputError(f"{environment.STREAM_SIGNAL} must be one of {signals}, got {asked!r}")
         return asked
     if stream_experts.platform_name() != "cuda":
         return "host-functions"  # XLA:CPU's device side is host code either way
@@ -293,15 +298,10 @@ def pipeline_choice(asked: int | None, host_lane: bool) -> tuple[int, int, str]:
     call (bench/pipeline.py: 0.73x generation speed with this CPU as two lanes)."""
     if not host_lane:
         return 1, 1, "no host lane"
-    if asked is None and os.environ.get("MOE_JAX_PIPELINE"):
-        value = os.environ["MOE_JAX_PIPELINE"]
-        try:
-            asked = int(value)
-        except ValueError:
-            raise InputError(f"MOE_JAX_PIPELINE must be a whole number, got {value!r}") from None
-        source = "MOE_JAX_PIPELINE"
+    if asked is None and environment.pipeline() is not None:
+        asked, source = environment.pipeline(), environment.PIPELINE
     else:
-        source = "asked by the caller"
+        source = ASKED
     if asked is not None:
         if asked < 1:
             raise InputError(f"pipeline micro-batches must be at least 1, got {asked}")

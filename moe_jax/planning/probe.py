@@ -32,6 +32,7 @@ from host_kernels import ExpertStore, HostMoE, LayerExperts, default_threads
 from moe_jax.backends.offload import memory_sharding
 from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.model.moe import DeviceExperts
+from moe_jax.planning import environment
 from moe_jax.planning.cost_model import Profile
 
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
@@ -216,7 +217,7 @@ def measure(d: int, f: int, rows: tuple[int, ...], repeats: int, threads: int | 
 def cached_profile(d: int, f: int):
     """This machine's profile for experts of shape (d, f): measured once (quick sizes), then read from
     ~/.cache/moe_jax (or $MOE_JAX_CACHE)."""
-    cache = Path(os.environ.get("MOE_JAX_CACHE", Path.home() / ".cache" / "moe_jax"))
+    cache = environment.cache_dir()
     path = cache / f"probe-{d}x{f}-{default_threads()}threads.json"
     if not path.exists():
         print(f"measuring this machine for backend='auto' (once; kept in {path}) ...", file=sys.stderr)
