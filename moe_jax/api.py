@@ -38,6 +38,7 @@ from moe_jax.model.served_adapters import NO_ADAPTER, attach_served
 from moe_jax.model.transformer import Transformer, build_transformer
 from moe_jax.planning.cost_model import Profile
 from moe_jax.planning.memory_check import check_fits, load_bytes, quantization_hint
+from moe_jax.planning.memory_split import split_device_memory
 from moe_jax.planning.model_shape import step_shape
 from moe_jax.planning.pipeline_model import plan_with_profile
 from moe_jax.planning.plan import ExecutionPlan, host_store_dtype, make_plan
@@ -221,17 +222,11 @@ class Model:
             raise InputError("set_memory_split needs a device budget: load_model(..., device_budget_bytes=N)")
         if (kv_fraction is None) == (kv_bytes is None):
             raise InputError("give exactly one of kv_fraction and kv_bytes")
-        if kv_fraction is not None:
-            if not 0.0 <= kv_fraction <= 1.0:
-                raise InputError(f"kv_fraction must be in [0, 1], got {kv_fraction}")
-            kv_bytes = int(kv_fraction * self.device_budget_bytes)
-        if not 0 <= kv_bytes <= self.device_budget_bytes:
-            raise InputError(f"kv_bytes must be in [0, {self.device_budget_bytes}], got {kv_bytes}")
-        if self.kv.live_bytes > kv_bytes:
+        split = split_device_memory(self.device_budget_bytes, kv_fraction, kv_bytes)
+        if self.kv.live_bytes > split.kv:
             raise InputError(f"a running generation holds {self.kv.live_bytes} bytes of KV cache; finish it first")
-        expert_bytes = self.device_budget_bytes - kv_bytes
-        self._edit(lambda transformer: self.placement.set_expert_budget(expert_bytes, transformer))
-        self.kv.budget_bytes = kv_bytes
+        self._edit(lambda transformer: self.placement.set_expert_budget(split.experts, transformer))
+        self.kv.budget_bytes = split.kv
 
     def memory_split(self) -> dict:
         """Device bytes: the budget, the KV cache's share and use, the expert side's share and use."""
@@ -405,25 +400,62 @@ def load_model(
     (XLA:CPU's handler), "stream" (stream-ordered calls to a host worker: the default beside an accelerator) or
     "callback" (`jax.pure_callback`, to compare against); default MOE_JAX_HOST_CALL, else the plan's choice.
     """
+    _check_arguments(backend, dtype, expert_shard, adapter)
+    split = split_device_memory(device_budget_bytes, kv_fraction)
     distributed.join()  # a multi-process run, when the environment says so (a no-op otherwise, or once joined)
+    trim_after_compiles()  # the steps this model compiles leave no heap behind
+    checkpoint = open_checkpoint(resolve_model(path), verify=verify, expert_shard=expert_shard)
+    dtype = checkpoint.own_dtype() if dtype == AUTO_DTYPE else dtype
+    kind, jdtype = PLACEMENTS[backend], DTYPES[dtype]
+    quant = _experts_format(checkpoint, backend, quant)
+    if expert_shard is not None:  # its MoE layers' collectives run inside the call: no ping-pong
+        if pipeline not in (None, 1):
+            raise InputError("expert parallel runs without the micro-batch pipeline; leave pipeline unset")
+        pipeline = 1
+    plan = make_plan(
+        dtype,
+        host_store_dtype(checkpoint, dtype) if kind.host_engine else None,
+        native,
+        xla_ffi,
+        host_kernels,
+        quant,
+        mla_decode if checkpoint.config.mla is not None else "",
+        pipeline,
+        host_call,
+        attention_sinks=checkpoint.config.attention_sinks,
+    )
+    _check_memory(checkpoint, kind, jdtype, plan, expert_shard)
+    if kind.needs_profile:
+        profile = resolve_profile(profile, checkpoint.config, jdtype)
+        if plan.micro_batches > 1 and not plan.pipeline_asked:
+            plan = plan_with_profile(plan, profile, step_shape(checkpoint.config, np.dtype(jdtype).itemsize))
+    expert_budget = split.experts if split else None
+    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
+    model = _build(checkpoint, backend, jdtype, dtype, plan, options)
+    if split is not None:
+        model.device_budget_bytes, model.kv.budget_bytes = split.budget, split.kv
+    if adapter is not None:
+        model.load_adapter(adapter)
+    if adapters:
+        model.serve_adapters(adapters)
+    return model
+
+
+def _check_arguments(backend: str, dtype: str, expert_shard: ExpertShard | None, adapter):
+    """load_model's arguments that can be refused before anything is read."""
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if dtype not in DTYPE_CHOICES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if expert_shard is not None and backend != "host":
         raise InputError(f"expert parallel runs on the host backend only, not backend={backend!r}")
-    if expert_shard is not None and expert_shard.count != distributed.world().count:
-        raise InputError(
-            f"{expert_shard.describe()}: a run of {distributed.world().count} process(es) would leave experts "
-            "uncomputed; expert shards are one per process"
-        )
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"{adapter}: no such adapter directory")
-    trim_after_compiles()  # the steps this model compiles leave no heap behind
-    checkpoint = open_checkpoint(resolve_model(path), verify=verify, expert_shard=expert_shard)
-    if dtype == AUTO_DTYPE:
-        dtype = checkpoint.own_dtype()
-    jdtype = DTYPES[dtype]
+
+
+def _experts_format(checkpoint, backend: str, quant: str | None) -> str | None:
+    """The host experts' quantized format: asked for, the store's own, or as the checkpoint ships them (GPT-OSS's
+    MXFP4, on a backend that runs quantized experts); refused where the backend cannot run it."""
     kind = PLACEMENTS[backend]
     quant = stored_quant(checkpoint, quant)
     if quant is None and kind.quantized_experts:  # experts shipped quantized (GPT-OSS's MXFP4) stay as shipped
@@ -433,59 +465,35 @@ def load_model(
             f"{quant} experts run on the host backend only; backend={backend!r} "
             f"{'may compute some on the device' if kind.host_engine else 'runs none on the host'}"
         )
-    store_dtype = host_store_dtype(checkpoint, dtype) if kind.host_engine else None
-    mla_decode = mla_decode if checkpoint.config.mla is not None else ""
-    if expert_shard is not None:  # its MoE layers' collectives run inside the call: no ping-pong
-        if pipeline not in (None, 1):
-            raise InputError("expert parallel runs without the micro-batch pipeline; leave pipeline unset")
-        pipeline = 1
-    plan = make_plan(
-        dtype,
-        store_dtype,
-        native,
-        xla_ffi,
-        host_kernels,
-        quant,
-        mla_decode,
-        pipeline,
-        host_call,
-        attention_sinks=checkpoint.config.attention_sinks,
-    )
+    return quant
+
+
+def _check_memory(checkpoint, kind, jdtype, plan, expert_shard: ExpertShard | None):
+    """Refuses a model that would not fit this machine's memory (this process's share of an expert-parallel run),
+    before anything is built; and a shard count that leaves experts uncomputed."""
     shards = expert_shard.count if expert_shard else 1
+    if expert_shard is not None and shards != distributed.world().count:
+        raise InputError(
+            f"{expert_shard.describe()}: a run of {distributed.world().count} process(es) would leave experts "
+            "uncomputed; expert shards are one per process"
+        )
     parts = load_bytes(checkpoint, np.dtype(jdtype).itemsize, plan.host_kernels, shards)
     hint = quantization_hint(checkpoint, parts) if kind.quantized_experts and not plan.quant else ""
     check_fits(parts, f"loading {checkpoint.path}", hint=hint)
 
+
+def _build(checkpoint, backend: str, jdtype, dtype: str, plan, options: PlacementOptions) -> Model:
+    """The placement of the experts, the transformer around them, and the model."""
+
     def dense(name, dtype=None):  # dtype: a weight the family keeps in float32 whatever the model's dtype
         return jnp.asarray(checkpoint.dense(name), dtype=dtype or jdtype)
 
-    if kv_fraction is not None and device_budget_bytes is None:
-        raise InputError("kv_fraction needs device_budget_bytes: the budget it is a fraction of")
-    expert_budget = device_budget_bytes
-    if kv_fraction is not None:
-        if not 0.0 <= kv_fraction <= 1.0:
-            raise InputError(f"kv_fraction must be in [0, 1], got {kv_fraction}")
-        expert_budget = device_budget_bytes - int(kv_fraction * device_budget_bytes)
-    if kind.needs_profile:
-        profile = resolve_profile(profile, checkpoint.config, jdtype)
-        if plan.micro_batches > 1 and not plan.pipeline_asked:
-            plan = plan_with_profile(plan, profile, step_shape(checkpoint.config, np.dtype(jdtype).itemsize))
-    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
     # the weights read from the files are copies by now, or views JAX kept in place (a table already in the
     # model's dtype, such as the embedding): those read their pages back as they are used (only the rows used)
     checkpoint.tensors.release_pages()
-    model = Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
-    if device_budget_bytes is not None:
-        model.device_budget_bytes = int(device_budget_bytes)
-        if kv_fraction is not None:
-            model.kv.budget_bytes = int(kv_fraction * device_budget_bytes)
-    if adapter is not None:
-        model.load_adapter(adapter)
-    if adapters:
-        model.serve_adapters(adapters)
-    return model
+    return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
 
 
 def stored_quant(checkpoint, quant: str | None) -> str | None:
