@@ -91,7 +91,7 @@ def test_training_steps_take_the_stream_calls(mixtral):
     # direct handler's model, whose training forward and backward are callbacks into the same native code
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, size=(3, 10)))
     stream = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
-    if not stream.placement.runtime.stream_training:
+    if stream.placement.runtime.call_kind(lora=None, training=True) != STREAM:
         pytest.skip("no fused backward for bfloat16 experts here (the training step keeps its callbacks)")
     ffi = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=FFI)
     step, state = attention_lora_loss(stream, tokens)
@@ -112,7 +112,7 @@ def test_training_steps_take_the_stream_calls(mixtral):
 def test_a_backward_naming_no_keeping_forward_is_refused(mixtral):
     model = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
     runtime = model.placement.runtime
-    if not runtime.stream_training:
+    if runtime.call_kind(lora=None, training=True) != STREAM:
         pytest.skip("no fused backward for bfloat16 experts here")
     forward, backward = runtime.stream_call(0), runtime.stream_call(0, "backward")
     hidden = model.config.hidden_size
@@ -135,7 +135,7 @@ def test_a_backward_after_its_forward_ran_again_is_refused(mixtral):
     # read another call's, so it is refused by name (the answered ticket names the call)
     model = moe_jax.load_model(mixtral, backend="host", dtype="bfloat16", host_call=STREAM)
     runtime = model.placement.runtime
-    if not runtime.stream_training:
+    if runtime.call_kind(lora=None, training=True) != STREAM:
         pytest.skip("no fused backward for bfloat16 experts here")
     forward, backward = runtime.stream_call(0, "forward-keeping"), runtime.stream_call(0, "backward")
     x = jnp.ones((2, model.config.hidden_size), jnp.bfloat16)

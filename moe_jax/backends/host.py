@@ -28,6 +28,7 @@ from moe_jax.backends.host_runtime import HostRuntime
 from moe_jax.model.layers import lora_arrays
 from moe_jax.native import host_experts as native_experts
 from moe_jax.native import stream_experts
+from moe_jax.planning.plan import FFI, STREAM
 
 
 class HostLayer(NamedTuple):
@@ -43,10 +44,11 @@ def _forward(call: HostLayer, x_td, ids_tk, weights_tk, lora):
     XLA's FFI or the stream calls where the plan says so, else a callback (which uses the fused forward where it
     can, _run_forward)."""
     runtime, layer, scale = call
-    if runtime.experts_ffi and not lora:
+    kind = runtime.call_kind(lora)
+    if kind == FFI:
         address = runtime.compute.call_address(layer)
         return native_experts.host_experts_call(address, x_td, ids_tk, weights_tk)
-    if runtime.stream is not None and not lora:
+    if kind == STREAM:
         return stream_experts.host_experts_call(runtime.stream_call(layer), x_td, ids_tk, weights_tk)
     return jax.pure_callback(
         functools.partial(runtime.forward, layer, scale),
@@ -63,7 +65,7 @@ def _forward_keeping(call: HostLayer, x_td, ids_tk, weights_tk, lora):
     """Under differentiation: the forward keeps what the backward reads, under a ticket the backward redeems (on
     the stream calls: the keeping forward's site, which holds them)."""
     runtime, layer, scale = call
-    if runtime.stream_training and not lora:
+    if runtime.call_kind(lora, training=True) == STREAM:
         site = runtime.stream_call(layer, FORWARD_KEEPING)
         y, ticket = stream_experts.sync(site, stream_experts.submit(site, x_td, ids_tk, weights_tk), x_td, weights_tk)
         return y, ticket
@@ -81,7 +83,7 @@ def _forward_keeping(call: HostLayer, x_td, ids_tk, weights_tk, lora):
 def _backward(call: HostLayer, arguments, ticket, dy_td):
     runtime, layer, scale = call
     x_td, ids_tk, weights_tk, lora = arguments
-    if runtime.stream_training and not lora:  # the fused backward over what the keeping forward's site holds
+    if runtime.call_kind(lora, training=True) == STREAM:  # the fused backward over what the forward's site holds
         site = runtime.stream_call(layer, BACKWARD)
         dy, weights = dy_td.astype(jnp.float32), weights_tk.astype(jnp.float32)
         submitted = stream_experts.submit(site, dy, ids_tk, weights, forward_ticket=ticket)
@@ -128,7 +130,7 @@ class HostExperts(nnx.Module):
         if self.experts_per_shard is not None:  # expert parallel's collectives run in the call: no split
             return self(x_td, ids_tk, weights_tk), chain
         ids_tk, lora = ids_tk.astype(jnp.int32), lora_arrays(self.lora)
-        stream = self.runtime.stream_call(self.layer) if self.runtime.stream is not None and not lora else None
+        stream = self.runtime.stream_call(self.layer) if self.runtime.call_kind(lora) == STREAM else None
         call = pipeline.PipelinedLayer(self.runtime, self.layer, self.lora_scale, micro_batch, opens, stream=stream)
         ticket, chain = pipeline.start(call, x_td, ids_tk, weights_tk, lora, chain)
         return (call, ticket, x_td, ids_tk, weights_tk, lora), chain

@@ -18,7 +18,7 @@ from host_kernels.stream_worker import BACKWARD, FORWARD
 from moe_jax.backends.lane_timeline import LaneTimeline
 from moe_jax.backends.metrics import MetricsRecorder, RoutingCounts
 from moe_jax.native import stream_experts
-from moe_jax.planning.plan import CALLBACK, FFI, STREAM
+from moe_jax.planning.plan import CALLBACK, STREAM
 
 # tickets wrap here so that one survives a round trip through float32 (the pipeline's tickets are floats: their
 # cotangents carry the backward's tickets, backends/pipeline.py); far more than can ever be pending at once
@@ -86,9 +86,10 @@ class HostRuntime:
         self._tickets = itertools.count()
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
-        # the plan's choice for an undifferentiated call without expert LoRA: XLA:CPU's FFI handler, the stream
-        # calls to a host worker (whose thread starts with the runtime), or a callback (also every other call)
-        self.host_call = host_call if compute.fused is not None else CALLBACK
+        # the plan's choice (which had the fused forward in view); `call_kind` applies it to each call
+        if host_call != CALLBACK and compute.fused is None:
+            raise ValueError(f"host call {host_call!r} needs the fused forward, and this engine has none")
+        self.host_call = host_call
         self.stream_signal = stream_signal
         self.stream: StreamWorker | None = None
         if self.host_call == STREAM:
@@ -100,16 +101,18 @@ class HostRuntime:
     def __hash__(self):  # part of a static custom_vjp argument: identity is what matters
         return id(self)
 
-    @property
-    def experts_ffi(self) -> bool:
-        return self.host_call == FFI
-
-    @property
-    def stream_training(self) -> bool:
-        """A training step's expert forward and backward take the stream calls too: the fused backward runs
-        (bfloat16 kernels) over what the fused forward keeps; elsewhere they stay callbacks."""
+    def call_kind(self, lora, training: bool = False) -> str:
+        """How one call of the experts reaches them (FFI, STREAM or CALLBACK): the plan's host call, except that
+        a call with expert LoRA is a callback (the native calls take none), and so is a training call (forward
+        keeping pre-activations, or backward) unless the stream calls run it: the fused backward (bfloat16
+        kernels) over what the fused forward keeps. XLA:CPU's FFI handler runs forwards only."""
+        if lora:
+            return CALLBACK
+        if not training:
+            return self.host_call
         fused = self.compute.fused
-        return self.stream is not None and fused.has_backward and self.compute.keeps_activations
+        stream_backward = self.host_call == STREAM and fused.has_backward and self.compute.keeps_activations
+        return STREAM if stream_backward else CALLBACK
 
     def stream_call(self, layer: int, kind: str = FORWARD) -> stream_experts.StreamCall:
         """A new call site of `layer`'s experts (`kind`: host_kernels.stream_worker.KINDS) on the stream worker, on
