@@ -320,7 +320,8 @@ class Model:
         """Where the plan multiplies a decode step's dense products natively, packs the dense weights for it
         (Transformer.pack_for_decode); once."""
         if self.plan.dense_decode and "head_packed" not in self.state:
-            self._edit(lambda transformer: transformer.pack_for_decode(self.plan.dense_decode))
+            plan = self.plan
+            self._edit(lambda transformer: transformer.pack_for_decode(plan.dense_decode, plan.router_kernel))
             trim_heap()  # the packing's temporaries
 
     def engine(self, slots: int, max_len: int, anchor_cache=None, drafts: int = 0):

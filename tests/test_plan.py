@@ -3,6 +3,8 @@ environment only a default; the model runs what it says, and every plan computes
 
 import json
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -121,3 +123,17 @@ def test_the_environment_is_read_in_one_module():
             if reads:
                 copy = name in copies and id(node) in starred
                 assert copy, f"{name}:{node.lineno} reads the environment (read it in moe_jax/planning/environment.py)"
+
+
+def test_the_plan_names_the_routers_kernels_and_one_row_padding():
+    """The plan decides the routers' decode kernels (never quantized) and the one-row bfloat16 padding; the model
+    modules take them from it instead of asking the machine."""
+    plan = make_plan("bfloat16", None, quant="int8")
+    assert plan.pad_one_row == (jax.default_backend() == "cpu")
+    if plan.dense_decode:
+        assert plan.router_kernel(np.float32) == native_dense.dense_kernel(np.float32)[0]
+        assert plan.router_kernel(jnp.bfloat16) == native_dense.dense_kernel(jnp.bfloat16)[0]
+        assert "int8" not in plan.router_kernel(jnp.bfloat16)
+    off = make_plan("bfloat16", None, native=False)
+    assert off.router_decode == () and off.router_kernel(jnp.bfloat16) == ""
+    assert not make_plan("float32", None).pad_one_row

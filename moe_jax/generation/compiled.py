@@ -27,9 +27,9 @@ class CompiledGeneration:
         return self._model()
 
     def steps(self):
-        """The jitted GenerationSteps for the model's current structure, after the plan's decode packing."""
+        """The jitted GenerationSteps for the model's current structure (packed for decode or not: the engine
+        packs before its first batch, `Model.pack_for_decode`)."""
         model = self.model
-        model.pack_for_decode()
         for graphdef, steps in self._steps:
             if graphdef == model.graphdef:
                 return steps

@@ -190,6 +190,7 @@ class GenerationEngine:
         Batch; default the engine's), for the time of the block (its KV cache counts as the model's live KV bytes
         meanwhile)."""
         model = self.model
+        model.pack_for_decode()  # the plan's packing for native decode products: done by the first batch, once
         model.refresh_expert_cache()
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)

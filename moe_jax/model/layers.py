@@ -139,35 +139,36 @@ def _dropout_mask(key, keep: float, shape):
     return whole[start * per_row : stop * per_row]
 
 
-def frozen_matmul(x, w, w_t=None, out_dtype=None):
+def frozen_matmul(x, w, w_t=None, out_dtype=None, pad_one_row: bool = False):
     """x @ w for a base weight, in `out_dtype` (default x's).
 
-    In bfloat16 the product accumulates in float32, the form XLA:CPU hands to its fast bfloat16 GEMM (1.1-1.5
-    TFLOP/s on an AMX CPU, against ~0.2 for bf16 x bf16 -> bf16 and for a transposed right operand, which it
-    widens to float32 first). The backward's input gradient g @ w.T has that transposed operand: given `w_t`
-    (w transposed, as its own array) it runs as g @ w_t instead. float32 products are the plain x @ w.
+    In bfloat16 the product accumulates in float32, the form XLA:CPU hands to its fast bfloat16 GEMM (bf16 x
+    bf16 -> bf16, and a transposed right operand, which it widens to float32 first, take its slow paths). The
+    backward's input gradient g @ w.T has that transposed operand: given `w_t` (w transposed, as its own array)
+    it runs as g @ w_t instead. float32 products are the plain x @ w.
+    `pad_one_row` (the plan's, on XLA:CPU): a single row gets a second, zero one.
     """
     out_dtype = out_dtype or x.dtype
     if x.dtype != jnp.bfloat16:
         return (x @ w).astype(out_dtype)
     if w_t is None:
-        if math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu":
-            # one row (batch-1 decode): XLA:CPU widens the whole weight to float32 on every call (5 GB/s of
-            # weights); with a second, zero row it takes its GEMM path (17 GB/s)
+        if math.prod(x.shape[:-1]) == 1 and pad_one_row:
+            # one row (batch-1 decode): XLA:CPU widens the whole weight to float32 on every call; with a second,
+            # zero row it takes its GEMM path, which reads the weight as it is
             two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
             return _dot_f32(two, w)[:1].reshape(*x.shape[:-1], w.shape[-1]).astype(out_dtype)
         return _dot_f32(x, w).astype(out_dtype)
     return _frozen_matmul_t(x, w, w_t, out_dtype)
 
 
-def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = ""):
+def base_matmul(x, w, w_t=None, packed=None, out_dtype=None, dense_kernel: str = "", pad_one_row: bool = False):
     """`frozen_matmul`, or for a decode step's rows (x [b <= 64, 1, k] in the kernel's row dtype), and inside
     `native_prefill` a prefill's, of a weight packed for them (`native.dense.pack_dense`) the native product
     (host_kernels/csrc/xla_dense.c, on `dense_kernel`) on XLA:CPU. The float32 sums are XLA's up to summation order
     (quantized packings: the products of the quantized weights). Training never takes it: its rows have more than
     one position and it does not run under `native_prefill`."""
     y = native_product(x, packed, w.shape[-1], dense_kernel, out_dtype)
-    return y if y is not None else frozen_matmul(x, w, w_t, out_dtype)
+    return y if y is not None else frozen_matmul(x, w, w_t, out_dtype, pad_one_row)
 
 
 def native_product(x, packed, n: int, dense_kernel: str, out_dtype=None):
@@ -231,8 +232,9 @@ _native_frozen.defvjp(_native_frozen_fwd, _native_frozen_bwd)
 class Projection(nnx.Module):
     """y = x @ W (+ b) (+ scale * dropout(x) @ A @ B when a LoRA adapter is attached, as peft computes it)."""
 
-    def __init__(self, weight, bias=None):
+    def __init__(self, weight, bias=None, pad_one_row: bool = False):
         self.weight = Frozen(weight)
+        self.pad_one_row = pad_one_row  # the plan's: a one-row bfloat16 product padded to two (`frozen_matmul`)
         self.weight_t = nnx.data(None)  # W transposed, while training in bfloat16 on a CPU (`frozen_matmul`)
         self.packed = nnx.data(None)  # W packed for decode steps' native product (`base_matmul`), once generating
         self.dense_kernel = ""  # the kernel that multiplies it (the plan's `dense_decode`)
@@ -269,7 +271,8 @@ class Projection(nnx.Module):
     def __call__(self, x):
         w_t = None if self.weight_t is None else self.weight_t[...]
         packed = None if self.packed is None else self.packed[...]
-        return self.adapt(x, base_matmul(x, self.weight[...], w_t, packed, dense_kernel=self.dense_kernel))
+        y = base_matmul(x, self.weight[...], w_t, packed, dense_kernel=self.dense_kernel, pad_one_row=self.pad_one_row)
+        return self.adapt(x, y)
 
     def adapt(self, x, y):
         """The base product y = x @ W (x's dtype) with the bias and the adapter's update added."""

@@ -16,7 +16,7 @@ from flax import nnx
 from host_kernels import GLU, SWIGLU
 from moe_jax.model.config import Router
 from moe_jax.model.layers import Frozen, SwiGLU, lora_arrays, native_product
-from moe_jax.native.dense import dense_kernel, pack_dense, row_dtype
+from moe_jax.native.dense import pack_dense, row_dtype
 
 
 def route(x_td, router_de, spec: Router, bias_e=None, logits_te=None):
@@ -246,13 +246,13 @@ class MoEBlock(nnx.Module):
             y_td = y_td + beside_td
         return y_td.reshape(shape), chain
 
-    def pack_for_decode(self, empty=None):
-        """Packs the router for generation's native dense products, in the dtype its logits are computed in
-        (float32 where the family computes them from float32 inputs) and never quantized, so the routing stays the
-        model's. In XLA a bfloat16 router was widened to float32 inside every decode step (a loop-carried weight is
-        not hoisted): Qwen3-30B-A3B's [2048, 128] took ~30 us to widen and ~50 us to multiply, a layer and step."""
+    def pack_for_decode(self, kernel_for, empty=None):
+        """Packs the router for generation's native dense products on `kernel_for(dtype)` (the plan's
+        `router_kernel`), in the dtype its logits are computed in (float32 where the family computes them from
+        float32 inputs). In XLA a bfloat16 router was widened to float32 inside every decode step (a loop-carried
+        weight is not hoisted)."""
         dtype = jnp.float32 if self.spec.float32_logits else self.router[...].dtype
-        kernel, _ = dense_kernel(dtype)
+        kernel = kernel_for(dtype)
         if kernel and self.router_packed is None:
             self.router_packed = Frozen(pack_dense(self.router[...], kernel, empty))
             self.router_kernel = kernel

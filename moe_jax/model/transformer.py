@@ -85,11 +85,13 @@ class Transformer(nnx.Module):
         lm_head_dv,
         micro_batches: int = 1,
         decode_micro_batches: int = 1,
+        pad_one_row: bool = False,
     ):
         self.config = config
         # rows split into this many micro-batches that ping-pong between the device and the host (the plan's)
         self.micro_batches = micro_batches
         self.decode_micro_batches = decode_micro_batches  # ... for steps of one token a row
+        self.pad_one_row = pad_one_row  # the plan's (layers.frozen_matmul)
         self.embed = Frozen(embed_vd)
         self.layers = nnx.List(layers)
         self.norm = final_norm
@@ -119,7 +121,7 @@ class Transformer(nnx.Module):
         elif not head_kernel and self.head_copy is None:
             self.head_copy = Frozen(jnp.array(head.T))
 
-    def pack_for_decode(self, kernel: str):
+    def pack_for_decode(self, kernel: str, router_kernel):
         """Packed copies of the dense weights that decode steps multiply natively (layers.base_matmul), the routers
         too (MoEBlock.pack_for_decode); made once, when the model first generates, where the plan says so
         (`ExecutionPlan.dense_decode`), side by side on huge pages."""
@@ -134,7 +136,7 @@ class Transformer(nnx.Module):
             if isinstance(module, Projection) and module.packed is None and id(module) not in fused:
                 module.pack_for_decode(kernel, empty)
             if isinstance(module, MoEBlock):
-                module.pack_for_decode(empty)  # in its logits' float dtype, whatever `kernel` is (quantized or not)
+                module.pack_for_decode(router_kernel, empty)  # by its logits' float dtype, never quantized
         self.dense_kernel = kernel
         if self.head_packed is None:
             head = self.lm_head[...] if self.lm_head is not None else self.embed[...].T
@@ -212,7 +214,8 @@ class Transformer(nnx.Module):
         else:
             head, head_t = (self.embed[...].T, None) if copy is None else (copy, self.embed[...])
         packed = None if self.head_packed is None else self.head_packed[...]
-        return base_matmul(x, head, head_t, packed, out_dtype=jnp.float32, dense_kernel=self.dense_kernel)
+        kernel = self.dense_kernel
+        return base_matmul(x, head, head_t, packed, jnp.float32, dense_kernel=kernel, pad_one_row=self.pad_one_row)
 
 
 def at_positions(x_btd, positions_b):
@@ -247,7 +250,7 @@ def build_transformer(
     eps = config.rms_norm_eps
 
     def proj(name, bias: bool = False):
-        return Projection(dense(f"{name}.weight"), dense(f"{name}.bias") if bias else None)
+        return Projection(dense(f"{name}.weight"), dense(f"{name}.bias") if bias else None, plan.pad_one_row)
 
     def swiglu(prefix):
         return SwiGLU(*(proj(f"{prefix}.{p}_proj") for p in ("gate", "up", "down")))
@@ -294,6 +297,7 @@ def build_transformer(
         None if tied else dense(hf_names.LM_HEAD),
         micro_batches=plan.micro_batches,
         decode_micro_batches=plan.decode_micro_batches,
+        pad_one_row=plan.pad_one_row,
     )
 
 

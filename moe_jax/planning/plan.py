@@ -52,6 +52,11 @@ class ExecutionPlan:
     dense_decode: str
     argmax: bool  # native greedy argmax of float32 logits
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
+    # bfloat16 on XLA:CPU: a one-row product gets a zero second row (XLA:CPU widens the weight for one row)
+    pad_one_row: bool = False
+    # with dense_decode: the routers' native kernels by their dtype ("float32", "bfloat16"), never quantized, so
+    # the routing stays the model's
+    router_decode: tuple[tuple[str, str], ...] = ()
     # the native kernel of bfloat16 training's head products (forward and input gradient; "": XLA's, on a
     # transposed copy): AVX512-BF16, where XLA:CPU's bfloat16 GEMMs are slower; elsewhere XLA's own
     training_head: str = ""
@@ -65,6 +70,10 @@ class ExecutionPlan:
     # the stream calls' signal on CUDA (stream_experts.SIGNALS); "" where the host call is not STREAM
     stream_signal: str = ""
     why: tuple[tuple[str, str], ...] = ()  # (part, why it is not native) for each part that is not
+
+    def router_kernel(self, dtype) -> str:
+        """The native kernel of a router of `dtype` in decode steps, or "" (XLA)."""
+        return dict(self.router_decode).get(np.dtype(dtype).name, "")
 
     def reason(self, part: str) -> str:
         return dict(self.why).get(part, "")
@@ -203,6 +212,9 @@ def make_plan(
     # with quant, the decode steps' dense weights are quantized like the experts (half the bytes a step reads)
     dense, dense_why = native_dense.dense_kernel(model_dtype(dtype), quant)
     training_head, training_why = training_head_kernel()
+    dense_decode = dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else ""
+    routers = ((name, native_dense.dense_kernel(model_dtype(name))[0]) for name in ("float32", BFLOAT16))
+    router_decode = tuple((name, kernel) for name, kernel in routers if kernel) if dense_decode else ()
     on_cpu = jax.default_backend() == "cpu"
     micro_batches, decode_micro_batches, why["pipeline"] = pipeline_choice(pipeline, host is not None)
     return ExecutionPlan(
@@ -219,9 +231,11 @@ def make_plan(
             else "attention sinks (the native handler has none)",
             native_attention.status,
         ),
-        dense_decode=dense if native_part("dense", True, "", lambda: (bool(dense), dense_why)) else "",
+        dense_decode=dense_decode,
+        router_decode=router_decode,
         argmax=native_part("argmax", True, "", native_argmax.status),
         transposed_weights=bf16 and on_cpu,
+        pad_one_row=bf16 and on_cpu,
         training_head=training_head
         if native_part("training head", bf16 and on_cpu, "not bfloat16 on XLA:CPU", training_why)
         else "",
