@@ -98,16 +98,19 @@ def test_cancel_and_full_queue(model, scheduler):
 
 def test_a_failing_step_fails_its_jobs_and_the_server_goes_on(model, scheduler):
     prompt = model.tokenizer.encode("copy srel >")
-    decode = scheduler.engine.decode
-    calls = []
+    engine, calls = scheduler.engine, []
 
-    def failing_once(*args):
-        if not calls:
-            calls.append(1)
-            raise RuntimeError("a host kernel failed")
-        return decode(*args)
+    def failing_once(step):
+        def run(*args):
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("a host kernel failed")
+            return step(*args)
 
-    scheduler.engine.decode = failing_once
+        return run
+
+    # the first decode dispatch fails, whichever kind it is (one step, or a greedy block)
+    engine.decode_step, engine.decode_block = failing_once(engine.decode_step), failing_once(engine.decode_block)
     try:
         failed = Waiter(Request(prompt, 8))
         scheduler.submit(failed.job)
@@ -117,7 +120,7 @@ def test_a_failing_step_fails_its_jobs_and_the_server_goes_on(model, scheduler):
         assert after.wait().completion.tokens == model.generate([prompt], max_new_tokens=8)[0]
         assert scheduler.stats.failures == 1
     finally:
-        scheduler.engine.decode = decode
+        del engine.decode_step, engine.decode_block  # the methods again
 
 
 def test_a_stopped_engine_refuses_new_jobs(model):

@@ -330,14 +330,14 @@ class Batch:
         self.admitted_meanwhile = False
         started = time.perf_counter()
         if steps == 1:
-            logits, self.last_tokens, self.caches = self.engine.decode(
+            logits, self.last_tokens, self.caches = self.engine.decode_step(
                 self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
             )
             return _Step(logits, self.last_tokens, dict(self.active), started=started, rows=rows)
         watched = np.zeros(rows, bool)  # rows whose EOS ends the block: a job that ends there spends no more steps
         watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
         stop_ids = stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values())))
-        out, self.last_tokens, self.caches, ran = self.engine.decode(
+        out, self.last_tokens, self.caches, ran = self.engine.decode_block(
             self.caches,
             host_tokens,
             from_host,

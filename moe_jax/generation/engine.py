@@ -200,46 +200,43 @@ class GenerationEngine:
             policy = model.generation.draft_policy(self.drafts, self.draft_policy) if self.drafts else None
             yield Batch(self, slots, caches, shrink, block_steps, policy)
 
-    def decode(
-        self,
-        caches,
-        host_tokens,
-        from_host,
-        last_tokens,
-        positions,
-        adapters: np.ndarray | None = None,
-        steps: int = 1,
-        block: int = 0,
-        stop_ids: np.ndarray | None = None,
-        watched: np.ndarray | None = None,
-    ):
-        """Dispatches `steps` decode steps for as many slots as `host_tokens` has rows (not waited for; `adapters`:
-        each row's served adapter, `adapter_ids`): one step's
-        (logits, argmax tokens of every slot, caches), or for more than one, greedy throughout, (their argmax
-        tokens [block, rows] (rows past the steps run zeros), the last step's argmax tokens of every slot, caches,
-        the steps run: fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads;
-        batch.stop_id_array), both given for a block). `block`: the most steps a call of this batch runs, the compiled
-        block's size (default: `steps`)."""
-        if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
-            self.model.refresh_expert_cache()  # values only: the compiled step is reused
-        self.stats.decode_steps += steps
-        self.stats.decode_calls += 1
-        rows = len(host_tokens) if len(host_tokens) < len(last_tokens) else None  # None: every slot
+    def decode_step(self, caches, host_tokens, from_host, last_tokens, positions, adapters: np.ndarray | None = None):
+        """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for; `adapters`: each
+        row's served adapter, `adapter_ids`): (logits, argmax tokens of every slot, caches)."""
+        self._count_steps(1)
         args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters)
-        if steps == 1:
-            return self._steps.decode(*args, rows=rows)
-        block = max(block, steps)
-        return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=block)
+        return self._steps.decode(*args, rows=self._rows(host_tokens, last_tokens))
+
+    def decode_block(self, caches, host_tokens, from_host, last_tokens, positions, adapters, steps: int, block: int,
+                     stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
+        """Dispatches `steps` greedy decode steps in one call (as `decode_step`): (their argmax tokens [block,
+        rows] (rows past the steps run zeros), the last step's argmax tokens of every slot, caches, the steps run:
+        fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads; batch.stop_id_array)).
+        `block`: the most steps a call of this batch runs, the compiled block's size."""
+        self._count_steps(steps)
+        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters)
+        rows = self._rows(host_tokens, last_tokens)
+        return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=max(block, steps))
 
     def verify(self, caches, tokens, positions, adapters: np.ndarray | None = None):
         """Dispatches a speculative step for as many slots as `tokens` [rows, width] has rows
         (`GenerationSteps.verify`): (the argmax after each token [rows, width], caches)."""
-        if self.stats.decode_steps % CACHE_REFRESH_STEPS + 1 >= CACHE_REFRESH_STEPS:
-            self.model.refresh_expert_cache()
-        self.stats.decode_steps += 1
-        self.stats.decode_calls += 1
-        rows = len(tokens) if len(tokens) < caches[0][0].shape[0] else None  # None: every slot
+        self._count_steps(1)
+        rows = self._rows(tokens, caches[0][0])
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
+
+    def _count_steps(self, steps: int):
+        """Counts `steps` decode steps about to run, refreshing the expert cache (values only: the compiled step is
+        reused) each CACHE_REFRESH_STEPS."""
+        if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
+            self.model.refresh_expert_cache()
+        self.stats.decode_steps += steps
+        self.stats.decode_calls += 1
+
+    @staticmethod
+    def _rows(given, every_slot) -> int | None:
+        """The rows a step computes: `given`'s, or None where it covers every slot."""
+        return len(given) if len(given) < len(every_slot) else None
 
     def _prefill_width(self, tokens: int) -> int:
         """The width of a prefill step for `tokens` tokens a row. Chunked prefill: long prompts go through in
