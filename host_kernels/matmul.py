@@ -12,7 +12,7 @@ import numpy as np
 BLOCK_BYTES = 512 * 1024
 # Decode-size products (a few rows) fall into OpenBLAS's skinny-GEMM regime, which reads weights at a third of
 # the GEMV rate; cutting the weight into column panels of this width roughly doubles the rate for 2-4 rows
-# (measured on 4096 x 2816 float32 panels streamed from RAM: 3.7 -> 8.4 GB/s at 2 rows, 3.6 -> 5.9 at 4).
+# (float32 panels streamed from RAM read faster so).
 SKINNY_ROWS = 4
 SKINNY_PANEL_COLS = 256
 

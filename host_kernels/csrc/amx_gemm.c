@@ -13,8 +13,8 @@
  *
  * Register blocking: 2 x 2 output tiles (32 rows x 32 columns) from 2 A tiles and 2 B tiles per k step, which
  * uses all 8 tile registers. Loops, outermost first: chunks of A's rows small enough to stay in L2 (A_CHUNK_BYTES),
- * 32-column strips of B (k x 64 bytes, in L1), 32-row blocks of the chunk. Without the chunks, a 2048 x 512 A
- * (2 MiB) was re-read from L3 for every strip: 0.6 TFLOP/s on one core against 1.15 with them.
+ * 32-column strips of B (k x 64 bytes, in L1), 32-row blocks of the chunk. Without the chunks, a large A is
+ * re-read from L3 for every strip.
  */
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
@@ -29,9 +29,7 @@
 
 #define A_CHUNK_BYTES (512 * 1024)
 /* amx_gemm_4_streams asks for each stream's weights this many 1 KiB tiles ahead of the one it loads: its tile
- * loads alone read no faster than amx_gemm's two streams (bench model, 16-token experts of 4 layers: 5.07 vs
- * 5.12 ms); prefetched 1 / 2 / 3 / 4 tiles ahead, 4.44 / 4.14 / 4.18 / 4.43 ms against 4.57 for amx_gemm
- * (medians of 5 interleaved runs) */
+ * loads alone read no faster than amx_gemm's two streams; two tiles ahead was the fastest of 1-4 */
 #define PREFETCH_KB 2
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -136,13 +134,11 @@ void amx_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t 
     _tile_release();
 }
 
-/* Four whole 16-column blocks of C = A @ B for an A of at most 16 rows (a decode step's rows of one expert), each
- * block from its own packed weight: b[i] is block i's k-contiguous stream (amx_block), c[i] where its 16 columns
- * go (row stride ldc). At decode sizes the product is bound by reading the
- * weights, and one core reads four streams faster than two (two threads over 138 MB here: ~28 vs ~24 GB/s in a
- * plain load loop), so this reads four blocks side by side where amx_gemm reads two, and prefetches each stream
- * ahead of its tile loads. Each block's tile sees the same products in the same order as in amx_gemm: the results
- * are the same bits. */
+/* Four whole 16-column blocks of C = A @ B for an A of at most 16 rows (a decode step's rows of one expert), each block
+ * from its own packed weight: b[i] is block i's k-contiguous stream (amx_block), c[i] where its 16 columns go (row
+ * stride ldc). At decode sizes the product is bound by reading the weights, and one core reads four streams faster than
+ * two, so this reads four blocks side by side where amx_gemm reads two, and prefetches each stream ahead of its tile
+ * loads. Each block's tile sees the same products in the same order as in amx_gemm: the results are the same bits. */
 void amx_gemm_4_streams(const uint16_t *a, int64_t lda, int64_t kp, const uint16_t *const b[4], float *const c[4],
                         int64_t ldc, int64_t m) {
     float scratch[16 * 16];

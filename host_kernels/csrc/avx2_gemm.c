@@ -27,8 +27,7 @@
 #define F32_ROWS 3
 /* bfloat16: each stream prefetches where the next tile's stream will read, `blocks` blocks on (as
  * avx2_quantized_gemm.c's); float32 a fixed 2 KB ahead: its blocks are long (128 bytes a k-row: 64 KB at k 512), so
- * the next tile's start is past L2 for long k, and the part of a block read before a prefetch lands is small
- * (from DRAM at m = 1, one core: 8.4-9.5 GB/s at k 512 and 2048 with the next tile's, 10.8-11.9 with 2 KB). */
+ * the next tile's start is past L2 for long k, and the part of a block read before a prefetch lands is small. */
 #define F32_PREFETCH_BYTES 2048
 
 /* ------------------------------------------------------------------------------------------------- float32 */

@@ -32,9 +32,7 @@
 #define CHUNK 32           /* activations' quantization block, in k */
 #define SCALE_BYTES 32     /* 16 float16 scales per group and block */
 /* Each stream prefetches where the next tile's stream will read: `blocks` blocks on. A fixed 2 KB ahead within
- * the block left each tile's first 2 KB to DRAM latency, a fifth of the bytes of short blocks (k 512: 4.6 KB of
- * int4); decode-sized products (m = 1, weights from DRAM, one core) read at 5.2 -> 10.7 GB/s at k 512, 13 -> 18
- * GB/s at k 2048. */
+ * the block left each tile's first 2 KB to DRAM latency, a large share of the bytes of short blocks. */
 
 static inline int64_t block_bytes(int64_t kp, int64_t group) {
     return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;

@@ -44,13 +44,12 @@ static inline __attribute__((always_inline)) __m512bh load_pairs(const char *row
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* A product of more than TILE_ROWS rows reads each strip once from memory (its first pass over 6 rows) and again
- * from L2 per further 6 rows; alone, that first pass waits on memory while the others wait on nothing. So the
- * further passes also bring the next strip into L2, each a share of its k-pair rows (`every`-th row from `phase`):
- * 32 rows x [2048, 1536] from DRAM (AMD Zen 5) 340 -> 420 GFLOP/s on one thread, 560 -> ~700 on two. For that a
- * strip must stay in L2 between passes, beside the next: a bfloat16 product over more than K_CHUNK k-rows runs in
- * k-chunks of at most that (256 KB strips), each after the first adding to C (a [512, 32768] x [32768, 64] strip
- * would be 4 MB, re-read from L3 or memory per 6 rows). */
+/* A product of more than TILE_ROWS rows reads each strip once from memory (its first pass over 6 rows) and again from
+ * L2 per further 6 rows; alone, that first pass waits on memory while the others wait on nothing. So the further passes
+ * also bring the next strip into L2, each a share of its k-pair rows (`every`-th row from `phase`). For that a strip
+ * must stay in L2 between passes, beside the next: a bfloat16 product over more than K_CHUNK k-rows runs in k-chunks of
+ * at most that (256 KB strips), each after the first adding to C (a [512, 32768] x [32768, 64] strip would be 4 MB,
+ * re-read from L3 or memory per 6 rows). */
 #define K_CHUNK 2048
 typedef struct {
     const char *b; /* NULL: nothing to prefetch in this pass */

@@ -14,8 +14,7 @@
 
 #define ROWS 8
 /* each block's stream prefetched 2 KB ahead, as the AVX2 kernel's (avx2_gemm.c): the hardware prefetcher alone
- * left m = 1 from DRAM at 21-22 GB/s on 2 threads of a Sapphire Rapids-class Xeon, against 27-28 with it (numpy's
- * GEMV 28) */
+ * left a single row from DRAM below numpy's GEMV rate */
 #define PREFETCH_BYTES 2048
 
 /* c[0..rows) x 32 columns (store masks m0, m1) = a[0..rows) @ one packed block b. `rows` is a constant in each

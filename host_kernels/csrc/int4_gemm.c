@@ -27,7 +27,7 @@
 
 #define CHUNK 32           /* activations' quantization block, in k */
 #define SCALE_BYTES 32     /* 16 float16 scales per group and block */
-#define PREFETCH_BYTES 2048 /* ahead of the row loaded, per stream (512 read 27 GB/s from DRAM on one core, 2048 39) */
+#define PREFETCH_BYTES 2048 /* ahead of the row loaded, per stream (512 left one core short of DRAM's rate) */
 
 static inline int64_t block_bytes(int64_t kp, int64_t group) {
     return kp * 8 + (kp + group - 1) / group * SCALE_BYTES;
@@ -138,10 +138,9 @@ static inline __attribute__((always_inline)) void quantized_gemm(const char *q, 
                                                                  int64_t group, float *c, int64_t ldc, int64_t m,
                                                                  int64_t n0, int64_t n1, const int mxfp4) {
     const int64_t stride = block_bytes(kp, group), q_stride = int4_row_bytes(kp);
-    /* decode (1-2 rows): one block after another, a single prefetched stream. Four blocks side by side (four
-     * streams) read Qwen3-30B-A3B's decode weights 1.2-1.36x slower end to end (tokens/s per GB/s of the machine's
-     * streaming rate, alternating processes, AMD Zen 4, everything on huge pages), the bench model's about as fast
-     * (0.96-1.08); without the prefetch the bench model lost up to 0.7x */
+    /* decode (1-2 rows): one block after another, a single prefetched stream: four blocks side by side (four
+     * streams) read a real model's decode weights slower end to end, and without the prefetch it is slower
+     * still */
     const int wide = m <= 2;
     const int64_t step = wide ? 1 : 2, row_step = wide ? 2 : 4; /* else up to 4 rows x 2 blocks */
     for (int64_t nb = n0 / 16; nb * 16 < n1; nb += step) {

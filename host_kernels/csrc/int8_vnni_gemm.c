@@ -4,7 +4,7 @@
  * file is compiled for avx512vnni; its callers check the CPU first.
  *
  * Why: a few rows are bound by turning weights into operands. Widening each 32 int8 weights to bfloat16 takes two
- * sign extensions, two conversions and a pack (~9 GB/s a core: slower than DRAM); here one sign extension to 16
+ * sign extensions, two conversions and a pack (slower than DRAM delivers them); here one sign extension to 16
  * bits gives the VPDPWSSD operand, because int8_gemm's layout (per 16-column block, k-pair rows of 32 bytes) is
  * already the word-pair order VPDPWSSD reads.
  *

@@ -1,13 +1,12 @@
-/* The fused forward of one MoE layer's routed experts on the host, for inference: routing, the gather of each
- * expert's rows, the gate/up GEMM, SwiGLU, the down GEMM, the routing weights and the combine, in one call without
- * Python. The numpy engine (host_kernels/host_moe.py) makes ~10 Python and ctypes calls per expert and wakes its pool
- * twice per layer; at decode sizes that cost more than reading the weights (bench model, batch 1: 1.1 ms a layer
- * call, of which ~0.2 ms of weight reading). GEMMs: AMX for bfloat16 weights (amx_gemm.c; the arithmetic is the
- * engine's AMX path step for step, so both give the same bits) or, on CPUs without AMX, AVX512-BF16 over the same
- * packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c); int8 weights with a scale per column
- * (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers) or int4 ones with a scale per group of k-rows
- * (int4_gemm.c on AVX512-VNNI, whose int8 activation rows are made once: the inputs as they are gathered, the
- * SwiGLU outputs by the tile that computes them, as AVX2's int8 kernel's are), quantized from either.
+/* The fused forward of one MoE layer's routed experts on the host, for inference: routing, the gather of each expert's
+ * rows, the gate/up GEMM, SwiGLU, the down GEMM, the routing weights and the combine, in one call without Python. The
+ * numpy engine (host_kernels/host_moe.py) makes ~10 Python and ctypes calls per expert and wakes its pool twice per
+ * layer; at decode sizes that cost more than reading the weights. GEMMs: AMX for bfloat16 weights (amx_gemm.c; the
+ * arithmetic is the engine's AMX path step for step, so both give the same bits) or, on CPUs without AMX, AVX512-BF16
+ * over the same packed weights (bf16_gemm.c); AVX-512 FMA for float32 ones (f32_gemm.c); int8 weights with a scale per
+ * column (bf16_gemm.c's int8_gemm, widened to bfloat16 in registers) or int4 ones with a scale per group of k-rows
+ * (int4_gemm.c on AVX512-VNNI, whose int8 activation rows are made once: the inputs as they are gathered, the SwiGLU
+ * outputs by the tile that computes them, as AVX2's int8 kernel's are), quantized from either.
  *
  * Work is cut into tiles (one expert x a block of output columns) that the runner's threads take from one atomic
  * counter, largest experts first: a skewed routing spreads over every thread, and a decode step whose two experts

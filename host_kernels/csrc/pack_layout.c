@@ -1,8 +1,8 @@
 /* The bfloat16 tile layout (host_kernels/amx.py's pack_layout: [n blocks][k blocks][16 pairs][16 columns][2], zero
  * padded) written from a [k, n] bfloat16 weight of any strides. It is read tile by tile, 32 k-rows x 16 columns,
  * along whichever axis is contiguous: for a transposed weight (the backward's W^T, a view of W) 16 runs of 64
- * bytes. numpy's strided copies of the same moves took 8 ms a [2048, 1536] weight laid out as it is and ~30 ms for
- * a transposed one, paid for every expert when a layer is first used. Compiled for the baseline: every CPU packs. */
+ * bytes. numpy's strided copies of the same moves were slow (a transposed weight most), paid for every expert when a
+ * layer is first used. Compiled for the baseline: every CPU packs. */
 #include <stdint.h>
 #include <string.h>
 

@@ -1,7 +1,7 @@
 /* XLA FFI handler "moe_jax_argmax": each row's greedy token, the index of its first maximum, from float32 logits
  * [rows, vocab] into int32 [rows, 1]. A NaN counts as the maximum (the first NaN wins), as in jnp.argmax and
- * numpy. XLA:CPU's own argmax, a variadic reduce, took 90-180 us for 16 x 4096 logits at the end of every greedy
- * decode step (3 ms for 16 x 151936 on a Zen 3); this is one AVX-512 or AVX2 pass over them (the s64 attribute
+ * numpy. XLA:CPU's own argmax, a variadic reduce, was a visible share of every greedy decode step at large
+ * vocabularies; this is one AVX-512 or AVX2 pass over them (the s64 attribute
  * `avx512` says which: 1 or 0).
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */

@@ -1,21 +1,17 @@
-/* XLA FFI handler "moe_jax_dense": y = x @ W for the rows of a decode step (at most 64) or of generation's prefill
- * (at most 8192: XLA:CPU's own bfloat16 products of a prefill ran at ~65 GFLOP/s on an AVX2 Zen 3, half its float32
- * rate), W a bfloat16 weight
- * kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
+/* XLA FFI handler "moe_jax_dense": y = x @ W for the rows of a decode step (at most 64) or of generation's prefill (at
+ * most 8192: XLA:CPU's own bfloat16 products of a prefill run at about half its float32 rate on AVX2), W a bfloat16
+ * weight kept packed in the AMX tile layout (host_kernels/amx.py's `pack`: [n blocks][k blocks][16 pairs][16 cols][2]),
  * multiplied on AMX tiles or, on CPUs without AMX, by AVX512-BF16 (bf16_gemm.c, which reads the same layout) or,
- * without AVX-512, by AVX2 (avx2_gemm.c, the same layout again); or W
- * int8 with a scale per column (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for
- * `quant="int8"`, whose weights a decode step reads at half the bytes, or int4 with a scale per group of `group`
- * k-rows (host_kernels/int4_gemm.py's layout: [n blocks, kp * 8 + groups * 32] u8) for `quant="int4"`, each on
- * its AVX-512 kernel or its AVX2 one; or, for a float32 model, W float32 in column blocks of 32
- * (host_kernels/f32_gemm.py's layout: [n / 32 blocks, k, 32] f32) times float32 rows x. The
- * attributes `kernel` (s64: a code of the kernel table, kernel_table.h, whose row says `dense`) and `group` (s64:
- * int4's k-rows per scale, else 0) say which, as the execution plan chose (moe_jax/planning/plan.py).
+ * without AVX-512, by AVX2 (avx2_gemm.c, the same layout again); or W int8 with a scale per column
+ * (host_kernels/int8_gemm.py's layout: [n blocks, kp * 16 + 64] u8) for `quant="int8"`, whose weights a decode step
+ * reads at half the bytes, or int4 with a scale per group of `group` k-rows (host_kernels/int4_gemm.py's layout: [n
+ * blocks, kp * 8 + groups * 32] u8) for `quant="int4"`, each on its AVX-512 kernel or its AVX2 one; or, for a float32
+ * model, W float32 in column blocks of 32 (host_kernels/f32_gemm.py's layout: [n / 32 blocks, k, 32] f32) times float32
+ * rows x. The attributes `kernel` (s64: a code of the kernel table, kernel_table.h, whose row says `dense`) and `group`
+ * (s64: int4's k-rows per scale, else 0) say which, as the execution plan chose (moe_jax/planning/plan.py).
  *
- * XLA:CPU's own products at these sizes read their weights at 5-10 GB/s: a decode step's dense weights, evicted
- * from cache by the experts' 138 MB between two steps, took ~1.3 ms of a 6.5 ms batch-16 step on the bench model
- * (under the profiler). Alone, on cold weights, this call takes 40-55% of XLA's time; end to end, batch-16
- * generation gained 0-7% (in-process A/B runs), as XLA had overlapped part of its products.
+ * XLA:CPU's own products at these sizes read their weights well below the memory's rate, and a decode step's dense
+ * weights are evicted from cache by the experts between two steps.
  * This reads them as the fused experts do (amx_gemm_4_streams: four column blocks side by side, prefetched), with
  * the work in 64-column groups shared by the calling thread and helpers from XLA's pool.
  *

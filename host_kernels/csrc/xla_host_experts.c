@@ -1,6 +1,6 @@
 /* XLA FFI handler "moe_jax_host_experts": a jitted model calls the host's fused expert forward
- * (host_kernels/csrc/moe_forward.c) directly on its buffers, with no Python callback (~125 us a call on this CPU,
- * more than the 2 experts of a decode step take to compute) and no GIL.
+ * (host_kernels/csrc/moe_forward.c) directly on its buffers, with no Python callback (whose overhead exceeds
+ * what the experts of a decode step take to compute) and no GIL.
  *
  * Operands: x [tokens, hidden] (f32 or bf16), ids [tokens, top_k] (s32), weights [tokens, top_k] (f32 or bf16);
  * result y like x; attribute `call` (u64): the address of a moe_call (moe_forward.h) that names the runner and

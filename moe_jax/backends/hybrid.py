@@ -147,7 +147,7 @@ def _overlapped(spec: HybridSpec, method: str, counts, host_args: tuple, result_
         return spec.runtime.submit(method, spec.layer, spec.lora_scale, *args)
 
     # pure_callback, not io_callback: data dependencies (ticket, probe) already order the two, and an io_callback
-    # with results costs ~0.1 ms a step even in a branch not taken (XLA:CPU, bench model decode)
+    # with results costs time every step even in a branch not taken (XLA:CPU)
     ticket = jax.pure_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), counts, *host_args)
     ticket, device_inputs = jax.lax.optimization_barrier((ticket, device_inputs))
     device_out = device_fn(*device_inputs)

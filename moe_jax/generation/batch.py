@@ -1,30 +1,17 @@
 """The continuous batch: KV-cache slots that sequences enter and leave between decode steps.
 
-Each slot holds one sequence. A job (a request with its sampling settings and callbacks) is admitted into a free
-slot by prefilling its prompt; then every step decodes one token for all slots together; a sequence leaves its
-slot at EOS, a stop, its length limit or when cancelled, and the slot can take the next job at once. The batch
-is driven from outside (`admit`, `step`): the generation engine runs a fixed list of requests through it, the
-server feeds it from its connections as they come.
+Each slot holds one sequence: a job is admitted into a free slot by prefilling its prompt, every step decodes one
+token for all slots together, and a sequence leaves at EOS, a stop, its length limit or when cancelled, freeing
+its slot for the next job. The engine drives it over a fixed list of requests, the server from its connections.
 
-Every job samples from its own seeded generator with its own settings, so its output does not depend on which
-other jobs share the batch. Greedy steps follow each other on the device, the host one step behind: while every
-job in a step is greedy, that step's argmax feeds the next step on the device, and the host reads it (and checks
-EOS, stops, lengths) while the next step runs, so Python and the device-to-host copy stay off the critical path
-(bench model, interleaved against reading every step at once: 12-14% more tokens/s at batch 16 and at batch 1).
-A slot that finished on the token read last has had one more step computed for it; that output is dropped.
-A step with a sampling job is read at once: its token comes from the job's generator on the host.
-
-While every job is greedy and has at least two tokens to go, one call runs up to `block_steps` steps, as many as
-the job nearest its end has left (a block: GenerationSteps.decode_block, one compiled loop for every length up to
-`block_steps`), and the host reads their tokens together: a call's Python and dispatch (~0.5 ms on 2 cores, beside
-the steps) are paid once a block, also in a sequence's last few tokens (which went one step a call before). Long
-blocks pay: on 2 cores (AMD Zen 4), batch-1 decode ran 1.07-1.10x faster in blocks of 32 than of 8 on the bench
-model, 1.14x at Qwen3-30B-A3B's dims, whose single steps take ~13 ms alone and ~10 in a loop. A block ends on the
-device after the step in which a row with EOS ids made one (stop_ids, watched), so a sequence that ends spends no
-further steps and a waiting job takes its slot at once; such a block is read before the next dispatch, as the
-rows that go on continue where it ended. A stop decided on the host (`on_token`) is seen only when the block is
-read: while a job has one, blocks are at most HOST_STOP_STEPS long, and its tokens past the stop are dropped as
-the one-step-ahead token is; a job admitted meanwhile waits for the block.
+Every job samples from its own seeded generator, so its output does not depend on the other jobs. While every job
+in a step is greedy, the step's argmax feeds the next step on the device and the host reads it one step behind,
+keeping Python and the copy off the critical path (a slot that finished on the token read last has had one more
+step computed; that output is dropped); a step with a sampling job is read at once. While every job is greedy,
+one call runs a block of up to `block_steps` steps (GenerationSteps.decode_block), paying a call's Python and
+dispatch once a block; a block ends on the device after a row makes one of its EOS ids, and while a job has a
+host-side stop (`on_token`) blocks are at most HOST_STOP_STEPS long. What blocks and reading ahead gain:
+bench/reports/comment_figures.md.
 """
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ class Attention(nnx.Module):
         self.native_cache_attention = native_cache_attention
         self.sinks = Frozen(sinks) if sinks is not None else None
         # W_q | W_k | W_v packed as one weight for the native products (`pack_for_decode`): one call where three
-        # each paid a call's fixed cost (a bench-model k or v product took ~20 us of a batch-1 step for 37 KB)
+        # each paid a call's fixed cost, large beside a small product's bytes
         self.qkv_packed = nnx.data(None)
         self.qkv_kernel = ""
 
@@ -385,7 +385,7 @@ class Attention(nnx.Module):
         With a cache, this step's keys and values are written at `positions_bt` and every query attends to cache
         slots at positions up to its own: right-padded rows simply overwrite their padding later. The cache is
         kept kv-head-major, the layout the attention products read: token-major, XLA:CPU transposed (and
-        widened) all of it before each product (bench model, batch-16 decode: ~0.17 ms a layer).
+        widened) all of it before each product.
         """
         b, t, _ = x_btd.shape
         kv, hd = self.num_kv_heads, self.head_dim
@@ -473,7 +473,7 @@ def take_ranges(x, ranges, axis):
     """The slices [a, b) of x along `axis` for each (a, b) in `ranges` (which together cover the axis). Its
     gradient is assembled segment by segment and concatenated: the default (each slice's cotangent padded to
     full size, then all summed) makes XLA:CPU evaluate every pad for every element, and the chunked attention
-    backward spent ~40% of its time there."""
+    backward spent much of its time there."""
     return tuple(jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in ranges)
 
 
@@ -500,7 +500,7 @@ take_ranges.defvjp(_take_ranges_fwd, _take_ranges_bwd)
 def write_positions(cache_bksd, new_bktd, positions_bt, key_pos_bs):
     """The cache with each row's new entries written at their positions (distinct within a row), by selects over
     the cache rather than a scatter: XLA:CPU has no bfloat16 scatter and widened the whole cache to float32 and
-    back around one, twice per layer and step (bench model, batch-16 decode: 8.9 -> 8.0 ms a step)."""
+    back around one, twice per layer and step."""
     new_bktd = new_bktd.astype(cache_bksd.dtype)
     if new_bktd.shape[2] == 1:  # decode: one entry, broadcast along the cache
         return jnp.where((key_pos_bs == positions_bt)[:, None, :, None], new_bktd, cache_bksd)

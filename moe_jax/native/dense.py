@@ -1,9 +1,9 @@
-"""Generation's dense products (attention projections, the head) over weights packed for the host kernels:
-bfloat16 on AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c).
-XLA:CPU reads a decode step's small products' weights at 5-10 GB/s, evicted from cache by the experts between two
-steps; the kernels stream them as the fused experts do. A prefill's products are compute-bound, where XLA:CPU's
-bfloat16 GEMMs ran at about half its float32 rate on an AVX2 CPU (no bfloat16 instructions), and a quantized
-model's prefill reads the same quantized dense weights as its decode steps (as llama.cpp's Q8_0 / Q4_0 do)."""
+"""Generation's dense products (attention projections, the head) over weights packed for the host kernels: bfloat16 on
+AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c). XLA:CPU reads a
+decode step's small products' weights well below the memory's rate, evicted from cache by the experts between two steps;
+the kernels stream them as the fused experts do. A prefill's products are compute-bound, where XLA:CPU's bfloat16 GEMMs
+ran at about half its float32 rate on an AVX2 CPU (no bfloat16 instructions), and a quantized model's prefill reads the
+same quantized dense weights as its decode steps (as llama.cpp's Q8_0 / Q4_0 do)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def pack_dense(w_kn, kernel: str, empty=None) -> jax.Array:
     k = KERNELS[kernel]
     # device_put on XLA:CPU takes the aligned packed array as it is, with the huge pages numpy's allocator asked
     # for; jnp.asarray copied it onto 4 KB pages, where the kernels streamed a [2048, 32768] bfloat16 head from
-    # DRAM 1.15x slower (AMD Zen 5, two threads, interleaved rounds)
+    # DRAM slower
     w_kn = np.asarray(w_kn, k.pack_dtype)
     return jax.device_put((k.pack(w_kn) if empty is None else k.pack(w_kn, empty)).data)
 
