@@ -79,7 +79,7 @@ class WorkerPool:
         done = threading.Barrier(min(self.threads, len(tasks)))
         helpers = done.parties - 1
         # one BLAS thread per worker: the pool is the threads asked for (BLAS's own pool would add a thread per
-        # core on top, spinning: 2 processes of 1 host thread on 2 cores ran their steps 2.2x slower)
+        # core on top, spinning against the other processes' threads)
         with _blas.limit(limits=1, user_api="blas"):
             for worker in range(1, helpers + 1):
                 self._tasks.put((work, busy, worker, errors, done))

@@ -11,7 +11,7 @@ A quantized store (layout version 2; `quant` in the manifest names a quant_forma
 so the kernel reads the mapped file itself: such a model's experts take their quantized bytes in RAM, no more.
 On disk: `manifest.json` plus one raw little-endian file per tensor. Opening maps the files read-only, so loading a
 model costs neither a copy nor a conversion, advised MADV_HUGEPAGE: the page cache then holds them in 2 MB folios where
-the filesystem can (ext4 on Linux 6.18: all of a 256 MB file, against 84% unadvised), which decode steps stream
+the filesystem can , which decode steps stream
 faster (host_kernels/huge_pages.py). Sizes are checked at open (a truncated store fails there, not at first
 use); SHA-256 checksums are checked when asked (`verify=True`), since hashing a large model takes minutes.
 """

@@ -1,17 +1,14 @@
 """The C heap under XLA: compile-time memory returned to the OS, per-step buffers kept.
 
-Compiling a step (LLVM's passes over a model's program) allocates and frees ~0.1 GB of C heap, and glibc keeps
-freed heap pages resident: a generating process then held that much more than its model for as long as it ran
-(Qwen3-30B-A3B's dims cut to 2 layers, int4 experts, batch 16: 86 MB of its 170 MB above store + dense weights +
-KV cache, returned by one malloc_trim after the steps compiled). JAX reports each backend compile's duration;
-after a long one the heap is trimmed (a trim walks the heap: ~ms, nothing beside a compile of this size).
+Compiling a step (LLVM's passes over a model's program) allocates and frees heap that glibc keeps resident: a
+generating process then held that much more than its model for as long as it ran. JAX reports each backend
+compile's duration; after a long one the heap is trimmed (a trim walks the heap, nothing beside such a compile).
 
 A training step's large buffers (its logits and attention weights: tens of MB) were mapped anew and unmapped every
 step by glibc (above its mmap threshold, at most 32 MB by default), and the kernel zeroed their pages again at each
-first touch: ~8% of a step's thread time at Qwen3-30B-A3B's dims (AMD Zen 5). Kept in the heap up to
-KEEP_BUFFER_BYTES (`keep_step_buffers`, once a process builds a training step), those steps ran 0.82-0.94 -> 0.73-0.76
-s (alternating processes). Generation keeps glibc's defaults: its steps' buffers are small, and a decoding process's
-RSS stays closer to its model (int4 experts at Qwen3-30B-A3B's dims: 1.09x, against 1.10x with the buffers kept).
+first touch, every step: they are kept in the heap up to KEEP_BUFFER_BYTES (`keep_step_buffers`, once a process
+builds a training step). Generation keeps glibc's defaults: its steps' buffers are small, and a decoding process's
+RSS stays closer to its model.
 """
 
 from __future__ import annotations

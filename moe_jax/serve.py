@@ -172,8 +172,7 @@ def main(argv=None):
     gc.collect()
     gc.freeze()
     # the engine thread waits on the device and needs the interpreter back at once when a step ends, while the
-    # event loop thread streams tokens: a 0.5 ms switch interval instead of 5 (16 streaming clients, bench model,
-    # two interleaved A/B pairs: median server/offline 0.904 and 0.927 against 0.902 and 0.881)
+    # event loop thread streams tokens: a switch interval a tenth of Python's default
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(
         f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "

@@ -318,9 +318,9 @@ class GenerationEngine:
 @contextlib.contextmanager
 def gc_paused():
     """Python's cycle collector off while generating, back on (and due) after. A full collection walks every
-    object of the process: ~240 ms with transformers and torch loaded beside a model, a stall between two decode
-    steps; a generation makes no cycles of its own (its per-step objects go with their references), so this only
-    defers others' garbage. Batch-16 bench generation in such a process: 3% more tokens/s."""
+    object of the process, a stall between two decode steps when large libraries are loaded beside a model; a
+    generation makes no cycles of its own (its per-step objects go with their references), so this only defers
+    others' garbage."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -365,8 +365,8 @@ class GenerationSteps(NamedTuple):
 def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     """GenerationSteps: the jitted steps of a model with this structure. They take the model's
     state as its list of leaves (`Model.state_leaves`): jit flattens a list in microseconds, an nnx State (its
-    keys sorted, its variables unwrapped) in ~150 us of every decode step's dispatch. `native_argmax`: the plan's
-    choice for greedy tokens (`ExecutionPlan.argmax`)."""
+    keys sorted, its variables unwrapped) takes a visible share of every decode step's dispatch. `native_argmax`:
+    the plan's choice for greedy tokens (`ExecutionPlan.argmax`)."""
 
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
@@ -416,7 +416,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         after a step in which a `watched` row [rows] made one of `stop_ids` (its EOS: -1 pads), so no step is spent
         on a sequence that has ended. Returns (their argmax tokens [block, rows], zeros past the steps run, the last
         step's argmax tokens of all slots, caches, the steps run). The host dispatches and reads once per block: its
-        Python and dispatch (~0.5 ms at the bench model, more with cold caches) ran beside the steps on the same
+        Python and dispatch ran beside the steps on the same
         cores, and each call's first steps ran slower than a loop's next ones."""
         count = host_tokens.shape[0]
         steps = jnp.minimum(steps, block)
@@ -463,8 +463,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         jax.jit(prefill, donate_argnums=1),
         jax.jit(decode, donate_argnums=1, static_argnames="rows"),
         # XLA's loop-invariant code motion took the embedding gather's float32 convert (XLA:CPU gathers bfloat16
-        # in float32) out of the loop onto the whole table: 32k x 2048 values a block at Qwen3-30B-A3B's dims,
-        # blocks 3x slower than single steps; without it the convert stays fused into the gather of the rows
+        # in float32) out of the loop onto the whole table every block, which made
+        # blocks slower than single steps; without it the convert stays fused into the gather of the rows
         jax.jit(
             decode_block,
             donate_argnums=1,

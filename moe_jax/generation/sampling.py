@@ -5,8 +5,7 @@ above the k-th largest; top-p keeps the smallest prefix of the tokens by falling
 `top_p`; then one draw from the job's generator, as `Generator.choice(vocab, p=probs)` draws), computed without
 sorting the vocabulary: the k-th value comes from a partition, and the nucleus from the tokens above a probability
 floor (1e-3 first: at most a thousand to sort; lower floors only when the cut is not among them). A trained
-model's row then costs a few passes over its logits: 0.15-0.4 ms at a 32k vocabulary where sorting it took
-2.2-3 ms, per row and step, beside a decode step of ~3 ms (the bench model at batch 1); a flat row (a random-weight
+model's row then costs a few passes over its logits, a fraction of a sort's time; a flat row (a random-weight
 model's) still sorts most of it. The draw uses the generator as `choice` would (one `random()` a token), so a seed
 draws what a full-vocabulary `choice` over the same probabilities draws.
 """

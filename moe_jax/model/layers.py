@@ -55,8 +55,8 @@ def _rms_norm_fwd(x, weight, eps):
 
 def _rms_norm_bwd(eps, residuals, g):
     """The gradient written out, each row's reduction once: differentiated automatically, XLA:CPU fused the
-    reduction into the elementwise pass after it and recomputed it for every element (a Qwen3 q_norm's backward:
-    a 66 ms fusion for 512 x 4096 values, ~55 ms less this way; the q/k norms are per head of 128)."""
+    reduction into the elementwise pass after it and recomputed it for every element (the q/k norms are per head
+    of 128)."""
     x, weight = residuals
     x32 = x.astype(jnp.float32)
     r = _inverse_rms(x32, eps)
@@ -206,7 +206,7 @@ def native_frozen_matmul(x, packed, packed_t, n: int, kernel: str, out_dtype=Non
     `pack_dense(W.T)`: the forward and the backward's input gradient g @ W.T both the native product
     (host_kernels/csrc/xla_dense.c), on XLA:CPU. x: bfloat16 [..., k]; the result in `out_dtype` (default x's).
     For a bfloat16 training step's head (`ExecutionPlan.training_head`), where XLA:CPU's own bfloat16 products ran
-    ~1.2x slower (Qwen3-30B-A3B's [512, 2048] x [2048, 32768] on AMD Zen 5: forward and backward alike)."""
+    slower, forward and backward alike."""
     return _native_frozen(x, packed, packed_t, n, kernel, jnp.dtype(out_dtype or x.dtype))
 
 
@@ -390,8 +390,8 @@ class Attention(nnx.Module):
         b, t, _ = x_btd.shape
         kv, hd = self.num_kv_heads, self.head_dim
         # RoPE token-major, then kv-head-major (queries [b, kv, t, group, hd], keys/values [b, kv, t, hd]). RoPE
-        # after the transpose ran ~3x faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers
-        # makes: bf16 logits moved 2.4% from transformers' (0.7% in this order)
+        # after the transpose ran faster on XLA:CPU, but its fusion dropped bfloat16 roundings transformers makes,
+        # moving bf16 logits several times further from transformers' than this order
         q, k, v, gate = self._projections(x_btd)
         q = q.reshape(b, t, kv, self.num_heads // kv, hd)
         v = v.transpose(0, 2, 1, 3)
@@ -432,8 +432,7 @@ def chunked_causal_attention(
 
     Keys after a chunk's last query are skipped, as are keys a sliding window has left behind: this relies on
     positions increasing strictly along the sequence (true for whole sequences; the KV-cache path does not use
-    this). Besides halving the work of a causal mask, the small score blocks stay in cache: about 3x faster
-    than one [t, t] block on a CPU at t = 512, forward and backward.
+    this). Besides halving the work of a causal mask, the small score blocks stay in cache, forward and backward.
     """
     t = q_bktgd.shape[2]
     if t <= chunk:

@@ -212,8 +212,8 @@ class Scheduler:
         """Moves submitted jobs into `waiting`. When `block` (the batch is idle), first waits a moment for one,
         then, if the batch last ran more than one sequence, for as long as more keep coming within ARRIVAL_GAP_S,
         up to a batch: clients answered together come back together, a few milliseconds apart, and one prefill of
-        them all costs far less than a prefill of the first alone and another of the rest (bench model, 16
-        clients: 1 + 15 rows 16 + 69 ms, 16 rows 61-67). A lone client's request does not wait."""
+        them all costs far less than a prefill of the first alone and another of the rest. A lone client's request
+        does not wait."""
         if block:
             try:
                 waiting.append(self._inbox.get(timeout=IDLE_POLL_S))

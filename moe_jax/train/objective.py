@@ -26,7 +26,7 @@ def causal_lm_loss(logits_btv, tokens_bt, mask_bt):
     Written as logsumexp minus the target's logit, picked by a compare-and-select over the vocabulary, on every
     position (the last one masked out): its gradient is then elementwise work XLA fuses. log_softmax with
     take_along_axis and a slice of the logits cost a zero-filled [t, vocab] array, a scatter into it and a pad of
-    the logits' cotangent (Qwen3-30B-A3B's 32k vocab, 512 tokens: 134 -> 92 ms for the loss and its gradient)."""
+    the logits' cotangent."""
     logits = logits_btv.astype(jnp.float32)
     targets = jnp.pad(tokens_bt[:, 1:], ((0, 0), (0, 1)))
     mask = jnp.pad(mask_bt[:, 1:], ((0, 0), (0, 1))).astype(jnp.float32)
