@@ -49,7 +49,7 @@ def main():
     for backend in args.backends.split(","):
         kwargs = {}
         if backend == "hybrid":
-            kwargs["placement_plan"] = {layer: [0, 1, 2, 3] for layer in range(4)}
+            kwargs["device_experts"] = {layer: [0, 1, 2, 3] for layer in range(4)}
         if backend == "auto":  # a probe profile; room for half the experts (cache + streams)
             kwargs["device_budget_bytes"] = 16 * 3 * 512 * 1408 * 4
             kwargs["profile"] = args.profile

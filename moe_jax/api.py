@@ -344,7 +344,7 @@ def load_model(
     host_threads: int | None = None,
     device_budget_bytes: int | None = None,
     kv_fraction: float | None = None,
-    placement_plan: dict[int, list[int]] | None = None,
+    device_experts: dict[int, list[int]] | None = None,
     profile=None,
     calibrate: bool = True,
     verify: bool = False,
@@ -370,7 +370,7 @@ def load_model(
     `host_threads` sets the host expert engine's worker threads (default: the cores available).
     `device_budget_bytes` is the device memory for expert weights (offload's rounds, auto's cache and streams);
     with `kv_fraction`, that share of it goes to the KV cache instead (see `Model.set_memory_split`).
-    `placement_plan` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
+    `device_experts` ({layer: [expert ids]}) names the experts the hybrid backend keeps on the device.
     `profile` (backend="auto"): a probe profile (path or cost_model.Profile); by default this machine's, measured
     once for the model's expert shape and kept under ~/.cache/moe_jax. `calibrate` (auto): time one real layer
     both ways at load where the profile predicts a device gain, and use the host path where it measures faster
@@ -431,7 +431,7 @@ def load_model(
         if plan.micro_batches > 1 and not plan.pipeline_asked:
             plan = plan_with_profile(plan, profile, step_shape(checkpoint.config, np.dtype(jdtype).itemsize))
     expert_budget = split.experts if split else None
-    options = PlacementOptions(host_threads, expert_budget, placement_plan, profile, calibrate, expert_shard)
+    options = PlacementOptions(host_threads, expert_budget, device_experts, profile, calibrate, expert_shard)
     model = _build(checkpoint, backend, jdtype, dtype, plan, options)
     if split is not None:
         model.device_budget_bytes, model.kv.budget_bytes = split.budget, split.kv

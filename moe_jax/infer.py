@@ -25,7 +25,7 @@ from host_kernels import MAX_THREADS, QUANTIZED
 from moe_jax import bundled, distributed
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
-from moe_jax.backends.placements import check_placement_plan_flag, read_placement_plan
+from moe_jax.backends.placements import check_device_experts_flag, read_device_experts
 from moe_jax.cli import MODEL_HELP, prog, run_cli
 from moe_jax.errors import InputError
 from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
@@ -92,7 +92,7 @@ def parse_args(argv):
         help="prompts per generation batch (default: all at once); the memory split can change between waves",
     )
     p.add_argument(
-        "--placement-plan",
+        "--device-experts",
         type=Path,
         help='--backend hybrid: JSON file {"layer": [expert ids]} naming the experts kept on the device',
     )
@@ -130,7 +130,7 @@ def check_settings(args):
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
     if args.anchor_cache_mb < 0:
         raise InputError("--anchor-cache-mb must be >= 0")
-    check_placement_plan_flag(args.backend, args.placement_plan)
+    check_device_experts_flag(args.backend, args.device_experts)
     if args.wave_size is not None and args.wave_size < 1:
         raise InputError("--wave-size must be >= 1")
     if args.device_memory_mb is not None and not (math.isfinite(args.device_memory_mb) and args.device_memory_mb > 0):
@@ -212,7 +212,7 @@ def main(argv=None):
         verify=args.verify,
         native=False if args.no_native else None,
         quant=args.quant,
-        placement_plan=read_placement_plan(args.placement_plan) if args.placement_plan else None,
+        device_experts=read_device_experts(args.device_experts) if args.device_experts else None,
         pipeline=args.pipeline,
     )
     tok = model.tokenizer
@@ -343,9 +343,9 @@ def print_summary(args, model, metrics, st, cache, truncated, rejected, world):
             f"device memory {split['budget'] / 2**20:.1f} MiB: KV cache {kv}, experts "
             f"{split['experts_in_use'] / 2**20:.1f} MiB in use"
         )
-    if args.placement_plan:
+    if args.device_experts:
         lines.append(
-            f"hybrid: {split['experts_in_use'] / 2**20:.1f} MiB of experts on the device ({args.placement_plan})"
+            f"hybrid: {split['experts_in_use'] / 2**20:.1f} MiB of experts on the device ({args.device_experts})"
         )
     if args.draft_tokens:
         lines.append(

@@ -30,7 +30,7 @@ def half_plan(config):
 def load(checkpoint, backend, **kwargs):
     if backend == "hybrid":
         config = moe_jax.load_model(checkpoint, backend="device").config
-        kwargs.setdefault("placement_plan", half_plan(config))
+        kwargs.setdefault("device_experts", half_plan(config))
     return moe_jax.load_model(checkpoint, backend=backend, **kwargs)
 
 
@@ -168,7 +168,7 @@ def test_hybrid_host_side_receives_only_host_pairs(checkpoint):
     host.logits(ids)
     routed = host.metrics().tokens_per_expert
     hybrid = load(checkpoint, "hybrid")
-    plan = hybrid.placement.placement_plan
+    plan = hybrid.placement.device_experts
     hybrid.logits(ids)
     m = hybrid.metrics()
     for layer, counts in routed.items():
@@ -186,12 +186,12 @@ def test_hybrid_degenerate_plans(checkpoint, side):
     experts = list(range(config.num_experts)) if side == "all_device" else []
     plan = {layer: experts for layer in config.moe_layers}
     reference = moe_jax.load_model(checkpoint, backend="device").logits(ids)
-    np.testing.assert_allclose(load(checkpoint, "hybrid", placement_plan=plan).logits(ids), reference, atol=1e-5)
+    np.testing.assert_allclose(load(checkpoint, "hybrid", device_experts=plan).logits(ids), reference, atol=1e-5)
 
 
-def test_bad_placement_plan(checkpoint):
+def test_bad_device_experts(checkpoint):
     with pytest.raises(moe_jax.InputError, match="expert ids \\[999\\]"):
-        moe_jax.load_model(checkpoint, backend="hybrid", placement_plan={max(moe_layers(checkpoint)): [999]})
+        moe_jax.load_model(checkpoint, backend="hybrid", device_experts={max(moe_layers(checkpoint)): [999]})
 
 
 def moe_layers(checkpoint):

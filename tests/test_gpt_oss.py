@@ -135,7 +135,7 @@ def test_hybrid_placements_compute_its_experts_on_both_sides(gpt_oss, backend):
     hf, path = gpt_oss
     config = moe_jax.load_model(path, backend="device").config
     if backend == "hybrid":
-        model = moe_jax.load_model(path, backend="hybrid", placement_plan=half_plan(config))
+        model = moe_jax.load_model(path, backend="hybrid", device_experts=half_plan(config))
     else:
         model = load_auto(path, config, "mixed")
         assert model.memory_split()["experts_in_use"] > 0  # a device cache in use

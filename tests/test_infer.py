@@ -159,13 +159,13 @@ def test_speculative_decoding_gives_the_same_completions(tmp_path):
     assert re.search(r"speculative decoding: \d+ of \d+ drafts accepted", result.stderr)
 
 
-def test_hybrid_takes_a_placement_plan_and_moves_those_experts(tmp_path):
+def test_hybrid_takes_device_experts_and_moves_them(tmp_path):
     prompts = write(tmp_path / "p.jsonl", [{"prompt": p} for p in ("copy abc >", "reverse hello >", "sort dcba >")])
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"0": [1, 2], "1": [0]}))
     host_out, hybrid_out = tmp_path / "host.jsonl", tmp_path / "hybrid.jsonl"
     infer("--prompts", prompts, "--out", host_out)
-    result = infer("--prompts", prompts, "--out", hybrid_out, "--backend", "hybrid", "--placement-plan", plan)
+    result = infer("--prompts", prompts, "--out", hybrid_out, "--backend", "hybrid", "--device-experts", plan)
     completions = [
         [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()] for f in (host_out, hybrid_out)
     ]
@@ -175,16 +175,16 @@ def test_hybrid_takes_a_placement_plan_and_moves_those_experts(tmp_path):
     assert f"hybrid: {3 * expert_mib:.1f} MiB of experts on the device" in result.stderr
 
 
-def test_placement_plan_refusals(tmp_path, capsys):
+def test_device_experts_refusals(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     for flags, content, message in (
-        (["--backend", "hybrid"], None, "the hybrid backend needs a placement plan"),
-        (["--placement-plan", bad], "{}", "--placement-plan is for --backend hybrid"),
-        (["--backend", "hybrid", "--placement-plan", bad], "[1]", "a non-empty JSON object"),
-        (["--backend", "hybrid", "--placement-plan", bad], '{"x": [1]}', "'x' is not a layer number"),
-        (["--backend", "hybrid", "--placement-plan", bad], '{"0": [1.5]}', "layer 0: expected a list of expert ids"),
-        (["--backend", "hybrid", "--placement-plan", bad], "{", "not JSON"),
-        (["--backend", "hybrid", "--placement-plan", bad], '{"0": [9]}', "expert ids [9] outside [0, 4)"),
+        (["--backend", "hybrid"], None, "the hybrid backend needs the experts it keeps on the device"),
+        (["--device-experts", bad], "{}", "--device-experts is for --backend hybrid"),
+        (["--backend", "hybrid", "--device-experts", bad], "[1]", "a non-empty JSON object"),
+        (["--backend", "hybrid", "--device-experts", bad], '{"x": [1]}', "'x' is not a layer number"),
+        (["--backend", "hybrid", "--device-experts", bad], '{"0": [1.5]}', "layer 0: expected a list of expert ids"),
+        (["--backend", "hybrid", "--device-experts", bad], "{", "not JSON"),
+        (["--backend", "hybrid", "--device-experts", bad], '{"0": [9]}', "expert ids [9] outside [0, 4)"),
     ):
         if content is not None:
             bad.write_text(content)

@@ -82,7 +82,7 @@ def test_other_host_lane_backends_pipelined_equal_the_plain_pass(mixtral, backen
 
     def load(pipeline):
         if backend == "hybrid":
-            return moe_jax.load_model(mixtral, backend="hybrid", placement_plan=half_plan(config), pipeline=pipeline)
+            return moe_jax.load_model(mixtral, backend="hybrid", device_experts=half_plan(config), pipeline=pipeline)
         slow_device = dataclasses.replace(profile(config, "host"), device_seconds=ROWS * 1e-2)
         model = moe_jax.load_model(mixtral, backend="auto", profile=slow_device, calibrate=False, pipeline=pipeline)
         assert not model.placement.uses_device

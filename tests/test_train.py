@@ -214,8 +214,12 @@ GOOD = json.dumps({"instruction": "reverse abc >", "output": " cba"})
         ([GOOD], ["--learning-rate", "fast"], r"--learning-rate: invalid float value: 'fast'"),
         ([GOOD], ["--dtype", "float16"], r"dtype must be one of auto, float32, bfloat16, got 'float16'"),
         ([json.dumps({"question": "x"})], [], r"bad.jsonl:1: expected 'text'"),
-        ([GOOD], ["--backend", "hybrid"], r"the hybrid backend needs a placement plan: --placement-plan FILE"),
-        ([GOOD], ["--placement-plan", "plan.json"], r"--placement-plan is for --backend hybrid, not 'host'"),
+        (
+            [GOOD],
+            ["--backend", "hybrid"],
+            r"the hybrid backend needs the experts it keeps on the device: --device-experts FILE",
+        ),
+        ([GOOD], ["--device-experts", "experts.json"], r"--device-experts is for --backend hybrid, not 'host'"),
     ],
 )
 def test_bad_input_exits_2_before_compute(tmp_path, lines, extra, message):
@@ -332,11 +336,11 @@ def test_bundled_configs_parse_and_default_matches_no_arguments(tmp_path):
     bad.write_text("learning_rat = 0.1\n")
     with pytest.raises(moe_jax.ConfigError, match=r"bad.toml: unknown setting\(s\) \['learning_rat'\]"):
         TrainConfig.from_sources(str(bad), {})
-    bad.write_text("device_budget_mb = 512\n")
-    with pytest.raises(
-        moe_jax.ConfigError, match="bad.toml: the setting 'device_budget_mb' is now called 'device_memory_mb'"
-    ):
-        TrainConfig.from_sources(str(bad), {})
+    for old, new in (("device_budget_mb = 512", "device_memory_mb"), ('placement_plan = "p.json"', "device_experts")):
+        bad.write_text(old + "\n")
+        name = old.split(" ")[0]
+        with pytest.raises(moe_jax.ConfigError, match=f"bad.toml: the setting '{name}' is now called '{new}'"):
+            TrainConfig.from_sources(str(bad), {})
 
 
 def test_own_data_is_evaluated_on_its_own_held_out_rows_unless_eval_data_is_given(tmp_path):

@@ -4,7 +4,7 @@
 device   all experts in accelerator memory (pure JAX, `ragged_dot`): the reference
 host     experts on the host CPU through host_kernels (co-compute)
 offload  experts in pinned host memory, the routed ones copied to the device per layer
-hybrid   a placement plan: some experts on the device, the rest on the host, both at once
+hybrid   the experts `device_experts` names on the device, the rest on the host, both at once
 auto     hybrid layers whose device cache follows the routing and whose planner places every expert per call
          (cache, stream or host) from the probe profile; plain host layers where the cost model predicts no gain
 """

@@ -3,7 +3,7 @@ module, says how much device memory its experts hold, fits them into a new budge
 `make_placement(name, ...)` (moe_jax/backends/__init__.py) picks the class; nothing else compares the name.
 
 `device_budget_bytes` is the device memory a placement may hold expert weights in: the offload rounds, the
-hybrid plan, or auto's stream buffers and cache. `Model.set_memory_split` moves it at run time.
+hybrid backend's device experts, or auto's stream buffers and cache. `Model.set_memory_split` moves it at run time.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PlacementOptions:
 
     host_threads: int | None = None
     device_budget_bytes: int | None = None  # None: the placement's default
-    placement_plan: dict | None = None  # hybrid: {layer: [expert ids]} on the device
+    device_experts: dict | None = None  # hybrid: {layer: [expert ids]} on the device
     profile: Profile | None = None  # auto: the probe profile
     calibrate: bool = True  # auto: check the profile's verdict on one real layer (backends/calibrate.py)
     expert_shard: ExpertShard | None = None  # host: the experts this process holds (expert parallel)
@@ -229,18 +229,18 @@ class HostPlacement(ExpertPlacement):
 
 
 class HybridPlacement(HostPlacement):
-    """The experts a placement plan names ({layer: [ids]}) on the device, the rest on the host, both at once."""
+    """The experts `device_experts` names ({layer: [ids]}) on the device, the rest on the host, both at once."""
 
     name = "hybrid"
     quantized_experts = False  # its device share reads the float weights
 
     def __init__(self, checkpoint, dtype, plan, options):
         super().__init__(checkpoint, dtype, plan, options)
-        self.placement_plan = _check_plan(options.placement_plan or {}, checkpoint.config)
+        self.device_experts = _check_device_experts(options.device_experts or {}, checkpoint.config)
 
     def experts_for_layer(self, layer: int):
         glu, b13 = self._expert_function(layer)
-        cached = self.placement_plan.get(layer, ())
+        cached = self.device_experts.get(layer, ())
         return HybridExperts(self.runtime, layer, self._device_layer(layer), cached, glu=glu, b13_ef2=b13)
 
 
@@ -371,35 +371,35 @@ def hybrid_layers(transformer) -> list[HybridExperts]:
     return _modules(transformer, HybridExperts)
 
 
-def check_placement_plan_flag(backend: str, plan_file) -> None:
-    """The CLIs' rule: hybrid takes a plan (without one it would be the host backend under another name), and
-    only hybrid does."""
-    if backend == "hybrid" and not plan_file:
+def check_device_experts_flag(backend: str, experts_file) -> None:
+    """The CLIs' rule: hybrid takes the experts to keep on the device (without them it would be the host backend
+    under another name), and only hybrid does."""
+    if backend == "hybrid" and not experts_file:
         raise InputError(
-            'the hybrid backend needs a placement plan: --placement-plan FILE (JSON {"layer": [expert ids]}, the '
-            "experts kept on the device; `python -m moe_jax.advise` suggests placements), or use --backend auto"
+            'the hybrid backend needs the experts it keeps on the device: --device-experts FILE (JSON {"layer": '
+            "[expert ids]}; `python -m moe_jax.advise` suggests placements), or use --backend auto"
         )
-    if plan_file and backend != "hybrid":
-        raise InputError(f"--placement-plan is for --backend hybrid, not {backend!r}")
+    if experts_file and backend != "hybrid":
+        raise InputError(f"--device-experts is for --backend hybrid, not {backend!r}")
 
 
-def read_placement_plan(path) -> dict[int, list[int]]:
-    """A hybrid placement plan from a JSON file `{"layer": [expert ids], ...}` (what `--placement-plan` takes;
-    `moe_jax.planning.advise` and `HybridPlacement` use the same form). Checked for form here, against the model at
-    load."""
+def read_device_experts(path) -> dict[int, list[int]]:
+    """The hybrid backend's device experts from a JSON file `{"layer": [expert ids], ...}` (what
+    `--device-experts` takes; `moe_jax.planning.advise` and `HybridPlacement` use the same form). Checked for form
+    here, against the model at load."""
     path = Path(path)
     try:
-        plan = json.loads(path.read_text())
+        experts_by_layer = json.loads(path.read_text())
     except FileNotFoundError:
-        raise InputError(f"{path}: no such placement plan file") from None
+        raise InputError(f"{path}: no such device experts file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: unreadable ({e})") from None
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    if not isinstance(plan, dict) or not plan:
-        raise InputError(f'{path}: a placement plan is a non-empty JSON object {{"layer": [expert ids]}}')
+    if not isinstance(experts_by_layer, dict) or not experts_by_layer:
+        raise InputError(f'{path}: the device experts are a non-empty JSON object {{"layer": [expert ids]}}')
     checked = {}
-    for layer, experts in plan.items():
+    for layer, experts in experts_by_layer.items():
         if not layer.isdigit():
             raise InputError(f"{path}: {layer!r} is not a layer number")
         if not isinstance(experts, list) or not all(is_int(e) for e in experts):
@@ -408,13 +408,13 @@ def read_placement_plan(path) -> dict[int, list[int]]:
     return checked
 
 
-def _check_plan(plan: dict, config) -> dict[int, tuple[int, ...]]:
+def _check_device_experts(experts_by_layer: dict, config) -> dict[int, tuple[int, ...]]:
     checked = {}
-    for layer, experts in plan.items():
+    for layer, experts in experts_by_layer.items():
         if int(layer) not in config.moe_layers:
-            raise InputError(f"placement plan names layer {layer}, which is not an MoE layer ({config.moe_layers})")
+            raise InputError(f"device_experts names layer {layer}, which is not an MoE layer ({config.moe_layers})")
         bad = [e for e in experts if not 0 <= int(e) < config.num_experts]
         if bad:
-            raise InputError(f"placement plan for layer {layer}: expert ids {bad} outside [0, {config.num_experts})")
+            raise InputError(f"device_experts for layer {layer}: expert ids {bad} outside [0, {config.num_experts})")
         checked[int(layer)] = tuple(sorted({int(e) for e in experts}))
     return checked

@@ -12,7 +12,7 @@ from host_kernels import QUANTIZED
 from moe_jax import bundled
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES
 from moe_jax.backends import BACKENDS
-from moe_jax.backends.placements import check_placement_plan_flag
+from moe_jax.backends.placements import check_device_experts_flag
 from moe_jax.errors import ConfigError, InputError
 from moe_jax.model.lora import ATTENTION_TARGETS, KNOWN_TARGETS
 
@@ -20,7 +20,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 LONG_EXAMPLES = ("truncate", "drop")
 
 
-RENAMED = {"device_budget_mb": "device_memory_mb"}  # settings whose name changed: old -> new
+# settings whose name changed: old -> new (a config file with the old name is refused, naming the new one)
+RENAMED = {"device_budget_mb": "device_memory_mb", "placement_plan": "device_experts"}
 
 
 # what each setting does, for `moe-jax train --help` (every field of TrainConfig has one: tests check it)
@@ -33,7 +34,7 @@ SETTINGS_HELP = {
     "backend": "where the experts compute",
     "dtype": "base weights and activations: auto keeps the checkpoint's own",
     "quant": "quantize the experts as they load (LoRA on a quantized base; host backend)",
-    "placement_plan": 'hybrid backend: JSON file {"layer": [expert ids]} of the experts kept on the device',
+    "device_experts": 'hybrid backend: JSON file {"layer": [expert ids]} of the experts kept on the device',
     "lora_rank": "rank of every LoRA adapter",
     "lora_alpha": "LoRA scale numerator (the update is scaled by alpha / rank)",
     "lora_dropout": "dropout on the LoRA inputs",
@@ -78,7 +79,7 @@ class TrainConfig:
     # "float32" or "bfloat16" whatever it holds; bfloat16 runs the experts on AMX where there is one
     dtype: str = AUTO_DTYPE
     quant: str | None = None  # the experts quantized (int8, int4, ...): LoRA on a quantized base (host backend)
-    placement_plan: str | None = None  # hybrid: JSON file {"layer": [expert ids]} of the experts on the device
+    device_experts: str | None = None  # hybrid: JSON file {"layer": [expert ids]} of the experts on the device
     # LoRA
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -148,7 +149,7 @@ class TrainConfig:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         try:
-            check_placement_plan_flag(self.backend, self.placement_plan)
+            check_device_experts_flag(self.backend, self.device_experts)
         except InputError as e:
             raise ConfigError(str(e)) from None
 

@@ -16,7 +16,7 @@ import optax
 import moe_jax
 from host_kernels import NonFiniteError
 from moe_jax import distributed
-from moe_jax.backends.placements import read_placement_plan
+from moe_jax.backends.placements import read_device_experts
 from moe_jax.distributed import this_process_shard
 from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.formats.adapters import export_peft
@@ -111,7 +111,7 @@ class Trainer:
             device_budget_bytes=budget,
             verify=verify,
             native=native,
-            placement_plan=read_placement_plan(cfg.placement_plan) if cfg.placement_plan else None,
+            device_experts=read_device_experts(cfg.device_experts) if cfg.device_experts else None,
             expert_shard=this_process_shard(cfg.expert_shards),
             pipeline=cfg.pipeline,
         )
