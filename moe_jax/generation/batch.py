@@ -267,6 +267,7 @@ class Batch:
         chosen, self.caches = self.engine.verify(self.caches, tokens, positions, adapters)
         chosen = np.asarray(chosen)
         stats = self.engine.stats
+        stats.decode_steps += 1
         for slot, s in list(self.active.items()):
             draft = drafts[slot][: width - 1]
             accepted = 0
@@ -315,6 +316,7 @@ class Batch:
             positions[slot, 0] = s.position
             s.position += steps
         self.admitted_meanwhile = False
+        self.engine.stats.decode_steps += steps  # less those a block skips, once it is read
         started = time.perf_counter()
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode_step(

@@ -48,6 +48,9 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass
 class EngineStats:
+    """What generation did. One writer per field: the engine counts prefills and calls, the Batch the decode
+    steps that ran and the tokens and drafts it took from them."""
+
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     decode_tokens: int = 0
@@ -100,6 +103,7 @@ class GenerationEngine:
         # the narrowest that holds the prompts (a server compiles them before it opens: no request waits for XLA)
         self.prefill_widths: tuple[int, ...] | None = None
         self.stats = EngineStats()
+        self._steps_dispatched = 0  # the expert cache's refresh cadence (steps a block skipped count too)
 
     @property
     def widest_prefill(self) -> int:
@@ -226,11 +230,11 @@ class GenerationEngine:
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
 
     def _count_steps(self, steps: int):
-        """Counts `steps` decode steps about to run, refreshing the expert cache (values only: the compiled step is
-        reused) each CACHE_REFRESH_STEPS."""
-        if self.stats.decode_steps % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
+        """Counts a call of up to `steps` decode steps about to run, refreshing the expert cache (values only: the
+        compiled step is reused) each CACHE_REFRESH_STEPS."""
+        if self._steps_dispatched % CACHE_REFRESH_STEPS + steps >= CACHE_REFRESH_STEPS:
             self.model.refresh_expert_cache()
-        self.stats.decode_steps += steps
+        self._steps_dispatched += steps
         self.stats.decode_calls += 1
 
     @staticmethod
