@@ -2,13 +2,13 @@
 
     python bench/ab_checkouts.py --base /path/to/other/checkout [--shapes bench,qwen3-30b-a3b] [--rounds 3]
 
-Each round runs one fresh process per checkout, A B then B A in the next round, each process importing moe_jax
-from its own checkout (with its own native library: build it there first, `python setup.py build_ext --inplace`).
-A process loads the bench model (bench/models.py, per --shapes) with the host backend in its shape's dtype and
-measures greedy decode at batch 1 and 16 (32-token prompts, 64 new tokens: the engine's decode tokens/s), the
-prefill of one 512-token prompt (tokens/s), and a LoRA training step (r=8 on the attention, batch 2 x 128 tokens:
-the median of 3 steps after 2 warm-up ones). Reported per shape and measurement: each checkout's median over the
-rounds and the median of the per-round ratios this / base. Writes bench/reports/ab_checkouts.md.
+Each round runs one fresh process per checkout, A B then B A in the next round, each process importing moe_jax from its
+own checkout (with its own native library: build it there first, `python setup.py build_ext --inplace`). A process loads
+the bench model (bench/models.py, per --shapes) with the host backend in its shape's dtype and measures greedy decode at
+batch 1 and 16 (32-token prompts, 64 new tokens: the engine's decode tokens/s), the prefill of one 512-token prompt
+(tokens/s), and a LoRA training step (bench/train.py's `run_moe_jax`: r=8 on the attention, batch 2 x 128 tokens, the
+median of 3 steps after 2 warm-up ones). Reported per shape and measurement: each checkout's median over the rounds and
+the median of the per-round ratios this / base. Writes bench/reports/ab_checkouts.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
@@ -32,15 +31,12 @@ MEASURES = ("decode_b1_tok_s", "decode_b16_tok_s", "prefill_tok_s", "train_step_
 def child(checkout: Path, shape: str) -> dict:
     """One process's figures, measured with the moe_jax of `checkout`."""
     sys.path.insert(0, str(checkout))
-    import jax
     import numpy as np
-    import optax
 
     import moe_jax
     from bench.models import bench_model_dir, use_shape
+    from bench.train import run_moe_jax
     from moe_jax.generation.engine import GenerationEngine, Request
-    from moe_jax.model.lora import LoRAConfig
-    from moe_jax.train.objective import lora_value_and_grad
 
     assert Path(moe_jax.__file__).resolve().is_relative_to(checkout.resolve()), moe_jax.__file__
     use_shape(shape)
@@ -63,25 +59,9 @@ def child(checkout: Path, shape: str) -> dict:
     st = generation(1, PREFILL, 1)
     out["prefill_tok_s"] = st.prefill_tokens / st.prefill_s
 
-    model.attach_lora(LoRAConfig(rank=8, alpha=16, targets=("attention",)))
-    value_and_grad, lora_state = lora_value_and_grad(model)
-    tx = optax.adamw(1e-4)
-    opt_state = tx.init(lora_state)
-
-    @jax.jit
-    def update(lora_state, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, lora_state)
-        return optax.apply_updates(lora_state, updates), opt_state
-
-    times = []
-    for _ in range(2 + TRAIN_STEPS):
-        tokens = rng.integers(0, 4096, size=(TRAIN_BATCH, TRAIN_SEQ)).astype(np.int32)
-        start = time.perf_counter()
-        loss, grads = value_and_grad(lora_state, tokens, np.ones_like(tokens))
-        lora_state, opt_state = update(lora_state, opt_state, grads)
-        float(loss)
-        times.append(time.perf_counter() - start)
-    out["train_step_s"] = statistics.median(times[2:])
+    # the training step loads its own model, as bench/train.py's moe_jax sides do
+    times, _, _ = run_moe_jax("host", dtype, TRAIN_BATCH, TRAIN_SEQ, TRAIN_STEPS)
+    out["train_step_s"] = statistics.median(times)
     return out
 
 
