@@ -51,7 +51,9 @@ def tiny_layer(threads: int) -> FusedForward:
     kernel, why = best_kernel(np.float32)
     if not kernel:
         raise SystemExit(f"no fused forward kernel here: {why}")
-    return FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads=threads, kernel=kernel)
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], kernel), threads=threads, kernel=kernel)
+    fused.prepare([0])
+    return fused
 
 
 def percentiles(seconds: list[float]) -> dict:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import partial
 
 import numpy as np
+from tqdm import tqdm
 
 from host_kernels import amx, bf16_gemm, f32_gemm, int4_gemm, int8_gemm, kernel_table, mxfp4_gemm, native
 from host_kernels.activations import GLU, SWIGLU
@@ -187,10 +188,13 @@ BACKWARD_KERNELS = (AMX_BF16, AVX512_BF16, AVX2_BF16)
 
 class FusedForward:
     """Native runner (threads and buffers) plus one native layer per MoE layer, computed by `kernel` (default:
-    `best_kernel`) over packed weights that `packed(layer)` returns as [(w13, w2) per expert] when the layer is
-    first used: the engine's AMX forward weights, or `pack_layer`'s. The native layer points into them: they are
-    kept with it. With a BACKWARD_KERNELS kernel, `backward` runs a training step's backward over the weights that
-    `packed_backward(layer)` returns as [(W2ᵀ, W13ᵀ) per expert] (the engine's backward GEMMs' packed weights)."""
+    `best_kernel`) over packed weights that `packed(layer)` returns as [(w13, w2) per expert]: the engine's AMX
+    forward weights, or `pack_layer`'s. The native layer points into them: they are kept with it. With a
+    BACKWARD_KERNELS kernel, `backward` runs a training step's backward over the weights that
+    `packed_backward(layer)` returns as [(W2ᵀ, W13ᵀ) per expert] (the engine's backward GEMMs' packed weights).
+
+    A layer is packed by `prepare` or, for calls from Python, when first used; the addresses a traced step embeds
+    (`call_address`) exist only for prepared layers, so no packing happens while a step is traced."""
 
     def __init__(
         self,
@@ -303,18 +307,42 @@ class FusedForward:
                 if not isinstance(packed, kind) or (packed.k, packed.n) != (k, n):
                     raise KernelArgumentError(f"{where}: expected a {kind.__name__} of k={k}, n={n}")
 
+    def prepare(self, layers: Iterable[int], backward: bool = False):
+        """Packs `layers` for the native calls (their backward layers with `backward`, which needs
+        `has_backward`): the explicit step before a step that calls them is traced."""
+        if backward and not self.has_backward:
+            raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")
+        build = self._backward_layer if backward else self._layer
+        for layer in tqdm(list(layers), desc=f"packing experts for {self.kernel}", unit="layer", disable=None):
+            build(layer)
+
+    @property
+    def packed_layers(self) -> tuple[int, ...]:
+        """The layers whose native forward is packed (by `prepare` or a first call from Python)."""
+        with self._lock:
+            return tuple(sorted(self._layers))
+
     def call_address(self, layer: int) -> int:
-        """Address of this layer's `moe_call` (valid while this object lives; `is_live_call` says so)."""
-        address = ctypes.addressof(self._layer(layer).call)
-        _LIVE_CALLS.add(address)
-        return address
+        """Address of this prepared layer's `moe_call` (valid while this object lives; `is_live_call` says so)."""
+        return self._address(self._layers, layer, "forward")
 
     def backward_call_address(self, layer: int) -> int:
-        """Address of the `moe_call` naming this layer's backward layer (its packed W2ᵀ / W13ᵀ) and the runner: a
-        stream worker's backward runs the fused backward on it. Needs `has_backward`."""
-        if not self.has_backward:
-            raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")
-        address = ctypes.addressof(self._backward_layer(layer).call)
+        """Address of the `moe_call` naming this layer's prepared backward layer (its packed W2ᵀ / W13ᵀ) and the
+        runner: a stream worker's backward runs the fused backward on it."""
+        return self._address(self._backward_layers, layer, "backward")
+
+    def _address(self, built: dict, layer: int, kind: str) -> int:
+        with self._lock:
+            entry = built.get(layer)
+        if entry is None:
+            flag, model_step = ", backward=True", "Model.prepare_for_training()"
+            if kind == "forward":
+                flag, model_step = "", "load_model"
+            raise HostKernelError(
+                f"layer {layer}'s fused {kind} is not packed: FusedForward.prepare([{layer}, ...]{flag}) runs "
+                f"before a step that calls it is traced (a model's: {model_step})"
+            )
+        address = ctypes.addressof(entry.call)
         _LIVE_CALLS.add(address)
         return address
 

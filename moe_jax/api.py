@@ -193,8 +193,10 @@ class Model:
             )
 
     def prepare_for_training(self):
-        """Holds the copies of the frozen weights that the plan's training steps read (bfloat16 on XLA:CPU:
-        transposed weights for the backward, `ExecutionPlan.transposed_weights`); once."""
+        """Holds what the plan's training steps read besides the forward's weights: the fused backward's packed
+        layers where the stream calls run it, copies of the frozen weights (bfloat16 on XLA:CPU: transposed
+        weights for the backward, `ExecutionPlan.transposed_weights`); once."""
+        self.placement.prepare(self.transformer, training=True)
         if self.plan.transposed_weights:
             self._edit(lambda transformer: transformer.keep_transposed_weights(self.plan.training_head))
 
@@ -491,6 +493,7 @@ def _build(checkpoint, backend: str, jdtype, dtype: str, plan, options: Placemen
 
     placement = make_placement(backend, checkpoint, jdtype, plan, options)
     transformer = build_transformer(checkpoint.config, dense, placement.experts_for_layer, checkpoint.has, plan)
+    placement.prepare(transformer)
     # the weights read from the files are copies by now, or views JAX kept in place (a table already in the
     # model's dtype, such as the embedding): those read their pages back as they are used (only the rows used)
     checkpoint.tensors.release_pages()

@@ -181,6 +181,25 @@ def test_bad_inputs_are_refused_with_what_is_wrong():
     np.testing.assert_array_equal(fused.forward(0, x, ids % 8, np.zeros((3, 2), np.float32)), np.zeros((3, 96)))
 
 
+@needs_native
+def test_a_traced_step_gets_addresses_of_prepared_layers_only():
+    engine = HostMoE(make_store(), threads=2)
+    fused = engine.fused_forward()
+    with pytest.raises(HostKernelError, match=r"layer 1's fused forward is not packed: FusedForward.prepare"):
+        fused.call_address(1)
+    assert fused.packed_layers == ()
+    fused.prepare([1])
+    assert fused.packed_layers == (1,) and fused.call_address(1) == fused.call_address(1)
+    if fused.has_backward:
+        with pytest.raises(HostKernelError, match="layer 1's fused backward is not packed"):
+            fused.backward_call_address(1)
+        fused.prepare([1], backward=True)
+        assert fused.backward_call_address(1) != fused.call_address(1)
+    else:
+        with pytest.raises(HostKernelError, match="the fused backward runs on"):
+            fused.prepare([1], backward=True)
+
+
 @pytest.mark.parametrize("kernel", kernel_variants(KERNELS, (AVX512_F32, AVX2_F32)))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tokens,skew", [(1, False), (16, False), (300, True)])

@@ -41,6 +41,13 @@ def host_model(path, path_taken: str, dtype=NATIVE_DTYPE):
     return model
 
 
+def test_the_native_calls_are_packed_at_load_not_while_tracing(checkpoint):
+    model = host_model(checkpoint, "ffi")
+    fused = model.placement.runtime.compute.fused
+    assert fused.packed_layers == tuple(model.config.moe_layers)  # before any step was traced
+    assert host_model(checkpoint, "callback").placement.runtime.compute.fused.packed_layers == ()
+
+
 def test_ffi_handler_is_built_here():
     # the install builds it (setup.py, jaxlib's headers); CI must exercise this path, not only the fallbacks
     assert native_ffi.status() == (True, "")

@@ -74,6 +74,7 @@ def attention_lora_loss(model, tokens):
     """(jitted value_and_grad of the LM loss in the attention LoRA state, that state, randomized): no expert
     adapters, so the experts' forward and backward may take the stream calls."""
     model.attach_lora(LoRAConfig(rank=4, alpha=8, targets=("attention",)), seed=0)
+    model.prepare_for_training()  # packs the fused backward's layers
     graphdef, lora_state, rest = split_trainable(model.transformer)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
@@ -114,6 +115,7 @@ def test_a_backward_naming_no_keeping_forward_is_refused(mixtral):
     runtime = model.placement.runtime
     if runtime.call_kind(lora=None, training=True) != STREAM:
         pytest.skip("no fused backward for bfloat16 experts here")
+    model.prepare_for_training()
     forward, backward = runtime.stream_call(0), runtime.stream_call(0, "backward")
     hidden = model.config.hidden_size
     x, ids = jnp.ones((2, hidden), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32)
@@ -137,6 +139,7 @@ def test_a_backward_after_its_forward_ran_again_is_refused(mixtral):
     runtime = model.placement.runtime
     if runtime.call_kind(lora=None, training=True) != STREAM:
         pytest.skip("no fused backward for bfloat16 experts here")
+    model.prepare_for_training()
     forward, backward = runtime.stream_call(0, "forward-keeping"), runtime.stream_call(0, "backward")
     x = jnp.ones((2, model.config.hidden_size), jnp.bfloat16)
     ids, weights = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.full((2, 2), 0.5, jnp.float32)

@@ -36,7 +36,9 @@ pytestmark = pytest.mark.skipif(not KERNEL, reason=f"no fused forward kernel for
 @pytest.fixture(scope="module")
 def fused():
     store = make_store(experts=EXPERTS, hidden=HIDDEN, dtype=np.float32)
-    return FusedForward(store, lambda layer: pack_layer(store[layer], KERNEL), threads=2, kernel=KERNEL)
+    fused = FusedForward(store, lambda layer: pack_layer(store[layer], KERNEL), threads=2, kernel=KERNEL)
+    fused.prepare(store.layers)
+    return fused
 
 
 class Device:
@@ -264,6 +266,8 @@ def test_a_training_forward_and_its_backward_equal_the_direct_calls():
     engine = HostMoE(store, threads=2)
     fused = engine.fused_forward()
     assert fused is not None and fused.has_backward
+    fused.prepare([1])
+    fused.prepare([1], backward=True)
     worker = StreamWorker()
     rng = np.random.default_rng(7)
     tokens = 6

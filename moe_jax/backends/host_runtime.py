@@ -114,6 +114,17 @@ class HostRuntime:
         stream_backward = self.host_call == STREAM and fused.has_backward and self.compute.keeps_activations
         return STREAM if stream_backward else CALLBACK
 
+    def prepare_native_calls(self, training: bool = False):
+        """Packs what the plan's native calls read, before a step that calls them is traced: every layer's fused
+        forward where the plan names FFI or stream calls (at load); with `training`, also the fused backward's
+        layers where the stream calls run a training step's backward (when a training step is prepared)."""
+        if self.host_call == CALLBACK:
+            return
+        layers = sorted(self.compute.store.layers)
+        self.compute.fused.prepare(layers)
+        if training and self.call_kind(None, training=True) == STREAM:
+            self.compute.fused.prepare(layers, backward=True)
+
     def stream_call(self, layer: int, kind: str = FORWARD) -> stream_experts.StreamCall:
         """A new call site of `layer`'s experts (`kind`: host_kernels.stream_worker.KINDS) on the stream worker, on
         the next slot (consecutive sites of a traced program take consecutive slots, so calls in flight together

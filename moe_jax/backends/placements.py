@@ -73,6 +73,13 @@ class ExpertPlacement:
     def experts_for_layer(self, layer: int):
         raise NotImplementedError
 
+    def prepare(self, transformer, training: bool = False):
+        """The placement's work once its modules exist, before any step is traced: the native calls' packing
+        (`HostRuntime.prepare_native_calls`); auto adds its calibration. With `training`: what a training step
+        reads besides (the fused backward's layers)."""
+        if self.runtime is not None:
+            self.runtime.prepare_native_calls(training)
+
     def _expert_function(self, layer: int) -> tuple[GLU, object]:
         """(the experts' activation, the layer's experts' gate/up biases on the device in the model's dtype or
         None): what a device-side expert module computes besides its weights (GPT-OSS's)."""
@@ -309,15 +316,22 @@ class AutoPlacement(HostPlacement):
         first = range(capacity)
         shape = model_shape(self.checkpoint.config, self.dtype.itemsize)
         glu, b13 = self._expert_function(layer)
-        module = HybridExperts(
+        return HybridExperts(
             self.runtime, layer, self._device_layer(layer), first, capacity, self.profile, stream, shape, glu, b13
         )
-        if self.host_phases is None:  # the first layer built: check the predictions on it, once
-            calibrate = self.options.calibrate
-            measured = layer_calibration.host_faster_phases(module, self.dtype) if calibrate else (frozenset(), {})
-            self.host_phases, self.calibration = measured
-        module.spec = dataclasses.replace(module.spec, host_phases=self.host_phases)
-        return module
+
+    def prepare(self, transformer, training: bool = False):
+        """Also, at load: checks the cost model's predictions on the first layer (`calibrate`), once, and gives
+        every layer the phases the host path measured faster in."""
+        super().prepare(transformer, training)
+        layers = hybrid_layers(transformer)
+        if self.host_phases is not None or not layers:
+            return
+        calibrate = self.options.calibrate
+        measured = layer_calibration.host_faster_phases(layers[0], self.dtype) if calibrate else (frozenset(), {})
+        self.host_phases, self.calibration = measured
+        for module in layers:
+            module.spec = dataclasses.replace(module.spec, host_phases=self.host_phases)
 
     def set_expert_budget(self, budget_bytes: int, transformer):
         if budget_bytes < self.stream_buffer_bytes:
