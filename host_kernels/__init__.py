@@ -1,26 +1,8 @@
-"""host_kernels: the routed experts of MoE layers computed on the host CPU, next to their weights. No JAX.
+"""host_kernels: the routed experts of MoE layers computed on the host CPU, next to their weights. No JAX. What the
+rest of the project uses is importable from here (`__all__`): the expert store, the engine and its one face
+(`ExpertCompute`), the kernel choice, the errors, and what moe_jax's XLA FFI handlers need from the native library.
 
-What the rest of the project uses, importable from here:
-- the expert store: `ExpertStore` (memory-mapped, kernel layout), `LayerExperts`, `QuantizedLayerExperts` and
-  `quantize_layer` (experts held quantized, packed for their kernel; `quantized_expert_bytes`; `pack_int4_layer`
-  for weights quantized elsewhere), `StoreWriter`,
-  `file_sha256`, `release_pages` (drops a mapping's pages from RSS), `trim_heap` (returns freed C heap to the OS),
-  `keep_freed_buffers` (the C heap keeps large buffers it frees, for the next use);
-- the experts' function: `GLU` (SwiGLU, or GPT-OSS's clamped SwiGLU), which `HostMoE` takes with the experts'
-  gate/up biases
-- computing experts: `ExpertCompute`, the one face a caller computes through (forward, keeping pre-activations
-  or not, backward, the native forward's address for XLA's FFI handler, and `HostTotals`: what the fused forward
-  and the engine did, in one record), over `HostMoE` (the engine: tiled forward and backward; its
-  `fused_forward()` is the native forward, and `is_live_call` says whether an address is one of its calls),
-  `ExpertLoRA`, `default_threads`, `MAX_THREADS`; `NOT_ROUTED`, the expert id of a pair computed elsewhere;
-- the kernel choice, made once per store: `choose_kernels` -> `KernelChoice` (what HostMoE runs, and why), and
-  what it is made from: `cpu_features`, `library_status`; `QUANTIZED`, the quantized formats it can be asked for;
-- errors: `HostKernelError` and its kinds `StoreError`, `NonFiniteError`, `KernelArgumentError`.
-- for moe_jax's XLA FFI handlers, which are built into the same native library: `xla_ffi_library` (the library,
-  or why the handlers are not there), `cpu_lacks`, the fused forward's kernel table `KERNELS` (each kernel's packing,
-  which the dense decode handler reads too) and `best_kernel`, `BF16`; `HugePageArena`, where the packings it
-  makes for those handlers go onto huge pages.
-The native library's own wrappers (amx, f32_gemm, native, ...) serve the engine; nothing outside imports them.
+How it works and why: docs/INTERNALS.md, host_kernels/__init__.py.
 """
 
 from host_kernels.activations import GLU, SWIGLU

@@ -1,17 +1,6 @@
 """The four GEMMs against one layer's expert weights that the engine needs, on the numpy path or on AMX.
 
-For expert e with gate/up weight W13 [d, 2f] and down weight W2 [f, d]:
-    gate_up    x @ W13[:, cols] and x @ W13[:, f + cols]     forward phase 1 (and its recompute)
-    down       a @ W2[:, cols]                               forward phase 2
-    down_t     dy @ W2[cols, :].T                            backward: gradient at the activation
-    gate_up_t  dh @ W13[cols, :].T                           backward: gradient at the input
-Results go out as float32. Inputs come in as float32, except the rows `down` and `gate_up_t` read, which the
-engine writes into `input_buffer`s: bfloat16 on the AMX path, so the GEMM reads them without a conversion pass.
-`rows` (an index array) gathers the input's rows, so the AMX path can gather and round to bfloat16 in one pass.
-
-The AMX path keeps each weight packed in the tile layout (host_kernels/amx.py), made once per layer on first use
-in this process: W13 and W2 for forward, and their transposes when a backward first needs them. The packed copies
-are bfloat16: forward alone holds half the bytes of a float32 store, training as many.
+How it works and why: docs/INTERNALS.md, host_kernels/expert_matmuls.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The fused forward of a layer's routed experts in one native call (host_kernels/csrc/moe_forward.c).
 
-Routing, gathers, both GEMMs, SwiGLU, routing weights and the combine run in C on the runner's threads, with no
-Python between them: for a bfloat16 store on AMX, over the engine's packed AMX weights (bit-identical to the
-engine's AMX forward); for a float32 store on AVX-512, over float32 weights packed in column blocks
-(host_kernels/f32_gemm.py: a copy of the experts the size of the store, made as each layer is first used; the same
-function as the engine's numpy path up to float32 summation order). Two ways in:
-- `forward(layer, x, ids, weights)` from Python (ctypes releases the GIL);
-- `call_address(layer)`: the address of a `moe_call` (csrc/moe_forward.h) that XLA's FFI handler calls with the
-  device buffers directly (moe_jax/native/ffi.py), so a jitted decode step never enters Python.
-Expert LoRA and backward passes stay on the engine (host_kernels/host_moe.py); a training step's forward can keep
-the gate/up pre-activations it computed for that backward (`forward(..., keep=True)`).
+How it works and why: docs/INTERNALS.md, host_kernels/fused_forward.py.
 """
 
 from __future__ import annotations

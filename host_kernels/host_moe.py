@@ -1,18 +1,6 @@
 """The host expert engine: grouped SwiGLU experts of one layer, forward and backward, on worker threads.
 
-Forward, for each (token t, slot k) pair routed to expert e with weight w:
-    a = silu(x_t @ Wg_e) * (x_t @ Wu_e)          phase 1, tiles over ffn columns
-    y_t += w * (a @ Wd_e)                          phase 2, tiles over hidden columns
-Backward recomputes phase 1 by default: keeping it costs pairs x 2 x ffn floats per layer held between the passes
-(for 4 x 512 tokens, top-2, ffn 1408: 46 MB a layer, times every layer of the model), while recomputing costs one
-extra x @ W13 GEMM: 4 of the 16 GEMM FLOP units of a forward+backward. A caller with the memory uses
-`forward_keeping`, which returns the pre-activations for `backward(..., saved=)` (the host backend does, under a
-byte budget).
-The routing-weight gradient needs no extra GEMM: dL/dw = <dy_t, a @ Wd_e> = <dy_t @ Wd_e^T, a>, and
-dy_t @ Wd_e^T is needed anyway.
-
-Work is split into tiles (see schedule.py) and run on a WorkerPool; statistics of the last call are in
-`last_stats`.
+How it works and why: docs/INTERNALS.md, host_kernels/host_moe.py.
 """
 
 from __future__ import annotations

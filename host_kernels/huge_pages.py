@@ -1,14 +1,6 @@
 """Long-lived weight arrays on transparent huge pages (2 MB), carved from large anonymous mappings.
 
-A decode step streams each routed expert's packed weights once; on 4 KB pages the hardware prefetchers stop at
-every page boundary and each page costs a TLB walk. numpy asks for huge pages only for allocations of 4 MB and more,
-and malloc serves many of those from heap memory that is already mapped in 4 KB pages: a bfloat16 bench model's
-packed experts (1.4-2.8 MB each) sat on no huge page at all, a float32 one's on about two thirds. An arena
-maps chunks of at least `CHUNK_BYTES`, 2 MB-aligned and advised MADV_HUGEPAGE, and hands out 64-byte-aligned arrays
-from them one after another: packing a layer's experts into one arena puts them on huge pages wherever the kernel
-allows it (`/sys/kernel/mm/transparent_hugepage/enabled` "always" or "madvise"; with "never" they are plain pages,
-which is what they were before). Arrays are never freed one by one: a chunk is unmapped when the arena and every
-array carved from it are gone, so an arena suits weights that live and die together (a layer's).
+How it works and why: docs/INTERNALS.md, host_kernels/huge_pages.py.
 """
 
 from __future__ import annotations

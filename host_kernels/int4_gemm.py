@@ -1,11 +1,8 @@
 """GEMMs over int4 weights with a float16 scale per group of k-rows and column, on AVX512-VNNI
-(host_kernels/csrc/int4_gemm.c) or AVX2 (csrc/avx2_quantized_gemm.c), and the packed layout they read: per 16-column
-block, per group, 64-byte rows of 8 k-rows each (byte 4c + i: column c's k-row 8r + i in the low nibble, 8r + 4 + i
-in the high one, each stored as q + 8), then the group's 16 float16 scales. bfloat16 rows in (quantized to int8
-per 32 values by the kernel, as llama.cpp does for its Q4_0 products: `quant.quantize_activations` is the same
-rule), float32 out.
+(host_kernels/csrc/int4_gemm.c) or AVX2 (csrc/avx2_quantized_gemm.c), and the packed layout they read. bfloat16
+rows in, float32 out.
 
-`status(isa)` says whether this machine can run a variant and, if not, why.
+How it works and why: docs/INTERNALS.md, host_kernels/int4_gemm.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""GEMMs over int8 weights with a float32 scale per output column, and the packed layout they read: per 16-column
-block, the k-pairs of int8 weights (the bfloat16 kernels' pair order), then the block's 16 scales. bfloat16 rows
-in, float32 out. Variants:
-- `int8_gemm` (host_kernels/csrc/bf16_gemm.c, AVX512-BF16 + VNNI): up to 12 rows multiplied as integers with
-  VPDPWSSD (csrc/int8_vnni_gemm.c; the rows quantized to int16 per 128 values, `quant.quantize_activations_int16`),
-  more rows with the weights widened to bfloat16;
-- `int8_gemm_amx` (csrc/amx_gemm.c): above 16 rows each column block widened to bfloat16 once and multiplied on the
-  tiles, at or below them `int8_gemm`;
-- `int8_gemm_avx2` (csrc/avx2_quantized_gemm.c): integer products with the rows quantized to int8 per 32 values
-  (`quant.quantize_activations`' rule).
+"""GEMMs over int8 weights with a float32 scale per output column (AVX512-BF16 + VNNI, AMX, AVX2), and the packed
+layout they read. bfloat16 rows in, float32 out.
 
-`status(isa)` says whether this machine can run a variant and, if not, why.
+How it works and why: docs/INTERNALS.md, host_kernels/int8_gemm.py.
 """
 
 from __future__ import annotations

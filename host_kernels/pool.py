@@ -1,12 +1,6 @@
 """A persistent pool of worker threads for expert GEMMs.
 
-numpy releases the GIL inside BLAS, so threads run GEMMs truly in parallel; BLAS itself is held to one thread
-during a pool run so the two levels of parallelism do not fight over the cores. The calling thread works too
-(it would otherwise sit idle waiting), so `threads=2` means the caller plus one helper.
-
-Tasks are pulled from one queue in the order given (callers sort them largest first), which balances by cost even
-when the estimate is off. An exception in any task is re-raised in the caller's thread after the run has drained;
-no worker dies and no call hangs.
+How it works and why: docs/INTERNALS.md, host_kernels/pool.py.
 """
 
 from __future__ import annotations

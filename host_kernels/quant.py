@@ -1,18 +1,8 @@
-"""Quantized weights for the experts (and a quantized model's dense decode products):
+"""Quantized weights for the experts (and a quantized model's dense decode products): int8 with a scale per output
+column, int4 with a scale per group (llama.cpp's Q4_0 rule) and MXFP4 (the format GPT-OSS ships), each quantized,
+dequantized and packed for its kernel.
 
-- int8 with a float32 scale per output column (symmetric: q = round(w / scale), scale = max|w| / 127 of the
-  column): a quarter of float32's bytes, half of bfloat16's. Per output column the scale factors out of every
-  product exactly, x @ (q * s) = (x @ q) * s, so the kernels multiply once per output and the error is the
-  rounding of each weight alone, at most half a step: |w - q * s| <= s / 2 = max|w| / 254 of its column.
-- int4 with a float16 scale per group of `group` k-rows and column, llama.cpp's Q4_0 rule: d = m / -8 where m is
-  the group's value of largest magnitude, q = round(w / d) clipped to [-8, 7]. m itself maps to -8 exactly and
-  the other values lie in [-8, 8] steps, so the error is at most half a step, |d| / 2, except for values within
-  half a step of -m (they clip to 7: at most |d|). 4 bits a weight plus 16 / group for the scale: 4.5 at group 32,
-  0.28x bfloat16's bytes.
-- MXFP4 (the OCP microscaling format GPT-OSS ships its experts in): per group of 32 k-rows and column a power of
-  two (e8m0), each weight an e2m1 code (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6) times
-  it. Quantizing a float weight follows ggml's rule (its power of two 2^(floor(log2 max|w|) - 2), each value the
-  nearest code); weights that arrive as MXFP4 are kept code for code.
+How it works and why: docs/INTERNALS.md, host_kernels/quant.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The expert weight store: per-layer expert weights pre-converted to the kernel's layout, memory-mapped.
 
-Layout (version 1), per MoE layer:
-  w13 [experts, hidden, 2 * ffn]  gate columns [0, ffn) then up columns [ffn, 2 * ffn): `x @ w13[e]` gives both
-                                  projections in one GEMM over contiguous memory.
-  w2  [experts, ffn, hidden]      `act @ w2[e]`.
-A quantized store (layout version 2; `quant` in the manifest names a quant_formats.FORMATS entry, `hidden` and
-`ffn` the layers' sizes) holds each expert already packed for its fused kernel, as uint8:
-  w13 [experts, blocks, block bytes]  `gate_up_blocks(.., 16)`'s [hidden, 2 * ffn rounded up to 16], packed
-  w2  [experts, blocks, block bytes]  [ffn, hidden], packed
-so the kernel reads the mapped file itself: such a model's experts take their quantized bytes in RAM, no more.
-On disk: `manifest.json` plus one raw little-endian file per tensor. Opening maps the files read-only, so loading a
-model costs neither a copy nor a conversion, advised MADV_HUGEPAGE: the page cache then holds them in 2 MB folios where
-the filesystem can , which decode steps stream
-faster (host_kernels/huge_pages.py). Sizes are checked at open (a truncated store fails there, not at first
-use); SHA-256 checksums are checked when asked (`verify=True`), since hashing a large model takes minutes.
+How it works and why: docs/INTERNALS.md, host_kernels/store.py.
 """
 
 from __future__ import annotations

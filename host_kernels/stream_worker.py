@@ -1,13 +1,6 @@
 """The host worker of stream-ordered expert calls (csrc/stream_worker.h has the protocol).
 
-Beside a GPU, a jitted step reaches the host experts through two XLA FFI calls per layer that only enqueue work on
-XLA's stream (moe_jax/native/stream_experts.py): the copies into this worker's staging buffers and a "go", then a
-wait for its "done" and the copy back. The worker is one native thread that runs the layer's fused forward
-(fused_forward.FusedForward's `moe_call`) when a go comes; no Python runs per call. Its staging memory is plain host
-memory, or CUDA's mapped pinned memory where the calls come from a GPU (`memory="cuda"`).
-
-From Python the worker is driven as the device side would drive it: `site` names a call, `staging` gives its
-buffers, `post` and `wait` are the two signals (the tests and the XLA:CPU handlers play the device this way).
+How it works and why: docs/INTERNALS.md, host_kernels/stream_worker.py.
 """
 
 from __future__ import annotations

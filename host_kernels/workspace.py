@@ -1,12 +1,6 @@
 """Reusable, cache-line-aligned scratch buffers: one set for the engine call, one per pool worker.
 
-The engine's temporaries are large (a training-size layer call writes ~100 MB of pre-activations, activations
-and gradients) and short-lived. Fresh allocations are fresh pages: the kernel zeroes each one on first touch,
-inside the GEMM that writes it. Reusing the pages of the previous call avoids that. A task running on the pool
-gets its worker's buffers (workers never share one); outside tasks, the call's. Keyed by worker index rather than
-by thread, because the calling thread changes from call to call (XLA runs host callbacks on its own threads).
-A name is reused only by the code that owns it: it must be done with a buffer before it asks for that name again,
-and calls using one workspace must not overlap (the engine holds a lock).
+How it works and why: docs/INTERNALS.md, host_kernels/workspace.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """The C heap under XLA: compile-time memory returned to the OS, per-step buffers kept.
 
-Compiling a step (LLVM's passes over a model's program) allocates and frees heap that glibc keeps resident: a
-generating process then held that much more than its model for as long as it ran. JAX reports each backend
-compile's duration; after a long one the heap is trimmed (a trim walks the heap, nothing beside such a compile).
-
-A training step's large buffers (its logits and attention weights: tens of MB) were mapped anew and unmapped every
-step by glibc (above its mmap threshold, at most 32 MB by default), and the kernel zeroed their pages again at each
-first touch, every step: they are kept in the heap up to KEEP_BUFFER_BYTES (`keep_step_buffers`, once a process
-builds a training step). Generation keeps glibc's defaults: its steps' buffers are small, and a decoding process's
-RSS stays closer to its model.
+How it works and why: docs/INTERNALS.md, moe_jax/compile_memory.py.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """`python -m moe_jax.convert --hf DIR | --gguf FILE --out DIR [--quant int8|int4|none]`: a Hugging Face checkpoint
 or a GGUF file into the converted format.
 
-The converted directory holds config.json and tokenizer files as they were, the non-expert tensors in one
-`model.safetensors` (Hugging Face names and layout), and the routed experts in an `experts/` store in the host
-kernels' layout (with --quant, quantized and packed for their kernel), memory-mapped when loaded. It is written
-into a directory of its own next to OUT (`OUT.partial-XXXX`), its store checksums verified, and renamed into
-place at the end, so an interrupted conversion never leaves a directory that looks finished. An existing
-non-empty OUT is refused unless --overwrite; OUT may not be or contain the source, nor lie inside it. With
---expert-shards N the experts go to N stores instead, `experts.shard-I-of-N/` each holding 1/N of every layer's
-experts: a machine of an expert-parallel run needs the rest of the directory and its own shard only.
-
-From a GGUF file (llama.cpp's format), config.json and the tokenizer files are written from its metadata, the dense
-weights dequantized to float32 (every GGUF type's values are exact there), and the experts kept as close to their
-stored format as moe_jax's formats allow unless --quant says otherwise: Q4_0 experts are repacked as int4 value for
-value (the same format), Q8_0 and the other 6- and 8-bit types requantized to int8 (a scale per output column:
-llama.cpp's Q8_0 has one per 32 values, which int8 cannot hold), 2- to 5-bit types to int4, float types kept float.
+How it works and why: docs/INTERNALS.md, moe_jax/convert.py.
 """
 
 from __future__ import annotations

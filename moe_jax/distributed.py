@@ -1,16 +1,6 @@
 """Joining a multi-process run on JAX's distributed runtime, and what crosses between its processes.
 
-A run has several processes when `MOE_JAX_COORDINATOR` (host:port of process 0), `MOE_JAX_NUM_PROCESSES` and
-`MOE_JAX_PROCESS_ID` say so (`python -m moe_jax.launch` sets them), or under SLURM or Open MPI with more than one
-task (jax.distributed.initialize's own detection). Otherwise nothing here does anything: one process is the plain
-single-process path. On CPUs the collectives go through gloo, so a run of several local processes works (and is
-tested) on one machine.
-
-Each process keeps computing its own experts on its own CPU; what crosses between processes goes through JAX
-collectives over a mesh with one device of each process (`process_allgather`). A process that dies makes the
-others' next collective fail at once (its connections close: PeerFailed, "error: process K of N: ..."), or, while
-they compute, JAX's coordination service notices its missing heartbeats within HEARTBEAT_TIMEOUT_S and ends them
-with its own message: they never hang.
+How it works and why: docs/INTERNALS.md, moe_jax/distributed.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Batch generation: `moe-jax infer --model DIR --prompts FILE --out FILE [--backend host] [--batch-size N]`.
 
-With no arguments it runs the bundled default model (with the adapter `moe-jax train` wrote into runs/default
-here, when there is one) on the bundled prompts and prints the completions. Prompts are
-JSONL: {"prompt": text}, {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the checkpoint's chat
-template) or {"input_ids": [...]}. Output is JSONL in input order: completion, token counts, finish reason, time.
-Generation is continuously batched over --batch-size KV-cache slots; with --anchor-cache-mb, KV state at anchor
-tokens (the chat template's special tokens, or --anchor-token) is reused across prompts that share a prefix.
-
-Started as several processes (`python -m moe_jax.launch -n 2 infer.py ...`, or under SLURM / Open MPI), each
-generates every N-th prompt and process 0 writes all the records in input order (the same records as one process:
-each prompt keeps its seed). --metrics and the summary are process 0's.
+How it works and why: docs/INTERNALS.md, moe_jax/infer.py.
 """
 
 from __future__ import annotations

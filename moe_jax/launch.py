@@ -1,15 +1,6 @@
 """Starts a multi-process run on this machine: `python -m moe_jax.launch -n 2 train.py --config X.toml ...`.
 
-Starts N copies of the script (or `-m module`) with the variables moe_jax.distributed reads (a free local port for
-process 0's coordinator), their output going to this terminal, each line prefixed by its process's index. Each
-process gets its share of this machine's cores as its CPU affinity (when there are at least N), so its host
-threads and XLA's pool default to that share instead of every process taking all the cores. It waits
-for all of them; when one fails the others stop on their own (their next collective fails, or their heartbeat
-times out), and any still running after GRACE_S are killed. The exit code is the first failure's, or 0.
-
-Across machines, start one process per machine yourself with MOE_JAX_COORDINATOR=host0:port,
-MOE_JAX_NUM_PROCESSES and MOE_JAX_PROCESS_ID set, or under SLURM (`srun`) / Open MPI (`mpirun`), which set
-their own variables.
+How it works and why: docs/INTERNALS.md, moe_jax/launch.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """`moe-jax report RUN [--out FILE]`: a run's figures as one self-contained HTML page.
 
-RUN is a train.py run directory (its metrics.jsonl) or a JSONL file of records (train.py's metrics.jsonl,
-infer.py's --metrics). The page holds a curve for each figure the records have (losses and held-out accuracy,
-learning rate, tokens/s, host busy %, both sides' waits, bus GB/s, host GFLOP/s and weight GB/s, expert skew,
-anchor-cache hits) and a heat map of the tokens each layer sent to each expert, as PNG images inside the file (no
-scripts, nothing fetched): it opens anywhere and can be mailed. Written to RUN/report.html (beside a JSONL file:
-NAME.html) unless --out says where.
+How it works and why: docs/INTERNALS.md, moe_jax/report.py.
 """
 
 from __future__ import annotations

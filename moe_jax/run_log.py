@@ -2,13 +2,7 @@
 file, and the same numbers as TensorBoard scalars when asked (`--tensorboard DIR` on both CLIs).
 `moe-jax report` draws the JSONL file.
 
-Every record has `step`; the backend's figures over the step come from `backend_figures`: host busy (% of the
-step's wall time the host expert calls ran), the device side's wait for host results and the host side's wait for
-device inputs, bus GB/s (bytes both ways over the step's time), host GFLOP/s and weight GB/s over the host calls,
-expert skew (the busiest expert's tokens over the mean, averaged over layers). Some records also hold
-`tokens_per_expert` ({layer: [tokens per expert]} since the previous such record, from `ExpertCounts`): the
-report's heat map; written every evaluation (train.py) or at the end (infer.py), not every step, as a real model's
-counts are thousands of numbers.
+How it works and why: docs/INTERNALS.md, moe_jax/run_log.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """An OpenAI- and Anthropic-compatible HTTP server: `python -m moe_jax.serve --model DIR [--port 8000]`.
 
-Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; `stream: true` for server-sent events),
-POST /v1/messages (Anthropic Messages), GET /v1/models, /health, /metrics (Prometheus). One engine thread runs
-continuous batching over every connection (--max-batch sequences at once, --max-queue more waiting); prompts that
-share a prefix up to a chat-template delimiter reuse its KV state (the anchor cache, --anchor-cache-mb). Binds
-to 127.0.0.1 unless --host says otherwise; with --api-key (once per client), every request but /health must
-carry one (`Authorization: Bearer KEY` or `x-api-key: KEY`), and each key's requests see only their own anchor
-cache entries. Every request's size and time are bounded (docs/SERVING.md). SIGTERM or Ctrl-C: waiting requests
-get a 503, running ones --shutdown-timeout seconds to finish. With no --model it serves the bundled default model.
+How it works and why: docs/INTERNALS.md, moe_jax/serve.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Expert placements. Each builds, per MoE layer, a module (x_td, ids_tk, weights_tk) -> y_td
-(moe_jax/backends/placements.py):
+"""Expert placements: device, host, offload, hybrid and auto. Each builds, per MoE layer, a module (x_td, ids_tk,
+weights_tk) -> y_td (moe_jax/backends/placements.py); `make_placement` picks the class by name.
 
-device   all experts in accelerator memory (pure JAX, `ragged_dot`): the reference
-host     experts on the host CPU through host_kernels (co-compute)
-offload  experts in pinned host memory, the routed ones copied to the device per layer
-hybrid   the experts `device_experts` names on the device, the rest on the host, both at once
-auto     hybrid layers whose device cache follows the routing and whose planner places every expert per call
-         (cache, stream or host) from the probe profile; plain host layers where the cost model predicts no gain
+How it works and why: docs/INTERNALS.md, moe_jax/backends/__init__.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """auto: checking the cost model's verdict on the real layer before trusting it.
 
-The probe times single experts; a layer's device path adds what the probe does not see (the planner, a switch
-between host, device and overlapped calls, stream buffers, XLA's per-op costs), and a profile can be wrong about
-the machine (copied from another one, or measured under load). So once auto has built a device cache (where the
-cost model predicts it pays), one real layer is timed both ways at each phase's size (auto_choice.PHASES: decode
-at 1 and 16 tokens, prefill and training at 2048) on random routing, when the model loads; calls nearest a phase
-where the host backend's path measured at least as fast trace that path alone (HybridSpec.device_pays). It costs
-a few compiles of one layer, and only where a cache was built.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/calibrate.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Expert parallel across processes: each process holds and computes one shard of every MoE layer's experts.
 
-A step runs over all the run's processes at once (`over_processes`: `shard_map` over distributed.AXIS, each process
-with its own rows of the batch and its own copy of the other weights). In each MoE layer every process gathers all
-processes' tokens and routing, computes the pairs routed to its own experts (the others marked NOT_ROUTED: their
-owners compute them) and the partial outputs are summed back onto the tokens' own processes (a reduce-scatter).
-JAX differentiates the two collectives (each is the other's transpose), so in the backward the output gradients
-travel to the experts' owners and the input gradients back the same way. Per layer and step each process sends
-and receives (P-1)/P of the batch's activations twice (gathered inputs, reduced outputs).
+How it works and why: docs/INTERNALS.md, moe_jax/backends/expert_parallel.py.
 """
 
 from __future__ import annotations

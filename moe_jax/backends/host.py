@@ -1,14 +1,6 @@
 """backend="host" (co-compute): routed experts computed on the host CPU by host_kernels, inside the jitted model.
 
-Each MoE layer makes one `jax.pure_callback` into the host engine, wrapped in `jax.custom_vjp` whose backward is a
-second callback. Where the kernel choice has a fused native forward (no expert LoRA), the forward callbacks use it,
-and a forward that is not being differentiated reaches it without Python as the execution plan says
-(moe_jax/planning/plan.py `host_call`): on XLA:CPU through the FFI handler that calls it directly
-(moe_jax/native/host_experts.py), beside an accelerator through stream-ordered submit/sync calls to a host worker
-(moe_jax/native/stream_experts.py).
-Expert weights stay in the host store: the callback holds a reference to it and only activations, routing and the
-(small) expert LoRA arrays cross the JAX/host boundary. Attention, norms, the router and the
-shared expert stay in XLA.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/host.py.
 """
 
 from __future__ import annotations

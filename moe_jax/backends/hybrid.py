@@ -1,18 +1,6 @@
 """backend="hybrid" and "auto": each layer's experts split between a device cache, the bus and the host.
 
-Every layer holds a device expert cache: `capacity` slots of expert weights plus the id of the expert in each
-slot (num_experts marks an empty slot). The slot ids are data, not structure, so the cache can change between
-steps (the expert cache of moe_jax.planning.expert_cache decides what it holds) without recompiling. With
-`backend="auto"`
-the layer also has a planner: per call, from this call's routing, `cost_model.best_placement` picks which cached
-experts compute from the cache (at sizes where the host is faster, their rows go to the host instead) and which
-of the other experts to copy over the bus and compute on the device (in double-buffered rounds, as the offload
-backend does); the rest go to the host engine, which receives them with device pairs masked out (expert id -1).
-
-The host call is submitted before the device computes and collected after, so both sides work at once: an
-`optimization_barrier` orders the submit before the device work, and the collect takes a one-element slice of the
-device result as an input so it cannot run before it. Backward recomputes the same placement from the same
-routing and overlaps the same way.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/hybrid.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Per-lane timestamps of pipelined steps: when the host computed which micro-batch's experts, and when the device
 lane was free to compute (between the step's callbacks), so a run can show (and measure) their overlap.
 
-The host lane is timed where it runs (`HostRuntime.submit`'s background thread). The device lane is not visible
-from Python: a jitted step only meets the host at its callbacks, which block the device's stream while they run,
-so the device computes in the gaps between one pipeline callback's return and the next one's call (attention,
-norms, the router; on an accelerator also the copies of activations). The gap before a pass's first callback is
-not counted (it holds whatever ran before the step: Python, the previous step's tail).
-Write the events as a Chrome trace (`chrome_trace`: open in Perfetto or chrome://tracing) or read `summary()`.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/lane_timeline.py.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """backend="offload": experts live in pinned host memory; the routed ones are copied to the device per layer.
 
-Each expert's weights are their own pinned-host buffers, so a transfer is a whole-buffer `device_put` that every
-JAX platform supports, chosen by `lax.switch` on the expert id (the last branch copies nothing: an unused slot).
-The experts a batch routes to are processed in rounds of `slots` experts; a round's experts are copied while the
-previous round computes (double buffering inside `lax.scan`), so at most 2 x slots experts are resident on the
-device at once: `slots` comes from the configured device byte budget.
-
-Under `jax.grad` the layer is a custom VJP whose backward runs the rounds again, fetching each round's experts and
-differentiating that round alone, so backward never holds more than one round of experts either (the forward keeps
-activations as residuals, not copied weights).
-
-Prefetch across layers would need the next layer's routing, which depends on this layer's output; it is left to
-the planner (expert cache of the bandwidth-adaptive issue), which can keep predicted-hot experts resident.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/offload.py.
 """
 
 from __future__ import annotations

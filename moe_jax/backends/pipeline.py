@@ -1,23 +1,6 @@
 """Micro-batch ping-pong between the device and the host lane: the host layer's expert call split in two.
 
-`start` submits a micro-batch's experts to the host (`HostRuntime.submit`: one background thread, first in,
-first out) and returns at once with a ticket; `finish` collects the result. Between them the device computes
-other work: the transformer (model/transformer.py `Transformer.pipelined`) runs layer L's attention of micro-batch
-B while the host computes layer L's experts of micro-batch A, and so on down the layers. Every start and finish
-also takes and returns a `chain` token (float32 scalar), which orders all of a pass's callbacks as the
-transformer traced them: XLA may not move a finish ahead of the next start and leave the device idle.
-
-Differentiated, each half's backward is the other half's mirror: `finish`'s backward submits the host backward
-(its dy is the cotangent of y) and hands the ticket on as the cotangent of its ticket input; `start`'s backward
-receives it and collects dx, the routing weights' and the expert LoRA's gradients. Transposition reverses the
-pass, so the backward ping-pongs too (the device's backward of micro-batch B's attention while the host computes
-A's experts' backward), and the chain's cotangents order the backward's callbacks the same way.
-
-Tickets are float32 so that they can travel as cotangents (`host_runtime.TICKET_WRAP` keeps them exact).
-
-Where the plan reaches the host experts by stream-ordered calls (a layer's `stream` site), an undifferentiated
-start and finish are those calls' submit and sync (moe_jax/native/stream_experts.py) instead of two callbacks: the
-device enqueues the hand-off and computes the other micro-batch's attention meanwhile, with no Python between.
+How it works and why: docs/INTERNALS.md, moe_jax/backends/pipeline.py.
 """
 
 from __future__ import annotations

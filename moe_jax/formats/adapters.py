@@ -1,12 +1,6 @@
 """LoRA adapters on disk: Hugging Face PEFT format (export and import) and moe_jax training checkpoints.
 
-PEFT keys are `base_model.model.<module>.lora_A.weight` ([rank, in]) and `...lora_B.weight` ([out, rank]), with
-`adapter_config.json` giving r, lora_alpha and target_modules, so `peft.PeftModel.from_pretrained` loads an
-exported adapter onto the transformers model. Routed-expert adapters go to peft as LoRA on the fused expert
-parameters (`target_parameters`: `experts.gate_up_proj` [experts, 2 * ffn, hidden] and `experts.down_proj`): moe_jax's
-separate gate and up adapters of rank r are one adapter of rank 2r on gate_up_proj (A stacked, B block-diagonal),
-given by `rank_pattern` / `alpha_pattern`, so peft computes exactly what moe_jax does. moe_jax itself reads its
-per-projection form back from `moe_jax_expert_lora.safetensors` (exact, with its own targets file).
+How it works and why: docs/INTERNALS.md, moe_jax/formats/adapters.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Chat templates rendered as transformers renders them, in jinja2's immutable sandbox.
 
-A chat template comes with a checkpoint, that is, from whoever published it: it is untrusted code. A plain
-`jinja2.Environment` lets `{{ cycler.__init__.__globals__.os.system(...) }}` run shell commands; the sandbox
-refuses attribute access to Python internals, and the immutable sandbox also refuses changing the lists and
-dicts it is given. The helpers are transformers' (utils/chat_template_utils.py), with the same behaviour, so every
-real template renders the same text here as with `tokenizer.apply_chat_template(..., tokenize=False)`:
-`raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII and takes indent/separators/sort_keys,
-a `dict` without its class internals, a `namespace` that refuses underscore names, loop controls, and the
-`{% generation %}` block (rendered as its body).
+How it works and why: docs/INTERNALS.md, moe_jax/formats/chat_template.py.
 """
 
 from __future__ import annotations

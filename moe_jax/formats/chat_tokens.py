@@ -1,13 +1,6 @@
 """Chat prompts whose control tokens come from the chat template only, never from what a client wrote.
 
-A chat template renders markup and content into one string; tokenizing that string reads every special-token
-string in it as the special token, including one a client typed into a message (`<|im_end|>`, `</s>`): a user
-could end a turn, forge an assistant's or end generation. So every string a client gives (message content,
-reasoning, names, tool calls and their arguments, tool definitions, template arguments; keys as well as values)
-has its special-token strings swapped for private-use characters that no input holds before rendering; after
-rendering, each goes back to its text, and the special token the tokenizer reads there is replaced by the ids of
-its characters as plain text. A prompt without such strings tokenizes exactly as before (as transformers'
-`apply_chat_template` does), which is every ordinary prompt.
+How it works and why: docs/INTERNALS.md, moe_jax/formats/chat_tokens.py.
 """
 
 from __future__ import annotations

@@ -2,15 +2,7 @@
 (gguf_config) and the tensors under their Hugging Face names and layout, dequantized to float32 as they are read
 by the `gguf` package (llama.cpp's own reference code for every type).
 
-llama.cpp's converter lays tensors out its own way, undone here: Mixtral ("llama" with experts) has its q/k rows
-permuted for ggml's rotary layout; the routed experts are stacked per layer (`ffn_{gate,up,down}_exps`, or
-`ffn_gate_up_exps`) and read as transformers 5's fused layout (`experts.gate_up_proj` [e, 2f, d],
-`experts.down_proj` [e, d, f]), which checkpoint.stack_hf_experts takes; DeepSeek's kv_b is stored as k_b
-(transposed) and v_b; Qwen2-MoE's shared-expert gate [1, d] as [d]; the DeltaNet families' tensors as
-gguf_delta_net says.
-
-Q4_0 experts are moe_jax's int4 format exactly (a float16 scale per 32 k-rows, values in [-8, 7]): `q4_0_layer`
-repacks them as they are, which `python -m moe_jax.convert --gguf F` does.
+How it works and why: docs/INTERNALS.md, moe_jax/formats/gguf_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -2,12 +2,7 @@
 writes them) and its tensors' shapes, with llama.cpp's meaning where the two differ: a file means what llama.cpp
 computes from it.
 
-Sizes a file's metadata may omit or state for another purpose (expert, shared-expert and dense widths, which layers
-are dense, MLA's head dims) are read off the tensors. Routing follows llama.cpp's graph per architecture: Qwen2-MoE
-and OLMoE never renormalise the chosen experts' weights, Qwen3-MoE always does, DeepSeek and GLM as the metadata
-says; deepseek2 with a sigmoid gating function is DeepSeek-V3 (bias-corrected, grouped by their best two), without
-one DeepSeek-V2 (llama.cpp reads a missing gating function as softmax). A YaRN file holds one mscale
-(`yarn_log_multiplier` = 0.1 * mscale_all_dim) and llama.cpp takes mscale equal to it, as in every DeepSeek release.
+How it works and why: docs/INTERNALS.md, moe_jax/formats/gguf_config.py.
 """
 
 from __future__ import annotations

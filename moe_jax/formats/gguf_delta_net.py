@@ -1,11 +1,6 @@
 """llama.cpp's layout of the Gated DeltaNet families (`qwen3next`: Qwen3-Next; `qwen35moe`: Qwen3.5-MoE), undone.
 
-Its converter (conversion/qwen.py) stores every RMSNorm weight but the DeltaNet's gated norm as 1 + w, A_log as
-A = -exp(A_log), dt_bias as `ssm_dt.bias`, the causal convolution's [channels, 1, kernel] weight squeezed to
-[channels, kernel]; Qwen3-Next's fused in_proj_qkvz (per key head: its q, k, values and z) split into `attn_qkv`
-(all q, all k, all values) and `attn_gate` (all z), its in_proj_ba kept as `ssm_ba`. Qwen3.5's value heads are
-reordered from grouped by key head (HF: key head 0's values, then key head 1's) to tiled (value 0 of every key head,
-then value 1 of every key head: what ggml's broadcast wants), in every tensor that has them.
+How it works and why: docs/INTERNALS.md, moe_jax/formats/gguf_delta_net.py.
 """
 
 from __future__ import annotations

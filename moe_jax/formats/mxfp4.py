@@ -1,11 +1,6 @@
 """MXFP4 checkpoints (GPT-OSS as released), read as bfloat16 weights.
 
-Their `config.json` says `"quantization_config": {"quant_method": "mxfp4", ...}`; each quantized expert tensor `X`
-is stored as `X_blocks` (uint8 [..., rows, groups, 16]: 32 e2m1 values per group, two a byte, the low nibble first)
-and `X_scales` (uint8 [..., rows, groups]: one e8m0 power of two per group, biased by 127), over the
-[out, in] orientation; the weight transformers computes with is that dequantized and its last two dimensions
-swapped (`integrations/mxfp4.py`). Every MXFP4 value times its power of two is exact in bfloat16, so reading them
-as bfloat16 loses nothing; the blocks and scales themselves are hidden from names().
+How it works and why: docs/INTERNALS.md, moe_jax/formats/mxfp4.py.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The semantic anchor cache: KV state at anchor boundaries, kept in host memory, reused by later requests.
 
-Agent harnesses resend almost the same context every turn, edited: an old thinking segment dropped, a tool
-result trimmed, a turn appended. The KV state of a prefix depends only on that prefix, so a request can start
-from the longest cached prefix that ends at an anchor (the end of a system prompt, a message, a tool call or
-result, a thinking segment) and prefill only the rest. Reuse is exact: an edit changes every later prefix, so
-everything after the edit point is prefilled again.
-
-Entries form a tree like a radix cache: each stores the KV of one segment (from its parent anchor to its own)
-under the hash of its whole prefix, so a long conversation costs its length once, not once per anchor. A
-recurrent layer (Qwen3-Next's DeltaNet) has no per-token entries to cut at a position: its segment holds the
-layer's whole state as of the segment's anchor (`RecurrentState`), and a prefix takes its last segment's.
-Least-recently-used entries are evicted under a byte budget; evicting an entry evicts its descendants, which
-could no longer be rebuilt.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/anchor_cache.py.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The continuous batch: KV-cache slots that sequences enter and leave between decode steps.
+"""The continuous batch: KV-cache slots that sequences enter and leave between decode steps. A job is admitted into a
+free slot by prefilling its prompt, each step decodes one token for every slot, and a sequence leaves at EOS, a
+stop, its length limit or when cancelled. The engine drives it over a list of requests, the server from its
+connections.
 
-Each slot holds one sequence: a job is admitted into a free slot by prefilling its prompt, every step decodes one
-token for all slots together, and a sequence leaves at EOS, a stop, its length limit or when cancelled, freeing
-its slot for the next job. The engine drives it over a fixed list of requests, the server from its connections.
-
-Every job samples from its own seeded generator, so its output does not depend on the other jobs. While every job
-in a step is greedy, the step's argmax feeds the next step on the device and the host reads it one step behind,
-keeping Python and the copy off the critical path (a slot that finished on the token read last has had one more
-step computed; that output is dropped); a step with a sampling job is read at once. While every job is greedy,
-one call runs a block of up to `block_steps` steps (GenerationSteps.decode_block), paying a call's Python and
-dispatch once a block; a block ends on the device after a row makes one of its EOS ids, and while a job has a
-host-side stop (`on_token`) blocks are at most HOST_STOP_STEPS long. What blocks and reading ahead gain:
-bench/reports/comment_figures.md.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/batch.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Output held to a grammar (a JSON Schema, any JSON object, a Lark grammar): the tokens each step may take.
 
-The grammar engine is llguidance, the Rust library vLLM, SGLang and llama.cpp also use: it works out a step's
-allowed tokens lazily from a token trie, so a new schema costs no index build before the first token, and its
-parser limits bound the work a hostile grammar can ask for. bench/constrained.py measures its cost per token beside
-outlines-core's (which builds a schema's whole token index first); xgrammar needs torch at run time, which
-moe_jax does not install. A step's mask comes as a bitmask over the model's vocabulary; tokens outside it get
--inf logits before the choice, so greedy and sampled requests pick only tokens the grammar allows.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/constraint.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The generation engine: jit-compiled prefill and decode over a KV cache of `slots` rows, continuous batching.
 
-`GenerationEngine.run` generates for a list of requests: each sequence holds a slot of the batch
-(moe_jax/generation/batch.py) until it ends, and its slot takes the next waiting prompt at once, so the batch never
-waits for
-its slowest member. New prompts are prefilled into their slots (a bucketed number of rows and tokens, so shapes
-repeat and compile once), then every step decodes one token for all slots together. With an anchor cache, a
-prompt first copies the KV of its longest cached anchor prefix into its slot and prefills only the rest.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/engine.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Next-token choice from logits on the host: greedy, temperature, top-p (nucleus), top-k.
 
-The rule is the textbook one (probabilities from the logits over `temperature`; top-k keeps the tokens at or
-above the k-th largest; top-p keeps the smallest prefix of the tokens by falling probability whose mass reaches
-`top_p`; then one draw from the job's generator, as `Generator.choice(vocab, p=probs)` draws), computed without
-sorting the vocabulary: the k-th value comes from a partition, and the nucleus from the tokens above a probability
-floor (1e-3 first: at most a thousand to sort; lower floors only when the cut is not among them). A trained
-model's row then costs a few passes over its logits, a fraction of a sort's time; a flat row (a random-weight
-model's) still sorts most of it. The draw uses the generator as `choice` would (one `random()` a token), so a seed
-draws what a full-vocabulary `choice` over the same probabilities draws.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/sampling.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """How many drafted tokens a speculative step verifies, chosen by what it costs on this machine.
 
-A verify step scores each row's last token and its drafts at once (`GenerationSteps.verify`): one pass over the
-weights for all of them, but every extra token a row carries may route to experts no other token uses, so a wider
-step takes longer. Whether that pays depends on how often drafts are accepted, which depends on the request (an
-agent quoting its context accepts most; free text almost none). `DraftPolicy` keeps the measured seconds of a step
-at each width (1: a plain decode step) and each sequence's running acceptance rate, and picks the width whose
-expected tokens per second is highest, 1 (no speculation) where none beats a plain step.
+How it works and why: docs/INTERNALS.md, moe_jax/generation/speculation.py.
 """
 
 from __future__ import annotations

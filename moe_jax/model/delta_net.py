@@ -1,14 +1,6 @@
 """Gated DeltaNet: Qwen3-Next's linear attention, as transformers computes it (`Qwen3NextGatedDeltaNet`).
 
-Each value head keeps a state S [k_dim, v_dim]; a token decays it by exp(g), writes its value with the delta rule
-(S += k (beta (v - S^T k))^T) and reads it with its query. A sequence goes through in chunks: parallel within a chunk
-(a unit lower-triangular solve turns the chunk's delta-rule writes into products), recurrent across chunks; a decode
-step is the recurrent update itself. Before that, queries, keys and values pass a causal depthwise convolution.
-
-The generation cache of such a layer is (the last conv_kernel - 1 convolution inputs [b, 1, kernel - 1, channels],
-S [b, v_heads, k_dim, v_dim] in float32): it holds the whole past and cannot be cut at a position, so a row whose
-first position is 0 starts from zeros (a new prompt in a reused slot), and only each row's real tokens
-(`prompt_token_counts`, the right-padded prefill) move it.
+How it works and why: docs/INTERNALS.md, moe_jax/model/delta_net.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """LoRA adapters: which modules they target, how they are initialised, and attaching them to a model.
 
-Initialisation follows peft's default (A: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
-B: zeros), so a fresh adapter leaves the model's outputs unchanged and a run can be reproduced in peft.
-Target names are the Hugging Face module names: q_proj k_proj v_proj o_proj (attention; DeepSeek's latent
-attention: q_proj or q_a_proj q_b_proj, kv_a_proj_with_mqa kv_b_proj o_proj; the Gated DeltaNet: in_proj_qkvz
-in_proj_ba out_proj (Qwen3-Next) or in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj (Qwen3.5)), gate_proj up_proj
-down_proj (dense and shared-expert MLPs), `experts` for the routed experts' gate/up/down, and `attention` for every
-attention projection of the model's family.
+How it works and why: docs/INTERNALS.md, moe_jax/model/lora.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """DeepSeek's multi-head latent attention (MLA), as transformers' `deepseek_v2` / `deepseek_v3` compute it.
 
-Each token's keys and values come from one compressed latent (`kv_lora_rank` values, RMS-normed) and one rotary
-key shared by all heads (`rope_dim` values): that pair is what the KV cache holds, [b, 1, s, kv_lora_rank] and
-[b, 1, s, rope_dim] per layer (576 values per token and layer for DeepSeek-V3, against 2 x 128 heads x 192).
-
-Two forms of the same function:
-- expanded (training, prefill): the latent is multiplied out to per-head keys and values by `kv_b_proj`;
-- absorbed (steps of a few tokens over the cache: decode, speculative verification): `kv_b_proj`'s key half is
-  folded into the query and its value half applied after attention, so a step reads the compressed cache as is and
-  never expands it (the DeepSeek-V2 paper's "absorb" trick). The plan chooses (`ExecutionPlan.mla_decode`); the
-  two agree to float rounding.
-
-DeepSeek-V3.2 adds a lightning indexer (model/sparse_indexer.py): each query attends only to the tokens it
-selects, and its per-token key is cached beside the latent.
+How it works and why: docs/INTERNALS.md, moe_jax/model/mla.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Several LoRA adapters on one base, each generation row using its own (or none): per-request adapters.
 
-A projection that some served adapter targets holds their A side by side (A [in, R], R the sum of their ranks)
-and their B stacked (B [R, out]); an adapter that does not target it has no columns there. A row's update is its
-adapter's scale times (x @ A, masked to that adapter's columns) @ B: one pair of products for every adapter a
-batch mixes, rather than each row gathering its own matrices (Punica's and S-LoRA's batched LoRA in its plainest
-form; the cost grows with R, small beside the base product for a handful of adapters).
-
-Which adapter each row uses is an input of the generation step being traced (`adapter_rows`: index 0 is none, so
-such a row's output is the base model's exactly; adapter i is the model's `served_adapters[i - 1]`). Outside one
-(training, `Model.logits`) the served adapters add nothing.
+How it works and why: docs/INTERNALS.md, moe_jax/model/served_adapters.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention), as transformers' `deepseek_v32` computes it.
 
-Each layer's indexer gives every token one key (a LayerNorm'd projection of its hidden state, rotary on its first
-`rope_dim` values, in the half-split layout unlike MLA's interleaved pairs) and every query `num_heads` small
-queries from MLA's low-rank query latent. A query's score for a token is sum_h w_h relu(q_h . k) (the weights
-w_h from the hidden state, in float32), and the query attends to its `top_k` best-scored tokens among those it may
-see: exactly `top_k` of them (ties broken towards earlier tokens), all of them while there are fewer.
-
-DeepSeek's own kernels rotate q and k by a Hadamard transform and score in FP8; the transform is orthogonal
-(dot products unchanged) and transformers scores in float32, so does this. The indexer is not trained here (its
-choice is discrete, and transformers runs it without gradients) and carries no adapter.
+How it works and why: docs/INTERNALS.md, moe_jax/model/sparse_indexer.py.
 """
 
 from __future__ import annotations

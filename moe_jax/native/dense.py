@@ -1,9 +1,8 @@
 """Generation's dense products (attention projections, the head) over weights packed for the host kernels: bfloat16 on
-AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c). XLA:CPU reads a
-decode step's small products' weights well below the memory's rate, evicted from cache by the experts between two steps;
-the kernels stream them as the fused experts do. A prefill's products are compute-bound, where XLA:CPU's bfloat16 GEMMs
-ran at about half its float32 rate on an AVX2 CPU (no bfloat16 instructions), and a quantized model's prefill reads the
-same quantized dense weights as its decode steps (as llama.cpp's Q8_0 / Q4_0 do)."""
+AMX or AVX512-BF16 / AVX2, int8 or int4, float32 on AVX-512 or AVX2 (host_kernels/csrc/xla_dense.c).
+
+How it works and why: docs/INTERNALS.md, moe_jax/native/dense.py.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """The XLA FFI handlers' registration: one per process, for the CPU platform.
 
-The handlers (host_kernels/csrc/xla_*.c) are built into host_kernels' native library with its kernels (one build,
-one source hash), when jaxlib's headers were there to build them. Each handler has its module beside this one:
-`host_experts` (the host's fused expert forward), `cache_attention` (a generation step's attention over a bfloat16 or
-float32 KV cache), `argmax` (a greedy step's tokens) and `dense` (a decode step's dense products over packed
-weights). Where the handlers are not built, are turned off (the execution plan, moe_jax/planning/plan.py), or the
-jitted step runs on an accelerator (they serve XLA:CPU only), the host backend calls the same fused forward through
-`jax.pure_callback` instead, and attention, products and argmax stay in XLA.
+How it works and why: docs/INTERNALS.md, moe_jax/native/ffi.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """The host experts as two stream-ordered XLA FFI calls, `submit` and `sync` (host_kernels/csrc/stream_handlers.h).
 
-Beside a GPU, submit enqueues on XLA's stream the copy of a layer's activations and routing into the host worker's
-pinned staging buffers and a go; sync enqueues the wait for the worker's done and the copy of y back. Neither runs
-Python or synchronises the stream, both may be captured in a CUDA graph, and the device computes whatever XLA
-places between them (the shared expert, the other micro-batch's attention). The same two targets are registered
-for XLA:CPU, where the device side is host code, so the protocol and its ordering run inside jitted steps on any
-machine; there the direct handler (host_experts.py) is the faster path and the plan picks it.
-
-Each call site gets a slot (`HostRuntime.stream_call`): consecutive sites of a program take consecutive slots, so
-calls in flight at once never share staging memory.
+How it works and why: docs/INTERNALS.md, moe_jax/native/stream_experts.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """`python -m moe_jax.advise --model DIR [--batch N ...]`: co-compute or offload, answered with this machine's numbers.
 
-Three questions decide it (Fiddler's and MoE-Lightning's reasoning, made concrete by the probe profile):
-  1. At this batch, is one expert's compute time well above its weight transfer time? Then offload can hide the
-     copies behind compute; if the host computes the expert faster than the bus can even move it, co-compute wins.
-  2. Does this CPU have the vector/matrix units and the RAM bandwidth to do the experts? (instruction set
-     extensions, host expert GFLOP/s and weight GB/s against a plain memory copy)
-  3. What throughput and device memory does each option give: device (all experts resident), offload (routed
-     experts streamed), host (co-compute), auto (planner: cache + streams + host)? And so which to use.
-  4. Does the model fit in this machine's RAM, and if not, in which dtype and expert format would it?
-Predictions are the cost model's (moe_jax.planning.cost_model) for the MoE layers alone, from a probe profile: this
-machine's (measured once and cached) or `--profile FILE`; `--bus-gbps` replaces the bus with a simulated one.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/advise.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Whether backend="auto" keeps a device expert cache (and streams) at all: the one rule that auto, the advisor and
 the simulation share.
 
-Per call, auto's planner (`cost_model.best_placement`) already sends any expert's rows to the host when that is
-faster, so a device cache can only help. But it costs device memory, a copy of the experts, and a slower layer
-path than plain host layers (a Python callback beside the device work instead of one native call): it is built
-only where the cost model predicts that it pays, by at least WORTH_IT, in one of the phases that will run
-(decode steps of a few tokens, prefill and training steps of thousands). Otherwise auto is plain host layers,
-and says why.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/auto_choice.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The cost model: how long one MoE layer takes for a routing, under a placement, from a probe profile.
 
-Each expert is computed in one of three places:
-  host      on the host CPU by host_kernels, where its weights are (the host lane);
-  resident  on the device from a cached copy (the device lane);
-  stream    copied over the bus, then computed on the device (the device lane, copies double-buffered).
-The two lanes run at once, so a layer takes the slower of them (on a machine whose "device" is its own CPU they
-share the cores and add up). Per-expert times come from the probe's tables (`python -m moe_jax.probe`),
-interpolated in rows routed to the expert, plus each side's fixed cost per call. The host lane accounts for
-experts spreading over its workers in whole tiles; copies move at the bandwidth measured while the host computes
-for as long as the host lane runs (both read RAM) and at the full bandwidth after; the device lane is a two-stage
-flow shop (bus, then compute) with two buffers. The planner (`best_placement`) uses the same formulas,
-vectorised over candidate placements, in numpy or inside jit.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/cost_model.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The device expert cache's policy: which experts each MoE layer keeps on the device, from routing statistics.
 
-Counts of tokens routed to each expert (a calibration pass or the running counts of real steps) decay
-geometrically, so the cache follows a workload that drifts. Each layer gets the same number of slots, the byte
-budget divided evenly; a layer's slots hold its most-routed experts. Between steps `choose` moves toward that
-target with bounded churn: empty slots fill at once, but at most `max_swaps` cached experts per layer are evicted
-per update, and only for an expert routed `margin` times more often, so two experts of similar heat do not
-take turns being copied. No JAX here: the backend applies the choice to the device arrays.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/expert_cache.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Refusing, before allocating, what would not fit in memory: a model load (dense weights, stacked experts, the
 host kernels' packed copies) and a generation's KV cache.
 
-Without this, a config with an absurd size or a machine too small for the model spends minutes allocating and
-then dies of a MemoryError or the OOM killer, with nothing said about why. The estimate counts what moe_jax itself
-allocates; a converted store already in the model's dtype is memory-mapped (page cache the kernel can drop) and
-is not counted. Available memory is the kernel's MemAvailable plus free swap, capped by a cgroup limit.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/memory_check.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """The whole step's timeline, device lane and host lane, with and without the micro-batch ping-pong
 (backends/pipeline.py): what the advisor predicts, what auto weighs, what the plan's micro-batch count follows.
 
-The cost model (cost_model.py) times one MoE layer's experts. A step also has the device's own work in every
-layer: attention, norms, the router, shared experts and dense MLPs, here `device_params` weights multiplied per
-token (timed from the probe's dense products at the same FLOPs, `Profile.dense_time`; attention's score products,
-the elementwise work and KV reads are left out, so the device lane is a lower bound: with a 2-core CPU made two
-lanes, the bench model's training step's device lane measured 0.49 s where this counts 0.16 s; the plain step
-1.74 s against 1.68 s predicted), and the activations crossing the bus. Without the pipeline a layer is device, then
-host, then device again (the device waits for the host). With M micro-batches, two lanes play out event by event:
-the device lane runs micro-batch m's layer-L work once its layer L-1 experts are back, each start and each finish
-costing one callback (`Profile.callback_s`); the host lane takes the experts first in, first out. Where jax's
-device is the host's own CPU (`parallel_lanes` False) both lanes are the same cores: the times add up, and more
-micro-batches only add callbacks. A training step is a forward and a backward pass, the backward taking
-BACKWARD_FACTOR times the forward on both lanes (dx through frozen weights plus the host's recomputation).
+How it works and why: docs/INTERNALS.md, moe_jax/planning/pipeline_model.py.
 """
 
 from __future__ import annotations

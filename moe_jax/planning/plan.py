@@ -1,16 +1,6 @@
 """The execution plan: where every part of a model's steps runs, decided once, at load.
 
-`make_plan` answers, from the model's dtype, whether the placement runs a host engine, the platform jax runs on,
-this CPU, the native libraries, and the caller's explicit choice (`load_model(native=...)`, the CLIs'
-`--no-native`; the environment variables MOE_JAX_XLA_FFI=0 and MOE_JAX_HOST_KERNEL=numpy only supply defaults):
-- the host experts: which kernels (host_kernels.choose_kernels), and how a jitted step reaches their fused forward
-  (`host_call`): XLA:CPU's FFI handler calling it directly (moe_jax/native/host_experts.py), two stream-ordered FFI
-  calls to a host worker beside an accelerator (moe_jax/native/stream_experts.py), or a `pure_callback`;
-- a decode step's attention, its dense products and greedy argmax: the native FFI handlers or XLA;
-- training in bfloat16 on XLA:CPU: transposed copies of the frozen weights for the backward (layers.frozen_matmul).
-The model is built with these answers (`model.build_transformer`, `engine.compile_generation_steps`,
-`backends.make_placement`); no module asks the machine again. `Model.plan` holds it; `python -m moe_jax.doctor`
-prints it for each dtype on this machine.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/plan.py.
 """
 
 from __future__ import annotations

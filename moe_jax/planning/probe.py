@@ -1,17 +1,6 @@
 """`python -m moe_jax.probe [--model DIR] [--out FILE]`: this machine's figures for choosing where experts compute.
 
-Measures, for one expert of the model's shape (or the bench shape without --model):
-  bus      host->device bandwidth: pinned-host expert buffers copied to device memory inside jit, as the offload
-           backend does;
-  host     host_kernels' time for one expert at decode and prefill sizes (rows routed to it): GFLOP/s, weight GB/s;
-  device   the device backend's layer (ragged_dot) on device-resident weights, per expert;
-  both     host expert throughput and bus bandwidth while both run at once (they share RAM bandwidth);
-  callback one host callback's round trip from a jitted step (what the device/host pipeline pays per start and
-           finish: planning/pipeline_model.py);
-  dense    the device's plain product of `rows` rows with a weight of one expert's size (attention's kind of
-           work, which the pipeline hides behind the host's experts).
-Writes a JSON profile (the cost model's input; default probe.json) and prints a table. On a machine without an
-accelerator the "device" is the CPU client's device memory: the figures are real for this machine, not a GPU.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/probe.py.
 """
 
 from __future__ import annotations

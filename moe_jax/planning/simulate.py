@@ -1,16 +1,6 @@
 """A discrete-event simulation of one MoE layer's two lanes, to check the planner where no accelerator is at hand.
 
-The cost model (cost_model.py) scores placements with closed formulas; this plays them out event by event, fed
-with a probe profile's measured expert timings and a chosen bus bandwidth:
-  host lane    the profile's worker threads take host experts largest first; an expert longer than a worker's fair share
-               is cut into row or column tiles (as host_kernels' scheduler does); one fixed call cost up front;
-  bus          streamed experts copied one after another into two device buffers (double buffering): a copy
-               starts when the previous copy is done and a buffer is free; it moves at the shared bandwidth
-               while the host lane is still reading RAM and at the full bandwidth after;
-  device lane  resident experts first (their weights are there), then each streamed expert once its copy lands.
-The layer ends when both lanes are done (on a "device" that is the host's own CPU, the lanes add up).
-`compare_with_statics` plays auto's placement (the planner's, under auto's rule for using the device at all)
-against the static choices people configure by hand: all on the host, everything streamed, fixed hybrid splits.
+How it works and why: docs/INTERNALS.md, moe_jax/planning/simulate.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Bounds on what one connection can make the server hold or wait for, before any request reaches the API.
 
-uvicorn's HTTP protocol accepts a request head of any size and count of header lines, and waits for a head or a
-body forever (its keep-alive timeout starts only after a first response): a client can hold memory and
-connections by sending slowly or not at all. Here a connection gets `request_timeout_s` to send each request's
-head (431 past `max_header_bytes` or `max_headers`, 408 past the time), and the body is read whole, bounded in
-size (413 past `max_body_bytes`, checked against Content-Length before reading) and time (408), before the
-application sees it.
+How it works and why: docs/INTERNALS.md, moe_jax/serving/http_limits.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """OpenAI's chat completions and completions: request bodies, and answers whole or as server-sent chunks.
 
-Fields follow the OpenAI API reference; `top_k`, `ignore_eos`, `chat_template_kwargs` (e.g.
-`{"enable_thinking": false}`) and `cache_salt` are the extensions vLLM also takes, and `/v1/completions` takes
-`parse_special_tokens` (a prompt's special-token strings read as those tokens; by default a prompt is text).
-`logit_bias` and the presence and frequency penalties are applied on the host; `logprobs` are the model's own (the
-log-softmax of its logits before any bias, penalty or temperature). Every field is honoured or refused with a 400
-naming it: what moe_jax cannot do (best_of, echo, audio) is never ignored. `response_format` (json_object,
-json_schema) and vLLM's `grammar` (Lark) hold the output to a grammar (generation/constraint.py). `n` choices sample
-with seeds seed, seed + 1, ...: each equals a request of n = 1 with its seed.
+How it works and why: docs/INTERNALS.md, moe_jax/serving/openai_api.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """A model's output text split into reasoning, answer and tool calls, as it streams.
 
-Reasoning models write their thinking between `<think>` and `</think>` (Qwen3, DeepSeek-R1; a template may open
-the tag in the prompt itself, so the output starts inside it). Tool calls come in the template's own markup:
-Qwen3 / Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, DeepSeek-V3
-`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...`
-(V3.1 drops the `function` and the fence: `NAME<｜tool▁sep｜>{...}`). The dialect is read from the chat template,
-so a template that never writes a marker never has it parsed. A server returns thinking apart from the answer
-(`reasoning_content`, a thinking block), so an agent harness can drop it on its next turn, and tool calls as
-structured calls. Markup that does not parse (a tool call whose arguments are not JSON) stays in the answer.
+How it works and why: docs/INTERNALS.md, moe_jax/serving/output_parser.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Stop strings found in streamed text in time proportional to the text, however many stops a request gives.
 
-An Aho-Corasick automaton over the stop strings, fed each new piece of text once: its state after a character is
-the longest end of the text so far that begins some stop string, which is both what a stream must hold back (it
-may yet become a stop) and, when it is a whole stop, the match. Checking every stop at every token instead costs
-(stops x their length) a token on the engine thread, which a request with thousands of stops turns into a stall
-for every other request in the batch.
+How it works and why: docs/INTERNALS.md, moe_jax/serving/stop_matcher.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Generated tokens to text as they come: incremental detokenization and stop strings.
 
-Decoding token by token is not decoding the whole: a byte-level tokenizer may split one character over several
-tokens, and a decoder may join pieces differently at the start of a text. So each new token's text is the
-difference between decoding a short window of recent tokens with and without it (the way vLLM and TGI stream),
-and nothing is released while the window ends in half a character. Text that could be the start of a stop string
-is held back until it cannot be; the first stop string to be completed ends the text before it (the longest, when
-several end at the same character).
+How it works and why: docs/INTERNALS.md, moe_jax/serving/text_stream.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """LoRA fine-tuning: `moe-jax train --model DIR --data FILE --out DIR [--config configs/X.toml] [--backend host]`.
 
-With no arguments it fine-tunes the bundled default model (moe_jax/bundled/tiny-moe) on the bundled task (reverse a
-word, moe_jax/bundled/data/reverse_*.jsonl), prints held-out exact-match accuracy before and after, and writes
-runs/default/: adapter/ (PEFT format), checkpoints/ (orbax), metrics.jsonl and loss.png. A config file sets any
-setting; flags override it. `--resume` continues the run in --out from its latest checkpoint; a new run into an
---out that holds a previous one is refused unless `--overwrite`.
-
-Started as several processes (`python -m moe_jax.launch -n 2 train.py ...`, or under SLURM / Open MPI), each takes
-its share of every batch's rows and the LoRA gradients are averaged over all of them (data parallel); process 0
-writes the outputs.
+How it works and why: docs/INTERNALS.md, moe_jax/train/__main__.py.
 """
 
 from __future__ import annotations

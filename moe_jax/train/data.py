@@ -1,13 +1,6 @@
 """Fine-tuning data: JSONL in plain-text, instruction and chat formats, tokenised with per-token loss masks.
 
-Formats (one JSON object per line):
-  {"text": "..."}                                       loss on every token
-  {"instruction": "...", "input": "...", "output": "..."}  loss on the output only ("input" optional)
-  {"messages": [{"role": "user", "content": ...}, ...]}  rendered with the checkpoint's chat template;
-                                                         loss on assistant turns only
-An example is a token list and a 0/1 mask saying which tokens are targets. Batches have a fixed shape
-[batch, max_seq_len] so the step compiles once; the order is a seeded permutation per epoch, so a step number
-alone says which examples it sees (what makes `--resume` exact).
+How it works and why: docs/INTERNALS.md, moe_jax/train/data.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The fine-tuning objective: next-token cross-entropy over masked positions, differentiated in the LoRA weights.
 
-`lora_value_and_grad(model)` returns a function of (LoRA state, tokens [b, t], loss mask [b, t]) giving the mean
-loss over masked target positions and its gradient for the LoRA parameters only: the base weights are a separate,
-non-differentiated argument, so no gradient (nor optimizer state) is ever made for them. A model holding one
-shard of the experts (expert parallel) computes it as one step of every process, each with its own rows: the loss
-and gradients are then those of all the processes' rows, the same in each.
+How it works and why: docs/INTERNALS.md, moe_jax/train/objective.py.
 """
 
 from __future__ import annotations
