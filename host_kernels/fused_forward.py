@@ -303,8 +303,10 @@ class FusedForward:
         `has_backward`): the explicit step before a step that calls them is traced."""
         if backward and not self.has_backward:
             raise HostKernelError(f"the fused backward runs on {', '.join(BACKWARD_KERNELS)}, not {self.kernel}")
-        build = self._backward_layer if backward else self._layer
-        for layer in tqdm(list(layers), desc=f"packing experts for {self.kernel}", unit="layer", disable=None):
+        build, built = (self._backward_layer, self._backward_layers) if backward else (self._layer, self._layers)
+        with self._lock:
+            missing = [layer for layer in layers if layer not in built]  # a second prepare packs nothing
+        for layer in tqdm(missing, desc=f"packing experts for {self.kernel}", unit="layer", disable=None):
             build(layer)
 
     @property
