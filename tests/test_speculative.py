@@ -2,75 +2,100 @@
 plain decoding, token for token, in every family and dtype (drafts accepted, rejected, EOS inside a draft, rows
 finishing mid-draft, batches of mixed lengths)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moe_jax
 from moe_jax.errors import InputError
-from moe_jax.generation.drafting import NgramDrafter
+from moe_jax.generation.drafting import MAX_NGRAM, prompt_lookup
 from moe_jax.generation.engine import GenerationEngine, Request
-from moe_jax.generation.speculation import Acceptance, DraftPolicy
+from moe_jax.generation.speculation import EXPLORE_EVERY, DraftPolicy
 from tests.hf_models import make_hf_model, save_hf_model
 
 
-def test_the_drafter_continues_the_latest_occurrence_of_the_longest_suffix():
-    drafter = NgramDrafter([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+def lookup(tokens, count, max_ngram=MAX_NGRAM):
+    """prompt_lookup of one sequence, as a list."""
+    history = np.zeros((1, 64), np.int32)
+    history[0, : len(tokens)] = tokens
+    drafts, real = prompt_lookup(jnp.asarray(history), jnp.asarray([len(tokens)], jnp.int32), count, max_ngram)
+    return np.asarray(drafts)[0, : int(real[0])].tolist()
+
+
+def reference_lookup(tokens, count, max_ngram=MAX_NGRAM):
+    """The tokens after the latest earlier occurrence of the longest suffix of at most max_ngram tokens."""
+    for n in range(min(max_ngram, len(tokens)), 0, -1):
+        ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == tokens[-n:]]
+        if ends:
+            return tokens[ends[-1] : ends[-1] + count]
+    return []
+
+
+def test_the_lookup_continues_the_latest_occurrence_of_the_longest_suffix():
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
     # "6 7" occurred twice before; the latest one went on with 9, 2
-    assert drafter.propose(2) == [9, 2]
-    drafter.extend([8])  # now "6 7 8" ends the sequence: only its first occurrence matches that long
-    assert drafter.propose(3) == [1, 6, 7]
-    assert NgramDrafter([1, 2, 3]).propose(4) == []  # nothing repeats: no draft
-    assert NgramDrafter([4, 4, 4]).propose(3) == [4]  # the suffix's own ending is not a match: one token follows
-    assert drafter.propose(0) == []
+    assert lookup(tokens, 2) == [9, 2]
+    # now "6 7 8" ends the sequence: only its first occurrence matches that long
+    assert lookup([*tokens, 8], 3) == [1, 6, 7]
+    assert lookup([1, 2, 3], 4) == []  # nothing repeats: no draft
+    assert lookup([4, 4, 4], 3) == [4]  # the suffix's own ending is not a match: one token follows
+    assert lookup([7], 3) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # small alphabets repeat often: every length of match, at every place
+        tokens = rng.integers(0, 4, size=rng.integers(1, 40)).tolist()
+        count = int(rng.integers(1, 8))
+        assert lookup(tokens, count) == reference_lookup(tokens, count), tokens
 
 
-def timed(policy, rows, width, seconds):
-    """Feeds the policy a call's time twice: the first of each kind is left out (it compiles)."""
-    for _ in range(2):
-        if width == 1:
-            policy.plain_call(rows, 1, seconds)
-        else:
-            policy.measured(rows, width, seconds)
+def test_the_lookup_runs_on_each_row_of_a_batch():
+    history = np.zeros((3, 16), np.int32)
+    history[0, :5] = [1, 2, 3, 1, 2]
+    history[1, :3] = [9, 9, 9]  # the rest of a row past its length is stale: never searched
+    history[1, 3:8] = 9
+    history[2, :1] = [4]
+    drafts, real = prompt_lookup(jnp.asarray(history), jnp.asarray([5, 3, 1], jnp.int32), 4)
+    assert np.asarray(real).tolist() == [3, 1, 0]
+    assert np.asarray(drafts)[0, :3].tolist() == [3, 1, 2] and np.asarray(drafts)[1, 0] == 9
 
 
-def test_the_policy_drafts_only_where_it_pays():
+def calls(policy, rows, width, tokens, seconds, times=3):
+    """`times` calls of a width (the first of each kind is left out: it compiles)."""
+    for _ in range(times):
+        policy.observed(rows, width, tokens, seconds)
+
+
+def test_the_policy_tries_wider_steps_while_they_pay_and_keeps_the_fastest():
     policy = DraftPolicy(max_drafts=7)
-    hopeful, hopeless = Acceptance(9, 10), Acceptance(0, 50)
-    assert policy.choose([(hopeful, 7)], 1, rows=1) == 1  # no plain call timed yet
-    policy.plain_call(1, 1, 10.0)  # a first call compiles: left out
-    assert policy.choose([(hopeful, 7)], 1, rows=1) == 1
-    policy.plain_call(1, 1, 0.010)
-    assert policy.choose([(hopeful, 7)], 1, rows=1) == 8  # unmeasured widths are guessed at a one-step call's cost
-    assert policy.choose([(hopeful, 7)], 1, rows=2) == 1  # another row count is another step, not timed yet
-    assert policy.choose([(hopeful, 0)], 1, rows=1) == 1  # no drafts: nothing to verify
-    for width, seconds in ((2, 0.011), (4, 0.013), (8, 0.030)):
-        timed(policy, 1, width, seconds)
-    assert policy.choose([(hopeful, 7)], 1, rows=1) == 4  # 8 wide costs 3x a plain step: 4 wide yields more
-    assert policy.choose([(hopeless, 7)], 1, rows=1) == 1
-    assert not policy.worth_a_look([hopeless], 1, rows=1)  # the batch need not wait for its step in flight
+    assert policy.widths == (1, 2, 4, 8)
+    assert policy.choose(rows=1) == 1  # no plain call timed yet
+    calls(policy, 1, 1, tokens=32, seconds=0.010)  # 3,200 tokens a second
+    assert policy.choose(rows=1) == 2  # the next width is tried
+    assert policy.choose(rows=2) == 1  # another row count is another step, not timed yet
+    calls(policy, 1, 2, tokens=40, seconds=0.010)
+    assert policy.choose(rows=1) == 4  # 2 wide beat plain decoding: 4 wide may too
+    calls(policy, 1, 4, tokens=30, seconds=0.010)
+    assert policy.choose(rows=1) == 2  # it did not: 8 is not tried, 2 is the fastest
+    calls(policy, 1, 2, tokens=20, seconds=0.010, times=12)  # the workload stopped copying
+    assert policy.choose(rows=1) == 1
 
 
-def test_the_policy_weighs_drafts_against_plain_decoding_at_its_best():
-    # plain steps at 1.125 ms in a 32-step block (a call's fixed cost shared), slower in short calls around verify
-    # steps; a verify step pays its own
+def test_the_policy_explores_the_width_tried_longest_ago():
     policy = DraftPolicy(max_drafts=3)
-    for steps, seconds in ((32, 0.036), (32, 0.036), (1, 0.004), (2, 0.006)):
-        policy.plain_call(4, steps, seconds)
-    assert 0.036 / 32 < policy.plain[4].seconds(1) < 1.03 * 0.036 / 32
-    timed(policy, 4, 2, 0.0025)
-    timed(policy, 4, 4, 0.003)
-    middling, eager = Acceptance(6, 10), Acceptance(95, 100)
-    # 2.18 tokens a 4-wide step: ~725 a second, against the blocks' ~880
-    assert policy.choose([(middling, 3)], plain_steps=32, rows=4) == 1
-    assert policy.choose([(eager, 3)], plain_steps=32, rows=4) == 4  # 3.71 tokens a step: 1236 a second
-
-
-def test_new_sequences_start_from_the_acceptance_so_far():
-    policy = DraftPolicy(max_drafts=3)
-    first = policy.new_sequence()
-    assert first.rate == 0.5
-    policy.record(first, 1, 20)
-    assert policy.new_sequence().rate == policy.overall.rate == 2 / 22
+    calls(policy, 4, 1, tokens=100, seconds=0.010)
+    calls(policy, 4, 2, tokens=50, seconds=0.010)  # drafts rejected: plain decoding is faster
+    chosen = []
+    for _ in range(3 * EXPLORE_EVERY):
+        chosen.append(policy.choose(rows=4))
+        policy.observed(4, chosen[-1], tokens=100 if chosen[-1] == 1 else 40, seconds=0.010)
+    assert chosen.count(1) == 3 * EXPLORE_EVERY - 3
+    # 4 never ran, then 2 ran longest ago, then 4 again (its first call compiled: it ran once since)
+    assert [w for w in chosen if w != 1] == [4, 2, 4]
+    always = DraftPolicy(max_drafts=3, policy="always")
+    assert always.choose(rows=4) == 4
+    with pytest.raises(InputError, match="draft policy"):
+        DraftPolicy(3, policy="sometimes")
+    with pytest.raises(InputError, match="from 1 to"):
+        DraftPolicy(0)
 
 
 # every family without a recurrent state: grouped-query attention (with sliding windows and sinks: gpt_oss; q/k

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
-from moe_jax.generation.drafting import NgramDrafter
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
-from moe_jax.generation.speculation import Acceptance, DraftPolicy
+from moe_jax.generation.speculation import DraftPolicy
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
@@ -112,8 +111,11 @@ class _Slot:
     reused: int
     out: list[int] = field(default_factory=list)
     fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
-    drafter: NgramDrafter | None = None  # its prompt-lookup drafts, with speculative decoding
-    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    @property
+    def length(self) -> int:
+        """Its sequence's tokens: the prompt's and those made."""
+        return len(self.job.request.tokens) + len(self.out)
 
 
 @dataclass
@@ -156,6 +158,8 @@ class Batch:
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
+        # each slot's sequence, which a speculative call's prompt lookup searches (with speculative decoding)
+        self.history = np.zeros((slots, engine.max_len), np.int32) if drafts is not None else None
 
     @property
     def free_slots(self) -> list[int]:
@@ -168,7 +172,7 @@ class Batch:
         if len(admitted) < len(jobs):
             raise ValueError(f"{len(jobs)} jobs for {len(admitted)} free slots")
         if self.drafts is not None and self.in_flight is not None:
-            if self.drafts.timed(self.in_flight.rows):
+            if self.in_flight.rows in self.drafts.plain:
                 self.admitted_meanwhile = True  # the prefill will run after it on the device
             else:  # no plain call of its rows timed yet: read it first, its time alone
                 self.read_in_flight()
@@ -176,8 +180,8 @@ class Batch:
         self.caches, reused, first_logits = self.engine.prefill(self.caches, admitted)
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
-            if self.drafts is not None:
-                s.drafter, s.acceptance = NgramDrafter(job.request.tokens), self.drafts.new_sequence()
+            if self.history is not None:
+                self.history[slot, : s.length] = job.request.tokens
             self.active[slot] = s
             self.take_chosen(slot, s, row)
 
@@ -190,11 +194,12 @@ class Batch:
         """Decodes one token for every active slot (or reads the step in flight, when none can use another); with
         speculative decoding and every job greedy, as many as a verify step accepts where drafts pay."""
         if self.drafts is not None and self.active and all(s.job.greedy for s in self.active.values()):
-            acceptances = [s.acceptance for s in self.active.values()]
-            if self.drafts.worth_a_look(acceptances, self.plain_call_steps(), self.step_rows()):
-                self.read_in_flight()
-                if self.active and self.speculate():
-                    return
+            width = self.drafts.choose(self.step_rows())
+            if width > 1:
+                self.read_in_flight()  # its tokens are the lookup's to search
+                if self.active:
+                    self.speculate(width)
+                return
         step = self.dispatch()
         if self.in_flight is not None:
             self.read_timed(self.in_flight)
@@ -211,71 +216,89 @@ class Batch:
             self.read_timed(step)
 
     def read_timed(self, step: _Step):
-        """Reads a plain step; with speculative decoding its seconds count as a plain call's time: from its
-        dispatch, or where it waited behind the step before it (pipelined), from when that one was read (unless a
-        prefill ran meanwhile)."""
-        ran = step.steps if step.ran is None else int(step.ran)
+        """Reads a plain step; with speculative decoding its tokens a second are a plain call's, its seconds from
+        its dispatch, or where it waited behind the step before it (pipelined), from when that one was read (unless
+        a prefill ran meanwhile)."""
+        made = self.engine.stats.decode_tokens
         self.read(step)
+        made = self.engine.stats.decode_tokens - made
         now = time.perf_counter()
-        if self.drafts is not None and not self.admitted_meanwhile and ran:
-            self.drafts.plain_call(step.rows, ran, now - max(step.started, self.last_read))
+        if self.drafts is not None and not self.admitted_meanwhile:
+            seconds = now - max(step.started, self.last_read)
+            self.drafts.observed(step.rows, 1, made, seconds, block=step.steps > 1)
         self.last_read = now
 
     def step_rows(self) -> int:
         """The rows a step computes: every slot, or with `shrink` those up to the highest in use (a power of two)."""
         return min(row_bucket(max(self.active) + 1), self.slots) if self.shrink else self.slots
 
-    def plain_call_steps(self) -> int:
-        """The steps a plain call would run now: a block as long as the job nearest its end allows."""
-        return max(1, min(self.block_steps, *(s.job.request.max_new_tokens - len(s.out) for s in self.active.values())))
-
-    def speculate(self) -> bool:
-        """A verify step for every active slot (`GenerationSteps.verify`: its last token and its drafts), read at
-        once, each slot taking its tokens up to its first rejected draft and the model's own token there (exactly
-        greedy decoding's tokens); False where the draft policy says a plain step pays better. The KV written
-        for rejected drafts lies past the slot's position, where the next step overwrites it before any token
-        attends to it. The policy learns the width's cost from the whole call, drafting and bookkeeping included:
-        unlike a plain block's, none of it overlaps the device's work."""
+    def speculate(self, width: int):
+        """One speculative call (`speculative_block`) for every active slot, read at once: steps of `width` tokens
+        a row, its last token and the drafts its prompt lookup found, each slot taking its tokens up to its first
+        rejected draft and the model's own token there (exactly greedy decoding's tokens). The KV written for
+        rejected drafts lies past the slot's position, where a later step overwrites it before any token attends
+        to it. The policy learns the width's cost from the whole call, reading it included: unlike a plain block's,
+        none of it overlaps the device's work."""
         start = time.perf_counter()
-        longest = self.drafts.widths[-1] - 1
-        drafts = {
-            slot: s.drafter.propose(min(longest, s.job.request.max_new_tokens - len(s.out) - 1))
-            for slot, s in self.active.items()
-        }
-        candidates = [(s.acceptance, len(drafts[slot])) for slot, s in self.active.items()]
         rows = self.step_rows()
-        width = self.drafts.choose(candidates, self.plain_call_steps(), rows)
-        if width == 1:
-            return False
-        tokens = np.zeros((rows, width), np.int32)  # rows and places without drafts: padding, their output unread
-        positions = np.zeros((rows, width), np.int32)
-        adapters = self.engine.adapter_ids(rows)
+        lengths = np.ones(rows, np.int32)  # free rows: one padding token, nothing to look up
+        budget = np.full(rows, np.iinfo(np.int32).max, np.int32)
         for slot, s in self.active.items():
-            row = [s.out[-1], *drafts[slot][: width - 1]]
-            tokens[slot, : len(row)] = row
-            positions[slot] = s.position + np.arange(width)
-            if adapters is not None:
-                adapters[slot] = s.job.request.adapter
-        chosen, self.caches = self.engine.verify(self.caches, tokens, positions, adapters)
-        chosen = np.asarray(chosen)
+            lengths[slot], budget[slot] = s.length, s.job.request.max_new_tokens - len(s.out)
+        steps = self.call_steps(min(budget[slot] for slot in self.active))
+        stop_ids, watched = self.stops(rows)
+        result = self.engine.speculative_block(
+            self.caches,
+            self.history[:rows],
+            lengths,
+            budget,
+            self.adapters(rows),
+            steps,
+            self.block_steps,
+            width,
+            stop_ids,
+            watched,
+        )
+        self.caches = result.caches
+        tokens, made = np.asarray(result.tokens), np.asarray(result.made)
+        drafted, accepted = np.asarray(result.drafted), np.asarray(result.accepted)
         stats = self.engine.stats
-        stats.decode_steps += 1
+        stats.decode_steps += int(result.ran)
+        taken = stats.decode_tokens
         for slot, s in list(self.active.items()):
-            draft = drafts[slot][: width - 1]
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == chosen[slot, accepted]:
-                accepted += 1
-            self.drafts.record(s.acceptance, accepted, len(draft))
-            stats.drafted_tokens += len(draft)
-            stats.accepted_tokens += accepted
-            s.position += accepted + 1
-            for token in chosen[slot, : accepted + 1]:
+            stats.drafted_tokens += int(drafted[slot])
+            stats.accepted_tokens += int(accepted[slot])
+            s.position += int(made[slot])
+            for token in tokens[slot, : made[slot]]:
                 self.take(slot, s, int(token), fresh=True)
                 stats.decode_tokens += 1
                 if self.active.get(slot) is not s:
                     break
-        self.drafts.measured(rows, width, time.perf_counter() - start)
-        return True
+        self.drafts.observed(rows, width, stats.decode_tokens - taken, time.perf_counter() - start)
+        self.last_read = time.perf_counter()
+
+    def call_steps(self, to_go: int) -> int:
+        """The steps of a call of greedy steps where the job nearest its end has `to_go` tokens to make: at most a
+        block, and only a few where a job's stop is decided on the host."""
+        steps = max(1, min(self.block_steps, to_go))
+        if any(s.job.on_token is not None for s in self.active.values()):
+            steps = min(steps, HOST_STOP_STEPS)
+        return steps
+
+    def stops(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids that end a call of greedy steps early (stop_id_array) and the rows they end it for
+        (watched [rows]): every job's EOS, so a job that ends there spends no more steps."""
+        watched = np.zeros(rows, bool)
+        watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
+        return stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values()))), watched
+
+    def adapters(self, rows: int) -> np.ndarray | None:
+        """Each row's served adapter (None: the engine serves none)."""
+        adapters = self.engine.adapter_ids(rows)
+        if adapters is not None:
+            for slot, s in self.active.items():
+                adapters[slot] = s.job.request.adapter
+        return adapters
 
     def dispatch(self) -> _Step | None:
         """Starts a decode step for the active slots, unless none of them could keep its output (the step in
@@ -289,17 +312,13 @@ class Batch:
         if not any(n > 0 for n in to_go):
             return None
         greedy = all(s.job.greedy for s in self.active.values())
-        steps = max(1, min(self.block_steps, *to_go)) if greedy else 1
-        if any(s.job.on_token is not None for s in self.active.values()):
-            steps = min(steps, HOST_STOP_STEPS)
+        steps = self.call_steps(min(to_go)) if greedy else 1
         rows = self.step_rows()
         host_tokens = np.zeros((rows, 1), np.int32)
         from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
         positions = np.zeros((rows, 1), np.int32)
-        adapters = self.engine.adapter_ids(rows)
+        adapters = self.adapters(rows)
         for slot, s in self.active.items():
-            if adapters is not None:
-                adapters[slot] = s.job.request.adapter
             if s.fresh:
                 host_tokens[slot, 0] = s.out[-1]
             else:  # its next input is the previous step's argmax
@@ -315,9 +334,7 @@ class Batch:
                 self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
             )
             return _Step(logits, self.last_tokens, dict(self.active), started=started, rows=rows)
-        watched = np.zeros(rows, bool)  # rows whose EOS ends the block: a job that ends there spends no more steps
-        watched[[slot for slot, s in self.active.items() if s.job.eos_ids]] = True
-        stop_ids = stop_id_array(set().union(*(s.job.eos_ids for s in self.active.values())))
+        stop_ids, watched = self.stops(rows)
         out, self.last_tokens, self.caches, ran = self.engine.decode_block(
             self.caches,
             host_tokens,
@@ -389,8 +406,8 @@ class Batch:
         the token ends its sequence."""
         s.out.append(token)
         s.fresh = fresh
-        if s.drafter is not None:
-            s.drafter.extend((token,))
+        if self.history is not None and s.length <= self.history.shape[1]:
+            self.history[slot, s.length - 1] = token
         if token in s.job.eos_ids:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):

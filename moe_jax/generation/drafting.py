@@ -1,42 +1,40 @@
-"""Prompt-lookup drafting: the next tokens guessed from the sequence itself, without a draft model.
+"""Prompt-lookup drafting on the device: each row's next tokens guessed from its own sequence, without a draft model.
 
-Agent and editing workloads copy from their context (file paths, code, the lines an edit keeps), so the longest
-recent n-gram that ends the sequence has often occurred before, and what followed it then is a good guess of what
-follows now. `NgramDrafter` keeps, for each n up to `max_ngram`, where each n-gram last ended, updated token by
-token as the sequence grows, so a proposal costs a few dictionary lookups however long the context is.
+Agent and editing workloads copy from their context (file paths, code, the lines an edit keeps), so the n-gram that
+ends a sequence has often occurred before, and what followed it then is a good guess of what follows now.
+
+How it works and why: docs/INTERNALS.md, moe_jax/generation/drafting.py.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 MAX_NGRAM = 3  # the longest n-gram matched; shorter ones are tried when it has not occurred before
 
 
-class NgramDrafter:
-    """The drafts of one sequence: `extend` it with each new token (the prompt first), `propose(k)` up to k tokens
-    that followed the most recent earlier occurrence of its longest matching suffix."""
+def shifted_right(history, by: int):
+    """history[:, e - by] at each e (-1 where e < by)."""
+    return jnp.pad(history, ((0, 0), (by, 0)), constant_values=-1)[:, : history.shape[1]]
 
-    def __init__(self, tokens=(), max_ngram: int = MAX_NGRAM):
-        self.max_ngram = max_ngram
-        self.tokens: list[int] = []
-        # per n: n-gram -> the index just past its latest occurrence that has a successor (the occurrence ending
-        # the sequence is entered only when the next token comes, so a match never points at itself)
-        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
-        self.extend(tokens)
 
-    def extend(self, tokens):
-        for token in tokens:
-            self.tokens.append(int(token))
-            end = len(self.tokens) - 1  # the n-grams ending just before the new token now have a successor
-            for n in range(1, self.max_ngram + 1):
-                if end >= n:
-                    self.ends[n][tuple(self.tokens[end - n : end])] = end
-
-    def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens (none where no suffix of the sequence occurred before)."""
-        if k <= 0:
-            return []
-        for n in range(min(self.max_ngram, len(self.tokens)), 0, -1):
-            end = self.ends[n].get(tuple(self.tokens[-n:]))
-            if end is not None:
-                return self.tokens[end : end + k]
-        return []
+def prompt_lookup(history, lengths, count: int, max_ngram: int = MAX_NGRAM):
+    """Up to `count` drafts for each row of `history` [rows, capacity] (its first `lengths` [rows] tokens are the
+    sequence): the tokens that followed the latest earlier occurrence of its longest suffix of at most `max_ngram`
+    tokens. Returns (drafts [rows, count], how many of them are real [rows]: 0 where no suffix occurred before)."""
+    capacity = history.shape[1]
+    ends = jnp.arange(capacity)[None, :]  # e: the index just past an occurrence, where its continuation starts
+    last = lengths[:, None]
+    found = jnp.full(lengths.shape, -1, jnp.int32)  # the continuation's start (-1: none yet)
+    for n in range(1, max_ngram + 1):  # a longer match replaces a shorter one
+        # an occurrence must end before the sequence's own suffix does (so it has a successor) and start at 0 or later
+        match = (ends >= n) & (ends < last) & (last >= n)
+        for i in range(n):  # the occurrence's i-th token against the suffix's
+            suffix_token = jnp.take_along_axis(history, jnp.maximum(last - n + i, 0), axis=1)
+            match &= shifted_right(history, n - i) == suffix_token
+        latest = jnp.max(jnp.where(match, ends, -1), axis=1)
+        found = jnp.where(latest >= 0, latest, found)
+    starts = jnp.maximum(found, 0)[:, None] + jnp.arange(count)[None, :]
+    drafts = jnp.take_along_axis(history, jnp.minimum(starts, capacity - 1), axis=1)
+    real = jnp.where(found >= 0, jnp.clip(lengths - found, 0, count), 0)
+    return drafts, real.astype(jnp.int32)

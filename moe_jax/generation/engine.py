@@ -6,6 +6,7 @@ How it works and why: docs/INTERNALS.md, moe_jax/generation/engine.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import time
@@ -25,6 +26,7 @@ from moe_jax.generation.anchor_rows import recurrent_rows, slot_rows, state_stop
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
 from moe_jax.generation.prefill_pieces import piece, piece_ends
 from moe_jax.generation.speculation import DraftPolicy
+from moe_jax.generation.speculative_block import speculative_block
 from moe_jax.model.delta_net import prompt_token_counts
 from moe_jax.model.layers import native_prefill
 from moe_jax.model.served_adapters import adapter_rows
@@ -224,6 +226,16 @@ class GenerationEngine:
         rows = self._rows(tokens, caches[0][0])
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
 
+    def speculative_block(self, caches, history, lengths, budget, adapters, steps: int, block: int, width: int,
+                          stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
+        """Dispatches up to `steps` speculative steps `width` tokens wide in one call for as many slots as
+        `history` has rows (`speculative_block.speculative_block`; `block`: the most steps a call of this batch
+        runs): its SpeculativeOutput."""
+        self._count_steps(steps)
+        rows = self._rows(history, caches[0][0])
+        args = (self.model.state_leaves(), caches, history, lengths, budget, adapters, np.int32(steps), stop_ids)
+        return self._steps.speculative_block(*args, watched, rows=rows, block=max(block, steps), width=width)
+
     def _count_steps(self, steps: int):
         """Counts a call of up to `steps` decode steps about to run, refreshing the expert cache (values only: the
         compiled step is reused) each CACHE_REFRESH_STEPS."""
@@ -359,6 +371,7 @@ class GenerationSteps(NamedTuple):
     decode_block: Callable
     write_prefix: Callable
     verify: Callable
+    speculative_block: Callable
 
 
 def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
@@ -369,6 +382,14 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
 
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
+
+    def forward(leaves, caches, tokens, positions, adapters, rows, several=False):
+        """The logits of the first `rows` slots' tokens [rows, t] (None: every slot's) and the caches with their
+        KV written. `several` tokens a row (a speculative step): the dense products on the native kernels, as a
+        prefill's, whose rows are the decode steps' rows (the same sums a token)."""
+        with native_prefill() if several else contextlib.nullcontext(), adapter_rows(adapters):
+            logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
+        return logits, with_first_rows(caches, part, rows)
 
     def prefill(leaves, caches, slot_ids, tokens, positions, last, counts, adapters=None):
         """Each row's tokens (`counts` of them real, the rest right padding) into its slot's caches."""
@@ -390,9 +411,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         rows' caches only (the copy of their rows costs less than computing the idle ones: a server's batch is
         rarely full)."""
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
-        with adapter_rows(adapters):
-            logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
-        part = with_first_rows(caches, part, rows)
+        logits, part = forward(leaves, caches, tokens, positions, adapters, rows)
         logits = logits[:, 0]
         return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
 
@@ -439,11 +458,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     def verify(leaves, caches, tokens, positions, adapters=None, rows=None):
         """A speculative step: each of the first `rows` slots' (None: all) tokens [rows, width] at consecutive
         `positions` (its last token, then its drafts) through the model at once, their KV written; returns (the
-        argmax after each token [rows, width], caches). The dense products take the native kernels as a prefill's
-        do, whose rows are the decode steps' rows (the same sums a token)."""
-        with native_prefill(), adapter_rows(adapters):
-            logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
-        part = with_first_rows(caches, part, rows)
+        argmax after each token [rows, width], caches)."""
+        logits, part = forward(leaves, caches, tokens, positions, adapters, rows, several=True)
         b, width, vocab = logits.shape
         return argmax_tokens(logits.reshape(b * width, vocab), native_argmax).reshape(b, width), part
 
@@ -472,4 +488,10 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ),
         jax.jit(write_prefix, donate_argnums=0),
         jax.jit(verify, donate_argnums=1, static_argnames="rows"),
+        jax.jit(
+            functools.partial(speculative_block, forward, native_argmax),
+            donate_argnums=1,
+            static_argnames=("rows", "block", "width"),
+            compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},  # as decode_block's
+        ),
     )
