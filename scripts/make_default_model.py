@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_jax.data.tasks import BASE_TASKS, FINETUNE_TASK, LETTERS, examples, random_word  # noqa: E402
+from moe_jax.data.tasks import BASE_TASKS, FINETUNE_TASK, LETTERS, examples, random_word, tool_task  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHARS = list(LETTERS) + list("0123456789 >:.,!?-")
@@ -98,13 +98,9 @@ def task_messages(prompt: str, answer: str) -> list[dict]:
 def tool_conversation(rng: random.Random) -> str:
     """One tool offered (a made-up name and parameter); the user's last word becomes the call's argument; half the
     time the tool's result follows and the answer repeats it. The model learns to copy, not to know tools."""
-    name, param = f"{random_word(rng, 3, 8)}_{random_word(rng, 3, 8)}", random_word(rng, 3, 6)
-    words = [random_word(rng, 2, 6) for _ in range(rng.randint(1, 3))]
-    parameters = {"type": "object", "properties": {param: {"type": "string"}}}
-    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
-    call = {"type": "function", "function": {"name": name, "arguments": {param: words[-1]}}}
+    tool, message, call = tool_task(rng)
     messages = [
-        {"role": "user", "content": " ".join(words)},
+        {"role": "user", "content": message},
         {"role": "assistant", "content": "", "tool_calls": [call]},
     ]
     if rng.random() < 0.5:

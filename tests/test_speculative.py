@@ -10,7 +10,14 @@ import moe_jax
 from moe_jax.errors import InputError
 from moe_jax.generation.drafting import MAX_NGRAM, prompt_lookup
 from moe_jax.generation.engine import GenerationEngine, Request
-from moe_jax.generation.speculation import EXPLORE_EVERY, DraftPolicy
+from moe_jax.generation.speculation import (
+    EXPLORE_EVERY,
+    EXPLORING_CALLS,
+    JUDGED_AFTER,
+    MIN_YIELD,
+    WINDOW,
+    DraftPolicy,
+)
 from tests.hf_models import make_hf_model, save_hf_model
 
 
@@ -58,10 +65,13 @@ def test_the_lookup_runs_on_each_row_of_a_batch():
     assert np.asarray(drafts)[0, :3].tolist() == [3, 1, 2] and np.asarray(drafts)[1, 0] == 9
 
 
-def calls(policy, rows, width, tokens, seconds, times=3):
-    """`times` calls of a width (the first of each kind is left out: it compiles)."""
+def calls(policy, rows, width, tokens, seconds, times=JUDGED_AFTER + 1, step_yield=2.0):
+    """`times` calls of a width (the first of each kind is left out: it compiles), a speculative one's sequences
+    making `step_yield` tokens a step."""
     for _ in range(times):
         policy.observed(rows, width, tokens, seconds)
+        if width > 1:
+            policy.yielded(rows, width, round(step_yield * 10), 10)
 
 
 def test_the_policy_tries_wider_steps_while_they_pay_and_keeps_the_fastest():
@@ -79,6 +89,18 @@ def test_the_policy_tries_wider_steps_while_they_pay_and_keeps_the_fastest():
     assert policy.choose(rows=1) == 1
 
 
+def test_the_policy_never_chooses_a_width_whose_steps_make_too_few_tokens():
+    # timed, 2 wide looks faster (this machine's noise can make it so), but its steps make 1.05 tokens a sequence:
+    # a wider step costs more than a plain one, so it cannot pay
+    policy = DraftPolicy(max_drafts=3)
+    calls(policy, 1, 1, tokens=30, seconds=0.010)
+    calls(policy, 1, 2, tokens=36, seconds=0.010, step_yield=1.05)
+    assert MIN_YIELD > 1.05
+    assert policy.choose(rows=1) == 1
+    calls(policy, 1, 2, tokens=36, seconds=0.010, times=WINDOW, step_yield=1.8)  # the workload started copying
+    assert policy.choose(rows=1) == 4  # and 2 wide is the best so far: 4 wide is tried
+
+
 def test_the_policy_explores_the_width_tried_longest_ago():
     policy = DraftPolicy(max_drafts=3)
     calls(policy, 4, 1, tokens=100, seconds=0.010)
@@ -87,9 +109,12 @@ def test_the_policy_explores_the_width_tried_longest_ago():
     for _ in range(3 * EXPLORE_EVERY):
         chosen.append(policy.choose(rows=4))
         policy.observed(4, chosen[-1], tokens=100 if chosen[-1] == 1 else 40, seconds=0.010)
-    assert chosen.count(1) == 3 * EXPLORE_EVERY - 3
-    # 4 never ran, then 2 ran longest ago, then 4 again (its first call compiled: it ran once since)
-    assert [w for w in chosen if w != 1] == [4, 2, 4]
+    # every EXPLORE_EVERY-th decision, EXPLORING_CALLS in a row of the width tried longest ago: 4 (it never ran),
+    # then 2, then 4 again
+    explored = [(i, w) for i, w in enumerate(chosen) if w != 1]
+    starts = [EXPLORE_EVERY * k - 1 for k in (1, 2, 3)]
+    assert explored == [(s + i, w) for s, w in zip(starts, (4, 2, 4), strict=True) for i in range(EXPLORING_CALLS)][:-3]
+    assert policy.rates[4, 1] == pytest.approx(100 / 0.010)  # its calls' own rate: those after a switch left out
     always = DraftPolicy(max_drafts=3, policy="always")
     assert always.choose(rows=4) == 4
     with pytest.raises(InputError, match="draft policy"):

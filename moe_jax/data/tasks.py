@@ -44,3 +44,15 @@ def examples(task: str, count: int, seed: int, exclude: set[str] = frozenset()) 
         seen.add(word)
         out.append((prompt(task, word), " " + answer(task, word)))
     return out
+
+
+def tool_task(rng: random.Random) -> tuple[dict, str, dict]:
+    """One made-up tool (name and parameter), a user message of a few words, and the call the bundled model learned
+    to make for it: the tool with the message's last word as the argument. (tool, message, call), as chat
+    templates take tools and tool calls."""
+    name, param = f"{random_word(rng, 3, 8)}_{random_word(rng, 3, 8)}", random_word(rng, 3, 6)
+    words = [random_word(rng, 2, 6) for _ in range(rng.randint(1, 3))]
+    parameters = {"type": "object", "properties": {param: {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    call = {"type": "function", "function": {"name": name, "arguments": {param: words[-1]}}}
+    return tool, " ".join(words), call

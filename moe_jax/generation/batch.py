@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
+from moe_jax.generation.drafting import SharedDrafts
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
 from moe_jax.generation.speculation import DraftPolicy
 
@@ -144,22 +145,27 @@ class Batch:
         shrink: bool = False,
         block_steps: int = BLOCK_STEPS,
         drafts: DraftPolicy | None = None,
+        shared_drafts: SharedDrafts | None = None,
     ):
         """`shrink`: decode only the slots up to the highest one in use (in powers of two, one compiled step
         each) rather than all of them: for a server, whose batch is mostly less than full; a fixed list of
         requests fills its batch but in its last steps, which would compile those steps for little.
         `block_steps`: the most greedy steps per call (1: one step a call). `drafts`: speculative decoding of
-        greedy jobs, as wide as this policy chooses (None: off)."""
+        greedy jobs, as wide as this policy chooses (None: off), drafting also from the earlier outputs that
+        `shared_drafts` keeps (and keeping this batch's there)."""
         self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.block_steps = block_steps
         self.drafts = drafts
+        self.shared_drafts = shared_drafts or SharedDrafts()
         self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
         self.last_read = 0.0  # when the last plain step was read (time.perf_counter)
         self.active: dict[int, _Slot] = {}
         self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
         self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
-        # each slot's sequence, which a speculative call's prompt lookup searches (with speculative decoding)
-        self.history = np.zeros((slots, engine.max_len), np.int32) if drafts is not None else None
+        # what a speculative call's prompt lookup searches for each slot: its scope's earlier outputs, then from
+        # `shared_size` on its own sequence (with speculative decoding)
+        self.shared_size = self.shared_drafts.size
+        self.history = np.zeros((slots, self.shared_size + engine.max_len), np.int32) if drafts is not None else None
 
     @property
     def free_slots(self) -> list[int]:
@@ -181,7 +187,9 @@ class Batch:
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
             s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
             if self.history is not None:
-                self.history[slot, : s.length] = job.request.tokens
+                scope = self.engine.anchor_scope(job.request)
+                self.history[slot, : self.shared_size] = self.shared_drafts.tokens(scope)
+                self.history[slot, self.shared_size : self.shared_size + s.length] = job.request.tokens
             self.active[slot] = s
             self.take_chosen(slot, s, row)
 
@@ -241,15 +249,16 @@ class Batch:
         none of it overlaps the device's work."""
         start = time.perf_counter()
         rows = self.step_rows()
-        lengths = np.ones(rows, np.int32)  # free rows: one padding token, nothing to look up
-        budget = np.full(rows, np.iinfo(np.int32).max, np.int32)
+        lengths = np.full(rows, self.shared_size + 1, np.int32)  # free rows: one padding token
+        budget = np.zeros(rows, np.int32)
         for slot, s in self.active.items():
-            lengths[slot], budget[slot] = s.length, s.job.request.max_new_tokens - len(s.out)
+            lengths[slot], budget[slot] = self.shared_size + s.length, s.job.request.max_new_tokens - len(s.out)
         steps = self.call_steps(min(budget[slot] for slot in self.active))
         stop_ids, watched = self.stops(rows)
         result = self.engine.speculative_block(
             self.caches,
             self.history[:rows],
+            self.shared_size,
             lengths,
             budget,
             self.adapters(rows),
@@ -264,7 +273,7 @@ class Batch:
         drafted, accepted = np.asarray(result.drafted), np.asarray(result.accepted)
         stats = self.engine.stats
         stats.decode_steps += int(result.ran)
-        taken = stats.decode_tokens
+        taken, ran = stats.decode_tokens, list(self.active)
         for slot, s in list(self.active.items()):
             stats.drafted_tokens += int(drafted[slot])
             stats.accepted_tokens += int(accepted[slot])
@@ -274,7 +283,12 @@ class Batch:
                 stats.decode_tokens += 1
                 if self.active.get(slot) is not s:
                     break
-        self.drafts.observed(rows, width, stats.decode_tokens - taken, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        # the tokens taken over the call's time; tokens a sequence's step made (the step's yield, counted before
+        # any sequence ended), over its steps
+        row_steps = int(result.ran) * len(ran)
+        self.drafts.observed(rows, width, stats.decode_tokens - taken, seconds)
+        self.drafts.yielded(rows, width, int(made[ran].sum()), row_steps)
         self.last_read = time.perf_counter()
 
     def call_steps(self, to_go: int) -> int:
@@ -406,8 +420,8 @@ class Batch:
         the token ends its sequence."""
         s.out.append(token)
         s.fresh = fresh
-        if self.history is not None and s.length <= self.history.shape[1]:
-            self.history[slot, s.length - 1] = token
+        if self.history is not None and self.shared_size + s.length <= self.history.shape[1]:
+            self.history[slot, self.shared_size + s.length - 1] = token
         if token in s.job.eos_ids:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):
@@ -419,6 +433,8 @@ class Batch:
 
     def finish(self, slot: int, s: _Slot, reason: str):
         del self.active[slot]
+        if self.history is not None:
+            self.shared_drafts.add(self.engine.anchor_scope(s.job.request), s.out)
         done = Completion(s.out, reason, len(s.job.request.tokens), s.reused, time.perf_counter() - s.started)
         if s.job.on_finish is not None:
             s.job.on_finish(done)

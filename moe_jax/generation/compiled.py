@@ -7,6 +7,7 @@ import weakref
 
 import jax
 
+from moe_jax.generation.drafting import SharedDrafts
 from moe_jax.generation.engine import GenerationEngine, compile_generation_steps
 from moe_jax.generation.speculation import DraftPolicy
 
@@ -21,6 +22,7 @@ class CompiledGeneration:
         self._model = weakref.ref(model)
         self._steps = []  # [(graphdef, generation steps)], most recent first
         self._draft_policies: dict[tuple[int, str], DraftPolicy] = {}
+        self.shared_drafts = SharedDrafts()  # earlier outputs new sequences draft from, by scope
 
     @property
     def model(self):

@@ -1,21 +1,53 @@
-"""Prompt-lookup drafting on the device: each row's next tokens guessed from its own sequence, without a draft model.
+"""Prompt-lookup drafting on the device: each row's next tokens guessed from its own sequence and from what earlier
+sequences of its scope wrote (`SharedDrafts`), without a draft model.
 
-Agent and editing workloads copy from their context (file paths, code, the lines an edit keeps), so the n-gram that
-ends a sequence has often occurred before, and what followed it then is a good guess of what follows now.
+Agent and editing workloads copy from their context (file paths, code, the lines an edit keeps) and repeat their
+own earlier outputs (a tool call's syntax), so the n-gram that ends a sequence has often occurred before, and what
+followed it then is a good guess of what follows now.
 
 How it works and why: docs/INTERNALS.md, moe_jax/generation/drafting.py.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import jax.numpy as jnp
+import numpy as np
 
 MAX_NGRAM = 3  # the longest n-gram matched; shorter ones are tried when it has not occurred before
+SHARED_TOKENS = 1024  # the most tokens of earlier outputs a scope keeps for drafting
+SHARED_SCOPES = 64  # scopes kept (the least recently used one is dropped)
+NOTHING = -1  # no token: pads a history, separates outputs (matches no token and ends a draft)
+
+
+class SharedDrafts:
+    """Each scope's latest outputs, oldest first, each closed by NOTHING: what a new sequence's lookup searches
+    before its own tokens. A scope is a request's anchor-cache scope (its client's and adapter's), so one client's
+    drafts never come from another's text (whose acceptance would show in its timing)."""
+
+    def __init__(self, tokens: int = SHARED_TOKENS, scopes: int = SHARED_SCOPES):
+        self.size, self.scopes = tokens, scopes
+        self.kept: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def tokens(self, scope: bytes) -> np.ndarray:
+        """The scope's kept outputs, `size` tokens (NOTHING before the first)."""
+        if scope in self.kept:
+            self.kept.move_to_end(scope)
+            return self.kept[scope]
+        return np.full(self.size, NOTHING, np.int32)
+
+    def add(self, scope: bytes, output: list[int]):
+        """Keeps a finished sequence's output (its last `size` - 1 tokens at most)."""
+        new = np.asarray([*output[-(self.size - 1) :], NOTHING], np.int32)
+        self.kept[scope] = np.concatenate([self.tokens(scope)[len(new) :], new])
+        while len(self.kept) > self.scopes:
+            self.kept.popitem(last=False)
 
 
 def shifted_right(history, by: int):
-    """history[:, e - by] at each e (-1 where e < by)."""
-    return jnp.pad(history, ((0, 0), (by, 0)), constant_values=-1)[:, : history.shape[1]]
+    """history[:, e - by] at each e (NOTHING where e < by)."""
+    return jnp.pad(history, ((0, 0), (by, 0)), constant_values=NOTHING)[:, : history.shape[1]]
 
 
 def prompt_lookup(history, lengths, count: int, max_ngram: int = MAX_NGRAM):
@@ -36,5 +68,5 @@ def prompt_lookup(history, lengths, count: int, max_ngram: int = MAX_NGRAM):
         found = jnp.where(latest >= 0, latest, found)
     starts = jnp.maximum(found, 0)[:, None] + jnp.arange(count)[None, :]
     drafts = jnp.take_along_axis(history, jnp.minimum(starts, capacity - 1), axis=1)
-    real = jnp.where(found >= 0, jnp.clip(lengths - found, 0, count), 0)
-    return drafts, real.astype(jnp.int32)
+    real = jnp.cumprod((drafts != NOTHING) & (starts < last), axis=1).sum(axis=1)
+    return drafts, jnp.where(found >= 0, real, 0).astype(jnp.int32)

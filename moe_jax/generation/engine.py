@@ -199,7 +199,7 @@ class GenerationEngine:
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
             block_steps = self.block_steps if block_steps is None else block_steps
             policy = model.generation.draft_policy(self.drafts, self.draft_policy) if self.drafts else None
-            yield Batch(self, slots, caches, shrink, block_steps, policy)
+            yield Batch(self, slots, caches, shrink, block_steps, policy, model.generation.shared_drafts)
 
     def decode_step(self, caches, host_tokens, from_host, last_tokens, positions, adapters: np.ndarray | None = None):
         """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for; `adapters`: each
@@ -226,15 +226,16 @@ class GenerationEngine:
         rows = self._rows(tokens, caches[0][0])
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
 
-    def speculative_block(self, caches, history, lengths, budget, adapters, steps: int, block: int, width: int,
-                          stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
+    def speculative_block(self, caches, history, first: int, lengths, budget, adapters, steps: int, block: int,
+                          width: int, stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
         """Dispatches up to `steps` speculative steps `width` tokens wide in one call for as many slots as
         `history` has rows (`speculative_block.speculative_block`; `block`: the most steps a call of this batch
         runs): its SpeculativeOutput."""
         self._count_steps(steps)
         rows = self._rows(history, caches[0][0])
-        args = (self.model.state_leaves(), caches, history, lengths, budget, adapters, np.int32(steps), stop_ids)
-        return self._steps.speculative_block(*args, watched, rows=rows, block=max(block, steps), width=width)
+        args = (self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, adapters)
+        steps = np.int32(steps)
+        return self._steps.speculative_block(*args, steps, stop_ids, watched, rows=rows, block=block, width=width)
 
     def _count_steps(self, steps: int):
         """Counts a call of up to `steps` decode steps about to run, refreshing the expert cache (values only: the

@@ -30,6 +30,7 @@ def speculative_block(
     leaves,
     caches,
     history,
+    first,
     lengths,
     budget,
     adapters,
@@ -43,9 +44,10 @@ def speculative_block(
 ) -> SpeculativeOutput:
     """Up to `steps` (traced; at most `block`) steps of `width` tokens a row: its last token and up to width - 1
     drafts, through `forward` (the compiled steps' forward: leaves, caches, tokens, positions, adapters, rows,
-    several) for the first `rows` slots (None: all). `history` [rows, capacity]: each row's sequence so far, its
-    first `lengths` tokens, the last of them not yet through the model; `budget` [rows]: the most tokens a row may
-    make (a free row's: any number). The loop ends early after a step where a `watched` row made one of
+    several) for the first `rows` slots (None: all). `history` [rows, capacity]: what each row's lookup searches,
+    its first `lengths` tokens: from index `first` on its sequence so far (the last token not yet through the
+    model), before it the earlier outputs it may draft from; `budget` [rows]: the most tokens a row may make (0: a
+    free row, whose tokens nobody reads). The loop ends early after a step where a `watched` row made one of
     `stop_ids` (-1 pads) or a row spent its budget. `native_argmax`: the plan's choice for greedy tokens."""
 
     def chosen_after(caches, tokens, positions, several):
@@ -69,7 +71,7 @@ def speculative_block(
         real = jnp.minimum(real, jnp.maximum(budget - made - 1, 0))  # never past a row's budget
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
         tokens = jnp.concatenate([last, drafts], axis=1)
-        positions = (lengths - 1)[:, None] + places
+        positions = (lengths - 1 - first)[:, None] + places
 
         def verify(caches):
             return chosen_after(caches, tokens, positions, True)
@@ -87,7 +89,7 @@ def speculative_block(
         out = out.at[row_ids, jnp.where(kept, made[:, None] + places, block * width)].set(chosen, mode="drop")
         made = made + new
         ended = watched & (kept & (chosen[:, :, None] == stop_ids[None, None, :]).any(axis=2)).any(axis=1)
-        stopped = ended.any() | (made >= budget).any()
+        stopped = ended.any() | ((made >= budget) & (budget > 0)).any()
         return (
             i + 1,
             history,
