@@ -166,11 +166,34 @@ def test_greedy_outputs_equal_plain_decoding(checkpoints, family, dtype):
     stats = engine.stats
     # drafts were verified, some accepted and some rejected (random weights repeat themselves in short cycles)
     assert stats.drafted_tokens > 0 and 0 < stats.accepted_tokens < stats.drafted_tokens
-    # an EOS that lands inside an accepted draft ends the sequence there; a stop decided on the host too
+    # an EOS that lands inside an accepted draft ends the sequence there
     eos = plain[0].tokens[len(plain[0].tokens) // 2]
     _, plain_eos = generate(model, reqs, 2, 0, eos_ids=[eos])
     _, speculative_eos = generate(model, reqs, 2, 3, eos_ids=[eos])
     assert [(c.tokens, c.finish_reason) for c in speculative_eos] == [(c.tokens, c.finish_reason) for c in plain_eos]
+
+
+def test_plain_and_speculative_calls_mixed_as_the_cost_policy_goes_give_greedy_outputs(checkpoints):
+    # the cost policy starts with plain calls (pipelined: no EOS to watch), then tries wider ones, switching back
+    # and forth between engines (the policy is the model's); a stop decided on the host ends a sequence mid-call
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    reqs = requests(seed=2) * 3
+    plain = GenerationEngine(model, 4, 128, block_steps=4).run(reqs)
+    stop_at = plain[0].tokens[3]
+
+    def should_stop(i, out):
+        return out[-1] == stop_at
+
+    plain_stopped = GenerationEngine(model, 4, 128, block_steps=4).run(reqs, should_stop=should_stop)
+    drafted = 0
+    for _ in range(3):
+        engine = GenerationEngine(model, 4, 128, block_steps=4, drafts=3)
+        assert [c.tokens for c in engine.run(reqs)] == [c.tokens for c in plain]
+        stopped = engine.run(reqs, should_stop=should_stop)
+        assert [(c.tokens, c.finish_reason) for c in stopped] == [(c.tokens, c.finish_reason) for c in plain_stopped]
+        drafted += engine.stats.drafted_tokens
+    policy = model.generation.draft_policy(3, "cost")
+    assert drafted > 0 and (4, 1) in policy.rates  # both kinds of call ran
 
 
 def test_hybrid_models_refuse_it(tmp_path):

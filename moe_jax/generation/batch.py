@@ -178,7 +178,7 @@ class Batch:
         if len(admitted) < len(jobs):
             raise ValueError(f"{len(jobs)} jobs for {len(admitted)} free slots")
         if self.drafts is not None and self.in_flight is not None:
-            if self.in_flight.rows in self.drafts.plain:
+            if self.drafts.timed(self.in_flight.rows):
                 self.admitted_meanwhile = True  # the prefill will run after it on the device
             else:  # no plain call of its rows timed yet: read it first, its time alone
                 self.read_in_flight()

@@ -73,6 +73,10 @@ class DraftPolicy:
         made.append((tokens, row_steps))
         self.yields[rows, width] = sum(t for t, _ in made) / max(sum(n for _, n in made), 1)
 
+    def timed(self, rows: int) -> bool:
+        """Whether plain calls over `rows` rows have been timed."""
+        return (rows, 1) in self.rates
+
     def choose(self, rows: int) -> int:
         """The width of the next call over `rows` rows: 1 (a plain call) until plain calls have been timed."""
         self.decisions += 1
