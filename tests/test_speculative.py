@@ -8,14 +8,15 @@ import pytest
 
 import moe_jax
 from moe_jax.errors import InputError
-from moe_jax.generation.drafting import MAX_NGRAM, prompt_lookup
+from moe_jax.generation.batch import Job
+from moe_jax.generation.drafting import MAX_NGRAM, NOTHING, SharedDrafts, prompt_lookup
 from moe_jax.generation.engine import GenerationEngine, Request
 from moe_jax.generation.speculation import (
     EXPLORE_EVERY,
     EXPLORING_CALLS,
     JUDGED_AFTER,
     MIN_YIELD,
-    WINDOW,
+    YIELD_STEPS,
     DraftPolicy,
 )
 from tests.hf_models import make_hf_model, save_hf_model
@@ -65,56 +66,107 @@ def test_the_lookup_runs_on_each_row_of_a_batch():
     assert np.asarray(drafts)[0, :3].tolist() == [3, 1, 2] and np.asarray(drafts)[1, 0] == 9
 
 
-def calls(policy, rows, width, tokens, seconds, times=JUDGED_AFTER + 1, step_yield=2.0):
-    """`times` calls of a width (the first of each kind is left out: it compiles), a speculative one's sequences
-    making `step_yield` tokens a step."""
+def test_shared_drafts_keep_each_scopes_latest_outputs_apart():
+    shared = SharedDrafts(tokens=8, scopes=2)
+    shared.add(b"a", [1, 2, 3])
+    assert shared.tokens(b"a").tolist() == [NOTHING] * 4 + [1, 2, 3, NOTHING]
+    shared.add(b"a", list(range(4, 13)))  # longer than the scope keeps: its last tokens, oldest first
+    assert shared.tokens(b"a").tolist() == [6, 7, 8, 9, 10, 11, 12, NOTHING]
+    shared.add(b"b", [5])
+    assert shared.tokens(b"b").tolist() == [NOTHING] * 6 + [5, NOTHING]
+    assert (shared.tokens(b"c") == NOTHING).all()  # another client's: nothing of a's or b's
+    shared.add(b"c", [9])  # a third scope: the least recently used one (a) is dropped
+    assert (shared.tokens(b"a") == NOTHING).all() and shared.tokens(b"b")[6] == 5
+
+
+def test_a_sequence_drafts_from_earlier_outputs_of_its_own_scope_only(checkpoints):
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    engine = GenerationEngine(model, 1, 64, drafts=3)
+    first = Request([5, 6, 7, 8], 6, cache_scope=b"client a")
+    done = []
+    with engine.batch(1) as batch:
+        for request in (first, Request([9, 10], 4, cache_scope=b"client b"), Request([11], 4, cache_scope=b"client a")):
+            batch.admit([Job(request, on_finish=done.append)])
+            shared = batch.history[0, : batch.shared_size].tolist()
+            if request.cache_scope == b"client b":
+                assert shared == [NOTHING] * batch.shared_size  # nothing of client a's output
+            elif done:
+                assert shared[-7:] == [*done[0].tokens, NOTHING]  # client a's first output, then its own prompt
+            assert (
+                batch.history[0, batch.shared_size : batch.shared_size + len(request.tokens)].tolist() == request.tokens
+            )
+            while batch.active:
+                batch.step()
+
+
+def calls(policy, rows, width, steps, seconds, times=JUDGED_AFTER + 1):
+    """`times` calls of a width (the first of each kind is left out: it compiles)."""
     for _ in range(times):
-        policy.observed(rows, width, tokens, seconds)
-        if width > 1:
-            policy.yielded(rows, width, round(step_yield * 10), 10)
+        policy.observed(rows, width, steps, seconds)
+
+
+def test_what_a_wide_call_accepted_tells_every_narrower_width():
+    policy = DraftPolicy(max_drafts=7)
+    assert policy.widths == (1, 2, 4, 8)
+    # 16 sequence-steps of an 8-wide call: two accepted no draft, two one, ..., two all seven
+    policy.accepted(1, [2] * 8)
+    assert policy.yields[8] == pytest.approx(1 + 28 / 8)
+    assert policy.yields[4] == pytest.approx(1 + (0 + 1 + 2 + 3 * 5) * 2 / 16)  # three at most
+    assert policy.yields[2] == pytest.approx(1 + 14 / 16)
+    policy.accepted(1, [4, 0])  # a 2-wide call tells nothing of wider widths
+    assert policy.yields[2] == pytest.approx(1 + 14 / 20) and policy.yields[8] == pytest.approx(4.5)
 
 
 def test_the_policy_tries_wider_steps_while_they_pay_and_keeps_the_fastest():
     policy = DraftPolicy(max_drafts=7)
-    assert policy.widths == (1, 2, 4, 8)
     assert policy.choose(rows=1) == 1  # no plain call timed yet
-    calls(policy, 1, 1, tokens=32, seconds=0.010)  # 3,200 tokens a second
-    assert policy.choose(rows=1) == 2  # the next width is tried
+    calls(policy, 1, 1, steps=32, seconds=0.010)  # 3,200 steps a second: 3,200 tokens a sequence
+    assert policy.choose(rows=1) == 8  # one call as wide as it gets: what would each width's steps make?
+    policy.accepted(1, [2] * 8)  # every width's steps would make enough: 2 wide 1.875 tokens, 4 wide 3.25
+    assert policy.choose(rows=1) == 2  # the narrowest is timed first
     assert policy.choose(rows=2) == 1  # another row count is another step, not timed yet
-    calls(policy, 1, 2, tokens=40, seconds=0.010)
+    calls(policy, 1, 2, steps=20, seconds=0.010)
+    assert policy.rate(1, 2) == pytest.approx(2000 * 1.875)
     assert policy.choose(rows=1) == 4  # 2 wide beat plain decoding: 4 wide may too
-    calls(policy, 1, 4, tokens=30, seconds=0.010)
-    assert policy.choose(rows=1) == 2  # it did not: 8 is not tried, 2 is the fastest
-    calls(policy, 1, 2, tokens=20, seconds=0.010, times=12)  # the workload stopped copying
+    calls(policy, 1, 4, steps=10, seconds=0.010)
+    assert policy.choose(rows=1) == 2  # it did not (3,250): 8 is not timed, 2 is the fastest
+    policy.accepted(1, [YIELD_STEPS] + [0] * 7)  # the workload stopped copying: no draft accepted
     assert policy.choose(rows=1) == 1
 
 
 def test_the_policy_never_chooses_a_width_whose_steps_make_too_few_tokens():
-    # timed, 2 wide looks faster (this machine's noise can make it so), but its steps make 1.05 tokens a sequence:
-    # a wider step costs more than a plain one, so it cannot pay
+    # timed, 2 wide would look faster (this machine's noise can make it so), but its steps make 1.05 tokens a
+    # sequence: a wider step costs more than a plain one, so it cannot pay
     policy = DraftPolicy(max_drafts=3)
-    calls(policy, 1, 1, tokens=30, seconds=0.010)
-    calls(policy, 1, 2, tokens=36, seconds=0.010, step_yield=1.05)
-    assert MIN_YIELD > 1.05
-    assert policy.choose(rows=1) == 1
-    calls(policy, 1, 2, tokens=36, seconds=0.010, times=WINDOW, step_yield=1.8)  # the workload started copying
-    assert policy.choose(rows=1) == 4  # and 2 wide is the best so far: 4 wide is tried
+    calls(policy, 1, 1, steps=30, seconds=0.010)
+    assert policy.choose(rows=1) == 4
+    policy.accepted(1, [19, 1, 0, 0])
+    assert MIN_YIELD > policy.yields[2] == policy.yields[4] == pytest.approx(1.05)
+    calls(policy, 1, 2, steps=36, seconds=0.010)
+    assert policy.rate(1, 2) > policy.rate(1, 1) and policy.choose(rows=1) == 1
+    policy.accepted(1, [YIELD_STEPS // 5, YIELD_STEPS, 0, 0])  # the workload started copying
+    assert policy.choose(rows=1) == 4  # 2 wide is the fastest timed: 4 wide is tried
 
 
-def test_the_policy_explores_the_width_tried_longest_ago():
+def test_the_policy_explores_in_runs_and_probes_where_no_width_pays():
     policy = DraftPolicy(max_drafts=3)
-    calls(policy, 4, 1, tokens=100, seconds=0.010)
-    calls(policy, 4, 2, tokens=50, seconds=0.010)  # drafts rejected: plain decoding is faster
+    calls(policy, 4, 1, steps=100, seconds=0.010)
+    policy.accepted(4, [0, 10, 10, 0])  # drafts pay in tokens a step (2 wide 2.0, 4 wide 2.5)...
+    calls(policy, 4, 2, steps=40, seconds=0.010)  # ... but 2 wide is slower than plain calls here
+    calls(policy, 4, 4, steps=30, seconds=0.010)  # and so is 4 wide
     chosen = []
     for _ in range(3 * EXPLORE_EVERY):
         chosen.append(policy.choose(rows=4))
-        policy.observed(4, chosen[-1], tokens=100 if chosen[-1] == 1 else 40, seconds=0.010)
-    # every EXPLORE_EVERY-th decision, EXPLORING_CALLS in a row of the width tried longest ago: 4 (it never ran),
-    # then 2, then 4 again
+        policy.observed(4, chosen[-1], 100 if chosen[-1] == 1 else 30, seconds=0.010)
+    # every EXPLORE_EVERY-th decision, EXPLORING_CALLS in a row of the width tried longest ago
     explored = [(i, w) for i, w in enumerate(chosen) if w != 1]
     starts = [EXPLORE_EVERY * k - 1 for k in (1, 2, 3)]
-    assert explored == [(s + i, w) for s, w in zip(starts, (4, 2, 4), strict=True) for i in range(EXPLORING_CALLS)][:-3]
-    assert policy.rates[4, 1] == pytest.approx(100 / 0.010)  # its calls' own rate: those after a switch left out
+    assert explored == [(s + i, w) for s, w in zip(starts, (2, 4, 2), strict=True) for i in range(EXPLORING_CALLS)][:-3]
+    assert policy.step_rates[4, 1] == pytest.approx(100 / 0.010)  # its calls' own: those after a switch left out
+    policy.accepted(4, [YIELD_STEPS, 0, 0, 0])  # no width pays now: exploring is one call as wide as it gets
+    chosen = [policy.choose(rows=4) for _ in range(2 * EXPLORE_EVERY)]
+    # (the exploration under way runs to its end first)
+    assert [w for w in chosen if w != 1] == [2] * (EXPLORING_CALLS - 1) + [4, 4]
     always = DraftPolicy(max_drafts=3, policy="always")
     assert always.choose(rows=4) == 4
     with pytest.raises(InputError, match="draft policy"):
@@ -193,7 +245,7 @@ def test_plain_and_speculative_calls_mixed_as_the_cost_policy_goes_give_greedy_o
         assert [(c.tokens, c.finish_reason) for c in stopped] == [(c.tokens, c.finish_reason) for c in plain_stopped]
         drafted += engine.stats.drafted_tokens
     policy = model.generation.draft_policy(3, "cost")
-    assert drafted > 0 and (4, 1) in policy.rates  # both kinds of call ran
+    assert drafted > 0 and policy.timed(4)  # both kinds of call ran
 
 
 def test_hybrid_models_refuse_it(tmp_path):

@@ -112,6 +112,7 @@ class _Slot:
     reused: int
     out: list[int] = field(default_factory=list)
     fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
+    in_history: int = 0  # of `out`, the tokens written into the batch's history (with speculative decoding)
 
     @property
     def length(self) -> int:
@@ -224,16 +225,15 @@ class Batch:
             self.read_timed(step)
 
     def read_timed(self, step: _Step):
-        """Reads a plain step; with speculative decoding its tokens a second are a plain call's, its seconds from
+        """Reads a plain step; with speculative decoding its steps a second are a plain call's, its seconds from
         its dispatch, or where it waited behind the step before it (pipelined), from when that one was read (unless
         a prefill ran meanwhile)."""
-        made = self.engine.stats.decode_tokens
+        ran = step.steps if step.ran is None else int(step.ran)
         self.read(step)
-        made = self.engine.stats.decode_tokens - made
         now = time.perf_counter()
         if self.drafts is not None and not self.admitted_meanwhile:
             seconds = now - max(step.started, self.last_read)
-            self.drafts.observed(step.rows, 1, made, seconds, block=step.steps > 1)
+            self.drafts.observed(step.rows, 1, ran, seconds, block=step.steps > 1)
         self.last_read = now
 
     def step_rows(self) -> int:
@@ -253,6 +253,11 @@ class Batch:
         budget = np.zeros(rows, np.int32)
         for slot, s in self.active.items():
             lengths[slot], budget[slot] = self.shared_size + s.length, s.job.request.max_new_tokens - len(s.out)
+            # the tokens made since its last speculative call (written here, not as each comes: plain calls
+            # between speculative ones then cost what they cost without speculation)
+            start = self.shared_size + len(s.job.request.tokens)
+            self.history[slot, start + s.in_history : start + len(s.out)] = s.out[s.in_history :]
+            s.in_history = len(s.out)
         steps = self.call_steps(min(budget[slot] for slot in self.active))
         stop_ids, watched = self.stops(rows)
         result = self.engine.speculative_block(
@@ -273,7 +278,6 @@ class Batch:
         drafted, accepted = np.asarray(result.drafted), np.asarray(result.accepted)
         stats = self.engine.stats
         stats.decode_steps += int(result.ran)
-        taken, ran = stats.decode_tokens, list(self.active)
         for slot, s in list(self.active.items()):
             stats.drafted_tokens += int(drafted[slot])
             stats.accepted_tokens += int(accepted[slot])
@@ -283,12 +287,8 @@ class Batch:
                 stats.decode_tokens += 1
                 if self.active.get(slot) is not s:
                     break
-        seconds = time.perf_counter() - start
-        # the tokens taken over the call's time; tokens a sequence's step made (the step's yield, counted before
-        # any sequence ended), over its steps
-        row_steps = int(result.ran) * len(ran)
-        self.drafts.observed(rows, width, stats.decode_tokens - taken, seconds)
-        self.drafts.yielded(rows, width, int(made[ran].sum()), row_steps)
+        self.drafts.observed(rows, width, int(result.ran), time.perf_counter() - start)
+        self.drafts.accepted(rows, np.asarray(result.accepted_counts))
         self.last_read = time.perf_counter()
 
     def call_steps(self, to_go: int) -> int:
@@ -420,8 +420,6 @@ class Batch:
         the token ends its sequence."""
         s.out.append(token)
         s.fresh = fresh
-        if self.history is not None and self.shared_size + s.length <= self.history.shape[1]:
-            self.history[slot, self.shared_size + s.length - 1] = token
         if token in s.job.eos_ids:
             self.finish(slot, s, "eos")
         elif s.job.on_token is not None and s.job.on_token(token):

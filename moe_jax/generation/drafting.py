@@ -28,20 +28,24 @@ class SharedDrafts:
 
     def __init__(self, tokens: int = SHARED_TOKENS, scopes: int = SHARED_SCOPES):
         self.size, self.scopes = tokens, scopes
-        self.kept: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.kept: OrderedDict[bytes, tuple[np.ndarray, int]] = OrderedDict()  # scope -> (ring, where it ends)
 
     def tokens(self, scope: bytes) -> np.ndarray:
         """The scope's kept outputs, `size` tokens (NOTHING before the first)."""
-        if scope in self.kept:
-            self.kept.move_to_end(scope)
-            return self.kept[scope]
-        return np.full(self.size, NOTHING, np.int32)
+        if scope not in self.kept:
+            return np.full(self.size, NOTHING, np.int32)
+        self.kept.move_to_end(scope)
+        ring, end = self.kept[scope]
+        return np.concatenate([ring[end:], ring[:end]])
 
     def add(self, scope: bytes, output: list[int]):
         """Keeps a finished sequence's output (its last `size` - 1 tokens at most)."""
-        new = np.asarray([*output[-(self.size - 1) :], NOTHING], np.int32)
-        self.kept[scope] = np.concatenate([self.tokens(scope)[len(new) :], new])
-        while len(self.kept) > self.scopes:
+        ring, end = self.kept.pop(scope, None) or (np.full(self.size, NOTHING, np.int32), 0)
+        for token in [*output[-(self.size - 1) :], NOTHING]:  # (a few tokens: a loop costs less than arrays)
+            ring[end] = token
+            end = (end + 1) % self.size
+        self.kept[scope] = (ring, end)
+        if len(self.kept) > self.scopes:
             self.kept.popitem(last=False)
 
 

@@ -20,6 +20,7 @@ class SpeculativeOutput(NamedTuple):
     made: jax.Array  # [rows]
     drafted: jax.Array  # [rows]: drafts verified
     accepted: jax.Array  # [rows]: ... and accepted
+    accepted_counts: jax.Array  # [width]: the sequences' steps by how many drafts they accepted (0 to width - 1)
     ran: jax.Array  # steps run
     caches: list
 
@@ -66,7 +67,7 @@ def speculative_block(
         return (i < steps) & ~stopped
 
     def step(carry):
-        i, history, lengths, made, out, drafted, accepted, caches, _ = carry
+        i, history, lengths, made, out, drafted, accepted, counts, caches, _ = carry
         drafts, real = prompt_lookup(history, lengths, width - 1)
         real = jnp.minimum(real, jnp.maximum(budget - made - 1, 0))  # never past a row's budget
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
@@ -98,11 +99,12 @@ def speculative_block(
             out,
             drafted + real,
             accepted + taken,
+            counts + ((places == taken[:, None]) & (budget > 0)[:, None]).sum(axis=0, dtype=jnp.int32),
             caches,
             stopped,
         )
 
     out = jnp.zeros((count, block * width), jnp.int32)
-    start = (jnp.int32(0), history, lengths, zeros, out, zeros, zeros, caches, False)
-    ran, _, _, made, out, drafted, accepted, caches, _ = jax.lax.while_loop(go_on, step, start)
-    return SpeculativeOutput(out, made, drafted, accepted, ran, caches)
+    start = (jnp.int32(0), history, lengths, zeros, out, zeros, zeros, jnp.zeros(width, jnp.int32), caches, False)
+    ran, _, _, made, out, drafted, accepted, counts, caches, _ = jax.lax.while_loop(go_on, step, start)
+    return SpeculativeOutput(out, made, drafted, accepted, counts, ran, caches)
