@@ -255,8 +255,8 @@ class Batch:
             lengths[slot], budget[slot] = self.shared_size + s.length, s.job.request.max_new_tokens - len(s.out)
             # the tokens made since its last speculative call (written here, not as each comes: plain calls
             # between speculative ones then cost what they cost without speculation)
-            start = self.shared_size + len(s.job.request.tokens)
-            self.history[slot, start + s.in_history : start + len(s.out)] = s.out[s.in_history :]
+            first = self.shared_size + len(s.job.request.tokens)  # where its output goes
+            self.history[slot, first + s.in_history : first + len(s.out)] = s.out[s.in_history :]
             s.in_history = len(s.out)
         steps = self.call_steps(min(budget[slot] for slot in self.active))
         stop_ids, watched = self.stops(rows)
