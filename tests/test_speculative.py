@@ -16,6 +16,7 @@ from moe_jax.generation.speculation import (
     EXPLORING_CALLS,
     JUDGED_AFTER,
     MIN_YIELD,
+    YIELD_CALLS,
     YIELD_STEPS,
     DraftPolicy,
 )
@@ -130,7 +131,8 @@ def test_the_policy_tries_wider_steps_while_they_pay_and_keeps_the_fastest():
     assert policy.choose(rows=1) == 4  # 2 wide beat plain decoding: 4 wide may too
     calls(policy, 1, 4, steps=10, seconds=0.010)
     assert policy.choose(rows=1) == 2  # it did not (3,250): 8 is not timed, 2 is the fastest
-    policy.accepted(1, [YIELD_STEPS] + [0] * 7)  # the workload stopped copying: no draft accepted
+    for _ in range(YIELD_CALLS):
+        policy.accepted(1, [YIELD_STEPS] + [0] * 7)  # the workload stopped copying: no draft accepted
     assert policy.choose(rows=1) == 1
 
 
@@ -144,7 +146,8 @@ def test_the_policy_never_chooses_a_width_whose_steps_make_too_few_tokens():
     assert MIN_YIELD > policy.yields[2] == policy.yields[4] == pytest.approx(1.05)
     calls(policy, 1, 2, steps=36, seconds=0.010)
     assert policy.rate(1, 2) > policy.rate(1, 1) and policy.choose(rows=1) == 1
-    policy.accepted(1, [YIELD_STEPS // 5, YIELD_STEPS, 0, 0])  # the workload started copying
+    for _ in range(YIELD_CALLS):
+        policy.accepted(1, [YIELD_STEPS // 5, YIELD_STEPS, 0, 0])  # the workload started copying
     assert policy.choose(rows=1) == 4  # 2 wide is the fastest timed: 4 wide is tried
 
 
@@ -163,7 +166,8 @@ def test_the_policy_explores_in_runs_and_probes_where_no_width_pays():
     starts = [EXPLORE_EVERY * k - 1 for k in (1, 2, 3)]
     assert explored == [(s + i, w) for s, w in zip(starts, (2, 4, 2), strict=True) for i in range(EXPLORING_CALLS)][:-3]
     assert policy.step_rates[4, 1] == pytest.approx(100 / 0.010)  # its calls' own: those after a switch left out
-    policy.accepted(4, [YIELD_STEPS, 0, 0, 0])  # no width pays now: exploring is one call as wide as it gets
+    for _ in range(YIELD_CALLS):
+        policy.accepted(4, [YIELD_STEPS, 0, 0, 0])  # no width pays now: exploring is one call as wide as it gets
     chosen = [policy.choose(rows=4) for _ in range(2 * EXPLORE_EVERY)]
     # (the exploration under way runs to its end first)
     assert [w for w in chosen if w != 1] == [2] * (EXPLORING_CALLS - 1) + [4, 4]

@@ -16,6 +16,7 @@ JUDGED_AFTER = 3  # calls of a width (past its first) before its rate is trusted
 STALLED_SHARE = 0.25  # of a width's calls, the slowest left out of its rate
 MIN_YIELD = 1.2  # tokens a sequence's speculative step must make (a wider step costs more than a plain one)
 YIELD_STEPS = 64  # sequences' steps, the latest, whose accepted drafts make a width's yield (counted, not timed)
+YIELD_CALLS = 4  # ... and at least this many calls' (a few of a big batch's calls hold many sequences' steps)
 EXPLORE_EVERY = 128  # decisions between calls of the width tried longest ago (a workload can start or stop copying)
 EXPLORING_CALLS = 4  # calls in a row an exploration runs (the first, after a switch, is not counted)
 
@@ -81,7 +82,7 @@ class DraftPolicy:
                 made = sum(int(n) * (1 + min(k, width - 1)) for k, n in enumerate(counts))
                 kept = self.made.setdefault(width, deque())
                 kept.append((made, steps))
-                while sum(n for _, n in kept) - kept[0][1] >= YIELD_STEPS:
+                while len(kept) > YIELD_CALLS and sum(n for _, n in kept) - kept[0][1] >= YIELD_STEPS:
                     kept.popleft()
                 self.yields[width] = sum(m for m, _ in kept) / sum(n for _, n in kept)
 
