@@ -236,7 +236,11 @@ def main(argv=None):
 
     def finished(record):
         results.append(record)
-        monitor.finish(record["completion_tokens"])
+        so_far = (
+            stats.accepted_tokens + engine.stats.accepted_tokens,
+            stats.drafted_tokens + engine.stats.drafted_tokens,
+        )
+        monitor.finish(record["completion_tokens"], so_far if args.draft_tokens else None)
         bar.update(1)
         if progress is not None:
             progress.write(json.dumps(record) + "\n")

@@ -32,6 +32,7 @@ TAGS = {
     "expert_skew": "experts/max_over_mean",
     "anchor_hits": "anchor_cache/hits",
     "anchor_reused_tokens": "anchor_cache/reused_tokens",
+    "draft_acceptance": "speculation/acceptance",
 }
 
 
@@ -69,8 +70,8 @@ class ExpertCounts:
 
 class GenerationMonitor:
     """infer.py's figures: a record per finished prompt (the backend's figures since the previous one, the finished
-    completions' tokens per second since the start, anchor-cache hits), the run's totals, and at `close()` a last
-    record with every layer's tokens per expert."""
+    completions' tokens per second since the start, anchor-cache hits, speculation's acceptance), the run's totals,
+    and at `close()` a last record with every layer's tokens per expert."""
 
     def __init__(self, model, log: RunLog, cache=None):
         self.model, self.log, self.cache = model, log, cache
@@ -84,7 +85,9 @@ class GenerationMonitor:
         self.counts.add(metrics)
         return metrics
 
-    def finish(self, completion_tokens: int):
+    def finish(self, completion_tokens: int, drafts: tuple[int, int] | None = None):
+        """A prompt finished with `completion_tokens`; `drafts`: (accepted, verified) drafts of the run so far, with
+        speculative decoding."""
         now = time.perf_counter()
         metrics, elapsed = self.take(), now - self.last
         self.finished, self.tokens, self.last = self.finished + 1, self.tokens + completion_tokens, now
@@ -94,6 +97,9 @@ class GenerationMonitor:
             "completion_tokens": completion_tokens,
             **backend_figures(metrics, elapsed),
         }
+        if drafts is not None:
+            accepted, drafted = drafts
+            record.update(drafted_tokens=drafted, draft_acceptance=accepted / drafted if drafted else None)
         if self.cache is not None:
             summary = self.cache.summary()
             record.update(

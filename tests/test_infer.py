@@ -149,14 +149,24 @@ def test_speculative_decoding_gives_the_same_completions(tmp_path):
     prompts = write(tmp_path / "p.jsonl", [{"prompt": f"copy {w} >"} for w in words])
     plain_out, speculative_out = tmp_path / "plain.jsonl", tmp_path / "speculative.jsonl"
     infer("--prompts", prompts, "--out", plain_out, "--batch-size", 2)
-    result = infer("--prompts", prompts, "--out", speculative_out, "--batch-size", 2, "--draft-tokens", 7)
+    metrics = tmp_path / "metrics.jsonl"
+    result = infer(
+        "--prompts", prompts, "--out", speculative_out, "--batch-size", 2, "--draft-tokens", 7, "--metrics", metrics
+    )  # fmt: skip
     completions = [
         [json.loads(line)["completion_ids"] for line in f.read_text().splitlines()]
         for f in (plain_out, speculative_out)
     ]
     assert completions[0] == completions[1]
     # whether drafts are verified at all is the cost policy's call on this machine: the summary says what it did
-    assert re.search(r"speculative decoding: \d+ of \d+ drafts accepted", result.stderr)
+    summary = re.search(r"speculative decoding: (\d+) of (\d+) drafts accepted", result.stderr)
+    assert summary
+    # and each prompt's run record the drafts so far: the last one the run's
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][: len(words)]
+    assert all("draft_acceptance" in r for r in records)
+    accepted, drafted = (int(n) for n in summary.groups())
+    assert records[-1]["drafted_tokens"] == drafted
+    assert records[-1]["draft_acceptance"] == (accepted / drafted if drafted else None)
 
 
 def test_hybrid_takes_device_experts_and_moves_them(tmp_path):

@@ -5,12 +5,14 @@ finishing mid-draft, batches of mixed lengths)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.stats import chi2
 
 import moe_jax
 from moe_jax.errors import InputError
-from moe_jax.generation.batch import Job
+from moe_jax.generation.batch import Job, Sampling
 from moe_jax.generation.drafting import MAX_NGRAM, NOTHING, SharedDrafts, prompt_lookup
 from moe_jax.generation.engine import GenerationEngine, Request
+from moe_jax.generation.sampling import sample, sample_past_draft
 from moe_jax.generation.speculation import (
     EXPLORE_EVERY,
     EXPLORING_CALLS,
@@ -250,6 +252,79 @@ def test_plain_and_speculative_calls_mixed_as_the_cost_policy_goes_give_greedy_o
         drafted += engine.stats.drafted_tokens
     policy = model.generation.draft_policy(3, "cost")
     assert drafted > 0 and policy.timed(4)  # both kinds of call ran
+
+
+def test_a_batch_with_sampled_jobs_drafts_on_the_host_and_its_greedy_jobs_stay_greedy(checkpoints):
+    # greedy jobs beside sampled ones, one of them asking for log-probabilities (its tokens chosen on the host):
+    # the host's speculative steps keep drafts while they are the argmax, so their tokens are greedy decoding's
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    reqs = requests(seed=4)[:4]
+    plain = GenerationEngine(model, 4, 128).run(reqs)
+    engine = GenerationEngine(model, 4, 128, drafts=3, draft_policy="always")
+    done, logprobs = {}, []
+    kinds = [Sampling(), Sampling(temperature=0.8), Sampling(logprobs=2), Sampling(temperature=0.8, top_p=0.9)]
+    with engine.batch(4) as batch:
+        jobs = [
+            Job(r, kind, on_finish=lambda c, i=i: done.__setitem__(i, c), on_logprobs=logprobs.append)
+            for i, (r, kind) in enumerate(zip(reqs, kinds, strict=True))
+        ]
+        batch.admit(jobs)
+        while batch.active:
+            batch.step()
+    assert done[0].tokens == plain[0].tokens and done[2].tokens == plain[2].tokens
+    assert [lp.token for lp in logprobs] == plain[2].tokens  # each of its tokens reported, in order
+    assert all(len(done[i].tokens) == reqs[i].max_new_tokens for i in (1, 3))
+    assert engine.stats.drafted_tokens > 0
+
+
+def chi_square_p(a: np.ndarray, b: np.ndarray) -> float:
+    """The p-value of two equal-sized samples' counts over the same categories coming from one distribution."""
+    both = (a + b) > 0
+    statistic = (((a - b) ** 2)[both] / (a + b)[both]).sum()
+    return float(chi2.sf(statistic, both.sum() - 1))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k", "draft"), [(1.0, 1.0, 0, 1), (0.7, 0.9, 0, 3), (1.3, 1.0, 3, 0)]
+)
+def test_a_draft_kept_with_its_probability_leaves_the_distribution_unchanged(temperature, top_p, top_k, draft):
+    # the draft the most likely token (kept mostly), a likely one, or one outside the nucleus / top-k (never kept)
+    logits = np.log(np.array([0.05, 0.45, 0.3, 0.15, 0.05]))
+    rng, draws = np.random.default_rng(0), 20_000
+    plain = np.bincount(sample(np.tile(logits, (draws, 1)), rng, temperature, top_p, top_k), minlength=5)
+    past = np.bincount(
+        [sample_past_draft(logits, draft, rng, temperature, top_p, top_k) for _ in range(draws)], minlength=5
+    )
+    assert chi_square_p(plain, past) > 1e-3
+    # the test can tell: keeping the draft whenever it is likely enough is not the same distribution
+    biased = np.bincount(
+        [
+            draft if logits[draft] > np.log(0.1) else t
+            for t in sample(np.tile(logits, (draws, 1)), rng, temperature, top_p, top_k)
+        ],
+        minlength=5,
+    )
+    assert logits[draft] < np.log(0.1) or chi_square_p(plain, biased) < 1e-6
+
+
+def test_sampled_outputs_with_speculation_are_distributed_as_without(checkpoints):
+    # a random-weight model repeats itself in short cycles: drafts often are its likely tokens, kept or not as
+    # each draw goes; at a low temperature the first tokens spread over few values, each counted often
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    prompt = np.random.default_rng(3).integers(8, 96, size=6).tolist() * 3
+    reqs = [Request(prompt, 4, seed=seed) for seed in range(600)]
+    outputs = {}
+    for drafts in (0, 3):
+        engine = GenerationEngine(model, 8, 64, drafts=drafts, draft_policy="always")
+        outputs[drafts] = [c.tokens for c in engine.run(reqs, temperature=0.5)]
+        if drafts:
+            assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    assert outputs[0] != outputs[3]  # other draws (the draft's own), the same distribution:
+    for place in range(4):
+        counts = [np.bincount([out[place] for out in outputs[d]], minlength=96) for d in (0, 3)]
+        assert chi_square_p(*counts) > 1e-3, place
+    pairs = [np.bincount([out[0] * 96 + out[1] for out in outputs[d]], minlength=96 * 96) for d in (0, 3)]
+    assert chi_square_p(*pairs) > 1e-3  # and the first two tokens' joint distribution
 
 
 def test_hybrid_models_refuse_it(tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 
 from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
 from moe_jax.generation.drafting import SharedDrafts
-from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, token_logprobs
+from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, sample_past_draft, token_logprobs
 from moe_jax.generation.speculation import DraftPolicy
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
@@ -147,17 +147,22 @@ class Batch:
         block_steps: int = BLOCK_STEPS,
         drafts: DraftPolicy | None = None,
         shared_drafts: SharedDrafts | None = None,
+        sampled_drafts: DraftPolicy | None = None,
     ):
         """`shrink`: decode only the slots up to the highest one in use (in powers of two, one compiled step
         each) rather than all of them: for a server, whose batch is mostly less than full; a fixed list of
         requests fills its batch but in its last steps, which would compile those steps for little.
         `block_steps`: the most greedy steps per call (1: one step a call). `drafts`: speculative decoding of
-        greedy jobs, as wide as this policy chooses (None: off), drafting also from the earlier outputs that
+        greedy jobs, as wide as this policy chooses (None: off), and of batches with sampled jobs as wide as
+        `sampled_drafts` chooses (by default another policy like it), drafting also from the earlier outputs that
         `shared_drafts` keeps (and keeping this batch's there)."""
         self.engine, self.slots, self.caches, self.shrink = engine, slots, caches, shrink
         self.block_steps = block_steps
         self.drafts = drafts
         self.shared_drafts = shared_drafts or SharedDrafts()
+        if drafts is not None and sampled_drafts is None:
+            sampled_drafts = DraftPolicy(drafts.widths[-1] - 1, "always" if drafts.always else "cost")
+        self.sampled_drafts = sampled_drafts
         self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
         self.last_read = 0.0  # when the last plain step was read (time.perf_counter)
         self.active: dict[int, _Slot] = {}
@@ -201,13 +206,15 @@ class Batch:
 
     def step(self):
         """Decodes one token for every active slot (or reads the step in flight, when none can use another); with
-        speculative decoding and every job greedy, as many as a verify step accepts where drafts pay."""
-        if self.drafts is not None and self.active and all(s.job.greedy for s in self.active.values()):
-            width = self.drafts.choose(self.step_rows())
+        speculative decoding, as many as a speculative call keeps where drafts pay (every job greedy: a block of
+        steps on the device, `speculate`; else one step whose tokens the host chooses, `speculate_on_host`)."""
+        if self.drafts is not None and self.active:
+            greedy = all(s.job.greedy for s in self.active.values())
+            width = (self.drafts if greedy else self.sampled_drafts).choose(self.step_rows())
             if width > 1:
                 self.read_in_flight()  # its tokens are the lookup's to search
                 if self.active:
-                    self.speculate(width)
+                    (self.speculate if greedy else self.speculate_on_host)(width)
                 return
         step = self.dispatch()
         if self.in_flight is not None:
@@ -233,7 +240,8 @@ class Batch:
         now = time.perf_counter()
         if self.drafts is not None and not self.admitted_meanwhile:
             seconds = now - max(step.started, self.last_read)
-            self.drafts.observed(step.rows, 1, ran, seconds, block=step.steps > 1)
+            greedy = all(s.job.greedy for s in step.decoded.values())
+            (self.drafts if greedy else self.sampled_drafts).observed(step.rows, 1, ran, seconds, step.steps > 1)
         self.last_read = now
 
     def step_rows(self) -> int:
@@ -249,15 +257,7 @@ class Batch:
         none of it overlaps the device's work."""
         start = time.perf_counter()
         rows = self.step_rows()
-        lengths = np.full(rows, self.shared_size + 1, np.int32)  # free rows: one padding token
-        budget = np.zeros(rows, np.int32)
-        for slot, s in self.active.items():
-            lengths[slot], budget[slot] = self.shared_size + s.length, s.job.request.max_new_tokens - len(s.out)
-            # the tokens made since its last speculative call (written here, not as each comes: plain calls
-            # between speculative ones then cost what they cost without speculation)
-            first = self.shared_size + len(s.job.request.tokens)  # where its output goes
-            self.history[slot, first + s.in_history : first + len(s.out)] = s.out[s.in_history :]
-            s.in_history = len(s.out)
+        lengths, budget = self.lookup_rows(rows)
         steps = self.call_steps(min(budget[slot] for slot in self.active))
         stop_ids, watched = self.stops(rows)
         result = self.engine.speculative_block(
@@ -290,6 +290,57 @@ class Batch:
         self.drafts.observed(rows, width, int(result.ran), time.perf_counter() - start)
         self.drafts.accepted(rows, np.asarray(result.accepted_counts))
         self.last_read = time.perf_counter()
+
+    def lookup_rows(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's length in the history its prompt lookup searches and the tokens it may still make (free
+        rows: one padding token, none), after writing the tokens made since its last speculative call (here,
+        not as each comes: plain calls between speculative ones then cost what they cost without speculation)."""
+        lengths = np.full(rows, self.shared_size + 1, np.int32)
+        budget = np.zeros(rows, np.int32)
+        for slot, s in self.active.items():
+            lengths[slot], budget[slot] = self.shared_size + s.length, s.job.request.max_new_tokens - len(s.out)
+            first = self.shared_size + len(s.job.request.tokens)  # where its output goes
+            self.history[slot, first + s.in_history : first + len(s.out)] = s.out[s.in_history :]
+            s.in_history = len(s.out)
+        return lengths, budget
+
+    def speculate_on_host(self, width: int):
+        """One speculative step for a batch with sampled jobs: every active slot's last token and the drafts its
+        prompt lookup found through the model at once (`GenerationSteps.verify`), each slot then keeping drafts
+        in order as `choose` decides from their logits (greedy: while they are the argmax; sampled: each with its
+        probability, the first one refused replaced by a draw without it), and one token of its own after the
+        last kept: the tokens come as they would without drafts (the same distribution, not the same draws)."""
+        start = time.perf_counter()
+        rows = self.step_rows()
+        lengths, budget = self.lookup_rows(rows)
+        drafts, real = self.engine.lookup(self.history[:rows], lengths, width - 1)
+        tokens = np.zeros((rows, width), np.int32)  # rows and places without drafts: padding, their output unread
+        positions = np.zeros((rows, width), np.int32)
+        offered = {}
+        for slot, s in self.active.items():
+            offered[slot] = n = int(min(real[slot], budget[slot] - 1))
+            tokens[slot, : n + 1] = [s.out[-1], *drafts[slot, :n]]
+            positions[slot] = s.position + np.arange(width)
+        logits, self.caches = self.engine.verify(self.caches, tokens, positions, self.adapters(rows))
+        logits = np.asarray(logits)
+        stats = self.engine.stats
+        stats.decode_steps += 1
+        counts = np.zeros(width, np.int64)
+        for slot, s in list(self.active.items()):
+            kept = 0
+            for j in range(offered[slot] + 1):
+                draft = int(tokens[slot, j + 1]) if j < offered[slot] else None
+                token = self.take_chosen(slot, s, logits[slot, j], draft)
+                stats.decode_tokens += token is not None
+                if token is None or token != draft or self.active.get(slot) is not s:
+                    break
+                kept += 1
+            s.position += kept + 1
+            counts[kept] += 1
+            stats.drafted_tokens += offered[slot]
+            stats.accepted_tokens += kept
+        self.sampled_drafts.observed(rows, width, 1, time.perf_counter() - start)
+        self.sampled_drafts.accepted(rows, counts)
 
     def call_steps(self, to_go: int) -> int:
         """The steps of a call of greedy steps where the job nearest its end has `to_go` tokens to make: at most a
@@ -389,26 +440,32 @@ class Batch:
                 self.take_chosen(slot, s, logits[slot])
             self.engine.stats.decode_tokens += 1
 
-    def take_chosen(self, slot: int, s: _Slot, row: np.ndarray):
-        """Chooses a slot's next token from its logits on the host and takes it; a job whose grammar cannot go on
-        finishes there ("grammar_dead_end": the server answers it with an error, the batch goes on)."""
+    def take_chosen(self, slot: int, s: _Slot, row: np.ndarray, draft: int | None = None) -> int | None:
+        """Chooses a slot's next token from its logits on the host (`draft`: a guess of it, kept or not as
+        `choose` says) and takes it; a job whose grammar cannot go on finishes there ("grammar_dead_end": the
+        server answers it with an error, the batch goes on): None."""
         try:
-            token = self.choose(s, row)
+            token = self.choose(s, row, draft)
         except GrammarDeadEnd:
             self.finish(slot, s, GRAMMAR_DEAD_END)
-            return
+            return None
         self.take(slot, s, token, fresh=True)
+        return token
 
     @staticmethod
-    def choose(s: _Slot, row: np.ndarray) -> int:
+    def choose(s: _Slot, row: np.ndarray, draft: int | None = None) -> int:
+        """The slot's next token from its logits; with a `draft` (a guess without a model), the draft where the
+        model keeps it (greedy: it is the argmax; sampled: `sample_past_draft`), distributed as without it."""
         sampling, constraint = s.job.sampling, s.job.constraint
         adjusted = adjusted_logits(row, sampling, s.out) if sampling.adjusts else row
         if constraint is not None:
             adjusted = constraint.masked(adjusted)
         if sampling.temperature == 0:
             token = int(adjusted.argmax())
-        else:
+        elif draft is None:
             token = int(sample(adjusted[None], s.rng, sampling.temperature, sampling.top_p, sampling.top_k)[0])
+        else:
+            token = sample_past_draft(adjusted, draft, s.rng, sampling.temperature, sampling.top_p, sampling.top_k)
         if sampling.logprobs is not None and s.job.on_logprobs is not None and token not in s.job.eos_ids:
             s.job.on_logprobs(token_logprobs(row, token, sampling.logprobs))
         if constraint is not None:

@@ -21,7 +21,7 @@ class CompiledGeneration:
         # reference counting frees them)
         self._model = weakref.ref(model)
         self._steps = []  # [(graphdef, generation steps)], most recent first
-        self._draft_policies: dict[tuple[int, str], DraftPolicy] = {}
+        self._draft_policies: dict[tuple[int, str, bool], DraftPolicy] = {}
         self.shared_drafts = SharedDrafts()  # earlier outputs new sequences draft from, by scope
 
     @property
@@ -39,10 +39,11 @@ class CompiledGeneration:
         self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
         return steps
 
-    def draft_policy(self, drafts: int, policy: str) -> DraftPolicy:
+    def draft_policy(self, drafts: int, policy: str, sampled: bool = False) -> DraftPolicy:
         """The model's speculative-decoding policy for these settings, kept from engine to engine: what it has
-        measured of this model's steps on this machine, and of its workload's acceptance, stays learned."""
-        key = (drafts, policy)
+        measured of this model's steps on this machine, and of its workload's acceptance, stays learned. `sampled`:
+        the one for batches with sampled jobs (their speculative steps are the host's, one at a time)."""
+        key = (drafts, policy, sampled)
         if key not in self._draft_policies:
             self._draft_policies[key] = DraftPolicy(drafts, policy)
         return self._draft_policies[key]

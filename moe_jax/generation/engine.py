@@ -24,6 +24,7 @@ from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.anchor_rows import recurrent_rows, slot_rows, state_stops, store_anchors
 from moe_jax.generation.batch import BLOCK_STEPS, Batch, Completion, Job, Request, Sampling, row_bucket
+from moe_jax.generation.drafting import prompt_lookup
 from moe_jax.generation.prefill_pieces import piece, piece_ends
 from moe_jax.generation.speculation import DraftPolicy
 from moe_jax.generation.speculative_block import speculative_block
@@ -198,8 +199,12 @@ class GenerationEngine:
         self._steps = model.generation.steps()
         with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
             block_steps = self.block_steps if block_steps is None else block_steps
-            policy = model.generation.draft_policy(self.drafts, self.draft_policy) if self.drafts else None
-            yield Batch(self, slots, caches, shrink, block_steps, policy, model.generation.shared_drafts)
+            greedy, sampled = (
+                (model.generation.draft_policy(self.drafts, self.draft_policy, sampled) for sampled in (False, True))
+                if self.drafts
+                else (None, None)
+            )
+            yield Batch(self, slots, caches, shrink, block_steps, greedy, model.generation.shared_drafts, sampled)
 
     def decode_step(self, caches, host_tokens, from_host, last_tokens, positions, adapters: np.ndarray | None = None):
         """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for; `adapters`: each
@@ -221,7 +226,7 @@ class GenerationEngine:
 
     def verify(self, caches, tokens, positions, adapters: np.ndarray | None = None):
         """Dispatches a speculative step for as many slots as `tokens` [rows, width] has rows
-        (`GenerationSteps.verify`): (the argmax after each token [rows, width], caches)."""
+        (`GenerationSteps.verify`): (the logits after each token [rows, width, vocab], caches)."""
         self._count_steps(1)
         rows = self._rows(tokens, caches[0][0])
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
@@ -236,6 +241,11 @@ class GenerationEngine:
         args = (self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, adapters)
         steps = np.int32(steps)
         return self._steps.speculative_block(*args, steps, stop_ids, watched, rows=rows, block=block, width=width)
+
+    def lookup(self, history: np.ndarray, lengths: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's prompt-lookup drafts (`drafting.prompt_lookup`), on the host."""
+        drafts, real = self._steps.lookup(history, lengths, count)
+        return np.asarray(drafts), np.asarray(real)
 
     def _count_steps(self, steps: int):
         """Counts a call of up to `steps` decode steps about to run, refreshing the expert cache (values only: the
@@ -373,6 +383,7 @@ class GenerationSteps(NamedTuple):
     write_prefix: Callable
     verify: Callable
     speculative_block: Callable
+    lookup: Callable
 
 
 def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
@@ -459,10 +470,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     def verify(leaves, caches, tokens, positions, adapters=None, rows=None):
         """A speculative step: each of the first `rows` slots' (None: all) tokens [rows, width] at consecutive
         `positions` (its last token, then its drafts) through the model at once, their KV written; returns (the
-        argmax after each token [rows, width], caches)."""
-        logits, part = forward(leaves, caches, tokens, positions, adapters, rows, several=True)
-        b, width, vocab = logits.shape
-        return argmax_tokens(logits.reshape(b * width, vocab), native_argmax).reshape(b, width), part
+        logits after each token [rows, width, vocab], caches)."""
+        return forward(leaves, caches, tokens, positions, adapters, rows, several=True)
 
     def write_prefix(caches, slot, prefix):
         """Writes each layer's rows (`slot_rows`: the anchor cache's prefix) at the start of one slot."""
@@ -495,4 +504,5 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
             static_argnames=("rows", "block", "width"),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"},  # as decode_block's
         ),
+        jax.jit(prompt_lookup, static_argnums=2),
     )

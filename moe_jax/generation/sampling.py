@@ -69,6 +69,19 @@ def sample(
 
 
 def _draw(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_p: float, top_k: int) -> int:
+    tokens, probs = distribution(logits, temperature, top_p, top_k)
+    return _from(tokens, probs, rng)
+
+
+def _from(tokens: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs)  # in token order, as choice's over the whole vocabulary (its zeros add nothing)
+    cdf /= cdf[-1]
+    return int(tokens[np.searchsorted(cdf, rng.random(), side="right")])
+
+
+def distribution(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a draw at `temperature` (> 0) with top-p and top-k can give, in token order, and their
+    probabilities."""
     z = logits.astype(np.float64)
     # shifted before dividing: a tiny temperature sends the others to -inf, never the best to inf (inf - inf = NaN)
     with np.errstate(invalid="ignore"):  # (an inf logit: inf - inf, refused below by name)
@@ -85,9 +98,25 @@ def _draw(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_
     probs /= total
     if top_p < 1:
         tokens, probs = _nucleus(tokens, probs, top_p)
-    cdf = np.cumsum(probs)  # in token order, as choice's over the whole vocabulary (its zeros add nothing)
-    cdf /= cdf[-1]
-    return int(tokens[np.searchsorted(cdf, rng.random(), side="right")])
+    return tokens, probs
+
+
+def sample_past_draft(
+    logits: np.ndarray, draft: int, rng: np.random.Generator, temperature: float, top_p: float, top_k: int = 0
+) -> int:
+    """A token drawn as `_draw` would, given a draft token guessed without a model (prompt lookup: all its
+    probability on one token): the draft, kept with its probability p under the model, or else a draw from the
+    model's distribution without it. Either way the token is distributed as a plain draw is (speculative sampling,
+    Leviathan et al. 2023 and Chen et al. 2023, whose residual max(p - q, 0) is p without the draft here)."""
+    tokens, probs = distribution(logits, temperature, top_p, top_k)
+    at = np.searchsorted(tokens, draft)
+    p = probs[at] if at < len(tokens) and tokens[at] == draft else 0.0
+    if rng.random() < p:
+        return int(draft)
+    if p:
+        probs = probs.copy()
+        probs[at] = 0.0
+    return _from(tokens, probs, rng)
 
 
 def _nucleus(tokens: np.ndarray, probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
