@@ -3,13 +3,13 @@ where they do not, and what a wider step costs on real layer dims.
 
     python bench/speculative.py [--rounds 5] [--shape qwen3-30b-a3b] [--quants bf16,int4] [--skip-cost]
 
-1. The bundled model on three workloads of its own: `tool calls` (agent-like: offered a made-up tool, it calls it
-   on the user's last word, a ~58-token JSON call whose name, parameter and argument it copies from the prompt and
-   whose syntax it repeats from its earlier calls), `copy` prompts (the answer repeats the prompt's word: a few
-   tokens) and `sort` / `reverse` ones (permutations: drafts mostly rejected). Greedy decode tokens/s without
-   drafts, with up to 7 as the cost policy chooses (the default) and with the widest step at every call, at batch
-   1 and 16, the sides interleaved over the rounds, medians and the lowest round's ratio; the outputs must be
-   identical. Random-weight models never copy their context, so acceptance is measured here.
+1. The bundled model on workloads of its own: `tool calls` (agent-like: offered a made-up tool, it calls it on the
+   user's last word, a ~58-token JSON call whose name, parameter and argument it copies from the prompt and whose
+   syntax it repeats from its earlier calls; greedy, and sampled at temperature 0.7), `copy` prompts (the answer
+   repeats the prompt's word: a few tokens) and `sort` / `reverse` ones (permutations: drafts mostly rejected).
+   Decode tokens/s without drafts, with up to 7 as the cost policy chooses (the default) and with the widest step
+   at every call, at batch 1 and 16, the sides interleaved over the rounds, medians and the lowest round's ratio;
+   greedy outputs must be identical. Random-weight models never copy their context, so acceptance is measured here.
 2. The cost side on a shape's real layer dims (default Qwen3-30B-A3B, 2 layers): one verify step's seconds at 1, 2,
    4 and 8 tokens a row for 1 and 16 rows, random tokens (uniform routing: the most experts a wider step can add),
    medians; the ratio to one token a row and the acceptance rate at which each width starts to pay (where
@@ -47,7 +47,7 @@ TASK_TOKENS = 16  # at most, for copy / sort / reverse: their answers end at EOS
 CONTEXT = 128  # the bundled model's context: a tool call may run to its end
 COST_WIDTHS = (1, 2, 4, 8)
 COST_ROWS = (1, 16)
-COST_CONTEXT, COST_POSITION, COST_CALLS = 512, 256, 7
+COST_CONTEXT, COST_POSITION, COST_CALLS = 512, 256, 15
 
 
 def task_requests(model, tasks, seed: int) -> list[Request]:
@@ -67,18 +67,21 @@ def tool_call_requests(model, seed: int) -> list[Request]:
     return requests
 
 
+SAMPLED = "tool calls, sampled"  # at SAMPLED_TEMPERATURE: drafts kept by speculative sampling, on the host
+SAMPLED_TEMPERATURE = 0.7
 WORKLOADS = {
     "tool calls": tool_call_requests,
+    SAMPLED: tool_call_requests,
     "copy": lambda model, seed: task_requests(model, ("copy",), seed),
     "sort / reverse": lambda model, seed: task_requests(model, ("sort", "reverse"), seed),
 }
 SIDES = ("plain", "cost", "always")  # no drafts; --draft-tokens DRAFTS as the cost policy decides; the widest always
 
 
-def decode_run(model, requests, batch: int, side: str) -> dict:
+def decode_run(model, requests, batch: int, side: str, temperature: float = 0.0) -> dict:
     drafts = 0 if side == "plain" else DRAFTS
     engine = GenerationEngine(model, batch, CONTEXT, drafts=drafts, draft_policy="cost" if side == "plain" else side)
-    completions = engine.run(requests, eos_ids=model.config.eos_token_ids)
+    completions = engine.run(requests, temperature, eos_ids=model.config.eos_token_ids)
     st = engine.stats
     return {
         "tokens": [c.tokens for c in completions],
@@ -93,16 +96,19 @@ def bundled_rows(rounds: int) -> list[dict]:
     model = moe_jax.load_model(bundled.MODEL)
     rows = []
     for seed, (kind, make) in enumerate(WORKLOADS.items()):
-        requests = make(model, seed)
+        requests, temperature = make(model, seed), SAMPLED_TEMPERATURE if kind == SAMPLED else 0.0
         for batch in (1, 16):
             for side in SIDES:  # compiles every step each side takes
-                decode_run(model, requests, batch, side)
+                decode_run(model, requests, batch, side, temperature)
             runs = {side: [] for side in SIDES}
             for i in range(rounds):
                 for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-                    runs[side].append(decode_run(model, requests, batch, side))
+                    runs[side].append(decode_run(model, requests, batch, side, temperature))
             plain = runs["plain"]
-            if any(run["tokens"] != plain[0]["tokens"] for side in SIDES for run in runs[side]):
+            # (sampled: the same seeds, other draws where drafts were offered; tests/test_speculative.py checks
+            # their distribution)
+            greedy_runs = [] if temperature else [run for side in SIDES for run in runs[side]]
+            if any(run["tokens"] != plain[0]["tokens"] for run in greedy_runs):
                 raise AssertionError(f"{kind}, batch {batch}: speculative outputs differ from plain decoding")
             row = {
                 "workload": kind,
@@ -135,23 +141,23 @@ def tokens_per_step() -> dict[int, float]:
     return out
 
 
-def verify_seconds(model, rows: int, width: int) -> float:
-    """The median seconds of one verify step of `width` random tokens for each of `rows` rows."""
-    rng = np.random.default_rng(rows * width)
+def verify_seconds(model, rows: int) -> dict[int, float]:
+    """By width: the median seconds of one verify step of that many random tokens for each of `rows` rows, the
+    widths taking turns call by call (a slow stretch of the machine then slows each of them alike)."""
+    rng = np.random.default_rng(rows)
     engine = GenerationEngine(model, rows, COST_CONTEXT)
+    times = {width: [] for width in COST_WIDTHS}
     with engine.batch(rows) as batch:
-        caches = batch.caches
-        positions = np.broadcast_to(COST_POSITION + np.arange(width, dtype=np.int32), (rows, width))
-        times = []
-        for i in range(COST_CALLS + 1):  # the first compiles
-            tokens = rng.integers(0, model.config.vocab_size, (rows, width), dtype=np.int32)
-            start = time.perf_counter()
-            logits, caches = engine.verify(caches, tokens, positions)
-            jax.block_until_ready(logits)  # (on the device: the speculative block takes their argmax there)
-            if i:
-                times.append(time.perf_counter() - start)
-        batch.caches = caches
-    return statistics.median(times)
+        for i in range(COST_CALLS + 1):  # the first of each width compiles
+            for width in COST_WIDTHS:
+                positions = np.broadcast_to(COST_POSITION + np.arange(width, dtype=np.int32), (rows, width))
+                tokens = rng.integers(0, model.config.vocab_size, (rows, width), dtype=np.int32)
+                start = time.perf_counter()
+                logits, batch.caches = engine.verify(batch.caches, tokens, positions)
+                jax.block_until_ready(logits)  # (on the device: the speculative block takes their argmax there)
+                if i:
+                    times[width].append(time.perf_counter() - start)
+    return {width: statistics.median(t) for width, t in times.items()}
 
 
 def break_even(cost_ratio: float, width: int) -> float:
@@ -169,11 +175,9 @@ def cost_rows(shape: str, quants: list[str], gains: dict[int, float]) -> list[di
     for quant in quants:
         model = moe_jax.load_model(bench_model_dir(), backend="host", **PAIRS[quant].settings)
         for n in COST_ROWS:
-            base = None
-            for width in COST_WIDTHS:
-                seconds = verify_seconds(model, n, width)
-                base = base or seconds
-                ratio = seconds / base
+            by_width = verify_seconds(model, n)
+            for width, seconds in by_width.items():
+                ratio = seconds / by_width[1]
                 rows.append(
                     {
                         "quant": quant,
@@ -206,11 +210,12 @@ def main():
     write_json("speculative", {"end_to_end": end_to_end, "tool_call_tokens_per_step": gains, "cost": costs})
     lines = report_header("Speculative decoding with prompt-lookup drafts")
     lines += [
-        f"Bundled model, greedy, {PROMPTS} prompts a workload (`new_tokens`: the mean a prompt made); decode "
-        f"tokens/s without drafts, and the ratios to it with up to {DRAFTS} drafts a step as the cost policy "
-        "chooses (`cost`, the default) and with the widest step at every call (`always`, whose share of drafts "
+        f"Bundled model, greedy but where sampled, {PROMPTS} prompts a workload (`new_tokens`: the mean a prompt "
+        f"made); decode tokens/s without drafts, and the ratios to it with up to {DRAFTS} drafts a step as the cost "
+        "policy chooses (`cost`, the default) and with the widest step at every call (`always`, whose share of drafts "
         f"accepted and tokens a row's step yields the table gives); {args.rounds} interleaved rounds, medians, the "
-        "lowest round's ratio; outputs identical in every run.",
+        "lowest round's ratio; greedy outputs identical in every run (sampled ones are other draws of the same "
+        "distribution: tests/test_speculative.py).",
         "",
         *markdown_table(end_to_end),
         "",
@@ -219,7 +224,8 @@ def main():
         measured = ", ".join(f"{w}: {g:.2f}" for w, g in gains.items())
         lines += [
             f"{args.shape} dims (bench/models.py): one verify step over a {COST_CONTEXT}-entry cache at position "
-            f"{COST_POSITION}, random tokens, median of {COST_CALLS}; `pays_above_acceptance`: the per-draft "
+            f"{COST_POSITION}, random tokens, median of {COST_CALLS} (the widths taking turns); "
+            "`pays_above_acceptance`: the per-draft "
             "acceptance rate above which that width yields more tokens a second than one token a row (if each "
             "draft is accepted at that rate once those before it were); `tool_call_speedup`: the tokens a row's "
             f"step yielded on the tool-call workload at that width (batch 1, every step that wide: {measured}) "

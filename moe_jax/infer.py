@@ -55,8 +55,9 @@ def parse_args(argv):
         "--draft-tokens",
         type=int,
         default=0,
-        help="speculative decoding of greedy prompts: up to this many prompt-lookup drafts a step, verified at once, "
-        f"as many as pay on this machine (1-{MAX_DRAFTS}; default: 0, off; outputs unchanged)",
+        help="speculative decoding: up to this many prompt-lookup drafts a step, verified at once, as many as pay "
+        f"on this machine (1-{MAX_DRAFTS}; default: 0, off; greedy outputs unchanged, sampled ones drawn from the "
+        "same distribution)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

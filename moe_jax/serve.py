@@ -57,8 +57,8 @@ def parse_args(argv):
         "--draft-tokens",
         type=int,
         default=0,
-        help="speculative decoding of greedy requests: up to this many prompt-lookup drafts a step, as many as pay "
-        f"(1-{MAX_DRAFTS}; default: 0, off; answers unchanged)",
+        help="speculative decoding: up to this many prompt-lookup drafts a step, as many as pay (1-"
+        f"{MAX_DRAFTS}; default: 0, off; greedy answers unchanged, sampled ones distributed as without)",
     )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429s")
     p.add_argument("--max-model-len", type=int, help="context per sequence (default: the model's)")

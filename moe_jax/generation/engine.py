@@ -79,8 +79,8 @@ class GenerationEngine:
         drafts: int = 0,
         draft_policy: str = "cost",
     ):
-        """`drafts`: the most prompt-lookup drafts a greedy sequence's step verifies (0: no speculative decoding),
-        as many as `draft_policy` says pay (generation/speculation.py)."""
+        """`drafts`: the most prompt-lookup drafts a sequence's step verifies (0: no speculative decoding), as
+        many as `draft_policy` says pay (generation/speculation.py)."""
         if model.expert_shard is not None:
             raise InputError(
                 f"this process holds only {model.expert_shard.describe()}: generation over expert shards is not "

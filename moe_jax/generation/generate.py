@@ -30,8 +30,8 @@ def generate(
     """Generates for a batch of prompts (`Model.generate`): token-id lists give token-id lists, strings give
     strings. Greedy by default; prompt i samples with seed `seed + i`. `adapter`: a served adapter's name
     (`Model.serve_adapters`) for every prompt, or one per prompt (None: the model as loaded). `draft_tokens`:
-    speculative decoding of greedy generation with up to that many prompt-lookup drafts a step, as many as pay
-    (the same outputs; generation/speculation.py)."""
+    speculative decoding with up to that many prompt-lookup drafts a step, as many as pay (greedy: the same
+    outputs; sampled: distributed as without; generation/speculation.py)."""
     check_sampling(temperature, top_p, seed=seed)
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
