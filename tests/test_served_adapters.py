@@ -57,6 +57,11 @@ def test_each_served_adapter_equals_the_model_loading_it_and_a_mixed_batch_equal
     requests = [Request(p, NEW, adapter=served.adapter_index(a)) for p, a in zip(PROMPTS, MIX, strict=True)]
     completions = engine.run(requests, eos_ids=served.config.eos_token_ids)
     assert [c.tokens for c in completions] == [reference[name][i] for i, name in enumerate(MIX)]
+    # and speculative steps, each row's drafts verified through its own adapter
+    engine = GenerationEngine(served, len(PROMPTS), 32, drafts=3, draft_policy="always")
+    completions = engine.run(requests, eos_ids=served.config.eos_token_ids)
+    assert [c.tokens for c in completions] == [reference[name][i] for i, name in enumerate(MIX)]
+    assert engine.stats.accepted_tokens > 0
 
 
 def test_sampled_rows_with_adapters_equal_each_alone(adapters):

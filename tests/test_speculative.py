@@ -9,6 +9,7 @@ from scipy.stats import chi2
 
 import moe_jax
 from moe_jax.errors import InputError
+from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import Job, Sampling
 from moe_jax.generation.drafting import MAX_NGRAM, NOTHING, SharedDrafts, prompt_lookup
 from moe_jax.generation.engine import GenerationEngine, Request
@@ -67,6 +68,22 @@ def test_the_lookup_runs_on_each_row_of_a_batch():
     drafts, real = prompt_lookup(jnp.asarray(history), jnp.asarray([5, 3, 1], jnp.int32), 4)
     assert np.asarray(real).tolist() == [3, 1, 0]
     assert np.asarray(drafts)[0, :3].tolist() == [3, 1, 2] and np.asarray(drafts)[1, 0] == 9
+
+
+def test_prompts_whose_prefix_the_anchor_cache_holds_decode_speculatively_as_greedy(checkpoints):
+    # the KV of a prompt's prefix comes from the anchor cache, the rest is prefilled: speculative steps start where
+    # the prefill ended and the lookup searches the whole prompt
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    anchor, rng = 7, np.random.default_rng(5)
+    prefix = [*rng.integers(8, 96, size=9).tolist(), anchor]
+    reqs = [Request(prefix + rng.integers(8, 96, size=n).tolist() * 2, 16) for n in (3, 5, 4)]
+    plain = GenerationEngine(model, 2, 64).run(reqs)
+    engine = GenerationEngine(
+        model, 2, 64, AnchorCache([anchor], budget_bytes=1 << 20), drafts=3, draft_policy="always"
+    )
+    done = engine.run(reqs)
+    assert [c.tokens for c in done] == [c.tokens for c in plain]
+    assert sum(c.reused_tokens for c in done) > 0 and engine.stats.accepted_tokens > 0
 
 
 def test_shared_drafts_keep_each_scopes_latest_outputs_apart():
