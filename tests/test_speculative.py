@@ -9,6 +9,7 @@ from scipy.stats import chi2
 
 import moe_jax
 from moe_jax.errors import InputError
+from moe_jax.generation import batch as batch_module
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.batch import Job, Sampling
 from moe_jax.generation.drafting import MAX_NGRAM, NOTHING, SharedDrafts, prompt_lookup
@@ -84,6 +85,22 @@ def test_prompts_whose_prefix_the_anchor_cache_holds_decode_speculatively_as_gre
     done = engine.run(reqs)
     assert [c.tokens for c in done] == [c.tokens for c in plain]
     assert sum(c.reused_tokens for c in done) > 0 and engine.stats.accepted_tokens > 0
+
+
+def test_a_sequence_whose_drafts_are_not_kept_stops_drafting_and_outputs_stay_greedy(checkpoints, monkeypatch):
+    # with the gate at its strictest (after one verified draft, all of them must have been kept), most sequences
+    # soon draft no more; the ones that do are not slowed by them, and the tokens are greedy decoding's either way
+    model = moe_jax.load_model(checkpoints["qwen3_moe"], backend="host")
+    reqs = requests(seed=6)
+    plain = GenerationEngine(model, 2, 128, block_steps=4).run(reqs)
+    free = GenerationEngine(model, 2, 128, block_steps=4, drafts=3, draft_policy="always")
+    assert [c.tokens for c in free.run(reqs)] == [c.tokens for c in plain]
+    monkeypatch.setattr(batch_module, "GATE_DRAFTS", 1)
+    monkeypatch.setattr(batch_module, "GATE_RATE", 1.0)
+    gated = GenerationEngine(model, 2, 128, block_steps=4, drafts=3, draft_policy="always")
+    assert [c.tokens for c in gated.run(reqs)] == [c.tokens for c in plain]
+    assert 0 < gated.stats.drafted_tokens < free.stats.drafted_tokens
+    assert gated.stats.accepted_tokens < gated.stats.drafted_tokens
 
 
 def test_shared_drafts_keep_each_scopes_latest_outputs_apart():

@@ -25,6 +25,7 @@ BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
 GRAMMAR_DEAD_END = "grammar_dead_end"  # a finish reason: its grammar needed a token the vocabulary lacks
 STOP_IDS = 4  # stop ids a block is compiled for (more: the next power of two, compiled then)
+GATE_DRAFTS, GATE_RATE = 32, 0.1  # a sequence whose first 32 verified drafts were under 10% kept drafts no more
 
 
 def stop_id_array(ids) -> np.ndarray:
@@ -113,6 +114,14 @@ class _Slot:
     out: list[int] = field(default_factory=list)
     fresh: bool = False  # its last token was chosen on the host and not yet fed to a step
     in_history: int = 0  # of `out`, the tokens written into the batch's history (with speculative decoding)
+    drafted: int = 0  # its drafts verified so far
+    accepted: int = 0  # ... and kept
+
+    def draft_cap(self, most: int) -> int:
+        """The most drafts its next speculative step may take: `most`, or none once GATE_DRAFTS of its drafts
+        have been verified and fewer than GATE_RATE of them kept (a sequence that does not copy: its drafts would
+        only cost verify steps, for it and for the batch)."""
+        return 0 if self.drafted >= GATE_DRAFTS and self.accepted < GATE_RATE * self.drafted else most
 
     @property
     def length(self) -> int:
@@ -260,12 +269,17 @@ class Batch:
         lengths, budget = self.lookup_rows(rows)
         steps = self.call_steps(min(budget[slot] for slot in self.active))
         stop_ids, watched = self.stops(rows)
+        kept_before = np.zeros((2, rows), np.int32)
+        for slot, s in self.active.items():
+            kept_before[:, slot] = s.drafted, s.accepted
         result = self.engine.speculative_block(
             self.caches,
             self.history[:rows],
             self.shared_size,
             lengths,
             budget,
+            kept_before,
+            (np.int32(GATE_DRAFTS), np.float32(GATE_RATE)),
             self.adapters(rows),
             steps,
             self.block_steps,
@@ -279,6 +293,7 @@ class Batch:
         stats = self.engine.stats
         stats.decode_steps += int(result.ran)
         for slot, s in list(self.active.items()):
+            s.drafted, s.accepted = s.drafted + int(drafted[slot]), s.accepted + int(accepted[slot])
             stats.drafted_tokens += int(drafted[slot])
             stats.accepted_tokens += int(accepted[slot])
             s.position += int(made[slot])
@@ -318,7 +333,7 @@ class Batch:
         positions = np.zeros((rows, width), np.int32)
         offered = {}
         for slot, s in self.active.items():
-            offered[slot] = n = int(min(real[slot], budget[slot] - 1))
+            offered[slot] = n = int(min(real[slot], budget[slot] - 1, s.draft_cap(width - 1)))
             tokens[slot, : n + 1] = [s.out[-1], *drafts[slot, :n]]
             positions[slot] = s.position + np.arange(width)
         logits, self.caches = self.engine.verify(self.caches, tokens, positions, self.adapters(rows))
@@ -337,6 +352,7 @@ class Batch:
                 kept += 1
             s.position += kept + 1
             counts[kept] += 1
+            s.drafted, s.accepted = s.drafted + offered[slot], s.accepted + kept
             stats.drafted_tokens += offered[slot]
             stats.accepted_tokens += kept
         self.sampled_drafts.observed(rows, width, 1, time.perf_counter() - start)

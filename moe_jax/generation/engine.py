@@ -231,14 +231,15 @@ class GenerationEngine:
         rows = self._rows(tokens, caches[0][0])
         return self._steps.verify(self.model.state_leaves(), caches, tokens, positions, adapters, rows=rows)
 
-    def speculative_block(self, caches, history, first: int, lengths, budget, adapters, steps: int, block: int,
-                          width: int, stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
+    def speculative_block(self, caches, history, first: int, lengths, budget, kept_before, gate, adapters,
+                          steps: int, block: int, width: int, stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
         """Dispatches up to `steps` speculative steps `width` tokens wide in one call for as many slots as
         `history` has rows (`speculative_block.speculative_block`; `block`: the most steps a call of this batch
         runs): its SpeculativeOutput."""
         self._count_steps(steps)
         rows = self._rows(history, caches[0][0])
-        args = (self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, adapters)
+        args = (self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, kept_before, gate)
+        args = (*args, adapters)
         steps = np.int32(steps)
         return self._steps.speculative_block(*args, steps, stop_ids, watched, rows=rows, block=block, width=width)
 

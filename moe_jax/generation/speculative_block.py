@@ -34,6 +34,8 @@ def speculative_block(
     first,
     lengths,
     budget,
+    kept_before,
+    gate,
     adapters,
     steps,
     stop_ids,
@@ -48,8 +50,11 @@ def speculative_block(
     several) for the first `rows` slots (None: all). `history` [rows, capacity]: what each row's lookup searches,
     its first `lengths` tokens: from index `first` on its sequence so far (the last token not yet through the
     model), before it the earlier outputs it may draft from; `budget` [rows]: the most tokens a row may make (0: a
-    free row, whose tokens nobody reads). The loop ends early after a step where a `watched` row made one of
-    `stop_ids` (-1 pads) or a row spent its budget. `native_argmax`: the plan's choice for greedy tokens."""
+    free row, whose tokens nobody reads); `kept_before` [2, rows]: each row's drafts verified and kept before this
+    call, and `gate` (drafts, share): a row that has had that many drafts verified, fewer than that share of them
+    kept, drafts no more (it does not copy: its drafts would only cost verify steps). The loop ends early after a
+    step where a `watched` row made one of `stop_ids` (-1 pads) or a row spent its budget. `native_argmax`: the
+    plan's choice for greedy tokens."""
 
     def chosen_after(caches, tokens, positions, several):
         logits, caches = forward(leaves, caches, tokens, positions, adapters, rows, several=several)
@@ -70,6 +75,8 @@ def speculative_block(
         i, history, lengths, made, out, drafted, accepted, counts, caches, _ = carry
         drafts, real = prompt_lookup(history, lengths, width - 1)
         real = jnp.minimum(real, jnp.maximum(budget - made - 1, 0))  # never past a row's budget
+        verified, kept = kept_before[0] + drafted, kept_before[1] + accepted
+        real = jnp.where((verified >= gate[0]) & (kept < gate[1] * verified), 0, real)
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
         tokens = jnp.concatenate([last, drafts], axis=1)
         positions = (lengths - 1 - first)[:, None] + places
