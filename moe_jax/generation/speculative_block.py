@@ -75,8 +75,8 @@ def speculative_block(
         i, history, lengths, made, out, drafted, accepted, counts, caches, _ = carry
         drafts, real = prompt_lookup(history, lengths, width - 1)
         real = jnp.minimum(real, jnp.maximum(budget - made - 1, 0))  # never past a row's budget
-        verified, kept = kept_before[0] + drafted, kept_before[1] + accepted
-        real = jnp.where((verified >= gate[0]) & (kept < gate[1] * verified), 0, real)
+        verified_so_far, kept_so_far = kept_before[0] + drafted, kept_before[1] + accepted
+        real = jnp.where((verified_so_far >= gate[0]) & (kept_so_far < gate[1] * verified_so_far), 0, real)
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
         tokens = jnp.concatenate([last, drafts], axis=1)
         positions = (lengths - 1 - first)[:, None] + places
