@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
-from moe_jax.generation.drafting import SharedDrafts
+from moe_jax.generation.drafting import SharedDrafts, stops_drafting
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, sample_past_draft, token_logprobs
 from moe_jax.generation.speculation import DraftPolicy
 
@@ -121,7 +121,7 @@ class _Slot:
         """The most drafts its next speculative step may take: `most`, or none once GATE_DRAFTS of its drafts
         have been verified and fewer than GATE_RATE of them kept (a sequence that does not copy: its drafts would
         only cost verify steps, for it and for the batch)."""
-        return 0 if self.drafted >= GATE_DRAFTS and self.accepted < GATE_RATE * self.drafted else most
+        return 0 if stops_drafting(self.drafted, self.accepted, GATE_DRAFTS, GATE_RATE) else most
 
     @property
     def length(self) -> int:

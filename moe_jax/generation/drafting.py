@@ -49,6 +49,12 @@ class SharedDrafts:
             self.kept.popitem(last=False)
 
 
+def stops_drafting(verified, kept, drafts: int, share: float):
+    """Whether a sequence drafts no more: it has had `drafts` drafts verified and kept fewer than `share` of them
+    (it does not copy: its drafts would only cost verify steps). Python numbers or arrays alike."""
+    return (verified >= drafts) & (kept < share * verified)
+
+
 def shifted_right(history, by: int):
     """history[:, e - by] at each e (NOTHING where e < by)."""
     return jnp.pad(history, ((0, 0), (by, 0)), constant_values=NOTHING)[:, : history.shape[1]]

@@ -238,10 +238,13 @@ class GenerationEngine:
         runs): its SpeculativeOutput."""
         self._count_steps(steps)
         rows = self._rows(history, caches[0][0])
-        args = (self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, kept_before, gate)
-        args = (*args, adapters)
-        steps = np.int32(steps)
-        return self._steps.speculative_block(*args, steps, stop_ids, watched, rows=rows, block=block, width=width)
+        return self._steps.speculative_block(
+            *(self.model.state_leaves(), caches, history, np.int32(first), lengths, budget, kept_before, gate),
+            *(adapters, np.int32(steps), stop_ids, watched),
+            rows=rows,
+            block=block,
+            width=width,
+        )
 
     def lookup(self, history: np.ndarray, lengths: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's prompt-lookup drafts (`drafting.prompt_lookup`), on the host."""

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.generation.drafting import prompt_lookup
+from moe_jax.generation.drafting import prompt_lookup, stops_drafting
 from moe_jax.native.argmax import argmax_tokens
 
 
@@ -51,10 +51,9 @@ def speculative_block(
     its first `lengths` tokens: from index `first` on its sequence so far (the last token not yet through the
     model), before it the earlier outputs it may draft from; `budget` [rows]: the most tokens a row may make (0: a
     free row, whose tokens nobody reads); `kept_before` [2, rows]: each row's drafts verified and kept before this
-    call, and `gate` (drafts, share): a row that has had that many drafts verified, fewer than that share of them
-    kept, drafts no more (it does not copy: its drafts would only cost verify steps). The loop ends early after a
-    step where a `watched` row made one of `stop_ids` (-1 pads) or a row spent its budget. `native_argmax`: the
-    plan's choice for greedy tokens."""
+    call, and `gate` (drafts, share): `drafting.stops_drafting`'s bounds, counted within the call too. The loop
+    ends early after a step where a `watched` row made one of `stop_ids` (-1 pads) or a row spent its budget.
+    `native_argmax`: the plan's choice for greedy tokens."""
 
     def chosen_after(caches, tokens, positions, several):
         logits, caches = forward(leaves, caches, tokens, positions, adapters, rows, several=several)
@@ -76,7 +75,7 @@ def speculative_block(
         drafts, real = prompt_lookup(history, lengths, width - 1)
         real = jnp.minimum(real, jnp.maximum(budget - made - 1, 0))  # never past a row's budget
         verified_so_far, kept_so_far = kept_before[0] + drafted, kept_before[1] + accepted
-        real = jnp.where((verified_so_far >= gate[0]) & (kept_so_far < gate[1] * verified_so_far), 0, real)
+        real = jnp.where(stops_drafting(verified_so_far, kept_so_far, *gate), 0, real)
         last = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)
         tokens = jnp.concatenate([last, drafts], axis=1)
         positions = (lengths - 1 - first)[:, None] + places
