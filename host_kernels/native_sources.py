@@ -32,6 +32,7 @@ CSRC = Path(__file__).parent / "csrc"
 # kernels above directly, and the experts' handler goes through moe_forward.h's moe_call
 XLA_FFI_SOURCES = (
     "xla_host_experts.c", "xla_cache_attention.c", "xla_argmax.c", "xla_dense.c", "xla_stream_experts.c",
+    "xla_process_sum.c",
 )  # fmt: skip
 XLA_FFI_HEADERS = ("ffi_common.h", "cache_attention_block.h", "cache_attention_blocks.h", "stream_handlers.h")
 # the stream-ordered expert calls' CUDA handlers, built with the FFI handlers where CUDA's cuda.h is found too (they

@@ -5,6 +5,9 @@ How it works and why: docs/INTERNALS.md, moe_jax/backends/expert_parallel.py.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,14 +16,34 @@ from jax.sharding import PartitionSpec as P
 
 from host_kernels import NOT_ROUTED
 from moe_jax import distributed
+from moe_jax.native.process_sum import process_sum
 
 ROWS = P(distributed.AXIS)  # each process's own rows
 SAME = P()  # the same on every process
+# traced in a generation step that every process runs on the same rows (generation/lockstep.py), not in a step
+# over processes' own rows (`over_processes`)
+_same_rows = contextvars.ContextVar("same_rows", default=False)
+
+
+@contextlib.contextmanager
+def same_rows_on_every_process():
+    """Traces the MoE layers of an expert-parallel model for a step every process runs alike, on the same rows
+    (generation/lockstep.py): each adds its experts' share and the sum over processes gives the layer's output."""
+    token = _same_rows.set(True)
+    try:
+        yield
+    finally:
+        _same_rows.reset(token)
 
 
 def sharded_experts(experts_fn, call, per_shard: int, x_td, ids_tk, weights_tk, lora):
     """experts_fn(call, x, ids, weights, lora) over every process's tokens, with this process's `per_shard`
-    experts (ids first..first+per_shard); inside `over_processes`."""
+    experts (ids first..first+per_shard); inside `over_processes`, or in a step of the same rows on every process
+    (`same_rows_on_every_process`)."""
+    if _same_rows.get():
+        local = ids_tk - distributed.world().index * per_shard
+        mine = (local >= 0) & (local < per_shard)
+        return process_sum(experts_fn(call, x_td, jnp.where(mine, local, NOT_ROUTED), weights_tk, lora))
     x_all = jax.lax.all_gather(x_td, distributed.AXIS, tiled=True)
     ids_all = jax.lax.all_gather(ids_tk, distributed.AXIS, tiled=True)
     weights_all = jax.lax.all_gather(weights_tk, distributed.AXIS, tiled=True)

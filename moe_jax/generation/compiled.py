@@ -23,6 +23,8 @@ class CompiledGeneration:
         self._steps = []  # [(graphdef, generation steps)], most recent first
         self._draft_policies: dict[tuple[int, str, bool], DraftPolicy] = {}
         self.shared_drafts = SharedDrafts()  # earlier outputs new sequences draft from, by scope
+        # process 0 of a generation over expert shards: its steps run on every process (generation/lockstep.py)
+        self.leader = None
 
     @property
     def model(self):
@@ -34,10 +36,18 @@ class CompiledGeneration:
         model = self.model
         for graphdef, steps in self._steps:
             if graphdef == model.graphdef:
-                return steps
-        steps = compile_generation_steps(model.graphdef, jax.tree.structure(model.state), model.plan.argmax)
-        self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
-        return steps
+                break
+        else:
+            steps = compile_generation_steps(model.graphdef, jax.tree.structure(model.state), model.plan.argmax)
+            self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
+        return steps if self.leader is None else self.leader.steps(steps)
+
+    def new_caches(self, slots: int, length: int):
+        """Zeroed KV caches for `slots` sequences of `length` tokens (KVCacheMemory.new_caches; on every process
+        of a generation over expert shards)."""
+        if self.leader is not None:
+            return self.leader.new_caches(slots, length)
+        return self.model.kv.new_caches(slots, length)
 
     def draft_policy(self, drafts: int, policy: str, sampled: bool = False) -> DraftPolicy:
         """The model's speculative-decoding policy for these settings, kept from engine to engine: what it has

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moe_jax.backends.expert_parallel import same_rows_on_every_process as same_rows
 from moe_jax.errors import InputError
 from moe_jax.generation.anchor_cache import AnchorCache
 from moe_jax.generation.anchor_rows import recurrent_rows, slot_rows, state_stops, store_anchors
@@ -81,10 +82,10 @@ class GenerationEngine:
     ):
         """`drafts`: the most prompt-lookup drafts a sequence's step verifies (0: no speculative decoding), as
         many as `draft_policy` says pay (generation/speculation.py)."""
-        if model.expert_shard is not None:
+        if model.expert_shard is not None and model.generation.leader is None:
             raise InputError(
-                f"this process holds only {model.expert_shard.describe()}: generation over expert shards is not "
-                "built yet (its decode steps would need every process in step); load the whole model to generate"
+                f"this process holds only {model.expert_shard.describe()}: its generation steps need every process "
+                "of the run in step (moe_jax.generation.lockstep.lead on process 0, the others following)"
             )
         self.model, self.slots, self.max_len = model, slots, round_up(max_len, TOKEN_BUCKET)
         self.anchor_cache = anchor_cache
@@ -197,7 +198,7 @@ class GenerationEngine:
         # the model's jitted steps for its current structure (a memory split that resizes its expert cache
         # changes the structure; the model keeps the steps of each structure it has had)
         self._steps = model.generation.steps()
-        with model.kv.held(model.kv.new_caches(slots, self.max_len)) as caches:
+        with model.kv.held(model.generation.new_caches(slots, self.max_len)) as caches:
             block_steps = self.block_steps if block_steps is None else block_steps
             greedy, sampled = (
                 (model.generation.draft_policy(self.drafts, self.draft_policy, sampled) for sampled in (False, True))
@@ -403,7 +404,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         """The logits of the first `rows` slots' tokens [rows, t] (None: every slot's) and the caches with their
         KV written. `several` tokens a row (a speculative step): the dense products on the native kernels, as a
         prefill's, whose rows are the decode steps' rows (the same sums a token)."""
-        with native_prefill() if several else contextlib.nullcontext(), adapter_rows(adapters):
+        with native_prefill() if several else contextlib.nullcontext(), adapter_rows(adapters), same_rows():
             logits, part = merged(leaves)(tokens, positions, first_rows(caches, rows))
         return logits, with_first_rows(caches, part, rows)
 
@@ -411,7 +412,7 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         """Each row's tokens (`counts` of them real, the rest right padding) into its slot's caches."""
         rows = [tuple(a[slot_ids] for a in layer) for layer in caches]
         # the dense products on the decode steps' packed weights, where the plan packs them
-        with native_prefill(), adapter_rows(adapters), prompt_token_counts(counts):
+        with native_prefill(), adapter_rows(adapters), prompt_token_counts(counts), same_rows():
             logits, rows = merged(leaves)(tokens, positions, rows, last)
         caches = [
             tuple(put_rows(a, slot_ids, r) for a, r in zip(layer, layer_rows, strict=True))

@@ -12,7 +12,9 @@ import jax
 from host_kernels import cpu_lacks, xla_ffi_library
 
 # the custom-call targets, each registered under its C symbol's name
-HANDLERS = ("moe_jax_host_experts", "moe_jax_cache_attention", "moe_jax_argmax", "moe_jax_dense")
+HANDLERS = (
+    "moe_jax_host_experts", "moe_jax_cache_attention", "moe_jax_argmax", "moe_jax_dense", "moe_jax_process_sum",
+)  # fmt: skip
 
 
 def status() -> tuple[bool, str]:
