@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from host_kernels import HostKernelError
 from moe_jax import distributed
-from moe_jax.errors import MoeJaxError
+from moe_jax.errors import InputError, MoeJaxError
 
 MODEL_HELP = (
     "checkpoint directory, .gguf file, or Hugging Face Hub id such as Qwen/Qwen3-30B-A3B (default: the bundled model)"
@@ -16,6 +16,25 @@ MODEL_HELP = (
 INVOKED_AS: str | None = None  # the command line's name for the running command, when it is not `moe-jax NAME`
 EXIT_BAD_INPUT = 2
 EXIT_SYSTEM = 1  # the machine, not the input: a full disk, a file that vanished
+
+
+def add_expert_shards_argument(p, alone: str):
+    """--expert-shards N: expert parallel over the run's N processes; `alone` says what a process of a
+    multi-process run does without it."""
+    p.add_argument(
+        "--expert-shards",
+        type=int,
+        default=1,
+        metavar="N",
+        help="expert parallel: each of the run's N processes (python -m moe_jax.launch -n N ...) holds 1/N of every "
+        "layer's experts and a copy of the rest; process 0 runs the batch and the others compute their experts' "
+        f"share of each step (host backend; default 1: {alone})",
+    )
+
+
+def check_expert_shards(shards: int):
+    if shards < 1:
+        raise InputError(f"--expert-shards must be >= 1, got {shards}")
 
 
 def prog(name: str) -> str:

@@ -17,10 +17,12 @@ from moe_jax import bundled, distributed
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
 from moe_jax.backends.placements import check_device_experts_flag, read_device_experts
-from moe_jax.cli import MODEL_HELP, prog, run_cli
+from moe_jax.cli import MODEL_HELP, add_expert_shards_argument, check_expert_shards, prog, run_cli
+from moe_jax.distributed import World, this_process_shard
 from moe_jax.errors import InputError
 from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
 from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
+from moe_jax.generation import lockstep
 from moe_jax.generation.engine import EngineStats, GenerationEngine, Request
 from moe_jax.generation.sampling import check_sampling
 from moe_jax.generation.speculation import MAX_DRAFTS
@@ -72,6 +74,7 @@ def parse_args(argv):
     p.add_argument("--anchor-cache-mb", type=float, default=0.0, help="host memory for the anchor cache (0: off)")
     p.add_argument("--anchor-token", action="append", default=[], help="token string that ends an anchor segment")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
+    add_expert_shards_argument(p, "a process of a multi-process run holds the whole model and generates its share of the prompts")
     p.add_argument("--device-memory-mb", type=float, help="device memory for the KV cache and expert weights")
     p.add_argument(
         "--kv-fraction",
@@ -122,6 +125,7 @@ def check_settings(args):
             raise InputError(f"--host-threads must be in [1, {MAX_THREADS}], got {args.host_threads}")
     if args.anchor_cache_mb < 0:
         raise InputError("--anchor-cache-mb must be >= 0")
+    check_expert_shards(args.expert_shards)
     check_device_experts_flag(args.backend, args.device_experts)
     if args.wave_size is not None and args.wave_size < 1:
         raise InputError("--wave-size must be >= 1")
@@ -187,11 +191,9 @@ def main(argv=None):
         if args.adapter is None and DEFAULT_ADAPTER.exists():
             args.adapter = DEFAULT_ADAPTER
             print(f"using the adapter moe-jax train wrote: {DEFAULT_ADAPTER}", file=sys.stderr)
-
-    from tqdm import tqdm
-
     budget = int(args.device_memory_mb * 2**20) if args.device_memory_mb else None
     fixed_fraction = float(args.kv_fraction) if args.kv_fraction not in (None, "auto") else None
+    shard = this_process_shard(args.expert_shards)
     model = moe_jax.load_model(
         args.model,
         backend=args.backend,
@@ -206,7 +208,16 @@ def main(argv=None):
         quant=args.quant,
         device_experts=read_device_experts(args.device_experts) if args.device_experts else None,
         pipeline=args.pipeline,
+        expert_shard=shard,
     )
+    # expert parallel: process 0 generates every prompt, the others computing their experts' share of each step
+    lockstep.run(model, lambda: generate_prompts(args, model, world if shard is None else World()))
+
+
+def generate_prompts(args, model, world: World):
+    """Generates for the prompts of `args` (`world`'s share of them) and writes their records."""
+    from tqdm import tqdm
+
     tok = model.tokenizer
     prompts, truncated, rejected = load_prompts(args, model)
     cache = None

@@ -23,7 +23,32 @@ def parse_args(argv):
     p.add_argument("-n", "--processes", type=int, required=True, help="how many processes")
     p.add_argument("-m", dest="module", help="run a module (as python -m) instead of a script")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the script and its arguments")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # what follows `-m MODULE` is the module's own (argparse would read its options as the launcher's)
+    module_at = _module_flag(argv)
+    if module_at is not None and module_at + 1 < len(argv):
+        args = p.parse_args(argv[: module_at + 2])
+        args.command = argv[module_at + 2 :]
+        return _checked(p, args)
+    return _checked(p, p.parse_args(argv))
+
+
+def _module_flag(argv: list[str]) -> int | None:
+    """Where the launcher's own `-m` is: before the script (a script's own `-m` is the script's)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "-m":
+            return i
+        if argv[i] in ("-n", "--processes"):
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            return None  # the script
+    return None
+
+
+def _checked(p, args):
     if args.processes < 1:
         p.error(f"-n must be >= 1, got {args.processes}")
     if args.module is None and not args.command:

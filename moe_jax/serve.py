@@ -15,12 +15,14 @@ import uvicorn
 
 import moe_jax
 from host_kernels import MAX_THREADS, QUANTIZED
-from moe_jax import bundled
+from moe_jax import bundled, distributed
 from moe_jax.api import AUTO_DTYPE, DTYPE_CHOICES, DTYPE_HELP
 from moe_jax.backends import BACKENDS
-from moe_jax.cli import MODEL_HELP, prog, run_cli
+from moe_jax.cli import MODEL_HELP, add_expert_shards_argument, check_expert_shards, prog, run_cli
+from moe_jax.distributed import this_process_shard
 from moe_jax.errors import InputError, MemoryLimitError
 from moe_jax.formats.hub import hub_id
+from moe_jax.generation import lockstep
 from moe_jax.generation.speculation import MAX_DRAFTS
 from moe_jax.serving.app import create_app
 from moe_jax.serving.http_limits import HttpLimits, bounded_protocol
@@ -81,6 +83,7 @@ def parse_args(argv):
     p.add_argument("--max-header-kb", type=float, default=64.0, help="the largest request head: line and headers")
     p.add_argument("--max-headers", type=int, default=100, help="the most header lines a request may have")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
+    add_expert_shards_argument(p, "one process serves the whole model")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get at shutdown")
     p.add_argument(
         "--log-level",
@@ -110,6 +113,7 @@ def check_settings(args):
         raise InputError("--max-request-mb, --request-timeout, --max-header-kb and --max-headers must be positive")
     if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
         raise InputError(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
+    check_expert_shards(args.expert_shards)
 
 
 def lora_modules(given: list[str]) -> dict[str, Path]:
@@ -134,6 +138,11 @@ def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    world = distributed.join()
+    if world.several and args.expert_shards == 1:
+        raise InputError(
+            f"a server over {world.count} processes holds its experts in shards: give --expert-shards {world.count}"
+        )
     model_dir = args.model or bundled.MODEL
     model = moe_jax.load_model(
         model_dir,
@@ -143,7 +152,14 @@ def main(argv=None):
         adapters=lora_modules(args.lora_modules),
         host_threads=args.host_threads,
         quant=args.quant,
+        expert_shard=this_process_shard(args.expert_shards),
     )
+    # expert parallel: process 0 serves, the others compute their experts' share of each of its steps
+    lockstep.run(model, lambda: serve(args, model, model_dir))
+
+
+def serve(args, model, model_dir):
+    """Serves `model` over HTTP until the server is stopped."""
     limits = Limits(
         args.max_batch,
         args.max_queue,
@@ -168,7 +184,8 @@ def main(argv=None):
     # event loop thread streams tokens: a switch interval a tenth of Python's default
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(
-        f"serving {service.name!r} ({model.backend} backend, {service.scheduler.slots} slots of {service.context} "
+        f"serving {service.name!r} ({model.backend} backend{sharded(model)}, {service.scheduler.slots} slots of "
+        f"{service.context} "
         f"tokens{', adapters ' + ', '.join(model.served_adapters) if model.served_adapters else ''}) on "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
@@ -189,6 +206,11 @@ def main(argv=None):
         timeout_graceful_shutdown=int(args.shutdown_timeout) + SHUTDOWN_MARGIN_S,
     )
     StoppingServer(config, service, args.shutdown_timeout).run()
+
+
+def sharded(model) -> str:
+    shard = model.expert_shard
+    return f", experts in {shard.count} processes" if shard is not None else ""
 
 
 class StoppingServer(uvicorn.Server):

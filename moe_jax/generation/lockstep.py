@@ -18,17 +18,21 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import numpy as np
 
 from moe_jax import distributed, process_links
+from moe_jax.cli import EXIT_SYSTEM
 from moe_jax.distributed import PeerFailed
 from moe_jax.native import process_sum
 
 _SIZE = struct.Struct("<Q")
 LOCAL_STEPS = ("lookup",)  # GenerationSteps run on process 0 alone (no MoE layer in them)
 FAILED_EXIT_S = 5  # after a peer failed, the time process 0's requests get to report it before the process exits
+T = TypeVar("T")
 
 
 class Handle:
@@ -197,10 +201,28 @@ class Leader:
             self._on_failure(failure)
 
 
+def run(model, body: Callable[[], T]) -> T | None:
+    """`body()` on process 0 of a generation over expert shards (`model.expert_shard`), every step it runs run on
+    every process, the others following until it returns; `body()` alone for a model that is not sharded."""
+    if model.expert_shard is None:
+        return body()
+    if not distributed.world().is_main:
+        return follow(model)
+    with lead(model):
+        return body()
+
+
+def leave_soon(failure: PeerFailed):
+    """Another process stopped: the requests in flight fail (their step's sum names it) and get FAILED_EXIT_S to
+    tell their clients; then this process exits, whatever its threads wait on."""
+    threading.Timer(FAILED_EXIT_S, distributed.leave_at_once, args=(EXIT_SYSTEM,)).start()
+
+
 @contextlib.contextmanager
-def lead(model, on_failure=None):
+def lead(model, on_failure=leave_soon):
     """Process 0 of an expert-parallel run: the block's generation runs on every process (the others in `follow`);
-    `on_failure(error)` is called (from a watcher thread) when another process stops or fails."""
+    `on_failure(error)` is called (from a watcher thread) when another process stops or fails: by default this
+    process exits FAILED_EXIT_S later (a server would otherwise go on without experts to compute)."""
     links = process_links.connect(distributed.world())
     process_sum.use_links(links)
     leader = Leader(model, links, on_failure)

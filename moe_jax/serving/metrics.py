@@ -53,6 +53,7 @@ class ServerMetrics:
         self.registry.register(_LiveCollector(self))
         self._recent = collections.deque()  # (time, tokens decoded so far), for tokens/s
         self._backend = {"host_busy_s": 0.0, "device_wait_s": 0.0, "host_to_device": 0.0, "device_to_host": 0.0}
+        self._busy_by_process: list[float] = []  # expert parallel: each process's host busy seconds
         self._lock = threading.Lock()
         service.scheduler.on_step = self.on_step
         service.on_finish = self.count_finish
@@ -67,8 +68,14 @@ class ServerMetrics:
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
         if scheduler.stats.steps % BACKEND_EVERY_STEPS == 0:
-            m = self.service.model.metrics()
+            model = self.service.model
+            m = model.metrics()
+            leader = model.generation.leader  # the other processes' figures, from them
+            busy = [m.host_busy_s] + ([other["host_busy_s"] for other in leader.metrics()] if leader else [])
             with self._lock:
+                if len(busy) > 1:
+                    totals = self._busy_by_process or [0.0] * len(busy)
+                    self._busy_by_process = [t + b for t, b in zip(totals, busy, strict=True)]
                 self._backend["host_busy_s"] += m.host_busy_s
                 self._backend["device_wait_s"] += m.device_wait_s
                 self._backend["host_to_device"] += m.host_to_device_bytes
@@ -85,6 +92,11 @@ class ServerMetrics:
     def backend_totals(self) -> dict:
         with self._lock:
             return dict(self._backend)
+
+    def busy_by_process(self) -> list[float]:
+        """Each process's host busy seconds (expert parallel; empty for one process)."""
+        with self._lock:
+            return list(self._busy_by_process)
 
     def count_finish(self, completion):
         """Engine thread, when a generation ends."""
@@ -130,6 +142,16 @@ class _LiveCollector:
         yield CounterMetricFamily(
             "moe_jax_host_busy_seconds", "Host expert threads' busy time", value=backend["host_busy_s"]
         )
+        by_process = self.metrics.busy_by_process()
+        if by_process:
+            busy = CounterMetricFamily(
+                "moe_jax_process_host_busy_seconds",
+                "Each process's host expert threads' busy time (expert parallel; its rate: the busy share)",
+                labels=["process"],
+            )
+            for index, seconds in enumerate(by_process):
+                busy.add_metric([str(index)], seconds)
+            yield busy
         yield CounterMetricFamily(
             "moe_jax_device_wait_seconds", "Device time spent waiting for host results", value=backend["device_wait_s"]
         )
