@@ -23,6 +23,7 @@ from moe_jax.planning import environment
 SUM, ORDERS = 0, 1  # what a connection carries: the steps' sums, or process 0's orders
 _HELLO = struct.Struct("<ii")  # (the connecting process, SUM or ORDERS)
 _HEADER = struct.Struct("<QQ")  # the Python sum's (call, bytes), as the native handler's
+_python_sums = 0  # python_sum's calls in this process
 _connections = itertools.count()  # each connect() of a process: its keys in the store apart from earlier ones'
 
 
@@ -81,6 +82,12 @@ def connect(world: World) -> Links:
     return links
 
 
+def sums_made() -> int:
+    """The sums over processes this process has made (the native handler's count; every process makes the same)."""
+    library = _library()
+    return int(library.moe_jax_process_links_calls()) if library is not None else _python_sums
+
+
 def python_sum(links: Links, mine: np.ndarray) -> np.ndarray:
     """The sum over processes of `mine` as the native handler computes it (the same bits: float32, in process
     order), on blocking sockets: where the native library is not built."""
@@ -91,13 +98,16 @@ def python_sum(links: Links, mine: np.ndarray) -> np.ndarray:
     for peer, s in enumerate(links.sums):
         if s is None:
             continue
+        where = f"process {peer} of {world.count}"
         if world.index < peer:
-            s.sendall(header + payload.tobytes())
-            theirs[peer] = _receive(s, peer, links, payload)
+            _send(s, header + payload.tobytes(), where)
+            theirs[peer] = _receive(s, where, links, payload)
         else:
-            theirs[peer] = _receive(s, peer, links, payload)
-            s.sendall(header + payload.tobytes())
+            theirs[peer] = _receive(s, where, links, payload)
+            _send(s, header + payload.tobytes(), where)
     links.calls += 1
+    global _python_sums
+    _python_sums += 1
     total = None
     for p in range(world.count):
         part = (payload if p == world.index else theirs[p]).astype(np.float32)
@@ -105,8 +115,14 @@ def python_sum(links: Links, mine: np.ndarray) -> np.ndarray:
     return total.astype(mine.dtype)
 
 
-def _receive(s: socket.socket, peer: int, links: Links, like: np.ndarray) -> np.ndarray:
-    where = f"process {peer} of {links.world.count}"
+def _send(s: socket.socket, data: bytes, where: str):
+    try:
+        s.sendall(data)
+    except OSError as e:
+        raise PeerFailed(f"{where}: the link closed ({e}: the process has stopped, see its output)") from None
+
+
+def _receive(s: socket.socket, where: str, links: Links, like: np.ndarray) -> np.ndarray:
     call, size = _HEADER.unpack(_read(s, _HEADER.size, where))
     if call != links.calls or size != like.nbytes:
         raise PeerFailed(f"{where} is out of step: its call {call} of {size} bytes, ours {links.calls}")

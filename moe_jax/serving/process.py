@@ -24,13 +24,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, processes: int = 1):
+        """`processes` > 1: over that many processes (moe_jax.launch; `process` is then the launcher)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        launcher = ["-m", "moe_jax.launch", "-n", str(processes)] if processes > 1 else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "moe_jax.serve", "--port", str(self.port), "--log-level", "warning", *args],
+            [sys.executable, *launcher, "-m", "moe_jax.serve", "--port", str(self.port), "--log-level", "warning", *args],
             env=env,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
@@ -90,8 +92,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log: Path):
-    server = Server(args, log)
+def running_server(args: list[str], log: Path, processes: int = 1):
+    server = Server(args, log, processes)
     try:
         server.wait_ready()
         yield server
