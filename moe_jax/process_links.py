@@ -88,6 +88,15 @@ def sums_made() -> int:
     return int(library.moe_jax_process_links_calls()) if library is not None else _python_sums
 
 
+def bytes_sent() -> tuple[int, int]:
+    """(the bytes this process sent for its sums over processes, those it would have sent had every row gone to
+    every process) since its links were connected; (0, 0) without the native handler."""
+    library = _library()
+    if library is None:
+        return 0, 0
+    return int(library.moe_jax_process_links_bytes_sent()), int(library.moe_jax_process_links_dense_bytes())
+
+
 def python_sum(links: Links, mine: np.ndarray) -> np.ndarray:
     """The sum over processes of `mine` as the native handler computes it (the same bits: float32, in process
     order), on blocking sockets: where the native library is not built."""
@@ -191,5 +200,6 @@ def _library():
     library, _ = xla_ffi_library(("moe_jax_process_sum",))
     if library is not None:
         library.moe_jax_process_links_set.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        library.moe_jax_process_links_calls.restype = ctypes.c_uint64
+        for name in ("calls", "bytes_sent", "dense_bytes"):
+            getattr(library, f"moe_jax_process_links_{name}").restype = ctypes.c_uint64
     return library

@@ -1,20 +1,22 @@
 /* XLA FFI handler "moe_jax_process_sum": the sum over every process of an expert-parallel generation step of one
- * array each holds (its experts' share of a MoE layer's output), over TCP links to the others that Python
- * connected (moe_jax/process_links.py) and handed over with moe_jax_process_links_set. Every process gets the very
- * same bits: each adds the processes' arrays in process order, in float32, rounding once. XLA's own CPU collectives
- * (gloo) took milliseconds a call on one machine, a decode step calls this once a MoE layer.
+ * array each holds (its experts' share of a MoE layer's output, [rows, ...]), over TCP links to the others that
+ * Python connected (moe_jax/process_links.py) and handed over with moe_jax_process_links_set. Every process gets
+ * the very same bits: each adds the processes' rows in process order, in float32, rounding once. XLA's own CPU
+ * collectives (gloo) took milliseconds a call on one machine; a decode step calls this once a MoE layer.
  *
- * On the wire, to every other process: a header (the call's sequence number, the payload's bytes), then the payload.
- * Sending and receiving interleave over non-blocking sockets (poll), so two processes sending each other more than
- * a socket buffer holds do not wait on each other. A closed link, a silent peer (the links' timeout) or a peer at
- * another call fails this call and every later one, naming the process.
+ * Routed: a process sends only the rows its experts computed (the second argument, s32 [rows], says which: a
+ * token none of whose top-k experts it holds has a zero row there), each with its index. On the wire, to every
+ * other process: a header (the call's sequence number, the rows, a row's bytes, the rows sent), the indices of the
+ * rows sent (s32), then those rows. Sending and receiving interleave over non-blocking sockets (poll), so two
+ * processes sending each other more than a socket buffer holds do not wait on each other. A closed link, a silent
+ * peer (the links' timeout) or a peer at another call fails this call and every later one, naming the process.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -25,18 +27,24 @@
 #define MAX_PROCESSES 256
 
 typedef struct {
-    uint64_t sequence, bytes;
+    uint64_t sequence, rows, row_bytes, sent_rows;
 } link_header;
+
+typedef struct { /* one peer's transfer in each direction */
+    link_header in_header;
+    size_t sent, received, in_whole; /* bytes of header + indices + rows so far; the incoming total once known */
+    char *in;                        /* where its indices and rows arrive */
+} transfer;
 
 static struct {
     pthread_mutex_t lock;
     int rank, count, timeout_ms;
     int fds[MAX_PROCESSES]; /* fds[rank] unused */
-    uint64_t sequence;
-    char *buffer; /* the others' payloads, one after another */
+    uint64_t sequence, bytes_sent, dense_bytes;
+    char *buffer; /* this process's message, then each other process's, one after another */
     size_t capacity;
     char broken[256]; /* why the links are unusable ("" while they are fine) */
-} links = {PTHREAD_MUTEX_INITIALIZER, -1, 0, 0, {0}, 0, NULL, 0, ""};
+} links = {PTHREAD_MUTEX_INITIALIZER, -1, 0, 0, {0}, 0, 0, 0, NULL, 0, ""};
 
 static int fail(const char *format, ...) {
     va_list args;
@@ -46,7 +54,7 @@ static int fail(const char *format, ...) {
     return -1;
 }
 
-static void fcntl_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK); }
+static void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK); }
 
 /* Takes the links of process `rank` of `count`: fds[p] is the connected socket to process p (fds[rank] ignored),
  * set non-blocking here; `timeout_ms` how long a call waits on a silent peer. Returns 0, or -1 for bad arguments. */
@@ -56,17 +64,17 @@ int moe_jax_process_links_set(int rank, int count, const int *fds, int timeout_m
     links.rank = rank;
     links.count = count;
     links.timeout_ms = timeout_ms;
-    links.sequence = 0;
+    links.sequence = links.bytes_sent = links.dense_bytes = 0;
     links.broken[0] = 0;
     for (int p = 0; p < count; p++) {
         links.fds[p] = fds[p];
-        if (p != rank) fcntl_nonblocking(fds[p]);
+        if (p != rank) set_nonblocking(fds[p]);
     }
     pthread_mutex_unlock(&links.lock);
     return 0;
 }
 
-/* Forgets the links (their sockets stay the caller's to close). */
+/* Forgets the links (their sockets stay the caller's to close); the counts stay readable. */
 void moe_jax_process_links_clear(void) {
     pthread_mutex_lock(&links.lock);
     links.rank = -1;
@@ -77,13 +85,11 @@ void moe_jax_process_links_clear(void) {
     pthread_mutex_unlock(&links.lock);
 }
 
-/* The calls made over the links so far (a test checks every process made the same number). */
+/* The sums made over the links so far, the bytes this process sent for them, and the bytes it would have sent
+ * had every row gone to every process (bench/distributed.py compares the two). */
 uint64_t moe_jax_process_links_calls(void) { return links.sequence; }
-
-typedef struct { /* one peer's transfer in each direction */
-    link_header out_header, in_header;
-    size_t sent, received; /* bytes of header + payload so far */
-} transfer;
+uint64_t moe_jax_process_links_bytes_sent(void) { return links.bytes_sent; }
+uint64_t moe_jax_process_links_dense_bytes(void) { return links.dense_bytes; }
 
 static int64_t now_ms(void) {
     struct timespec t;
@@ -91,21 +97,24 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
-/* Sends `mine` (`bytes`) to every other process and receives each one's into links.buffer; 0, or -1 with
- * links.broken saying why. */
-static int exchange(const char *mine, size_t bytes) {
+/* Copies the header out of or into a transfer's first bytes, or the message's rest from or to `body`. */
+static char *at(char *header, char *body, size_t offset) {
+    return offset < sizeof(link_header) ? header + offset : body + (offset - sizeof(link_header));
+}
+
+/* Sends `out` (header + its `out_whole - header` bytes of indices and rows) to every other process and receives
+ * each one's into t[p].in; 0, or -1 with links.broken saying why. */
+static int exchange(link_header *out_header, const char *out_body, size_t out_whole, transfer *t, uint64_t rows,
+                    uint64_t row_bytes) {
     const int count = links.count, rank = links.rank;
-    transfer t[MAX_PROCESSES];
     struct pollfd polled[MAX_PROCESSES];
-    const size_t whole = sizeof(link_header) + bytes;
-    for (int p = 0; p < count; p++) {
-        t[p] = (transfer){{links.sequence, bytes}, {0, 0}, p == rank ? whole : 0, p == rank ? whole : 0};
-    }
+    int peers[MAX_PROCESSES];
     int64_t last_progress = now_ms();
     for (;;) {
-        int n = 0, peers[MAX_PROCESSES];
+        int n = 0;
         for (int p = 0; p < count; p++) {
-            short events = (t[p].sent < whole ? POLLOUT : 0) | (t[p].received < whole ? POLLIN : 0);
+            if (p == rank) continue;
+            const short events = (t[p].sent < out_whole ? POLLOUT : 0) | (t[p].received < t[p].in_whole ? POLLIN : 0);
             if (!events) continue;
             polled[n] = (struct pollfd){links.fds[p], events, 0};
             peers[n++] = p;
@@ -114,14 +123,9 @@ static int exchange(const char *mine, size_t bytes) {
         const int ready = poll(polled, n, 1000);
         if (ready < 0 && errno != EINTR) return fail("poll on the links failed (errno %d)", errno);
         if (ready <= 0) {
-            if (now_ms() - last_progress > links.timeout_ms) {
-                for (int i = 0; i < n; i++)
-                    if (t[peers[i]].received < whole)
-                        return fail("process %d of %d sent nothing for %d s (call %llu)", peers[i], count,
-                                    links.timeout_ms / 1000, (unsigned long long)links.sequence);
-                return fail("process %d of %d took nothing for %d s (call %llu)", peers[0], count, links.timeout_ms / 1000,
-                            (unsigned long long)links.sequence);
-            }
+            if (now_ms() - last_progress > links.timeout_ms)
+                return fail("process %d of %d did not answer for %d s (call %llu)", peers[0], count,
+                            links.timeout_ms / 1000, (unsigned long long)links.sequence);
             continue;
         }
         for (int i = 0; i < n; i++) {
@@ -129,33 +133,30 @@ static int exchange(const char *mine, size_t bytes) {
             transfer *x = &t[p];
             if (polled[i].revents & (POLLERR | POLLHUP | POLLNVAL) && !(polled[i].revents & POLLIN))
                 return fail("process %d of %d closed its link (it has stopped: see its output)", p, count);
-            if (polled[i].revents & POLLOUT && x->sent < whole) {
-                const char *from = x->sent < sizeof(link_header) ? (const char *)&x->out_header + x->sent
-                                                                  : mine + (x->sent - sizeof(link_header));
-                const size_t left = x->sent < sizeof(link_header) ? sizeof(link_header) - x->sent : whole - x->sent;
-                const ssize_t w = send(links.fds[p], from, left, MSG_NOSIGNAL);
+            if (polled[i].revents & POLLOUT && x->sent < out_whole) {
+                const size_t left = (x->sent < sizeof(link_header) ? sizeof(link_header) : out_whole) - x->sent;
+                const ssize_t w =
+                    send(links.fds[p], at((char *)out_header, (char *)out_body, x->sent), left, MSG_NOSIGNAL);
                 if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                     return fail("process %d of %d closed its link (send: errno %d)", p, count, errno);
                 if (w > 0) x->sent += (size_t)w, last_progress = now_ms();
             }
-            if (polled[i].revents & POLLIN && x->received < whole) {
-                const int slot = p < rank ? p : p - 1;
-                char *to = x->received < sizeof(link_header)
-                               ? (char *)&x->in_header + x->received
-                               : links.buffer + (size_t)slot * bytes + (x->received - sizeof(link_header));
-                const size_t left =
-                    x->received < sizeof(link_header) ? sizeof(link_header) - x->received : whole - x->received;
-                const ssize_t r = recv(links.fds[p], to, left, 0);
+            if (polled[i].revents & POLLIN && x->received < x->in_whole) {
+                const size_t left = (x->received < sizeof(link_header) ? sizeof(link_header) : x->in_whole) - x->received;
+                const ssize_t r = recv(links.fds[p], at((char *)&x->in_header, x->in, x->received), left, 0);
                 if (r == 0) return fail("process %d of %d closed its link (it has stopped: see its output)", p, count);
                 if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                     return fail("process %d of %d closed its link (recv: errno %d)", p, count, errno);
-                if (r > 0) {
-                    x->received += (size_t)r, last_progress = now_ms();
-                    if (x->received == sizeof(link_header) &&
-                        (x->in_header.sequence != links.sequence || x->in_header.bytes != bytes))
-                        return fail("process %d of %d is out of step: its call %llu of %llu bytes, ours %llu of %zu", p,
-                                    count, (unsigned long long)x->in_header.sequence,
-                                    (unsigned long long)x->in_header.bytes, (unsigned long long)links.sequence, bytes);
+                if (r <= 0) continue;
+                x->received += (size_t)r, last_progress = now_ms();
+                if (x->received == sizeof(link_header)) {
+                    const link_header *h = &x->in_header;
+                    if (h->sequence != links.sequence || h->rows != rows || h->row_bytes != row_bytes ||
+                        h->sent_rows > rows)
+                        return fail("process %d of %d is out of step: its call %llu of %llu rows, ours %llu of %llu", p,
+                                    count, (unsigned long long)h->sequence, (unsigned long long)h->rows,
+                                    (unsigned long long)links.sequence, (unsigned long long)rows);
+                    x->in_whole = sizeof(link_header) + h->sent_rows * (4 + row_bytes);
                 }
             }
         }
@@ -176,31 +177,73 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as XLA's
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-static const char *payload(const void *mine, int p, size_t bytes) {
-    return p == links.rank ? (const char *)mine : links.buffer + (size_t)(p < links.rank ? p : p - 1) * bytes;
+/* sum[0..m) += (or =, when `first`) a row of m values */
+static void accumulate(float *sum, const char *row, int64_t m, int bf16, int first) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)row;
+        for (int64_t i = 0; i < m; i++) sum[i] = first ? bf16_to_f32(h[i]) : sum[i] + bf16_to_f32(h[i]);
+    } else {
+        const float *f = (const float *)row;
+        for (int64_t i = 0; i < m; i++) sum[i] = first ? f[i] : sum[i] + f[i];
+    }
 }
 
-/* out = the processes' arrays added in process order (`mine` is this process's), in float32 chunks of 1024. */
-static void add_in_order(const void *mine, void *out, int64_t n, int bf16) {
-    const size_t bytes = (size_t)n * (bf16 ? 2 : 4);
-    float sum[1024];
-    for (int64_t start = 0; start < n; start += 1024) {
-        const int64_t m = n - start < 1024 ? n - start : 1024;
+/* y = the processes' rows added in process order, each process's message (indices, then rows) in t[p].in
+ * (this process's own rows are read from x); a row no process sent is zero. */
+static void add_in_order(const char *x, char *y, const transfer *t, uint64_t rows, int64_t width, int bf16,
+                         float *sum) {
+    const size_t row_bytes = (size_t)width * (bf16 ? 2 : 4);
+    memset(y, 0, rows * row_bytes);
+    int64_t next[MAX_PROCESSES] = {0}; /* each process's next row sent (rows are sent in order) */
+    for (uint64_t r = 0; r < rows; r++) {
+        int first = 1;
         for (int p = 0; p < links.count; p++) {
-            const char *from = payload(mine, p, bytes);
-            if (bf16) {
-                const uint16_t *h = (const uint16_t *)from + start;
-                for (int64_t i = 0; i < m; i++) sum[i] = p ? sum[i] + bf16_to_f32(h[i]) : bf16_to_f32(h[i]);
-            } else {
-                const float *f = (const float *)from + start;
-                for (int64_t i = 0; i < m; i++) sum[i] = p ? sum[i] + f[i] : f[i];
-            }
+            const uint64_t sent = t[p].in_header.sent_rows;
+            const int32_t *indices = (const int32_t *)t[p].in;
+            if (next[p] >= (int64_t)sent || (uint64_t)indices[next[p]] != r) continue;
+            const char *row = p == links.rank ? x + r * row_bytes : t[p].in + 4 * sent + next[p] * row_bytes;
+            accumulate(sum, row, width, bf16, first);
+            first = 0;
+            next[p]++;
         }
+        if (first) continue; /* no process's experts computed this row */
         if (bf16)
-            for (int64_t i = 0; i < m; i++) ((uint16_t *)out)[start + i] = f32_to_bf16(sum[i]);
+            for (int64_t i = 0; i < width; i++) ((uint16_t *)(y + r * row_bytes))[i] = f32_to_bf16(sum[i]);
         else
-            memcpy((float *)out + start, sum, (size_t)m * 4);
+            memcpy(y + r * row_bytes, sum, row_bytes);
     }
+}
+
+/* The call's work under the links' lock: 0, or -1 with links.broken saying why. */
+static int sum_over_links(const char *x, const int32_t *touched, char *y, uint64_t rows, int64_t width, int bf16) {
+    const uint64_t row_bytes = (uint64_t)width * (bf16 ? 2 : 4);
+    const size_t message = rows * (4 + row_bytes);
+    const size_t need = (size_t)links.count * message + (size_t)width * sizeof(float);
+    if (links.capacity < need) {
+        free(links.buffer);
+        links.buffer = malloc(need);
+        links.capacity = links.buffer ? need : 0;
+        if (!links.buffer) return fail("out of memory for %zu bytes of the processes' rows", need);
+    }
+    transfer t[MAX_PROCESSES];
+    for (int p = 0; p < links.count; p++)
+        t[p] = (transfer){{0, 0, 0, 0}, 0, 0, sizeof(link_header), links.buffer + (size_t)p * message};
+    /* this process's message: the indices of the rows its experts computed, then those rows */
+    char *mine = t[links.rank].in;
+    uint64_t sent_rows = 0;
+    for (uint64_t r = 0; r < rows; r++)
+        if (touched[r]) ((int32_t *)mine)[sent_rows++] = (int32_t)r;
+    for (uint64_t i = 0; i < sent_rows; i++)
+        memcpy(mine + 4 * sent_rows + i * row_bytes, x + (size_t)((int32_t *)mine)[i] * row_bytes, row_bytes);
+    link_header header = {links.sequence, rows, row_bytes, sent_rows};
+    t[links.rank].in_header = header;
+    const size_t whole = sizeof(link_header) + sent_rows * (4 + row_bytes);
+    if (exchange(&header, mine, whole, t, rows, row_bytes)) return -1;
+    add_in_order(x, y, t, rows, width, bf16, (float *)(links.buffer + (size_t)links.count * message));
+    links.bytes_sent += (uint64_t)(links.count - 1) * whole;
+    links.dense_bytes += (uint64_t)(links.count - 1) * (sizeof(link_header) + rows * row_bytes);
+    links.sequence++;
+    return 0;
 }
 
 XLA_FFI_Error *moe_jax_process_sum(XLA_FFI_CallFrame *frame) {
@@ -208,31 +251,24 @@ XLA_FFI_Error *moe_jax_process_sum(XLA_FFI_CallFrame *frame) {
     if (ffi_answer_metadata(frame)) return NULL;
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE)
         return ffi_error(api, "moe_jax_process_sum: not the execute stage");
-    if (frame->args.size != 1 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER)
-        return ffi_error(api, "moe_jax_process_sum takes one array and returns one");
-    const XLA_FFI_Buffer *x = frame->args.args[0], *y = frame->rets.rets[0];
+    if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+        frame->args.types[1] != XLA_FFI_ArgType_BUFFER)
+        return ffi_error(api, "moe_jax_process_sum takes an array and its rows' s32 flags and returns one array");
+    const XLA_FFI_Buffer *x = frame->args.args[0], *touched = frame->args.args[1], *y = frame->rets.rets[0];
     if ((x->dtype != XLA_FFI_DataType_F32 && x->dtype != XLA_FFI_DataType_BF16) || y->dtype != x->dtype ||
-        y->rank != x->rank)
-        return ffi_error(api, "moe_jax_process_sum: an f32 or bf16 array -> the same expected");
-    int64_t n = 1;
-    for (int64_t d = 0; d < x->rank; d++) n *= x->dims[d];
-    const int bf16 = x->dtype == XLA_FFI_DataType_BF16;
-    const size_t bytes = (size_t)n * (bf16 ? 2 : 4);
+        y->rank != x->rank || x->rank < 1 || touched->dtype != XLA_FFI_DataType_S32 || touched->rank != 1 ||
+        touched->dims[0] != x->dims[0])
+        return ffi_error(api, "moe_jax_process_sum: f32 or bf16 [rows, ...] and s32 [rows] -> the first's kind");
+    int64_t width = 1;
+    for (int64_t d = 1; d < x->rank; d++) width *= x->dims[d];
     char message[320];
     pthread_mutex_lock(&links.lock);
     if (links.count < 2) {
         pthread_mutex_unlock(&links.lock);
         return ffi_error(api, "moe_jax_process_sum: this process has no links to others (moe_jax.process_links)");
     }
-    if (!links.broken[0] && links.capacity < bytes * (links.count - 1)) {
-        free(links.buffer);
-        links.capacity = bytes * (links.count - 1);
-        links.buffer = malloc(links.capacity);
-        if (!links.buffer) links.capacity = 0, snprintf(links.broken, sizeof links.broken, "out of memory");
-    }
-    if (!links.broken[0] && exchange(x->data, bytes) == 0) {
-        add_in_order(x->data, y->data, n, bf16);
-        links.sequence++;
+    if (!links.broken[0] && sum_over_links(x->data, touched->data, y->data, (uint64_t)x->dims[0], width,
+                                           x->dtype == XLA_FFI_DataType_BF16) == 0) {
         pthread_mutex_unlock(&links.lock);
         return NULL;
     }

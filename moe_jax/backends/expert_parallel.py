@@ -43,7 +43,8 @@ def sharded_experts(experts_fn, call, per_shard: int, x_td, ids_tk, weights_tk, 
     if _same_rows.get():
         local = ids_tk - distributed.world().index * per_shard
         mine = (local >= 0) & (local < per_shard)
-        return process_sum(experts_fn(call, x_td, jnp.where(mine, local, NOT_ROUTED), weights_tk, lora))
+        y = experts_fn(call, x_td, jnp.where(mine, local, NOT_ROUTED), weights_tk, lora)
+        return process_sum(y, mine.any(axis=1))
     x_all = jax.lax.all_gather(x_td, distributed.AXIS, tiled=True)
     ids_all = jax.lax.all_gather(ids_tk, distributed.AXIS, tiled=True)
     weights_all = jax.lax.all_gather(weights_tk, distributed.AXIS, tiled=True)

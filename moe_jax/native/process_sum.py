@@ -6,6 +6,7 @@ gets the same bits."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from moe_jax.native import ffi
 from moe_jax.process_links import Links, python_sum
@@ -20,12 +21,15 @@ def use_links(links: Links | None):
     _links = links
 
 
-def process_sum(y):
-    """The sum over processes of `y` (float32 or bfloat16, added in float32 in process order)."""
+def process_sum(y, touched):
+    """The sum over processes of `y` [rows, ...] (float32 or bfloat16, added in float32 in process order), where
+    `touched` [rows] says which rows this process computed (its experts' tokens): the native handler sends only
+    those (routed); the Python one every row (the same sums: the rows not sent are zeros)."""
     result = jax.ShapeDtypeStruct(y.shape, y.dtype)
     if _links is not None and _links.native:
         ffi.require(ffi.status(), "sum over processes")
-        return jax.ffi.ffi_call(TARGET, result, has_side_effect=True, vmap_method="sequential")(y)
+        call = jax.ffi.ffi_call(TARGET, result, has_side_effect=True, vmap_method="sequential")
+        return call(y, touched.astype(jnp.int32))
     return jax.pure_callback(_python_sum, result, y, vmap_method="sequential")
 
 
