@@ -2,6 +2,7 @@
 parallel, and a model of N hosts.
 
     python bench/distributed.py [--shape bench] [--batch 4 --seq 256] [--steps 4] [--bandwidth-gbps 10]
+        [--generation-rounds 3] [--ram-gbps 200] [--latency-us 25] [--host-ram-gb 256]
 
 Each run is LoRA training's forward and backward (r=8 on the attention projections) over the same random global
 batch: one process with 2 host threads (XLA's own pool as it comes), then 2 processes (`python -m moe_jax.launch`)
@@ -14,7 +15,10 @@ expert parallel, per MoE layer and direction, the activations gathered and the o
 The model of N hosts, each like this machine and each with the one-process run's rows (a global batch N times
 larger): a step is the one-process step's compute (for expert parallel: all N hosts' tokens through 1/N of the
 experts, the same work) plus the bytes each host sends over the interconnect at --bandwidth-gbps, not overlapped
-(the collectives wait for each other here). Writes bench/results/distributed.json.
+(the collectives wait for each other here).
+
+Then generation over expert shards, measured here and modelled for DeepSeek-V3 over N hosts
+(bench/distributed_generation.py). Writes bench/results/distributed.json and bench/reports/distributed.md.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import ONE_THREAD_XLA, print_table, write_json  # noqa: E402
+from bench import distributed_generation as generation  # noqa: E402
+from bench.common import ONE_THREAD_XLA, markdown_table, print_table, report_header, write_json, write_report  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, use_shape  # noqa: E402
 
 WARMUP = 2
@@ -140,6 +145,10 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4, help="timed steps after 2 warm-up steps")
     parser.add_argument("--bandwidth-gbps", type=float, default=10.0, help="interconnect for the N-host model")
+    parser.add_argument("--generation-rounds", type=int, default=3, help="interleaved rounds of the generation runs")
+    parser.add_argument("--ram-gbps", type=float, default=200.0, help="a host's RAM GB/s, for the DeepSeek-V3 model")
+    parser.add_argument("--latency-us", type=float, default=25.0, help="one exchange's latency, for the same model")
+    parser.add_argument("--host-ram-gb", type=float, default=256.0, help="a host's RAM, for the same model")
     parser.add_argument("--worker", choices=("data", "expert", "single"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -166,11 +175,43 @@ def main():
     title = f"{args.shape} model, LoRA forward+backward, batch {args.batch} x {args.seq}, this machine"
     print_table(title, rows)
     model = scaling(rows[0], config, args, gradient_bytes)
-    print_table(
-        f"model: N hosts like this one, each {args.batch} x {args.seq} rows a step, {args.bandwidth_gbps:g} Gb/s",
-        model,
+    model_title = f"model: N hosts like this one, each {args.batch} x {args.seq} rows a step, {args.bandwidth_gbps:g} Gb/s"
+    print_table(model_title, model)
+    decode = generation.measured(model_dir, args.generation_rounds)
+    decode_title = (
+        f"{args.shape} model, sampled decode (temperature 1) over expert shards, this machine, "
+        f"medians of {args.generation_rounds} interleaved rounds"
     )
-    write_json("distributed", {"shape": args.shape, "runs": rows, "hosts_model": model, "args": vars(args)})
+    print_table(decode_title, decode)
+    sums = generation.sum_latency()
+    sums_title = "one sum over 2 processes on this machine (48 chained in a jitted step, loopback TCP), median of 20"
+    print_table(sums_title, sums)
+    deepseek = [row for gbps in (10, 100) for row in generation.hosts_model(gbps, args.ram_gbps, args.latency_us, args.host_ram_gb)]
+    needed = generation.hosts_needed(args.host_ram_gb)
+    deepseek_title = (
+        f"model: DeepSeek-V3 decode over N hosts (int4 experts, bfloat16 dense copy on each), {args.ram_gbps:g} GB/s "
+        f"RAM, {args.latency_us:g} us an exchange; {needed} hosts of {args.host_ram_gb:g} GB hold it"
+    )
+    print_table(deepseek_title, deepseek)
+    write_json(
+        "distributed",
+        {"shape": args.shape, "runs": rows, "hosts_model": model, "decode": decode, "sums": sums, "deepseek_v3": deepseek,
+         "args": vars(args)},
+    )  # fmt: skip
+    write_report(
+        "distributed",
+        [
+            *report_header("Scale-out: training and generation over processes"),
+            f"## {title}", "", *markdown_table(rows), "",
+            f"## {model_title}", "", *markdown_table(model), "",
+            f"## {decode_title}", "",
+            "Bytes per step: what each process sent for its MoE layers' sums over processes in one decode step; "
+            "routed sends only the rows of its experts' tokens, every_row what sending all rows would have taken.",
+            "", *markdown_table(decode), "",
+            f"## {sums_title}", "", *markdown_table(sums), "",
+            f"## {deepseek_title}", "", *markdown_table(deepseek), "",
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

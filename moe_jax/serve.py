@@ -184,7 +184,7 @@ def serve(args, model, model_dir):
     # event loop thread streams tokens: a switch interval a tenth of Python's default
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(
-        f"serving {service.name!r} ({model.backend} backend{sharded(model)}, {service.scheduler.slots} slots of "
+        f"serving {service.name!r} ({model.backend} backend{shard_note(model)}, {service.scheduler.slots} slots of "
         f"{service.context} "
         f"tokens{', adapters ' + ', '.join(model.served_adapters) if model.served_adapters else ''}) on "
         f"http://{args.host}:{args.port}/v1",
@@ -208,7 +208,7 @@ def serve(args, model, model_dir):
     StoppingServer(config, service, args.shutdown_timeout).run()
 
 
-def sharded(model) -> str:
+def shard_note(model) -> str:
     shard = model.expert_shard
     return f", experts in {shard.count} processes" if shard is not None else ""
 

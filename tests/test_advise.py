@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.planning.advise import Shape, advise
 from moe_jax.planning.cost_model import Profile
 
@@ -111,3 +112,20 @@ def test_host_memory_answer_says_what_would_fit():
     assert not tight["fits_as_asked"]
     assert (tight["first_fitting"]["dtype"], tight["first_fitting"]["quant"]) == ("float32", "int4")
     assert host_memory_question(checkpoint, "float32", 1)["first_fitting"] is None
+
+
+def test_hosts_answer_counts_the_shards_whose_share_fits_a_host():
+    """Each process of an expert-parallel run holds the dense weights and 1/N of the experts: the fewest N (a
+    divisor of the experts per layer) whose share fits 90% of a host's RAM."""
+    from moe_jax.planning.advise import HOST_RAM_USABLE, hosts_question
+
+    checkpoint = open_checkpoint(Path(__file__).resolve().parents[1] / "models" / "tiny-moe")
+    whole = hosts_question(checkpoint, "float32", 2**40)
+    assert [r["hosts"] for r in whole] == [1, 1, 1]
+    float_row = whole[0]
+    experts = float_row["bytes_per_host"] - float_row["dense_bytes"]
+    ram = int((float_row["dense_bytes"] + experts / 2) / HOST_RAM_USABLE) + 1  # half of the experts and no less
+    rows = hosts_question(checkpoint, "float32", ram)
+    assert rows[0]["hosts"] == 2 and rows[0]["bytes_per_host"] <= HOST_RAM_USABLE * ram
+    assert rows[2]["hosts"] == 1  # int4 experts: one host holds them all
+    assert hosts_question(checkpoint, "float32", float_row["dense_bytes"] // 2)[0]["hosts"] is None

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 import moe_jax
-from moe_jax import process_links
+from moe_jax import infer, process_links, serve
+from moe_jax.errors import InputError
 from moe_jax.generation import lockstep
 from moe_jax.native import process_sum
 from moe_jax.serving.process import running_server
@@ -91,6 +92,12 @@ def test_the_python_sum_adds_as_the_native_one(monkeypatch):
     with pytest.raises(moe_jax.distributed.PeerFailed, match="process 1 of 2: the link closed"):
         process_links.python_sum(links0, x0)
     a.close()
+
+
+@pytest.mark.parametrize("command", [infer, serve])
+def test_the_expert_shards_flag_is_checked(command):
+    with pytest.raises(InputError, match="--expert-shards must be >= 1, got 0"):
+        command.main(["--expert-shards", "0"])
 
 
 def test_a_sharded_model_needs_its_processes_in_step():

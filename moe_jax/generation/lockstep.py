@@ -74,6 +74,7 @@ class Leader:
         self._lock = threading.Lock()
         self._replies: dict[int, list] = {p: [] for p in links.orders}
         self._replied = threading.Condition()
+        self._stopping = False  # set once process 0 ends the run: the links closing then is no failure
         self._watchers = [
             threading.Thread(target=self._watch, args=(p, s), daemon=True, name=f"lockstep-watch-{p}")
             for p, s in links.orders.items()
@@ -187,8 +188,6 @@ class Leader:
             if self._stopping:
                 return
             self._failed(e if isinstance(e, PeerFailed) else PeerFailed(f"{where}: its link closed ({e})"))
-
-    _stopping = False
 
     def _failed(self, failure: PeerFailed):
         with self._replied:

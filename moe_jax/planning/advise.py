@@ -20,7 +20,7 @@ from moe_jax.errors import InputError
 from moe_jax.formats.checkpoint import open_checkpoint
 from moe_jax.planning.auto_choice import WORTH_IT, auto_layer_seconds, choose_auto
 from moe_jax.planning.cost_model import Profile, layer_time
-from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes
+from moe_jax.planning.memory_check import available_bytes, human_size, load_bytes, quantized_experts_bytes
 from moe_jax.planning.model_shape import Shape, StepShape, expected_routing, step_shape
 from moe_jax.planning.pipeline_model import best_micro_batches, rows_and_length, serial_step, step_timeline
 from moe_jax.planning.plan import host_store_dtype, make_plan
@@ -161,6 +161,30 @@ def host_memory_question(checkpoint, dtype: str, available: int | None) -> dict:
     return {"available": available, "options": options, "fits_as_asked": options[0]["fits"], "first_fitting": fitting}
 
 
+HOST_RAM_USABLE = 0.9  # of a host's RAM for the weights: the rest for the KV cache, the OS and the libraries
+
+
+def hosts_question(checkpoint, dtype: str, host_ram_bytes: int) -> list[dict]:
+    """Question 6: for float, int8 and int4 experts, the fewest processes of an expert-parallel run
+    (--expert-shards N, a divisor of the experts per layer), each on a host of `host_ram_bytes`, whose share (a
+    copy of the dense weights, 1/N of the experts, held or mapped) fits HOST_RAM_USABLE of it."""
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    c = checkpoint.config
+    dense = load_bytes(checkpoint, itemsize, None)["dense weights"]
+    params = 3 * c.hidden_size * c.expert_intermediate_size * c.num_experts * len(c.moe_layers)
+    rows = []
+    for quant in (None, "int8", "int4"):
+        experts = quantized_experts_bytes(checkpoint, quant) if quant else params * itemsize
+        divisors = [n for n in range(1, c.num_experts + 1) if c.num_experts % n == 0]
+        hosts = next((n for n in divisors if dense + experts / n <= HOST_RAM_USABLE * host_ram_bytes), None)
+        per_host = dense + experts / hosts if hosts else None
+        rows.append(
+            {"dtype": dtype, "quant": quant, "hosts": hosts, "bytes_per_host": per_host, "dense_bytes": dense,
+             "most_hosts": divisors[-1]}
+        )  # fmt: skip
+    return rows
+
+
 def pipeline_question(profile: Profile, step: StepShape, tokens: int, zipf: float = 0.0) -> dict:
     """Question 5 at this batch: the host backend's whole step without and with the device/host micro-batch
     pipeline (planning/pipeline_model.py), the micro-batches it would take, each lane's busy share."""
@@ -216,8 +240,13 @@ def main(argv=None):
     parser.add_argument(
         "--dtype", default="bfloat16", choices=list(DTYPES), help="the model's dtype to size (default: bfloat16)"
     )
+    parser.add_argument(
+        "--host-ram-gb", type=float, help="also: how many hosts of this RAM an expert-parallel run needs"
+    )
     parser.add_argument("--json", type=Path, help="also write the answers here")
     args = parser.parse_args(argv)
+    if args.host_ram_gb is not None and not args.host_ram_gb > 0:
+        raise InputError(f"--host-ram-gb must be > 0, got {args.host_ram_gb}")
     if any(b < 1 for b in args.batch):
         raise InputError(f"--batch sizes must be >= 1, got {args.batch}")
     if args.bus_gbps is not None and args.bus_gbps <= 0:
@@ -234,7 +263,11 @@ def main(argv=None):
     answer = advise(profile, shape, args.batch, args.zipf, memory, step)
     answer["cpu"] = cpu_question(profile, shape)
     answer["host_memory"] = host_memory_question(checkpoint, args.dtype, available_bytes())
+    if args.host_ram_gb is not None:
+        answer["hosts"] = hosts_question(checkpoint, args.dtype, int(args.host_ram_gb * 2**30))
     _print(answer, profile, shape, memory)
+    if args.host_ram_gb is not None:
+        _print_hosts(answer["hosts"], args.host_ram_gb)
     if args.json:
         args.json.write_text(json.dumps(answer, indent=1, default=float))
 
@@ -312,6 +345,18 @@ def _print_host_memory(memory: dict):
         print(f"   -> does not fit as asked ({name(asked)}); it would with {name(first)} ({flags})")
     else:
         print("   -> does not fit this machine in any format (a machine with more memory, or fewer layers)")
+
+
+def _print_hosts(rows: list[dict], host_ram_gb: float):
+    print(f"\n6. how many hosts of {host_ram_gb:g} GiB (expert parallel: --expert-shards N, one process a host)?")
+    for r in rows:
+        name = f"{r['dtype']}{' + ' + r['quant'] if r['quant'] else ''}"
+        if r["hosts"] is None:
+            too_big = r["dense_bytes"] > HOST_RAM_USABLE * host_ram_gb * 2**30
+            why = "its dense weights alone do not fit a host" if too_big else f"does not fit {r['most_hosts']} hosts"
+            print(f"   {name:>18}: {why} (each holds a copy of the dense weights)")
+        else:
+            print(f"   {name:>18}: {r['hosts']} host(s), {_amount(int(r['bytes_per_host']))} each")
 
 
 def _print_pipeline(rows: list[dict], profile: Profile):
