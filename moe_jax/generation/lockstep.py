@@ -1,9 +1,7 @@
-"""Generation over expert shards: every process of the run holds its shard of every MoE layer's experts and a whole
-copy of the rest, and runs each generation step process 0 runs, in the same order, on the same rows; each MoE
-layer adds its experts' share and a sum over processes (native/process_sum.py) gives every process the layer's
-output. Process 0 owns the batch, the scheduling, the sampling and the anchor cache; it sends each other process
-every step's name and arguments as it dispatches it (`Leader`), and they run it on their own copy of the device
-state (`follow`): the KV caches and what else steps return, named by handles both sides count alike.
+"""Generation over expert shards: every process holds its shard of every layer's experts and a copy of the rest,
+and runs each generation step process 0 runs, on the same rows; each MoE layer's output is a sum over processes
+(native/process_sum.py). Process 0 owns the batch, scheduling, sampling and anchor cache and sends each step to the
+others as it dispatches it (`Leader`); they run it on their own copy of the device state (`follow`).
 
 How it works and why: docs/INTERNALS.md, moe_jax/generation/lockstep.py.
 """

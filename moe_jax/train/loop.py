@@ -22,6 +22,7 @@ from moe_jax.errors import ConfigError, InputError, MoeJaxError
 from moe_jax.formats.adapters import export_peft
 from moe_jax.formats.checkpoint import read_config
 from moe_jax.formats.tokenizer import load_tokenizer
+from moe_jax.generation import lockstep
 from moe_jax.generation.generate import generate_tokens
 from moe_jax.model.lora import LoRAConfig
 from moe_jax.output_files import NewFile, create_new
@@ -216,11 +217,18 @@ class Trainer:
         self.model.set_lora_state(self.lora_state)
         tok = self.model.tokenizer
         longest = max(len(tok.encode(e.answer_text, add_special_tokens=False)) for e in scored) + 2
-        mine, hits = self.world.share(scored), 0
-        if mine:
-            prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in mine]
+
+        def hits_of(examples: list[Example]) -> int:
+            if not examples:
+                return 0
+            prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in examples]
             outs = generate_tokens(self.model, prompts, longest, 0.0, 1.0, 0)  # continuously batched
-            hits = sum(tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, mine, strict=True))
+            return sum(tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, examples, strict=True))
+
+        if self.model.expert_shard is not None:  # process 0 generates them all, the others their experts' share
+            hits = lockstep.run(self.model, lambda: hits_of(scored)) or 0
+        else:
+            hits = hits_of(self.world.share(scored))
         return self._summed(hits)[0] / len(scored)
 
     def _summed(self, *values: float) -> tuple[float, ...]:
