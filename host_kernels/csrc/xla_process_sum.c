@@ -5,9 +5,10 @@
  * collectives (gloo) took milliseconds a call on one machine; a decode step calls this once a MoE layer.
  *
  * Routed: a process sends only the rows its experts computed (the second argument, s32 [rows], says which: a
- * token none of whose top-k experts it holds has a zero row there), each with its index. On the wire, to every
- * other process: a header (the call's sequence number, the rows, a row's bytes, the rows sent), the indices of the
- * rows sent (s32), then those rows. Sending and receiving interleave over non-blocking sockets (poll), so two
+ * token none of whose top-k experts it holds has a zero row there), each with its index; where that would take
+ * more bytes than every row, every row without indices. On the wire, to every other process: a header (the call's
+ * sequence number, the rows, a row's bytes, the rows sent), the indices of the rows sent (s32; none when all are),
+ * then those rows. Sending and receiving interleave over non-blocking sockets (poll), so two
  * processes sending each other more than a socket buffer holds do not wait on each other. A closed link, a silent
  * peer (the links' timeout) or a peer at another call fails this call and every later one, naming the process.
  * Written against XLA's C API (jaxlib's xla/ffi/api/c_api.h); moe_jax/native/ffi.py registers it.
@@ -97,6 +98,9 @@ static int64_t now_ms(void) {
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* The indices a message's rows carry: none where it holds every row (in order). */
+static size_t index_bytes(uint64_t sent_rows, uint64_t rows) { return sent_rows == rows ? 0 : 4 * sent_rows; }
+
 /* Copies the header out of or into a transfer's first bytes, or the message's rest from or to `body`. */
 static char *at(char *header, char *body, size_t offset) {
     return offset < sizeof(link_header) ? header + offset : body + (offset - sizeof(link_header));
@@ -156,7 +160,7 @@ static int exchange(link_header *out_header, const char *out_body, size_t out_wh
                         return fail("process %d of %d is out of step: its call %llu of %llu rows, ours %llu of %llu", p,
                                     count, (unsigned long long)h->sequence, (unsigned long long)h->rows,
                                     (unsigned long long)links.sequence, (unsigned long long)rows);
-                    x->in_whole = sizeof(link_header) + h->sent_rows * (4 + row_bytes);
+                    x->in_whole = sizeof(link_header) + index_bytes(h->sent_rows, rows) + h->sent_rows * row_bytes;
                 }
             }
         }
@@ -200,8 +204,10 @@ static void add_in_order(const char *x, char *y, const transfer *t, uint64_t row
         for (int p = 0; p < links.count; p++) {
             const uint64_t sent = t[p].in_header.sent_rows;
             const int32_t *indices = (const int32_t *)t[p].in;
-            if (next[p] >= (int64_t)sent || (uint64_t)indices[next[p]] != r) continue;
-            const char *row = p == links.rank ? x + r * row_bytes : t[p].in + 4 * sent + next[p] * row_bytes;
+            const int every = sent == rows;
+            if (next[p] >= (int64_t)sent || (!every && (uint64_t)indices[next[p]] != r)) continue;
+            const char *row =
+                p == links.rank ? x + r * row_bytes : t[p].in + index_bytes(sent, rows) + next[p] * row_bytes;
             accumulate(sum, row, width, bf16, first);
             first = 0;
             next[p]++;
@@ -233,11 +239,16 @@ static int sum_over_links(const char *x, const int32_t *touched, char *y, uint64
     uint64_t sent_rows = 0;
     for (uint64_t r = 0; r < rows; r++)
         if (touched[r]) ((int32_t *)mine)[sent_rows++] = (int32_t)r;
-    for (uint64_t i = 0; i < sent_rows; i++)
-        memcpy(mine + 4 * sent_rows + i * row_bytes, x + (size_t)((int32_t *)mine)[i] * row_bytes, row_bytes);
+    if (sent_rows * (4 + row_bytes) >= rows * row_bytes) { /* nearly every row: all of them, without indices */
+        sent_rows = rows;
+        memcpy(mine, x, rows * row_bytes);
+    } else {
+        for (uint64_t i = 0; i < sent_rows; i++)
+            memcpy(mine + 4 * sent_rows + i * row_bytes, x + (size_t)((int32_t *)mine)[i] * row_bytes, row_bytes);
+    }
     link_header header = {links.sequence, rows, row_bytes, sent_rows};
     t[links.rank].in_header = header;
-    const size_t whole = sizeof(link_header) + sent_rows * (4 + row_bytes);
+    const size_t whole = sizeof(link_header) + index_bytes(sent_rows, rows) + sent_rows * row_bytes;
     if (exchange(&header, mine, whole, t, rows, row_bytes)) return -1;
     add_in_order(x, y, t, rows, width, bf16, (float *)(links.buffer + (size_t)links.count * message));
     links.bytes_sent += (uint64_t)(links.count - 1) * whole;
