@@ -175,7 +175,9 @@ def main():
     title = f"{args.shape} model, LoRA forward+backward, batch {args.batch} x {args.seq}, this machine"
     print_table(title, rows)
     model = scaling(rows[0], config, args, gradient_bytes)
-    model_title = f"model: N hosts like this one, each {args.batch} x {args.seq} rows a step, {args.bandwidth_gbps:g} Gb/s"
+    model_title = (
+        f"model: N hosts like this one, each {args.batch} x {args.seq} rows a step, {args.bandwidth_gbps:g} Gb/s"
+    )
     print_table(model_title, model)
     decode = generation.measured(model_dir, args.generation_rounds)
     decode_title = (
@@ -186,7 +188,11 @@ def main():
     sums = generation.sum_latency()
     sums_title = "one sum over 2 processes on this machine (48 chained in a jitted step, loopback TCP), median of 20"
     print_table(sums_title, sums)
-    deepseek = [row for gbps in (10, 100) for row in generation.hosts_model(gbps, args.ram_gbps, args.latency_us, args.host_ram_gb)]
+    deepseek = [
+        row
+        for gbps in (10, 100)
+        for row in generation.hosts_model(gbps, args.ram_gbps, args.latency_us, args.host_ram_gb)
+    ]
     needed = generation.hosts_needed(args.host_ram_gb)
     deepseek_title = (
         f"model: DeepSeek-V3 decode over N hosts (int4 experts, bfloat16 dense copy on each), {args.ram_gbps:g} GB/s "
@@ -195,8 +201,8 @@ def main():
     print_table(deepseek_title, deepseek)
     write_json(
         "distributed",
-        {"shape": args.shape, "runs": rows, "hosts_model": model, "decode": decode, "sums": sums, "deepseek_v3": deepseek,
-         "args": vars(args)},
+        {"shape": args.shape, "runs": rows, "hosts_model": model, "decode": decode, "sums": sums,
+         "deepseek_v3": deepseek, "args": vars(args)},
     )  # fmt: skip
     write_report(
         "distributed",

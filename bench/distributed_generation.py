@@ -6,8 +6,8 @@ row sent.
 
 Decode is timed with sampled tokens (temperature 1: routing varies from step to step, as a real model's does; a
 random-weight model's greedy tokens cycle among a few and keep the same experts hot) as the difference of two
-generations 8 and 40 tokens long from the same prompts (prefill and the first steps cancel out; medians of 3 of each); the bytes each
-process sent per decode step come from the native sum's counters over the same difference.
+generations 8 and 40 tokens long from the same prompts (prefill and the first steps cancel out; medians of 3 of
+each); the bytes each process sent per decode step come from the native sum's counters over the same difference.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from moe_jax.cli import MODEL_HELP, add_expert_shards_argument, check_expert_sha
 from moe_jax.distributed import World, this_process_shard
 from moe_jax.errors import InputError
 from moe_jax.formats.prompts import prompt_token_ids, read_jsonl
-from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.generation import lockstep
+from moe_jax.generation.anchor_cache import AnchorCache, anchor_token_ids
 from moe_jax.generation.engine import EngineStats, GenerationEngine, Request
 from moe_jax.generation.sampling import check_sampling
 from moe_jax.generation.speculation import MAX_DRAFTS
@@ -74,7 +74,9 @@ def parse_args(argv):
     p.add_argument("--anchor-cache-mb", type=float, default=0.0, help="host memory for the anchor cache (0: off)")
     p.add_argument("--anchor-token", action="append", default=[], help="token string that ends an anchor segment")
     p.add_argument("--host-threads", type=int, help="host expert engine threads (default: all cores)")
-    add_expert_shards_argument(p, "a process of a multi-process run holds the whole model and generates its share of the prompts")
+    add_expert_shards_argument(
+        p, "a process of a multi-process run holds the whole model and generates its share of the prompts"
+    )
     p.add_argument("--device-memory-mb", type=float, help="device memory for the KV cache and expert weights")
     p.add_argument(
         "--kv-fraction",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import secrets
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from moe_jax.distributed import HEARTBEAT_TIMEOUT_S, START_TIMEOUT_S, PeerFailed
 from moe_jax.planning import environment
 
 SUM, ORDERS = 0, 1  # what a connection carries: the steps' sums, or process 0's orders
-_HELLO = struct.Struct("<ii")  # (the connecting process, SUM or ORDERS)
+_HELLO = struct.Struct("<ii16s")  # (the connecting process, SUM or ORDERS, the run's token)
 _HEADER = struct.Struct("<QQ")  # the Python sum's (call, bytes), as the native handler's
 _python_sums = 0  # python_sum's calls in this process
 _connections = itertools.count()  # each connect() of a process: its keys in the store apart from earlier ones'
@@ -49,28 +50,45 @@ class Links:
 def connect(world: World) -> Links:
     """Connects this process to every other of the run (call it on all of them, at the same point)."""
     n = next(_connections)
-    listener = socket.create_server(("", 0), backlog=2 * world.count)
-    listener.settimeout(START_TIMEOUT_S)
     host = _reachable_address()
+    listener = socket.create_server((host, 0), backlog=2 * world.count)
+    listener.settimeout(START_TIMEOUT_S)
+    # only the run's processes know the token (from the coordinator's store): a stranger connecting is turned away
+    if world.is_main:
+        _store_set(f"moe_jax/links/{n}/token", secrets.token_hex(16))
+    token = bytes.fromhex(_store_get(f"moe_jax/links/{n}/token"))
     _store_set(f"moe_jax/links/{n}/{world.index}", f"{host}:{listener.getsockname()[1]}")
     sums: list[socket.socket | None] = [None] * world.count
     orders: dict[int, socket.socket] = {}
     try:
         for peer in range(world.index):  # earlier processes listen for this one
             address = _store_get(f"moe_jax/links/{n}/{peer}")
-            sums[peer] = _dial(address, world.index, SUM)
+            sums[peer] = _dial(address, _HELLO.pack(world.index, SUM, token))
             if peer == 0:
-                orders[0] = _dial(address, world.index, ORDERS)
+                orders[0] = _dial(address, _HELLO.pack(world.index, ORDERS, token))
         expected = world.count - 1 - world.index + (world.count - 1 if world.is_main else 0)
-        for _ in range(expected):
+        while expected:
             connection, _ = listener.accept()
             connection.settimeout(START_TIMEOUT_S)
-            peer, kind = _HELLO.unpack(_read(connection, _HELLO.size, "the run's start"))
+            try:
+                peer, kind, given = _HELLO.unpack(_read(connection, _HELLO.size, "the run's start"))
+            except PeerFailed:
+                given = None
+            if (
+                given != token
+                or not world.index < peer < world.count
+                or kind not in ((SUM, ORDERS) if world.is_main else (SUM,))
+            ):
+                connection.close()  # not one of the run's processes
+                continue
+            expected -= 1
             connection.settimeout(None)
             _tune(connection)
             (orders if kind == ORDERS else sums)[peer] = connection  # type: ignore[index]
     except TimeoutError:
-        raise PeerFailed(f"{world.describe()}: the other processes did not connect within {START_TIMEOUT_S} s") from None
+        raise PeerFailed(
+            f"{world.describe()}: the other processes did not connect within {START_TIMEOUT_S} s"
+        ) from None
     finally:
         listener.close()
     links = Links(world, sums, orders)
@@ -148,10 +166,10 @@ def _read(s: socket.socket, size: int, where: str) -> bytes:
     return bytes(data)
 
 
-def _dial(address: str, index: int, kind: int) -> socket.socket:
+def _dial(address: str, hello: bytes) -> socket.socket:
     host, port = address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=START_TIMEOUT_S)
-    s.sendall(_HELLO.pack(index, kind))
+    s.sendall(hello)
     s.settimeout(None)
     _tune(s)
     return s

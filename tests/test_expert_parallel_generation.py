@@ -110,7 +110,9 @@ def test_a_sharded_model_needs_its_processes_in_step():
 def test_the_server_over_two_processes_answers_as_offline_and_ends_when_one_dies(tmp_path):
     offline = moe_jax.load_model(MODEL)
     prompts = ["sort dcba >", "copy hello >", "reverse abc >"]
-    wanted = [offline.tokenizer.decode(offline.generate([chat_tokens(offline, p)], max_new_tokens=10)[0]) for p in prompts]
+    wanted = [
+        offline.tokenizer.decode(offline.generate([chat_tokens(offline, p)], max_new_tokens=10)[0]) for p in prompts
+    ]
     log = tmp_path / "server.log"
     with running_server(["--model", str(MODEL), "--expert-shards", "2", "--max-batch", "4"], log, 2) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -34,10 +34,8 @@ class CompiledGeneration:
         """The jitted GenerationSteps for the model's current structure (packed for decode or not: the engine
         packs before its first batch, `Model.pack_for_decode`)."""
         model = self.model
-        for graphdef, steps in self._steps:
-            if graphdef == model.graphdef:
-                break
-        else:
+        steps = next((kept for graphdef, kept in self._steps if graphdef == model.graphdef), None)
+        if steps is None:
             steps = compile_generation_steps(model.graphdef, jax.tree.structure(model.state), model.plan.argmax)
             self._steps = [(model.graphdef, steps), *self._steps[: KEPT_STRUCTURES - 1]]
         return steps if self.leader is None else self.leader.steps(steps)

@@ -234,6 +234,17 @@ def lead(model, on_failure=leave_soon):
         links.close()
 
 
+def _decoded(encoded, state: list, held: dict):
+    """An order's arguments on this process: its own state leaves, its arrays for the handles."""
+
+    def decode(x):
+        if isinstance(x, _State):
+            return state
+        return held[x.number] if isinstance(x, Handle) else x
+
+    return jax.tree.map(decode, encoded, is_leaf=lambda x: isinstance(x, (Handle, _State)))
+
+
 def follow(model):
     """A process other than 0 of an expert-parallel run: runs process 0's orders on this process's shard of the
     model until process 0 stops (returns) or fails (raises PeerFailed)."""
@@ -254,12 +265,7 @@ def follow(model):
             if name == "metrics":
                 send(orders, ("metrics", model.metrics().summary()))
                 continue
-            state = model.state_leaves()
-            args = jax.tree.map(
-                lambda x: state if x is STATE or isinstance(x, _State) else held[x.number] if isinstance(x, Handle) else x,
-                encoded,
-                is_leaf=lambda x: isinstance(x, (Handle, _State)),
-            )
+            args = _decoded(encoded, model.state_leaves(), held)
             try:
                 with model.host_errors():
                     if name == "new_caches":

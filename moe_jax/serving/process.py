@@ -32,7 +32,17 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         launcher = ["-m", "moe_jax.launch", "-n", str(processes)] if processes > 1 else []
         self.process = subprocess.Popen(
-            [sys.executable, *launcher, "-m", "moe_jax.serve", "--port", str(self.port), "--log-level", "warning", *args],
+            [
+                sys.executable,
+                *launcher,
+                "-m",
+                "moe_jax.serve",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *args,
+            ],
             env=env,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,

@@ -223,7 +223,9 @@ class Trainer:
                 return 0
             prompts = [e.ids[: len(e.ids) - sum(e.mask)] for e in examples]
             outs = generate_tokens(self.model, prompts, longest, 0.0, 1.0, 0)  # continuously batched
-            return sum(tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, examples, strict=True))
+            return sum(
+                tok.decode(o.tokens).strip() == e.answer_text.strip() for o, e in zip(outs, examples, strict=True)
+            )
 
         if self.model.expert_shard is not None:  # process 0 generates them all, the others their experts' share
             hits = lockstep.run(self.model, lambda: hits_of(scored)) or 0
