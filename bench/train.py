@@ -40,7 +40,9 @@ def batches(batch, seq, count):
     return [rng.integers(0, 4096, size=(batch, seq)).astype(np.int32) for _ in range(count)]  # in every shape's vocab
 
 
-def run_moe_jax(backend, dtype, batch, seq, steps, quant=None):
+def run_moe_jax(backend, dtype, batch, seq, steps, quant=None, checkpoint=None, threads=None):
+    """`steps` timed LoRA steps after two warm-up ones on `checkpoint` (default: the bench model): (their seconds,
+    every step's loss, the model's metrics summary)."""
     import jax
     import numpy as np
     import optax
@@ -49,7 +51,8 @@ def run_moe_jax(backend, dtype, batch, seq, steps, quant=None):
     from moe_jax.model.lora import LoRAConfig
     from moe_jax.train.objective import lora_value_and_grad
 
-    model = moe_jax.load_model(bench_model_dir(), backend=backend, dtype=dtype, quant=quant)
+    source = checkpoint or bench_model_dir()
+    model = moe_jax.load_model(source, backend=backend, dtype=dtype, quant=quant, host_threads=threads)
     model.attach_lora(LoRAConfig(rank=8, alpha=16, targets=("attention",)))  # q/k/v/o, or the latent attention's
     value_and_grad, lora_state = lora_value_and_grad(model)
     tx = optax.adamw(1e-4)

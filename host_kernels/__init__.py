@@ -6,7 +6,7 @@ How it works and why: docs/INTERNALS.md, host_kernels/__init__.py.
 """
 
 from host_kernels.activations import GLU, SWIGLU
-from host_kernels.amx import BF16
+from host_kernels.amx import BF16, aligned_empty
 from host_kernels.choice import KernelChoice, choose_kernels, cpu_features, library_status
 from host_kernels.compute import ExpertCompute, HostTotals
 from host_kernels.errors import HostKernelError, KernelArgumentError, NonFiniteError, StoreError
@@ -45,6 +45,7 @@ __all__ = [
     "HostMoE",
     "HostTotals",
     "HugePageArena",
+    "aligned_empty",
     "KernelChoice",
     "KernelArgumentError",
     "LayerExperts",

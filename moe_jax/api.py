@@ -383,8 +383,9 @@ def load_model(
     otherwise. `xla_ffi` (default: as `native`) turns the XLA FFI handlers alone on or off; `host_kernels` (a
     `host_kernels.KernelChoice`) replaces the host kernel choice. `quant`: "int8" (a scale per output column),
     "int4" (a float16 scale per group of 32 k-rows, llama.cpp's Q4_0 rule; "int4-g64", "int4-g128": groups of 64,
-    128), "mxfp4" (e2m1 values, a power of two per 32 k-rows: GPT-OSS's format, whose releases and MXFP4 GGUF files
-    load so on the host backend by default, code for code): the host experts are quantized as they are loaded and
+    128), "mxfp4" (e2m1 values, a power of two per 32 k-rows: GPT-OSS's format, whose releases load so on the host
+    backend by default, code for code; a quantized GGUF file's experts load by default in the closest of these,
+    Q4_0 and MXFP4 value for value, `moe_jax.convert`'s rule): the host experts are quantized as they are loaded and
     kept only so (a store converted with `moe_jax.convert --quant` is already, and says its format itself); the
     fused forward reads them, the engine's GEMMs (expert LoRA, training's backward) dequantize them expert by
     expert, so LoRA trains on the quantized base. The model's generation steps then read their dense weights

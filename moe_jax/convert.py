@@ -26,7 +26,7 @@ from moe_jax.formats.gguf_checkpoint import GGUFFile, is_gguf_file
 from moe_jax.formats.gguf_tokenizer import tokenizer_files
 from moe_jax.formats.hf_names import is_expert_tensor
 from moe_jax.formats.hub import resolve_model
-from moe_jax.formats.safetensors_io import save_safetensors
+from moe_jax.formats.safetensors_io import save_safetensors, write_safetensors
 from moe_jax.output_files import current_umask
 
 GGUF_CLOSEST = "closest"  # convert's default `quant`: a GGUF file's own format where moe_jax has it, else floats
@@ -51,7 +51,7 @@ def convert(
     checkpoint = open_checkpoint(resolve_model(source))
     gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
     if quant == GGUF_CLOSEST:
-        quant = gguf_file.closest_quant() if gguf_file is not None else checkpoint.shipped_quant()
+        quant = checkpoint.shipped_quant()
     if quant is not None and quant not in QUANTIZED:
         raise InputError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANTIZED)}")
     if checkpoint.is_converted:
@@ -85,8 +85,7 @@ def convert(
                 if (checkpoint.path / name).exists():
                     shutil.copy2(checkpoint.path / name, partial / name)
             drop_fp8_quantization(partial / "config.json")  # the converted weights are dequantized
-        dense = {n: checkpoint.tensors.get(n) for n in checkpoint.tensors.names() if not is_expert_tensor(n)}
-        save_safetensors(partial / "model.safetensors", dense)
+        write_dense(checkpoint, partial / "model.safetensors", storage)
         stores = [partial / (shard_store_name(s) if s else EXPERT_STORE_DIR) for s in shards]
         writers = [StoreWriter(store, dtype, quant) for store in stores]
         desc = f"converting experts{f' to {quant}' if quant else ''}"
@@ -114,6 +113,17 @@ def convert(
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # this run's own directory, if it was not renamed into place
     return out_dir
+
+
+def write_dense(checkpoint, path: Path, storage):
+    """The checkpoint's non-expert tensors into `path`: a GGUF file's one at a time in `storage` (float32 where the
+    file holds them so: GGUFFile.dense_layout), a Hugging Face checkpoint's as they are stored."""
+    names = [n for n in checkpoint.tensors.names() if not is_expert_tensor(n)]
+    if not isinstance(checkpoint.tensors, GGUFFile):
+        save_safetensors(path, {n: checkpoint.tensors.get(n) for n in names})
+        return
+    layout = checkpoint.tensors.dense_layout(names, storage)
+    write_safetensors(path, layout, lambda name: np.asarray(checkpoint.tensors.get(name), layout[name][1]))
 
 
 def check_destination(source: Path, out_dir: Path, overwrite: bool):

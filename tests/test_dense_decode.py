@@ -61,6 +61,19 @@ def test_same_sums_as_xla(m, k, n, dtype, kernel):
         np.testing.assert_array_equal(in_dtype, got.astype(dtype).astype(np.float32))  # rounded once, like XLA's
 
 
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_a_wide_weight_packs_in_column_chunks_as_it_would_whole(quant, monkeypatch):
+    """A head of 151,936 columns is packed PACK_COLUMNS at a time (its float32 temporaries whole were GBs): the
+    bytes are those of packing it at once, the last chunk's padding included."""
+    kernel, why = native_dense.dense_kernel(quant=quant)
+    if not kernel:
+        pytest.skip(why)
+    monkeypatch.setattr(native_dense, "PACK_COLUMNS", 64)
+    w = np.random.default_rng(0).standard_normal((96, 200)).astype(np.float32)  # 3 chunks and a part
+    whole = native_dense.KERNELS[kernel].pack(np.asarray(w, native_dense.KERNELS[kernel].pack_dtype)).data
+    np.testing.assert_array_equal(np.asarray(native_dense.pack_dense(w, kernel)), whole)
+
+
 @pytest.mark.parametrize("dtype, kernel", BOTH)
 @pytest.mark.parametrize("shape", [(65, 1, 64), (2, 3, 64), (4, 64)])
 def test_other_shapes_stay_in_xla(shape, dtype, kernel):

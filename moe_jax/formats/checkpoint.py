@@ -117,10 +117,12 @@ class Checkpoint:
         return stack_hf_experts(self.tensors, self.config, layer, dtype, experts)
 
     def shipped_quant(self) -> str | None:
-        """The quantized expert format the checkpoint itself holds that moe_jax keeps as it is: "mxfp4" for a
-        GPT-OSS release or a GGUF file with MXFP4 experts; None otherwise (float, or formats read as float)."""
+        """The quantized expert format the checkpoint's experts load as by default: "mxfp4" for a GPT-OSS release;
+        for a GGUF file with quantized experts the closest moe_jax has (Q4_0 -> int4 and MXFP4 -> mxfp4 value for
+        value, other types requantized: GGUFFile.closest_quant), so a quantized file takes about its own size in
+        RAM, as in llama.cpp; None otherwise (float experts)."""
         if isinstance(self.tensors, GGUFFile):
-            return "mxfp4" if self.tensors.experts_type() == "MXFP4" else None
+            return self.tensors.closest_quant()
         if isinstance(self.tensors, mxfp4.MXFP4Tensors) and self.config.moe_layers:
             gate_up, _ = hf_names.fused_expert_names(self.config, self.config.moe_layers[0])
             return "mxfp4" if self.tensors.is_quantized(gate_up) else None

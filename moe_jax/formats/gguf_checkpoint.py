@@ -200,6 +200,32 @@ class GGUFFile:
         experts, hidden, ffn = self.tensor_shape(f"blk.{key}.ffn_down_exps.weight", ndim=3)
         return (experts, hidden, ffn) if kind == "down" else (experts, 2 * ffn, hidden)
 
+    def dense_layout(self, names, dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """{name: (shape, dtype to store it in)} of the (dense) tensors `names`: float32 where the file holds every
+        part of it as F32 (norms, routers: small, and exact only so), else `dtype` (a converted model's dense
+        weights in its own precision: float32 values of a quantized file's blocks would take twice bfloat16's
+        bytes for nothing the bfloat16 model computes with)."""
+        f32 = gguf.GGMLQuantizationType.F32
+        layout = {}
+        for name in names:
+            parts = self._source_tensors(name)
+            exact = all(self.tensors[part].tensor_type == f32 for part in parts)
+            layout[name] = (self.shape(name), np.dtype(np.float32 if exact else dtype))
+        return layout
+
+    def _source_tensors(self, name: str) -> list[str]:
+        """The GGUF tensors a Hugging Face tensor is made of."""
+        kind, key = self._where(name)
+        if kind == "tensor":
+            return [key]
+        parts = {"qkvz": ("attn_qkv", "attn_gate"), "kv_b": ("attn_k_b", "attn_v_b")}.get(kind)
+        if parts is not None:
+            return [f"blk.{key}.{p}.weight" for p in parts]
+        if kind == "gate_up_bias":
+            return [f"blk.{key}.ffn_{p}_exps.bias" for p in ("gate", "up")]
+        gate_up, down = self._expert_tensors(key)
+        return [down] if kind == "down" else gate_up
+
     def release_pages(self):
         pass  # the file is memory-mapped read-only; its pages are the kernel's to drop
 
@@ -245,7 +271,7 @@ class GGUFFile:
         kind = self.tensors[gguf_name].tensor_type
         where = f"{self.path}: tensor {gguf_name!r}{what}"
         try:
-            array = np.asarray(gguf.quants.dequantize(data, kind), np.float32)
+            array = _dequantize(data, kind)
         except NotImplementedError:
             raise CheckpointError(f"{where} is {kind.name}, which the gguf package cannot dequantize") from None
         if array.size != math.prod(shape):
@@ -335,6 +361,22 @@ class GGUFFile:
         w2_q, w2_scale = codes.pop()
         w13_q, w13_scale = (np.concatenate(parts, axis=2) for parts in zip(*codes, strict=True))
         return w13_q, w13_scale, w2_q, w2_scale
+
+
+DEQUANTIZE_ROWS = 4096  # rows of a 2-d tensor dequantized at once: the package's temporaries stay small
+
+
+def _dequantize(data: np.ndarray, kind) -> np.ndarray:
+    """The gguf package's float32 values of `data`, DEQUANTIZE_ROWS rows at a time into one array (its
+    dequantizers' temporaries for a whole 151,936-row head came to several times the head's float32 bytes)."""
+    if data.ndim != 2 or data.shape[0] <= DEQUANTIZE_ROWS:
+        return np.asarray(gguf.quants.dequantize(data, kind), np.float32)
+    first = np.asarray(gguf.quants.dequantize(data[:DEQUANTIZE_ROWS], kind), np.float32)
+    out = np.empty((data.shape[0], *first.shape[1:]), np.float32)
+    out[:DEQUANTIZE_ROWS] = first
+    for row in range(DEQUANTIZE_ROWS, data.shape[0], DEQUANTIZE_ROWS):
+        out[row : row + DEQUANTIZE_ROWS] = gguf.quants.dequantize(data[row : row + DEQUANTIZE_ROWS], kind)
+    return out
 
 
 def _mxfp4_codes(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -234,21 +234,41 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 def save_safetensors(path: Path, tensors: dict[str, np.ndarray]):
     """Writes `tensors` to `path` atomically (temporary file, then rename), any dtype the reader knows."""
+    layout = {name: (tuple(array.shape), array.dtype) for name, array in tensors.items()}
+    write_safetensors(path, layout, lambda name: tensors[name])
+
+
+def write_safetensors(path: Path, layout: dict[str, tuple[tuple[int, ...], np.dtype]], read):
+    """Writes the tensors `layout` names ({name: (shape, dtype)}, in file order) to `path` atomically, asking
+    `read(name)` for each only when its turn comes: one tensor in memory at a time, whatever the checkpoint's
+    size. A tensor whose shape or dtype is not the one declared is refused by name (nothing is left behind)."""
     header, offset = {}, 0
-    for name, array in tensors.items():
-        code = _CODES.get(np.dtype(array.dtype))
+    for name, (shape, dtype) in layout.items():
+        code = _CODES.get(np.dtype(dtype))
         if code is None:
-            raise CheckpointError(f"{path}: cannot store tensor {name!r} of dtype {array.dtype}")
-        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+            raise CheckpointError(f"{path}: cannot store tensor {name!r} of dtype {dtype}")
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for array in tensors.values():
-            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, (shape, dtype) in layout.items():
+                array = read(name)
+                if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} is {array.dtype} {tuple(array.shape)}, declared {np.dtype(dtype)} "
+                        f"{tuple(shape)}"
+                    )
+                f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+                del array
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from host_kernels import BF16, KERNELS, HugePageArena, best_kernel, kernel_table
+from host_kernels import BF16, KERNELS, HugePageArena, aligned_empty, best_kernel, kernel_table
 from moe_jax.native import ffi
 
 TARGET = "moe_jax_dense"
@@ -59,16 +59,32 @@ def huge_page_packing():
     return HugePageArena().empty
 
 
+PACK_COLUMNS = 4096  # columns quantized and packed at once: a whole 151,936-token head's float32 temporaries are GBs
+
+
 def pack_dense(w_kn, kernel: str, empty=None) -> jax.Array:
     """A [k, n] weight packed for `kernel` (as the fused forward packs for it: bfloat16 in the AMX tile layout,
     which the AVX512-BF16 kernel reads too, int8 with a scale per column, or int4 with one per group), in an
-    array from `empty` where given (a HugePageArena's `empty` puts it on huge pages)."""
+    array from `empty` where given (a HugePageArena's `empty` puts it on huge pages). Every layout is a column
+    block after another, so a wide weight is packed PACK_COLUMNS columns at a time into its place."""
     k = KERNELS[kernel]
+    empty = empty or aligned_empty
+    w_kn = np.asarray(w_kn)
+    n = w_kn.shape[1]
+    if n <= PACK_COLUMNS:
+        data = k.pack(np.asarray(w_kn, k.pack_dtype), empty).data
+    else:
+        first = k.pack(np.asarray(w_kn[:, :PACK_COLUMNS], k.pack_dtype)).data
+        columns = PACK_COLUMNS // first.shape[0]  # a block's columns
+        data = empty((-(-n // columns), *first.shape[1:]), first.dtype)
+        data[: first.shape[0]] = first
+        for start in range(PACK_COLUMNS, n, PACK_COLUMNS):
+            part = k.pack(np.asarray(w_kn[:, start : start + PACK_COLUMNS], k.pack_dtype)).data
+            data[start // columns : start // columns + part.shape[0]] = part
     # device_put on XLA:CPU takes the aligned packed array as it is, with the huge pages numpy's allocator asked
     # for; jnp.asarray copied it onto 4 KB pages, where the kernels streamed a [2048, 32768] bfloat16 head from
     # DRAM slower
-    w_kn = np.asarray(w_kn, k.pack_dtype)
-    return jax.device_put((k.pack(w_kn) if empty is None else k.pack(w_kn, empty)).data)
+    return jax.device_put(data)
 
 
 def dense_rows_call(x_mk, packed_w, n: int, kernel: str):
