@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from bench.common import markdown_table, print_table, report_header, write_json, write_report  # noqa: E402
 from bench.full_scale_gguf import FULL_SHAPES  # noqa: E402
 
@@ -131,11 +133,24 @@ def child_generate(source: str, cases: list[str]):
         reset_peak()
         batch, new, prompt = (int(case[8:]), NEW, PROMPT) if case.startswith("decode") else (1, 0, int(case[8:]))
         runner = engine_runner(model, batch, new, prompt, temperature=TEMPERATURE)
+        model.metrics()  # the routing counts from here on are the timed run's
         speed = runner()["decode_tok_s" if new else "prefill_tok_s"]
         live = sum(a.nbytes for a in jax.live_arrays())  # the dense weights, their packed copies, the KV cache
         result[case] = {"tok_s": speed, "peak_rss_gib": process_memory()["VmHWM"] / GIB, "live_arrays_gib": live / GIB}
+        result[case] |= routing_spread(model.metrics().tokens_per_expert)
         del runner
     print(RESULT + json.dumps(result), flush=True)
+
+
+def routing_spread(tokens_per_expert: dict) -> dict:
+    """How the run's tokens spread over each layer's experts (means over layers): the share of experts that got
+    any, and the busiest expert's tokens over the mean. Text spreads over nearly all of them at a prefill's size;
+    a random-weight model whose hidden states collapse sends everything to a few (bench/full_scale_gguf.py)."""
+    if not tokens_per_expert:
+        return {}
+    counts = [np.asarray(c, np.float64) for c in tokens_per_expert.values()]
+    used = statistics.mean(float((c > 0).mean()) for c in counts)
+    return {"experts_used": used, "busiest_over_mean": statistics.mean(float(c.max() / c.mean()) for c in counts)}
 
 
 def child_train(source: str):
@@ -202,12 +217,14 @@ def rounds_table(rounds: list[dict], cases: list[str]) -> list[dict]:
 
 
 def memory_rows(moe: dict) -> list[dict]:
-    """Per case, moe_jax's peak resident set against the store + live arrays it holds."""
+    """Per case, moe_jax's peak resident set against the store + live arrays it holds, and how its tokens spread
+    over the experts (routing_spread)."""
     rows = []
     for case in CASES:
         held = moe["store_gib"] + moe[case]["live_arrays_gib"]
         rows.append({"case": case, "peak RSS GiB": moe[case]["peak_rss_gib"], "store + live arrays GiB": held})
         rows[-1]["ratio"] = moe[case]["peak_rss_gib"] / held
+        rows[-1] |= {k: moe[case][k] for k in ("experts_used", "busiest_over_mean") if k in moe[case]}
     return rows
 
 
@@ -292,7 +309,8 @@ def full_report(report: dict, speed: list[dict], memory: list[dict]) -> list[str
     lines += ["## Steps (memory: peak resident / anonymous GiB of the step's process)", "", *markdown_table(steps), ""]
     title = f"## Tokens/s, {len(report['rounds'])} rounds, {report['threads']} threads"
     lines += [title, "", *markdown_table(speed), ""]
-    lines += ["## moe_jax's peak memory per case against what it holds", "", *markdown_table(memory), ""]
+    lines += ["## moe_jax's peak memory per case against what it holds; the routing's spread", ""]
+    lines += [*markdown_table(memory), ""]
     return lines
 
 

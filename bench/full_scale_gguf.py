@@ -20,6 +20,11 @@ from tqdm import tqdm
 
 Q = gguf.GGMLQuantizationType
 WEIGHT_STD = 0.02  # what a random initialisation gives a real model's products (keeps 48 layers' activations sane)
+# The embedding's values are far larger than what a layer adds, so every layer's router sees the token itself: with
+# embeddings of the products' size, 48 random layers (attention averaging values over positions) pull every
+# position's hidden state towards one shared direction and the routers send every token to the same few experts,
+# which no text does (and which flatters every engine: fewer experts' bytes read).
+EMBED_STD = 1.0
 
 
 class FullShape(NamedTuple):
@@ -91,7 +96,9 @@ def tensor_plan(shape: FullShape) -> list[tuple[str, tuple[int, ...], Q]]:
 
 def random_tensor(rng, name: str, shape: tuple[int, ...], kind: Q) -> np.ndarray:
     """Random contents of one tensor: norms ones, float32 normal, Q4_0 / Q6_K blocks of uniform codes whose scales
-    give values of about WEIGHT_STD (a scale per block drawn within +-25%)."""
+    give values of about WEIGHT_STD (EMBED_STD for the embedding; a scale per block drawn within +-25%). Q4_0's
+    codes are drawn with mean 0 (code -8 becomes 0): uniform codes -8..7 would give every row of every product the
+    same offset, a direction all hidden states share."""
     if kind == Q.F32:
         if name.endswith("norm.weight"):
             return np.ones(shape, np.float32)
@@ -99,13 +106,17 @@ def random_tensor(rng, name: str, shape: tuple[int, ...], kind: Q) -> np.ndarray
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = int(np.prod(shape)) // block_values
     data = np.frombuffer(rng.bytes(blocks * block_bytes), np.uint8).reshape(blocks, block_bytes).copy()
-    jitter = rng.uniform(0.75, 1.25, blocks)
-    if kind == Q.Q4_0:  # d (float16), then 16 bytes of two 4-bit codes q; value = d (q - 8), std(q - 8) ~ 4.6
-        data[:, :2] = (jitter * WEIGHT_STD / 4.6).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    jitter = rng.uniform(0.75, 1.25, blocks) * (EMBED_STD if name == "token_embd.weight" else WEIGHT_STD)
+    if kind == Q.Q4_0:  # d (float16), then 16 bytes of two 4-bit codes q; value = d (q - 8), std(q - 8) ~ 4.2
+        codes = data[:, 2:]
+        low, high = codes & 0x0F, codes >> 4
+        low[low == 0], high[high == 0] = 8, 8
+        data[:, 2:] = low | (high << 4)
+        data[:, :2] = (jitter / 4.2).astype(np.float16).view(np.uint8).reshape(blocks, 2)
     elif kind == Q.Q6_K:  # ql[128], qh[64], 16 int8 scales, d (float16); value = d sc (q - 32), std(q - 32) ~ 18.5
         scales = rng.integers(8, 24, (blocks, 16)).astype(np.int8)
         data[:, 192:208] = scales.view(np.uint8)
-        data[:, 208:] = (jitter * WEIGHT_STD / (18.5 * 16)).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+        data[:, 208:] = (jitter / (18.5 * 16)).astype(np.float16).view(np.uint8).reshape(blocks, 2)
     else:
         raise ValueError(f"{name}: no random blocks for {kind.name}")
     return data.reshape(*shape[:-1], shape[-1] // block_values * block_bytes)

@@ -2,6 +2,7 @@
 
     python bench/vs_llamacpp.py --llama-cpp DIR [--shape bench|qwen3-30b-a3b] [--pairs f32,bf16,int8,int4] [--rounds 5]
     python bench/vs_llamacpp.py --llama-cpp DIR --shape gpt-oss-20b --pairs mxfp4
+    python bench/vs_llamacpp.py --llama-cpp DIR --ik-llama-cpp IK_DIR ...  # with ik_llama.cpp (bench/ik_llama.py)
 
 DIR (or $LLAMA_CPP_DIR) is a llama.cpp source tree with its tools built. llama.cpp is not a dependency of this
 project; to build one here (~10 minutes on 2 cores), from the sources the llama-cpp-python sdist carries:
@@ -67,6 +68,7 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
+from bench.ik_llama import VARIANTS, ik_batched_bench, ik_case  # noqa: E402
 from bench.infer import NEW, PREFILL, PROMPT, engine_runner  # noqa: E402
 from bench.models import add_shape_argument, bench_model_dir, mxfp4_release_dir, use_shape  # noqa: E402
 from host_kernels import default_threads  # noqa: E402
@@ -213,12 +215,12 @@ def moe_jax_case(runner, case: str) -> float:
     return runner()["prefill_tok_s" if case.startswith("prefill") else "decode_tok_s"]
 
 
-def round_ratios(rounds: dict[str, list[dict]]) -> dict[str, list[float]]:
-    """Per case, moe_jax / llama.cpp of each round: the two ran back to back, so each ratio saw one stretch of the
+def round_ratios(rounds: dict[str, list[dict]], engine: str = "llama.cpp") -> dict[str, list[float]]:
+    """Per case, moe_jax / `engine` of each round: the two ran back to back, so each ratio saw one stretch of the
     machine (whose memory speed moves by up to 1.5x from minute to minute here), which the ratio of the two sides'
-    medians would not (rounds where llama.cpp printed no result for a case are left out of that case)."""
+    medians would not (rounds where the engine printed no result for a case are left out of that case)."""
     ratios: dict[str, list[float]] = {}
-    for llama, ours in zip(rounds["llama.cpp"], rounds["moe_jax"], strict=True):
+    for llama, ours in zip(rounds[engine], rounds["moe_jax"], strict=True):
         for case, value in ours.items():
             if case in llama:
                 ratios.setdefault(case, []).append(value / llama[case])
@@ -232,6 +234,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--no-repack", action="store_true", help="llama.cpp without repacked weights (no AMX)")
+    parser.add_argument(
+        "--ik-llama-cpp",
+        type=Path,
+        default=os.environ.get("IK_LLAMA_CPP_DIR"),
+        help="an ik_llama.cpp tree (bench/ik_llama.py: how to build it): its -rtr runs, fused MoE on and off, as sides",
+    )
     add_shape_argument(parser)
     args = parser.parse_args()
     use_shape(args.shape)
@@ -241,6 +249,7 @@ def main():
     if "mxfp4" in pairs and not args.shape.startswith("gpt-oss"):
         parser.error("the mxfp4 pair reads a GPT-OSS release: give --shape gpt-oss-20b")
     tools = llama_tools(args.llama_cpp)
+    ik = ik_batched_bench(args.ik_llama_cpp) if args.ik_llama_cpp else None
     print(machine_info())
     rows, raw = [], {}
     for pair in pairs:
@@ -254,13 +263,17 @@ def main():
         except MemoryLimitError as e:  # the other pairs still run; the table says why this one is missing
             rows.append({"pair": pair, "side": f"moe_jax: not run ({e})"})
             runners = None
-        rounds = {"llama.cpp": [], "moe_jax": []} if runners else {"llama.cpp": []}
+        engines = ["llama.cpp", *(VARIANTS if ik else ())]
+        rounds = {side: [] for side in [*engines, *(["moe_jax"] if runners else [])]}
         for i in range(args.rounds):
             results = {side: {} for side in rounds}
             for case in CASES:
                 # each case A B, then B A the next round: the two runs a few seconds apart see the same stretch of
                 # a noisy machine, and neither always goes first
                 sides = [("llama.cpp", partial(llama_case, tools, model_file, args.threads, case))]
+                for variant, flags in VARIANTS.items() if ik else ():
+                    run_ik = partial(ik_case, ik, model_file, args.threads, case, flags, PROMPT, NEW, PREFILL)
+                    sides.append((variant, run_ik))
                 if runners:
                     sides.append(("moe_jax", partial(moe_jax_case, runners[case], case)))
                 for side, run in sides if i % 2 == 0 else sides[::-1]:
@@ -274,13 +287,13 @@ def main():
                 # a llama-batched-bench run now and then leaves a case out of its output: the others' median
                 cases = dict.fromkeys(case for r in results for case in r)
                 median = {case: float(np.median([r[case] for r in results if case in r])) for case in cases}
-                llama = f"llama.cpp {'MXFP4 experts, ' if release else ''}{kind}"
-                llama += " --no-repack" if model_file in NO_REPACK else ""
+                llama = f"{side} {'MXFP4 experts, ' if release else ''}{kind}"
+                llama += " --no-repack" if model_file in NO_REPACK and side == "llama.cpp" else ""
                 rows.append({"pair": pair, "side": side if side == "moe_jax" else llama, **median})
-        if runners:
-            ratios = round_ratios(rounds)
+        for engine in engines if runners else ():
+            ratios = round_ratios(rounds, engine)
             medians = {case: float(np.median(r)) for case, r in ratios.items()}
-            rows.append({"pair": pair, "side": "moe_jax / llama.cpp"} | medians)
+            rows.append({"pair": pair, "side": f"moe_jax / {engine}"} | medians)
             rows.append({"pair": pair, "side": "  lowest round"} | {c: min(r) for c, r in ratios.items()})
         print_table(f"{pair}, tokens/s (medians of {args.rounds} rounds)", [r for r in rows if r["pair"] == pair])
         del runners  # and their model, before the next pair loads its own (on Qwen3's dims float32 holds ~11 GB)
@@ -290,8 +303,8 @@ def main():
     write_json(name, {"shape": args.shape, "threads": args.threads, "rows": rows, "raw": raw})
     title = f"moe_jax against llama.cpp, {args.shape} shape, {args.threads} threads: tokens/s and their ratio"
     routing = (
-        f"Decode tokens route as text does on both sides: llama-batched-bench feeds a random id each step, moe_jax "
-        f"samples at temperature {SAMPLED}."
+        "Tokens route as text does on every side: llama-batched-bench feeds random ids (ik_llama.cpp's patched to, "
+        f"bench/ik_llama.py), moe_jax samples at temperature {SAMPLED}."
     )
     write_report(name, [*report_header(title), routing, "", *markdown_table(rows), ""])
 

@@ -27,6 +27,7 @@ from moe_jax.distributed import ExpertShard
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.adapters import MOE_JAX_CONFIG, PEFT_CONFIG, apply_adapter, projection_adapters, read_adapter
 from moe_jax.formats.checkpoint import Checkpoint, open_checkpoint
+from moe_jax.formats.gguf_checkpoint import GGUFFile
 from moe_jax.formats.hub import resolve_model
 from moe_jax.formats.tokenizer import Tokenizer, load_tokenizer
 from moe_jax.generation.compiled import CompiledGeneration
@@ -498,7 +499,8 @@ def _build(checkpoint, backend: str, jdtype, dtype: str, plan, options: Placemen
     # the weights read from the files are copies by now, or views JAX kept in place (a table already in the
     # model's dtype, such as the embedding): those read their pages back as they are used (only the rows used)
     checkpoint.tensors.release_pages()
-    return Model(transformer, load_tokenizer(checkpoint.path), placement, dtype, checkpoint, plan)
+    gguf_file = checkpoint.tensors if isinstance(checkpoint.tensors, GGUFFile) else None
+    return Model(transformer, load_tokenizer(checkpoint.path, gguf_file), placement, dtype, checkpoint, plan)
 
 
 def stored_quant(checkpoint, quant: str | None) -> str | None:

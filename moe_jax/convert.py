@@ -44,7 +44,8 @@ def convert(
     """Writes the converted checkpoint of `source` (a Hugging Face directory or a .gguf file) to `out_dir` and
     returns it. `out_dir` must not exist or be empty, unless `overwrite` (then it is replaced, only once the new one
     is complete and verified). `quant` (a host_kernels.QUANTIZED name): the experts are stored quantized, packed for
-    their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are. None:
+    their kernel (`dtype` is then the one their products take rows in); the dense weights stay as they are (a GGUF
+    file's in `dtype`, but what it holds as F32: write_dense). None:
     float experts; by default a GGUF file's experts take the format closest to theirs (see the module's doc), and
     an MXFP4 release's stay MXFP4.
     `expert_shards` N > 1: the experts in N stores of 1/N of every layer's (expert parallel)."""

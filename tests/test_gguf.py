@@ -126,6 +126,24 @@ def test_q4_0_experts_convert_to_int4_value_for_value(tmp_path):
     assert np.abs(converted - reference).max() < 0.1  # the int4 kernels quantize their activations to int8
 
 
+def test_a_quantized_file_loads_and_converts_as_llama_cpp_holds_it(tmp_path):
+    """Q8_0 dense weights and Q4_0 experts: a direct load keeps the experts int4 (about the file's own size in RAM,
+    not bfloat16's 3.5x), and convert stores the dense weights in the model's bfloat16 (what the file holds as F32,
+    norms and routers, in float32): the converted model computes the direct load's logits bit for bit."""
+    from moe_jax.formats.safetensors_io import SafetensorsFile
+
+    hf = make_hf_model("qwen3_moe", moe_intermediate_size=32)
+    path = write_gguf(hf, tmp_path / "model.gguf", dense="Q8_0", experts="Q4_0")
+    direct = moe_jax.load_model(path, backend="host")
+    assert (direct.dtype, direct.plan.quant) == ("bfloat16", "int4")
+    out = convert(path, tmp_path / "converted", progress=False)
+    dense = SafetensorsFile(out / "model.safetensors")
+    codes = {name: dense.dtype_code(name) for name in dense.keys()}
+    assert codes["model.layers.0.self_attn.q_proj.weight"] == codes["lm_head.weight"] == "BF16"
+    assert codes["model.layers.0.input_layernorm.weight"] == codes["model.layers.0.mlp.gate.weight"] == "F32"
+    np.testing.assert_array_equal(moe_jax.load_model(out, backend="host").logits(IDS), direct.logits(IDS))
+
+
 def test_q8_0_experts_convert_to_int8_within_its_error(tmp_path):
     """Q8_0's scale per 32 weights does not fit int8's one per output column: requantized, said so, close."""
     hf = make_hf_model("qwen3_moe", moe_intermediate_size=32)

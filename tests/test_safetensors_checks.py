@@ -114,3 +114,29 @@ def test_bad_shard_index(tmp_path, weight_map, message):
     with pytest.raises(CheckpointError, match="model.safetensors.index.json") as info:
         TensorSource.open(directory)
     assert message in str(info.value)
+
+
+def test_streamed_writes_read_each_tensor_in_turn_and_refuse_one_unlike_its_declaration(tmp_path):
+    """write_safetensors asks for each tensor only when it is written (convert's one GGUF tensor in memory at a time);
+    one of another shape or dtype than declared is refused by name and no file is left, not even the temporary."""
+    import ml_dtypes
+
+    from moe_jax.formats.safetensors_io import write_safetensors
+
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, ml_dtypes.bfloat16)}
+    layout = {name: (a.shape, a.dtype) for name, a in arrays.items()}
+    asked = []
+
+    def read(name):
+        asked.append(name)
+        return arrays[name]
+
+    write_safetensors(tmp_path / "x.safetensors", layout, read)
+    assert asked == ["a", "b"]
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    np.testing.assert_array_equal(f.get("a"), arrays["a"])
+    assert f.dtype_code("b") == "BF16"
+    wrong = {**layout, "b": ((4,), np.dtype(np.float32))}
+    with pytest.raises(CheckpointError, match=r"tensor 'b' is bfloat16 \(4,\), declared float32 \(4,\)"):
+        write_safetensors(tmp_path / "y.safetensors", wrong, read)
+    assert not list(tmp_path.glob("y.safetensors*"))

@@ -127,9 +127,10 @@ def _token_text(value):
     return value
 
 
-def load_tokenizer(path: Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint directory or .gguf file; None when it has none."""
+def load_tokenizer(path: Path, gguf_file: GGUFFile | None = None) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory or .gguf file (`gguf_file`: that file already opened, whose metadata
+    is not read again); None when it has none."""
     if is_gguf_file(path):
-        files = tokenizer_files(GGUFFile(path))
+        files = tokenizer_files(gguf_file or GGUFFile(path))
         return Tokenizer(path, files) if files is not None else None
     return Tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
