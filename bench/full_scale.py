@@ -306,6 +306,15 @@ def full_report(report: dict, speed: list[dict], memory: list[dict]) -> list[str
         steps.append({"step": "LoRA step 1 x 512", "seconds": train["step_s"]})
         steps[-1] |= {k: train[k] for k in ("peak_rss_gib", "peak_anon_gib")}
     lines = report_header(f"Full scale: {report['shape']}, whole, Q4_0, on this machine")
+    lines += [
+        "One GGUF file for both engines, random weights written by bench/full_scale_gguf.py (its scales keep every",
+        "layer's routing spread over the experts as text's is: the last table's `experts_used` is the share of each",
+        "layer's experts that got a token, `busiest_over_mean` the busiest one's load over the mean). moe_jax samples",
+        f"at temperature {TEMPERATURE}; llama-batched-bench feeds random ids. Decode: {PROMPT}-token prompts,",
+        f"{NEW} new tokens a row; prefill: one prompt. Memory: peak resident (file pages included) and anonymous GiB",
+        "of each step's own process, sampled from /proc.",
+        "",
+    ]
     lines += ["## Steps (memory: peak resident / anonymous GiB of the step's process)", "", *markdown_table(steps), ""]
     title = f"## Tokens/s, {len(report['rounds'])} rounds, {report['threads']} threads"
     lines += [title, "", *markdown_table(speed), ""]

@@ -19,11 +19,14 @@ import numpy as np
 from tqdm import tqdm
 
 Q = gguf.GGMLQuantizationType
-WEIGHT_STD = 0.02  # what a random initialisation gives a real model's products (keeps 48 layers' activations sane)
-# The embedding's values are far larger than what a layer adds, so every layer's router sees the token itself: with
-# embeddings of the products' size, 48 random layers (attention averaging values over positions) pull every
-# position's hidden state towards one shared direction and the routers send every token to the same few experts,
-# which no text does (and which flatters every engine: fewer experts' bytes read).
+WEIGHT_STD = 0.02  # what a random initialisation gives a real model's products
+# Random layers must not pull every position's hidden state towards one direction, or the routers send every token
+# to the same few experts, which no text does (and which flatters every engine: fewer experts' bytes read). Attention
+# averages its values over positions, so what the positions share passes through each layer's o.v product, whose
+# gain at WEIGHT_STD is about 1: it compounds over 48 layers, and by the fourth layer a quarter of the experts got
+# every token. So the products that write into the residual stream (attention's output, the experts' down) are
+# scaled by 1 / sqrt(2 x layers), as GPT-2's initialisation scales them, and the embedding is large against what
+# the layers add: every layer's router then sees the token itself.
 EMBED_STD = 1.0
 
 
@@ -94,9 +97,18 @@ def tensor_plan(shape: FullShape) -> list[tuple[str, tuple[int, ...], Q]]:
     return plan
 
 
-def random_tensor(rng, name: str, shape: tuple[int, ...], kind: Q) -> np.ndarray:
+def value_std(name: str, layers: int) -> float:
+    """The standard deviation of a tensor's values (see WEIGHT_STD)."""
+    if name == "token_embd.weight":
+        return EMBED_STD
+    if name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+        return WEIGHT_STD / (2 * layers) ** 0.5
+    return WEIGHT_STD
+
+
+def random_tensor(rng, name: str, shape: tuple[int, ...], kind: Q, layers: int) -> np.ndarray:
     """Random contents of one tensor: norms ones, float32 normal, Q4_0 / Q6_K blocks of uniform codes whose scales
-    give values of about WEIGHT_STD (EMBED_STD for the embedding; a scale per block drawn within +-25%). Q4_0's
+    give values of about value_std's (a scale per block drawn within +-25%). Q4_0's
     codes are drawn with mean 0 (code -8 becomes 0): uniform codes -8..7 would give every row of every product the
     same offset, a direction all hidden states share."""
     if kind == Q.F32:
@@ -106,7 +118,7 @@ def random_tensor(rng, name: str, shape: tuple[int, ...], kind: Q) -> np.ndarray
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = int(np.prod(shape)) // block_values
     data = np.frombuffer(rng.bytes(blocks * block_bytes), np.uint8).reshape(blocks, block_bytes).copy()
-    jitter = rng.uniform(0.75, 1.25, blocks) * (EMBED_STD if name == "token_embd.weight" else WEIGHT_STD)
+    jitter = rng.uniform(0.75, 1.25, blocks) * value_std(name, layers)
     if kind == Q.Q4_0:  # d (float16), then 16 bytes of two 4-bit codes q; value = d (q - 8), std(q - 8) ~ 4.2
         codes = data[:, 2:]
         low, high = codes & 0x0F, codes >> 4
@@ -190,7 +202,7 @@ def write_random_gguf(path: Path, shape_name: str, seed: int = 0, progress: bool
     total = sum(int(np.prod(d)) // gguf.GGML_QUANT_SIZES[k][0] * gguf.GGML_QUANT_SIZES[k][1] for _, d, k in plan)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {path.name}", disable=not progress) as bar:
         for name, dims, kind in plan:
-            data = random_tensor(rng, name, dims, kind)
+            data = random_tensor(rng, name, dims, kind, shape.layers)
             writer.write_tensor_data(data)
             bar.update(data.nbytes)
     writer.close()
