@@ -135,11 +135,17 @@ def child_generate(source: str, cases: list[str]):
         runner = engine_runner(model, batch, new, prompt, temperature=TEMPERATURE)
         model.metrics()  # the routing counts from here on are the timed run's
         speed = runner()["decode_tok_s" if new else "prefill_tok_s"]
-        live = sum(a.nbytes for a in jax.live_arrays())  # the dense weights, their packed copies, the KV cache
+        live = held_bytes(jax.live_arrays())  # the dense weights, their packed copies, the KV cache
         result[case] = {"tok_s": speed, "peak_rss_gib": process_memory()["VmHWM"] / GIB, "live_arrays_gib": live / GIB}
         result[case] |= routing_spread(model.metrics().tokens_per_expert)
         del runner
     print(RESULT + json.dumps(result), flush=True)
+
+
+def held_bytes(arrays) -> int:
+    """The bytes of JAX arrays, each buffer once: numpy's view of an array on XLA:CPU is listed as a live array of
+    its own over the same memory (every weight packed from was counted twice)."""
+    return sum({a.unsafe_buffer_pointer(): a.nbytes for a in arrays}.values())
 
 
 def routing_spread(tokens_per_expert: dict) -> dict:

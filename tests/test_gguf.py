@@ -129,7 +129,7 @@ def test_q4_0_experts_convert_to_int4_value_for_value(tmp_path):
 def test_a_quantized_file_loads_and_converts_as_llama_cpp_holds_it(tmp_path):
     """Q8_0 dense weights and Q4_0 experts: a direct load keeps the experts int4 (about the file's own size in RAM,
     not bfloat16's 3.5x), and convert stores the dense weights in the model's bfloat16 (what the file holds as F32,
-    norms and routers, in float32): the converted model computes the direct load's logits bit for bit."""
+    the norms here, in float32): the converted model computes the direct load's logits bit for bit."""
     from moe_jax.formats.safetensors_io import SafetensorsFile
 
     hf = make_hf_model("qwen3_moe", moe_intermediate_size=32)
@@ -139,8 +139,8 @@ def test_a_quantized_file_loads_and_converts_as_llama_cpp_holds_it(tmp_path):
     out = convert(path, tmp_path / "converted", progress=False)
     dense = SafetensorsFile(out / "model.safetensors")
     codes = {name: dense.dtype_code(name) for name in dense.keys()}
-    assert codes["model.layers.0.self_attn.q_proj.weight"] == codes["lm_head.weight"] == "BF16"
-    assert codes["model.layers.0.input_layernorm.weight"] == codes["model.layers.0.mlp.gate.weight"] == "F32"
+    assert codes["model.layers.0.self_attn.q_proj.weight"] == codes["model.embed_tokens.weight"] == "BF16"
+    assert codes["model.layers.0.input_layernorm.weight"] == codes["model.layers.0.self_attn.q_norm.weight"] == "F32"
     np.testing.assert_array_equal(moe_jax.load_model(out, backend="host").logits(IDS), direct.logits(IDS))
 
 
