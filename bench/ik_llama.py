@@ -1,6 +1,6 @@
 """ik_llama.cpp, the llama.cpp fork people pick for MoE models on CPUs, as sides of bench/vs_llamacpp.py: its
 llama-batched-bench on the same GGUF files, with run-time repacking (`-rtr`), its fused MoE on (its default) and off
-(`-no-fmoe`).
+(`-no-fmoe`), its flash attention off (see VARIANTS).
 
 Stock, its batched-bench feeds token 0 at every position of every sequence, so every row routes to the same experts
 (which flatters it against any engine decoding text); built here with the one change that makes it feed random ids
@@ -26,7 +26,8 @@ from pathlib import Path
 
 RANDOM_IDS = "std::rand() % llama_n_vocab(model)"  # the patched batched-bench's token
 SOURCE = Path("examples") / "batched-bench" / "batched-bench.cpp"
-VARIANTS = {"ik_llama.cpp -rtr": ["-rtr"], "ik_llama.cpp -rtr -no-fmoe": ["-rtr", "-no-fmoe"]}
+# without its flash attention: on 16 sequences of random ids it aborts (GGML_ASSERT(S > 0), iqk_fa_templates.h)
+VARIANTS = {"ik_llama.cpp -rtr": ["-rtr", "-no-fa"], "ik_llama.cpp -rtr -no-fmoe": ["-rtr", "-no-fmoe", "-no-fa"]}
 # its table's columns: PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s
 S_PP, S_TG = 5, 7
 
@@ -52,8 +53,8 @@ def ik_case(binary: Path, model: Path, threads: int, case: str, flags: list[str]
         args, column = ["-npp", str(prompt), "-ntg", str(new), "-npl", case.removeprefix("decode b")], S_TG
     cmd = [str(binary), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512", "-t", str(threads)]
     cmd += ["-tb", str(threads), *flags, *args]
-    with tempfile.TemporaryFile("w+") as out:
-        subprocess.run(cmd, stdout=out, stderr=subprocess.DEVNULL, check=True)
+    with tempfile.TemporaryFile("w+") as out:  # (it prints its table with its log, on stderr)
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=out, check=True)
         out.seek(0)
         rows = [line.strip("|\n").split("|") for line in out if line.startswith("|")]
     values = [float(r[column]) for r in rows if len(r) > column and r[0].strip().isdigit()]
