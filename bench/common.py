@@ -60,6 +60,24 @@ def gemv_streaming(rng, nbytes, threads):
     return gbps
 
 
+def batched_bench_command(binary, model, threads: int) -> list[str]:
+    """llama-batched-bench (llama.cpp's or ik_llama.cpp's) on `model` with every benchmark's settings: a 4096-token
+    context, batches of 2048 in micro-batches of 512, `threads` threads for decode and prefill alike."""
+    sizes = ["-c", "4096", "-b", "2048", "-ub", "512"]
+    return [str(binary), "-m", str(model), *sizes, "-t", str(threads), "-tb", str(threads)]
+
+
+def process_memory(pid="self") -> dict[str, int]:
+    """A process's memory figures (VmRSS, VmHWM, RssAnon, ...) from /proc/PID/status in bytes (empty once it has
+    exited)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    fields = (line.split(":", 1) for line in lines if line.startswith(("Vm", "Rss")))
+    return {k: int(v.split()[0]) * 1024 for k, v in fields}
+
+
 def comma_choices(parser, value: str, choices, flag: str) -> list[str]:
     """The names in a comma-separated option, each one of `choices`; a parser error naming them otherwise."""
     names = [n.strip() for n in value.split(",") if n.strip()]

@@ -35,7 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench.common import markdown_table, print_table, report_header, write_json, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    batched_bench_command,
+    markdown_table,
+    print_table,
+    process_memory,
+    report_header,
+    write_json,
+    write_report,
+)
 from bench.full_scale_gguf import FULL_SHAPES  # noqa: E402
 
 PROMPT, NEW, BATCHES, PREFILLS = 32, 32, (1, 16), (512, 2048)
@@ -66,16 +74,6 @@ class MemoryPeak:
         self._done.set()
         self._thread.join()
         return {"peak_rss_gib": self.rss / GIB, "peak_anon_gib": self.anon / GIB}
-
-
-def process_memory(pid="self") -> dict[str, int]:
-    """A process's memory figures from /proc/PID/status in bytes (empty once it has exited)."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except (FileNotFoundError, ProcessLookupError):
-        return {}
-    fields = (line.split(":", 1) for line in lines if line.startswith(("Vm", "Rss")))
-    return {k: int(v.split()[0]) * 1024 for k, v in fields}
 
 
 def run_measured(cmd: list[str], what: str) -> tuple[str, float, dict]:
@@ -180,8 +178,7 @@ def moe_jax_run(source: Path, cases: list[str]) -> dict:
 
 def llama_run(tools: dict, model: Path) -> dict:
     """llama-batched-bench on `model`: the decode cases in one process, the prefill ones in another."""
-    base = [str(tools["batched_bench"]), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512"]
-    base += ["-t", str(THREADS), "-tb", str(THREADS), "--output-format", "jsonl"]
+    base = [*batched_bench_command(tools["batched_bench"], model, THREADS), "--output-format", "jsonl"]
     decode = ["-npp", str(PROMPT), "-ntg", str(NEW), "-npl", ",".join(map(str, BATCHES))]
     prefill = ["-npp", ",".join(map(str, PREFILLS)), "-ntg", "1", "-npl", "1"]
     result, peaks = {}, []
@@ -213,9 +210,10 @@ def rounds_table(rounds: list[dict], cases: list[str]) -> list[dict]:
     for case in cases:
         ours = [r["moe_jax"][case]["tok_s"] for r in rounds]
         row = {"case": case, "moe_jax tok/s": statistics.median(ours)}
-        theirs = [r["llama.cpp"][case]["tok_s"] for r in rounds if case in r.get("llama.cpp", {})]
+        paired = [r for r in rounds if case in r.get("llama.cpp", {})]  # (a run that printed no row is left out)
+        theirs = [r["llama.cpp"][case]["tok_s"] for r in paired]
         if theirs:
-            ratios = [r["moe_jax"][case]["tok_s"] / r["llama.cpp"][case]["tok_s"] for r in rounds]
+            ratios = [r["moe_jax"][case]["tok_s"] / r["llama.cpp"][case]["tok_s"] for r in paired]
             row |= {"llama.cpp tok/s": statistics.median(theirs), "ratio": statistics.median(ratios)}
             row |= {"lowest round": min(ratios)}
         rows.append(row)

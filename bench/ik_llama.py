@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.common import batched_bench_command
+
 RANDOM_IDS = "std::rand() % llama_n_vocab(model)"  # the patched batched-bench's token
 SOURCE = Path("examples") / "batched-bench" / "batched-bench.cpp"
 # without its flash attention: on 16 sequences of random ids it aborts (GGML_ASSERT(S > 0), iqk_fa_templates.h)
@@ -51,8 +53,7 @@ def ik_case(binary: Path, model: Path, threads: int, case: str, flags: list[str]
         args, column = ["-npp", str(prefill), "-ntg", "1", "-npl", "1"], S_PP
     else:
         args, column = ["-npp", str(prompt), "-ntg", str(new), "-npl", case.removeprefix("decode b")], S_TG
-    cmd = [str(binary), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512", "-t", str(threads)]
-    cmd += ["-tb", str(threads), *flags, *args]
+    cmd = [*batched_bench_command(binary, model, threads), *flags, *args]
     with tempfile.TemporaryFile("w+") as out:  # (it prints its table with its log, on stderr)
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=out, check=True)
         out.seek(0)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import print_table, short_commit, write_json, write_report  # noqa: E402
+from bench.common import print_table, process_memory, short_commit, write_json, write_report  # noqa: E402
 from moe_jax.doctor import cpu_model  # noqa: E402
 from moe_jax.serving.process import running_server  # noqa: E402
 
@@ -41,10 +41,10 @@ HOSTILE = [  # (what, path, body, expected status)
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    rss = process_memory(pid).get("VmRSS")
+    if rss is None:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    return rss / 2**20
 
 
 def victim_latency(server) -> float:

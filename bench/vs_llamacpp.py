@@ -60,6 +60,7 @@ import numpy as np  # noqa: E402
 
 import moe_jax  # noqa: E402
 from bench.common import (  # noqa: E402
+    batched_bench_command,
     comma_choices,
     machine_info,
     markdown_table,
@@ -179,8 +180,7 @@ def llama_case(tools, model: Path, threads: int, case: str) -> float | None:
     it printed no result twice (now and then a run prints none: the case is then left out of this round)."""
 
     def run(*args) -> list[dict]:
-        cmd = [str(tools["batched_bench"]), "-m", str(model), "-c", "4096", "-b", "2048", "-ub", "512"]
-        cmd += ["-t", str(threads), "-tb", str(threads), "--output-format", "jsonl", *args]
+        cmd = [*batched_bench_command(tools["batched_bench"], model, threads), "--output-format", "jsonl", *args]
         if model in NO_REPACK:
             cmd.append("--no-repack")
         with tempfile.TemporaryFile("w+") as out:  # (its results did not reach a pipe here, only a file)
