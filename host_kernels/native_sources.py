@@ -31,10 +31,12 @@ CSRC = Path(__file__).parent / "csrc"
 # XLA's FFI handlers, built into the same library where jaxlib's C API header is found (setup.py); they call the
 # kernels above directly, and the experts' handler goes through moe_forward.h's moe_call
 XLA_FFI_SOURCES = (
-    "xla_host_experts.c", "xla_cache_attention.c", "xla_argmax.c", "xla_dense.c", "xla_stream_experts.c",
-    "xla_process_sum.c",
+    "xla_host_experts.c", "xla_cache_attention.c", "xla_argmax.c", "xla_sample.c", "xla_dense.c",
+    "xla_stream_experts.c", "xla_process_sum.c",
 )  # fmt: skip
-XLA_FFI_HEADERS = ("ffi_common.h", "cache_attention_block.h", "cache_attention_blocks.h", "stream_handlers.h")
+XLA_FFI_HEADERS = (
+    "ffi_common.h", "xla_argmax.h", "cache_attention_block.h", "cache_attention_blocks.h", "stream_handlers.h",
+)  # fmt: skip
 # the stream-ordered expert calls' CUDA handlers, built with the FFI handlers where CUDA's cuda.h is found too (they
 # open the driver at run time: the same build runs where there is no GPU)
 CUDA_SOURCES = ("xla_cuda_host_experts.c",)

@@ -50,7 +50,7 @@ def test_native_off_turns_every_part_off_and_says_so():
         assert plan.reason(part) == "XLA FFI handlers turned off by the caller"
     assert all("turned off by the caller" in why for why in plan.host_kernels.why.values())
     text = "\n".join(plan.lines())
-    assert "greedy argmax: XLA (XLA FFI handlers turned off by the caller)" in text
+    assert "greedy argmax and sampling: XLA (XLA FFI handlers turned off by the caller)" in text
 
 
 def test_environment_is_only_the_default(monkeypatch):
@@ -99,7 +99,7 @@ def test_doctor_reports_the_machine_and_both_plans(tmp_path, capsys):
     assert set(report["plans"]) | set(report["unavailable"]) == {"float32", "bfloat16"} | quantized
     assert report["plans"]["float32"]["lines"] == make_plan("float32", np.float32).lines()
     assert doctor.main(["--no-native"]) == 0
-    assert "greedy argmax: XLA" in capsys.readouterr().out
+    assert "greedy argmax and sampling: XLA" in capsys.readouterr().out
 
 
 def test_the_environment_is_read_in_one_module():

@@ -303,10 +303,15 @@ def test_full_queue_429_api_key_and_graceful_shutdown(tmp_path):
         status, body, _ = server.post("/v1/completions", {"model": NAME, "prompt": "copy a >", "max_tokens": 3}, key)
         assert status == 200  # served again once the slot is free
 
-        # SIGTERM while a request runs: it finishes, then the server exits cleanly
+        # SIGTERM while a request runs: it finishes, then the server exits cleanly. Running means a step has run
+        # since it was sent (the batch size alone may still be the last request's, set after the step it ended in)
+        steps = server.metrics(key)["moe_jax_decode_steps_total"]
         second = threading.Thread(target=lambda: results.update(last=server.post("/v1/completions", long_request, key)))
         second.start()
-        while server.metrics(key)["moe_jax_running_batch_size"] < 1 and time.monotonic() < deadline + 20:
+        while time.monotonic() < deadline + 20:
+            now = server.metrics(key)
+            if now["moe_jax_running_batch_size"] >= 1 and now["moe_jax_decode_steps_total"] > steps:
+                break
             time.sleep(0.01)
         # uvicorn re-raises the signal once it has shut down gracefully: the exit status says SIGTERM
         assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)

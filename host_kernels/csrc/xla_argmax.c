@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "ffi_common.h"
+#include "xla_argmax.h"
 
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2")))
@@ -76,6 +77,10 @@ static AVX2 int32_t row_argmax_avx2(const float *x, int64_t n) {
     return top_at;
 }
 
+int32_t row_argmax(const float *x, int64_t n, int avx512) {
+    return avx512 ? row_argmax_avx512(x, n) : row_argmax_avx2(x, n);
+}
+
 XLA_FFI_Error *moe_jax_argmax(XLA_FFI_CallFrame *frame) {
     const XLA_FFI_Api *api = frame->api;
     if (ffi_answer_metadata(frame)) return NULL;
@@ -92,6 +97,6 @@ XLA_FFI_Error *moe_jax_argmax(XLA_FFI_CallFrame *frame) {
     const float *x = logits->data;
     int32_t *out = tokens->data;
     for (int64_t r = 0; r < rows; r++)
-        out[r] = avx512 ? row_argmax_avx512(x + r * vocab, vocab) : row_argmax_avx2(x + r * vocab, vocab);
+        out[r] = row_argmax(x + r * vocab, vocab, (int)avx512);
     return NULL;
 }

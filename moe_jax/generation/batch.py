@@ -20,6 +20,7 @@ from moe_jax.generation.constraint import Constraint, GrammarDeadEnd
 from moe_jax.generation.drafting import SharedDrafts, stops_drafting
 from moe_jax.generation.sampling import TokenLogprobs, adjusted_logits, sample, sample_past_draft, token_logprobs
 from moe_jax.generation.speculation import DraftPolicy
+from moe_jax.native.sample import TokenChoice, host_draws
 
 BLOCK_STEPS = 32  # the most greedy decode steps one call runs (1: no blocks)
 HOST_STOP_STEPS = 8  # the most while a job's stop is decided on the host (on_token): its steps past it are lost
@@ -74,10 +75,15 @@ class Sampling:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty)
 
     @property
+    def on_device(self) -> bool:
+        """Whether the token the step chooses on the device (its argmax, or a draw at this temperature, top-p and
+        top-k: native.sample) is all the host needs: the logits as they are, no log-probabilities asked for."""
+        return not self.adjusts and self.logprobs is None
+
+    @property
     def greedy(self) -> bool:
-        """Whether the step's argmax on the device is all the host needs: temperature 0, the logits as they are,
-        no log-probabilities asked for."""
-        return self.temperature == 0 and not self.adjusts and self.logprobs is None
+        """Whether the step's argmax on the device is all the host needs (on_device at temperature 0)."""
+        return self.temperature == 0 and self.on_device
 
 
 @dataclass
@@ -102,6 +108,12 @@ class Job:
     def greedy(self) -> bool:
         """Whether the step's argmax on the device is its token (nothing to read or decide on the host)."""
         return self.sampling.greedy and self.constraint is None
+
+    @property
+    def device_chosen(self) -> bool:
+        """Whether the token the step chooses on the device is its token (greedy, or sampled there with a draw
+        from its generator: the host reads only the tokens, and its steps run in blocks as greedy ones do)."""
+        return self.sampling.on_device and self.constraint is None
 
 
 @dataclass
@@ -131,8 +143,9 @@ class _Slot:
 
 @dataclass
 class _Step:
-    """A dispatched decode step: its logits and argmax tokens of every slot (device arrays), and the slots it
-    decoded for; or a block of `steps` greedy steps: no logits, the argmax tokens [steps, rows]."""
+    """A dispatched decode step: its logits and the tokens it chose for every slot (device arrays), and the slots
+    it decoded for; or a block of `steps` steps, every job's token chosen on the device: no logits, the tokens
+    [steps, rows]."""
 
     logits: jax.Array | None
     tokens: jax.Array
@@ -175,8 +188,8 @@ class Batch:
         self.admitted_meanwhile = False  # a prefill ran while the step in flight did: its time is not the step's
         self.last_read = 0.0  # when the last plain step was read (time.perf_counter)
         self.active: dict[int, _Slot] = {}
-        self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's argmax, on the device
-        self.in_flight: _Step | None = None  # dispatched with every job greedy, not yet read
+        self.last_tokens = jnp.zeros((slots, 1), jnp.int32)  # the last dispatched step's tokens, on the device
+        self.in_flight: _Step | None = None  # dispatched with every job's token chosen on the device, not yet read
         # what a speculative call's prompt lookup searches for each slot: its scope's earlier outputs, then from
         # `shared_size` on its own sequence (with speculative decoding)
         self.shared_size = self.shared_drafts.size
@@ -229,7 +242,7 @@ class Batch:
         if self.in_flight is not None:
             self.read_timed(self.in_flight)
         # (a block that may end early is read before the next dispatch, whose positions follow from its length)
-        pipelined = step is not None and step.ran is None and all(s.job.greedy for s in step.decoded.values())
+        pipelined = step is not None and step.ran is None and all(s.job.device_chosen for s in step.decoded.values())
         self.in_flight = step
         if step is not None and not pipelined:
             self.read_in_flight()
@@ -359,8 +372,8 @@ class Batch:
         self.sampled_drafts.accepted(rows, counts)
 
     def call_steps(self, to_go: int) -> int:
-        """The steps of a call of greedy steps where the job nearest its end has `to_go` tokens to make: at most a
-        block, and only a few where a job's stop is decided on the host."""
+        """The steps of a call of steps whose tokens the device chooses where the job nearest its end has `to_go`
+        tokens to make: at most a block, and only a few where a job's stop is decided on the host."""
         steps = max(1, min(self.block_steps, to_go))
         if any(s.job.on_token is not None for s in self.active.values()):
             steps = min(steps, HOST_STOP_STEPS)
@@ -392,8 +405,8 @@ class Batch:
         ]
         if not any(n > 0 for n in to_go):
             return None
-        greedy = all(s.job.greedy for s in self.active.values())
-        steps = self.call_steps(min(to_go)) if greedy else 1
+        on_device = all(s.job.device_chosen for s in self.active.values())
+        steps = self.call_steps(min(to_go)) if on_device else 1
         rows = self.step_rows()
         host_tokens = np.zeros((rows, 1), np.int32)
         from_host = np.ones((rows, 1), bool)  # free slots compute on padding and are ignored
@@ -409,10 +422,11 @@ class Batch:
             s.position += steps
         self.admitted_meanwhile = False
         self.engine.stats.decode_steps += steps  # less those a block skips, once it is read
+        choice = self.choice(rows, steps) if on_device else None
         started = time.perf_counter()
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode_step(
-                self.caches, host_tokens, from_host, self.last_tokens, positions, adapters
+                self.caches, host_tokens, from_host, self.last_tokens, positions, adapters, choice
             )
             return _Step(logits, self.last_tokens, dict(self.active), started=started, rows=rows)
         stop_ids, watched = self.stops(rows)
@@ -427,13 +441,33 @@ class Batch:
             self.block_steps,
             stop_ids,
             watched,
+            choice,
         )
         return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started, rows)
+
+    def choice(self, rows: int, steps: int) -> TokenChoice | None:
+        """How a call of `steps` steps (one: a single step's, more: a block's, its draws as many as the compiled
+        block's steps) chooses each row's token on the device where a job samples: its temperature, top-p and
+        top-k and, for each step, the next draw of its generator, the one the host's sampler would have used for
+        that token (a block that ends early leaves its later draws unused: the same distribution, other draws);
+        None where every job is greedy (each row's argmax)."""
+        sampled = {slot: s for slot, s in self.active.items() if not s.job.greedy}
+        if not sampled:
+            return None
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        draws = np.zeros((1 if steps == 1 else max(self.block_steps, steps), rows))
+        for slot, s in sampled.items():
+            sampling = s.job.sampling
+            temperature[slot], top_p[slot], top_k[slot] = sampling.temperature, sampling.top_p, sampling.top_k
+            draws[:steps, slot] = s.rng.random(steps)
+        bits = host_draws(draws)
+        return TokenChoice(temperature, top_p, top_k, bits[0] if steps == 1 else bits)
 
     def read(self, step: _Step):
         """Takes a decode step's tokens for the slots it decoded that are still theirs."""
         mine = {slot: s for slot, s in step.decoded.items() if self.active.get(slot) is s}
-        if step.steps > 1:  # a block, all greedy: each slot's tokens in order, until its sequence ends
+        if step.steps > 1:  # a block, every token chosen on the device: each slot's in order, until it ends
             ran = step.steps if step.ran is None else int(step.ran)
             block = np.asarray(step.tokens)[:ran]  # (the block's rows past its steps are zeros)
             for slot, s in mine.items():
@@ -446,11 +480,11 @@ class Batch:
                     s.position -= step.steps - ran
             self.engine.stats.decode_steps -= step.steps - ran
             return
-        kinds = {s.job.greedy for s in mine.values()}
+        kinds = {s.job.device_chosen for s in mine.values()}
         chosen = np.asarray(step.tokens)[:, 0] if True in kinds else None  # only what is needed crosses
         logits = np.asarray(step.logits) if False in kinds else None
         for slot, s in mine.items():
-            if s.job.greedy:  # the step's argmax: the next step's input on the device already
+            if s.job.device_chosen:  # the step's choice: the next step's input on the device already
                 self.take(slot, s, int(chosen[slot]), fresh=False)
             else:
                 self.take_chosen(slot, s, logits[slot])

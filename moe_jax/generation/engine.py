@@ -33,6 +33,7 @@ from moe_jax.model.delta_net import prompt_token_counts
 from moe_jax.model.layers import native_prefill
 from moe_jax.model.served_adapters import adapter_rows
 from moe_jax.native.argmax import argmax_tokens
+from moe_jax.native.sample import TokenChoice, sample_tokens
 
 __all__ = ["Completion", "EngineStats", "GenerationEngine", "Request"]
 
@@ -207,23 +208,28 @@ class GenerationEngine:
             )
             yield Batch(self, slots, caches, shrink, block_steps, greedy, model.generation.shared_drafts, sampled)
 
-    def decode_step(self, caches, host_tokens, from_host, last_tokens, positions, adapters: np.ndarray | None = None):
+    def decode_step(self, caches, host_tokens, from_host, last_tokens, positions, adapters: np.ndarray | None = None,
+                    choice: TokenChoice | None = None):  # fmt: skip
         """Dispatches one decode step for as many slots as `host_tokens` has rows (not waited for; `adapters`: each
-        row's served adapter, `adapter_ids`): (logits, argmax tokens of every slot, caches)."""
+        row's served adapter, `adapter_ids`; `choice`: how each row's token is chosen on the device, None: its
+        argmax): (logits, the chosen tokens of every slot, caches)."""
         self._count_steps(1)
-        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters)
+        args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters, choice)
         return self._steps.decode(*args, rows=self._rows(host_tokens, last_tokens))
 
     def decode_block(self, caches, host_tokens, from_host, last_tokens, positions, adapters, steps: int, block: int,
-                     stop_ids: np.ndarray, watched: np.ndarray):  # fmt: skip
-        """Dispatches `steps` greedy decode steps in one call (as `decode_step`): (their argmax tokens [block,
-        rows] (rows past the steps run zeros), the last step's argmax tokens of every slot, caches, the steps run:
-        fewer than `steps` where a `watched` row [rows] made one of `stop_ids` [n] (-1 pads; batch.stop_id_array)).
-        `block`: the most steps a call of this batch runs, the compiled block's size."""
+                     stop_ids: np.ndarray, watched: np.ndarray, choice: TokenChoice | None = None):  # fmt: skip
+        """Dispatches `steps` decode steps in one call (as `decode_step`; `choice`'s draws [block, rows, 2], a row
+        of them a step): (their tokens [block, rows] (rows past the steps run zeros), the last step's tokens of
+        every slot, caches, the steps run: fewer than `steps` where a `watched` row [rows] made one of `stop_ids`
+        [n] (-1 pads; batch.stop_id_array)). `block`: the most steps a call of this batch runs, the compiled
+        block's size."""
         self._count_steps(steps)
         args = (self.model.state_leaves(), caches, host_tokens, from_host, last_tokens, positions, adapters)
         rows = self._rows(host_tokens, last_tokens)
-        return self._steps.decode_block(*args, np.int32(steps), stop_ids, watched, rows=rows, block=max(block, steps))
+        return self._steps.decode_block(
+            *args, np.int32(steps), stop_ids, watched, choice, rows=rows, block=max(block, steps)
+        )
 
     def verify(self, caches, tokens, positions, adapters: np.ndarray | None = None):
         """Dispatches a speculative step for as many slots as `tokens` [rows, width] has rows
@@ -395,7 +401,13 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
     """GenerationSteps: the jitted steps of a model with this structure. They take the model's
     state as its list of leaves (`Model.state_leaves`): jit flattens a list in microseconds, an nnx State (its
     keys sorted, its variables unwrapped) takes a visible share of every decode step's dispatch. `native_argmax`:
-    the plan's choice for greedy tokens (`ExecutionPlan.argmax`)."""
+    the plan's choice for the tokens chosen on the device, greedy and sampled (`ExecutionPlan.argmax`)."""
+
+    def chosen(logits, choice):
+        """Each row's token [rows, 1]: its argmax, or as `choice` says (native.sample.TokenChoice)."""
+        if choice is None:
+            return argmax_tokens(logits, native_argmax)
+        return sample_tokens(logits, choice, native_argmax)
 
     def merged(leaves):
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves))
@@ -420,17 +432,17 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         ]
         return logits[:, 0], caches
 
-    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, adapters=None, rows=None):
+    def decode(leaves, caches, host_tokens, from_host, last_tokens, positions, adapters=None, choice=None, rows=None):
         """One token for each of the first `rows` slots (static: a compiled step per count; None: all): the host's token
-        where from_host, else the previous step's argmax (last_tokens, all slots), so greedy steps can follow
+        where from_host, else the token the previous step chose (last_tokens, all slots), so steps can follow
         each other without the host; each row through its served adapter (`adapters` [rows], or None). Returns
-        (logits [rows, vocab], argmax tokens of all slots, caches). Fewer rows than slots read and write those
-        rows' caches only (the copy of their rows costs less than computing the idle ones: a server's batch is
-        rarely full)."""
+        (logits [rows, vocab], the tokens of all slots chosen from them (their argmax, or as `choice` says),
+        caches). Fewer rows than slots read and write those rows' caches only (the copy of their rows costs less
+        than computing the idle ones: a server's batch is rarely full)."""
         tokens = jnp.where(from_host, host_tokens, last_tokens[:rows])
         logits, part = forward(leaves, caches, tokens, positions, adapters, rows)
         logits = logits[:, 0]
-        return logits, last_tokens.at[:rows].set(argmax_tokens(logits, native_argmax)), part
+        return logits, last_tokens.at[:rows].set(chosen(logits, choice)), part
 
     def decode_block(
         leaves,
@@ -443,14 +455,16 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         steps,
         stop_ids,
         watched,
+        choice=None,
         rows=None,
         block=BLOCK_STEPS,
     ):
-        """Up to `steps` (traced: one compiled loop for any count up to `block`) greedy decode steps in one call: the
-        first as `decode`'s, each next one on the previous one's argmax at the next positions; the loop ends early
+        """Up to `steps` (traced: one compiled loop for any count up to `block`) decode steps in one call: the
+        first as `decode`'s, each next one on the token the one before chose (its argmax, or as `choice` says,
+        step i with `choice.draws[i]`) at the next positions; the loop ends early
         after a step in which a `watched` row [rows] made one of `stop_ids` (its EOS: -1 pads), so no step is spent
-        on a sequence that has ended. Returns (their argmax tokens [block, rows], zeros past the steps run, the last
-        step's argmax tokens of all slots, caches, the steps run). The host dispatches and reads once per block: its
+        on a sequence that has ended. Returns (their tokens [block, rows], zeros past the steps run, the last
+        step's tokens of all slots, caches, the steps run). The host dispatches and reads once per block: its
         Python and dispatch ran beside the steps on the same
         cores, and each call's first steps ran slower than a loop's next ones."""
         count = host_tokens.shape[0]
@@ -463,7 +477,8 @@ def compile_generation_steps(graphdef, state_treedef, native_argmax: bool):
         def step(carry):
             i, out, last, caches, _ = carry
             first = from_host & (i == 0)
-            _, last, caches = decode(leaves, caches, host_tokens, first, last, positions + i, adapters, rows)
+            drawn = None if choice is None else choice._replace(draws=choice.draws[i])
+            _, last, caches = decode(leaves, caches, host_tokens, first, last, positions + i, adapters, drawn, rows)
             tokens = last[:count, 0]
             stopped = (watched & (tokens[:, None] == stop_ids[None, :]).any(axis=1)).any()
             return i + 1, out.at[i].set(tokens), last, caches, stopped

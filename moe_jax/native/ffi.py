@@ -13,7 +13,8 @@ from host_kernels import cpu_lacks, xla_ffi_library
 
 # the custom-call targets, each registered under its C symbol's name
 HANDLERS = (
-    "moe_jax_host_experts", "moe_jax_cache_attention", "moe_jax_argmax", "moe_jax_dense", "moe_jax_process_sum",
+    "moe_jax_host_experts", "moe_jax_cache_attention", "moe_jax_argmax", "moe_jax_sample", "moe_jax_dense",
+    "moe_jax_process_sum",
 )  # fmt: skip
 
 

@@ -40,7 +40,7 @@ class ExecutionPlan:
     cache_attention: bool  # native attention of new tokens over the KV cache (bfloat16 or float32)
     # the native kernel of bfloat16 decode steps' dense products ("amx-bf16", "avx512-int8", ...; "": XLA)
     dense_decode: str
-    argmax: bool  # native greedy argmax of float32 logits
+    argmax: bool  # native token choice (greedy argmax, sampling) of float32 logits in decode steps
     transposed_weights: bool  # bfloat16 training on XLA:CPU keeps transposed copies of the frozen weights
     # bfloat16 on XLA:CPU: a one-row product gets a zero second row (XLA:CPU widens the weight for one row)
     pad_one_row: bool = False
@@ -98,7 +98,7 @@ class ExecutionPlan:
         out.append(
             line("decode dense products", f"native ({self.dense_decode})" if self.dense_decode else "XLA", "dense")
         )
-        out.append(line("greedy argmax", "native" if self.argmax else "XLA", "argmax"))
+        out.append(line("greedy argmax and sampling", "native" if self.argmax else "XLA", "argmax"))
         if self.host_kernels is not None:
             runs = f"{self.micro_batches} micro-batches" if self.micro_batches > 1 else "off"
             if self.decode_micro_batches != self.micro_batches:
