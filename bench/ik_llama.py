@@ -53,9 +53,10 @@ def ik_case(binary: Path, model: Path, threads: int, case: str, flags: list[str]
         args, column = ["-npp", str(prefill), "-ntg", "1", "-npl", "1"], S_PP
     else:
         args, column = ["-npp", str(prompt), "-ntg", str(new), "-npl", case.removeprefix("decode b")], S_TG
-    cmd = [*batched_bench_command(binary, model, threads), *flags, *args]
-    with tempfile.TemporaryFile("w+") as out:  # (it prints its table with its log, on stderr)
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=out, check=True)
+    cmd = [*batched_bench_command(binary.resolve(), model.resolve(), threads), *flags, *args]
+    # (it prints its table with its log, on stderr, and writes llama.log where it runs: in a scratch directory)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=out, check=True, cwd=scratch)
         out.seek(0)
         rows = [line.strip("|\n").split("|") for line in out if line.startswith("|")]
     values = [float(r[column]) for r in rows if len(r) > column and r[0].strip().isdigit()]

@@ -26,10 +26,10 @@ def model():
 class Waiter:
     """A job's end, waited for from the test's thread."""
 
-    def __init__(self, request):
+    def __init__(self, request, sampling=Sampling()):
         self.done = threading.Event()
         self.completion = self.error = None
-        self.job = ServedJob(request, Sampling(), None, self._finish, frozenset({2}), on_error=self._fail)
+        self.job = ServedJob(request, sampling, None, self._finish, frozenset({2}), on_error=self._fail)
 
     def _finish(self, completion):
         self.completion = completion
@@ -162,18 +162,22 @@ def test_each_token_reaches_the_event_loop_as_it_comes():
 
 def test_after_warm_up_no_prompt_length_compiles_a_prefill(model):
     """The engine thread compiles the narrowest and the widest prefill for every row bucket before it serves,
-    and prefills only at those widths after: a prompt of any length, alone or with others, compiles nothing."""
+    and prefills only at those widths after, and the decode steps greedy and sampled: a prompt of any length,
+    alone or with others, greedy or sampled, compiles nothing."""
     scheduler = Scheduler(model, slots=4, max_len=96, max_queue=8)
     scheduler.start()
     try:
-        prefill = model.generation.steps().prefill  # (jitted once per model: earlier tests' widths are in it)
-        compiled = prefill._cache_size()
+        steps = model.generation.steps()  # (jitted once per model: earlier tests' shapes are in them)
+        compiled = steps.prefill._cache_size(), steps.decode._cache_size()
         assert scheduler.engine.prefill_widths == (32, 96)
         tokens = model.tokenizer.encode("copy abcdefghijklmnopqrstuvwxyz >")
-        waiters = [Waiter(Request((tokens * 3)[:n], 3)) for n in (5, 40, 70, 33)]
+        waiters = [
+            Waiter(Request((tokens * 3)[:n], 3), Sampling(temperature=t))
+            for n, t in ((5, 0.0), (40, 0.8), (70, 0.0), (33, 1.0))
+        ]
         for w in waiters:
             scheduler.submit(w.job)
         assert all(w.wait().completion.finish_reason in ("length", "eos") for w in waiters)
-        assert prefill._cache_size() == compiled
+        assert (steps.prefill._cache_size(), steps.decode._cache_size()) == compiled
     finally:
         scheduler.stop(5)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_jax.generation.batch import Batch, Completion, Job, Request
+from moe_jax.generation.batch import Batch, Completion, Job, Request, Sampling
 from moe_jax.generation.engine import TOKEN_BUCKET, GenerationEngine
 
 log = logging.getLogger("moe_jax.serve")
@@ -151,18 +151,20 @@ class Scheduler:
                 return
 
     def _warm_up(self, batch: Batch):
-        """Compiles the decode step, and the prefill of the narrowest and the widest prompt chunk, for every number
-        of rows admission can bucket (1, 2, 4, ... slots); from then on the engine prefills only at those widths
-        (a prompt in between runs in the wider one): requests arrive a few at a time, and each new shape would
-        otherwise stall every client for its compilation."""
+        """Compiles the decode steps (greedy, and sampled on the device: another compiled step), and the prefill
+        of the narrowest and the widest prompt chunk, for every number of rows admission can bucket (1, 2, 4, ...
+        slots); from then on the engine prefills only at those widths (a prompt in between runs in the wider one):
+        requests arrive a few at a time, and each new shape would otherwise stall every client for its
+        compilation."""
         self.engine.prefill_widths = (TOKEN_BUCKET, self.engine.widest_prefill)
         for width in sorted(set(self.engine.prefill_widths)):
             prompt = [0] * (width - TOKEN_BUCKET + 1)  # (the shortest prompt that needs this width)
             rows = 1
             while True:
-                batch.admit([ServedJob(Request(prompt, 2)) for _ in range(min(rows, self.slots))])
-                while batch.active:
-                    batch.step()
+                for sampling in (Sampling(), Sampling(temperature=1.0)):
+                    batch.admit([ServedJob(Request(prompt, 2), sampling) for _ in range(min(rows, self.slots))])
+                    while batch.active:
+                        batch.step()
                 if rows >= self.slots:
                     break
                 rows *= 2
