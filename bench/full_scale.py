@@ -15,8 +15,10 @@ part: file pages are the page cache's to drop, anonymous ones are what gets a pr
 5. one LoRA training step (attention q/k/v/o, rank 8) on the int4 base, batch 1 x 512 (bench/train.py's loop).
 moe_jax's peak resident set while decoding is set against what it must hold: the expert store plus every live
 JAX array (dense weights, their packed copies for the decode kernels, the KV cache). Writes
-bench/reports/full_scale.md and bench/results/full_scale.json. Needs ~35 GB of disk in --work (the file and the
-converted directory) and llama.cpp built as bench/vs_llamacpp.py says (without it, its rows are left out).
+bench/reports/full_scale.md and bench/results/full_scale.json; the steps `--skip` leaves out keep their figures
+from the last run that measured them (the results file), the report naming its commit. Needs ~35 GB of disk in
+--work (the file and the converted directory) and llama.cpp built as bench/vs_llamacpp.py says (without it, its
+rows are left out).
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    RESULTS,
     batched_bench_command,
     markdown_table,
     print_table,
     process_memory,
     report_header,
+    short_commit,
     write_json,
     write_report,
 )
@@ -264,6 +268,7 @@ def main():
         convert += ["--overwrite", "--no-progress"]
         _, report["convert_s"], report["convert_memory"] = run_measured(convert, "convert")
     report["converted_gib"] = sum(f.stat().st_size for f in converted.rglob("*") if f.is_file()) / GIB
+    report |= carried_over(skip, args.shape)
     print(json.dumps(report, indent=1), flush=True)
     if "direct" not in skip:
         report["direct"] = recorded(lambda: moe_jax_run(gguf_path, ["decode b1"]))
@@ -287,8 +292,27 @@ def main():
     speed, memory = rounds_table(rounds, CASES), memory_rows(rounds[-1]["moe_jax"])
     print_table("tokens/s", speed)
     print_table("moe_jax's memory (last round)", memory)
-    write_json("full_scale", report)
+    write_json("full_scale", {**report, "commit": short_commit()})
     write_report("full_scale", full_report(report, speed, memory))
+
+
+CARRIED_STEPS = {"convert": ("convert_s", "convert_memory"), "direct": ("direct",), "train": ("train",)}
+
+
+def carried_over(skip: set[str], shape: str) -> dict:
+    """The skipped steps' results from the last run that measured them (bench/results/full_scale.json, same
+    shape), so a rerun of some steps keeps the others' figures in the report, which says where they came from."""
+    path = RESULTS / "full_scale.json"
+    last = json.loads(path.read_text()) if path.exists() else {}
+    if last.get("shape") != shape:
+        return {}
+    out, carried = {}, dict(last.get("carried", {}))
+    for step in sorted(skip & set(CARRIED_STEPS)):
+        keys = [k for k in CARRIED_STEPS[step] if k in last]
+        if keys:
+            out |= {k: last[k] for k in keys}
+            carried.setdefault(step, last.get("commit", "an earlier commit"))
+    return {**out, "carried": carried} if carried else out
 
 
 def full_report(report: dict, speed: list[dict], memory: list[dict]) -> list[str]:
@@ -319,6 +343,9 @@ def full_report(report: dict, speed: list[dict], memory: list[dict]) -> list[str
         "of each step's own process, sampled from /proc.",
         "",
     ]
+    if report.get("carried"):
+        steps_from = ", ".join(f"{step} (commit {commit})" for step, commit in sorted(report["carried"].items()))
+        lines += [f"Not rerun this time, from the last run that measured them: {steps_from}.", ""]
     lines += ["## Steps (memory: peak resident / anonymous GiB of the step's process)", "", *markdown_table(steps), ""]
     title = f"## Tokens/s, {len(report['rounds'])} rounds, {report['threads']} threads"
     lines += [title, "", *markdown_table(speed), ""]

@@ -26,10 +26,10 @@ def model():
 class Waiter:
     """A job's end, waited for from the test's thread."""
 
-    def __init__(self, request, sampling=Sampling()):
+    def __init__(self, request, sampling: Sampling | None = None):
         self.done = threading.Event()
         self.completion = self.error = None
-        self.job = ServedJob(request, sampling, None, self._finish, frozenset({2}), on_error=self._fail)
+        self.job = ServedJob(request, sampling or Sampling(), None, self._finish, frozenset({2}), on_error=self._fail)
 
     def _finish(self, completion):
         self.completion = completion
