@@ -116,11 +116,32 @@ class Job:
         return self.sampling.on_device and self.constraint is None
 
 
+class Draws:
+    """A job's uniform draws: its seeded generator's, one a token, whichever side turns it into the token; draws
+    taken for a block's steps that it did not run are given back and come next, so a job's tokens do not depend on
+    where the blocks of the batch it ran in ended."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.returned: list[float] = []
+
+    def random(self) -> float:
+        return self.returned.pop(0) if self.returned else self.rng.random()
+
+    def take(self, n: int) -> np.ndarray:
+        kept = self.returned[:n]
+        del self.returned[:n]
+        return np.concatenate([kept, self.rng.random(n - len(kept))])
+
+    def give_back(self, draws: np.ndarray):
+        self.returned[:0] = list(draws)
+
+
 @dataclass
 class _Slot:
     job: Job
     position: int  # where the next token's KV goes
-    rng: np.random.Generator
+    rng: Draws
     started: float
     reused: int
     out: list[int] = field(default_factory=list)
@@ -154,6 +175,7 @@ class _Step:
     ran: jax.Array | None = None  # a block that may end early: the steps it ran (on the device)
     started: float = 0.0  # when it was dispatched (time.perf_counter)
     rows: int = 0  # the rows it computed
+    draws: dict[int, np.ndarray] = field(default_factory=dict)  # each sampled slot's draws it was given
 
 
 class Batch:
@@ -213,7 +235,7 @@ class Batch:
         start = time.perf_counter()
         self.caches, reused, first_logits = self.engine.prefill(self.caches, admitted)
         for (slot, job), row, n in zip(admitted, first_logits, reused, strict=True):
-            s = _Slot(job, len(job.request.tokens), np.random.default_rng(job.request.seed), start, n)
+            s = _Slot(job, len(job.request.tokens), Draws(job.request.seed), start, n)
             if self.history is not None:
                 scope = self.engine.anchor_scope(job.request)
                 self.history[slot, : self.shared_size] = self.shared_drafts.tokens(scope)
@@ -422,7 +444,8 @@ class Batch:
             s.position += steps
         self.admitted_meanwhile = False
         self.engine.stats.decode_steps += steps  # less those a block skips, once it is read
-        choice = self.choice(rows, steps) if on_device else None
+        taken: dict[int, np.ndarray] = {}
+        choice = self.choice(rows, steps, taken) if on_device else None
         started = time.perf_counter()
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode_step(
@@ -443,14 +466,14 @@ class Batch:
             watched,
             choice,
         )
-        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started, rows)
+        return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started, rows, taken)
 
-    def choice(self, rows: int, steps: int) -> TokenChoice | None:
+    def choice(self, rows: int, steps: int, taken: dict) -> TokenChoice | None:
         """How a call of `steps` steps (one: a single step's, more: a block's, its draws as many as the compiled
         block's steps) chooses each row's token on the device where a job samples: its temperature, top-p and
         top-k and, for each step, the next draw of its generator, the one the host's sampler would have used for
-        that token (a block that ends early leaves its later draws unused: the same distribution, other draws);
-        None where every job is greedy (each row's argmax)."""
+        that token (`taken`: each slot's, for a block that ends early to give back those of the steps it did not
+        run); None where every job is greedy (each row's argmax)."""
         sampled = {slot: s for slot, s in self.active.items() if not s.job.greedy}
         if not sampled:
             return None
@@ -460,7 +483,7 @@ class Batch:
         for slot, s in sampled.items():
             sampling = s.job.sampling
             temperature[slot], top_p[slot], top_k[slot] = sampling.temperature, sampling.top_p, sampling.top_k
-            draws[:steps, slot] = s.rng.random(steps)
+            draws[:steps, slot] = taken[slot] = s.rng.take(steps)
         bits = host_draws(draws)
         return TokenChoice(temperature, top_p, top_k, bits[0] if steps == 1 else bits)
 
@@ -478,6 +501,8 @@ class Batch:
                         break
                 else:  # a block that ended early: the slot's next position is where it ended
                     s.position -= step.steps - ran
+                    if slot in step.draws:
+                        s.rng.give_back(step.draws[slot][ran:])
             self.engine.stats.decode_steps -= step.steps - ran
             return
         kinds = {s.job.device_chosen for s in mine.values()}
