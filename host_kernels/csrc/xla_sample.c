@@ -3,7 +3,7 @@
  * carried as the two u32 words of its bits [rows, 2]: XLA without x64 has no float64 arrays), into s32 [rows, 1].
  * A row at temperature 0 takes its argmax (xla_argmax.h). The same distribution as the host's sampler
  * (moe_jax/generation/sampling.py): z = (logit - max) / T in float64, top-k keeping ties with the k-th, the nucleus
- * as its `_nucleus` cuts it (the same floors and tie rule), then the first token in token order whose cumulative
+ * as its `_nucleus` cuts it (the same tie rule; floors of its own), then the first token in token order whose cumulative
  * probability passes the draw; with the host's draw, the host's token unless the draw lies within rounding of a
  * boundary. It lets sampled decode steps run in blocks on XLA:CPU (moe_jax/generation/engine.py) instead of one
  * step a call with the logits read and sampled in Python. A NaN or +inf logit is an error, as on the host.
@@ -326,7 +326,7 @@ XLA_FFI_Error *moe_jax_sample(XLA_FFI_CallFrame *frame) {
     const int32_t *k = top_k->data;
     const uint32_t *bits = draws->data;
     int32_t *out = tokens->data;
-    sample_buffers buf = {NULL, NULL};
+    sample_buffers buf = {NULL, NULL, NULL};
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * vocab;
         if (t[r] == 0.0f) {
