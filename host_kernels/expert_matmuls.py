@@ -53,38 +53,56 @@ class NumpyExpertMatmuls:
         matmul_w(dh[rows], self.weights(e)[0][cols, :], transpose=True, out=out)
 
 
-class DequantizedExpertMatmuls(NumpyExpertMatmuls):
-    """The same GEMMs over a quantized layer (store.QuantizedLayerExperts), each expert's weights dequantized to
-    float32 when a GEMM first needs them, so LoRA training on a quantized base (QLoRA's idea) computes with exactly
-    the weights the fused forward reads. Kept: the first experts met, up to `keep_bytes` (the base is frozen, so
-    they stay valid; the backward's two passes meet the experts in the same order, where a least-recently-used
-    cache would keep none for the second), and the last few met (an expert's tiles come one after another)."""
+class DequantizedExperts:
+    """Float32 copies of a quantized store's experts, dequantized as the GEMMs meet them, for every layer of one
+    engine together (one budget, however many layers the model has: a model's worth of float32 experts is 8x its
+    int4 store). Kept: the first experts met, up to `keep_bytes` (the base is frozen, so they stay valid; the
+    backward's two passes meet a layer's experts in the same order, where a least-recently-used cache would keep
+    none for the second), and the last `recent` met (an expert's tiles come one after another)."""
 
-    name = "numpy-dequantized"
-    RECENT = 8
-
-    def __init__(self, w, keep_bytes: int = 256 << 20):
-        super().__init__(w)
-        self.keep_bytes = keep_bytes
-        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    def __init__(self, keep_bytes: int = 256 << 20, recent: int = 8):
+        self.keep_bytes, self.recent = keep_bytes, recent
+        self._kept: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._kept_bytes = 0
-        self._recent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._recent: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def weights(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+    def weights(self, layer: int, w, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert e of `layer` (whose experts are `w`) as float32 (w13, w2)."""
+        key = (layer, e)
         with self._lock:
-            found = self._kept.get(e) or self._recent.pop(e, None)
+            found = self._kept.get(key) or self._recent.pop(key, None)
         if found is None:
-            found = self.w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
+            found = w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
         with self._lock:
             size = found[0].nbytes + found[1].nbytes
-            if e not in self._kept and self._kept_bytes + size <= self.keep_bytes:
-                self._kept[e], self._kept_bytes = found, self._kept_bytes + size
-            elif e not in self._kept:
-                self._recent[e] = found  # most recent last
-                while len(self._recent) > self.RECENT:
+            if key not in self._kept and self._kept_bytes + size <= self.keep_bytes:
+                self._kept[key], self._kept_bytes = found, self._kept_bytes + size
+            elif key not in self._kept:
+                self._recent[key] = found  # most recent last
+                while len(self._recent) > self.recent:
                     del self._recent[next(iter(self._recent))]
         return found
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._kept_bytes + sum(a.nbytes + b.nbytes for a, b in self._recent.values())
+
+
+class DequantizedExpertMatmuls(NumpyExpertMatmuls):
+    """The same GEMMs over a quantized layer (store.QuantizedLayerExperts), each expert's weights dequantized to
+    float32 when a GEMM first needs them (`DequantizedExperts`, shared by the engine's layers), so LoRA training on
+    a quantized base (QLoRA's idea) computes with exactly the weights the fused forward reads."""
+
+    name = "numpy-dequantized"
+
+    def __init__(self, w, layer: int, dequantized: DequantizedExperts):
+        super().__init__(w)
+        self.layer, self.dequantized = layer, dequantized
+
+    def weights(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.dequantized.weights(self.layer, self.w, e)
 
 
 class AMXExpertMatmuls:
@@ -208,12 +226,15 @@ MATMULS = {
 }
 
 
-def expert_matmuls(w, gemm: str, workspace: Workspace | None = None):
-    """The GEMMs `gemm` names (host_kernels/choice.py: a name in MATMULS) over layer `w`; a quantized layer's are
-    always DequantizedExpertMatmuls. The bfloat16 paths keep their temporaries in `workspace` (share one across
-    layers: only one layer runs at a time)."""
+def expert_matmuls(
+    w, gemm: str, workspace: Workspace | None = None, layer: int = 0, dequantized: DequantizedExperts | None = None
+):
+    """The GEMMs `gemm` names (host_kernels/choice.py: a name in MATMULS) over `layer`'s experts `w`; a quantized
+    layer's are always DequantizedExpertMatmuls, over `dequantized` (share one across layers: its budget is the
+    engine's). The bfloat16 paths keep their temporaries in `workspace` (share one across layers too: only one
+    layer runs at a time)."""
     if w.quant is not None:
-        return DequantizedExpertMatmuls(w)
+        return DequantizedExpertMatmuls(w, layer, dequantized or DequantizedExperts())
     if gemm == NumpyExpertMatmuls.name:
         return NumpyExpertMatmuls(w)
     return MATMULS[gemm](w, workspace)

@@ -16,7 +16,7 @@ from host_kernels import native
 from host_kernels.activations import GLU, SWIGLU, swiglu_backward, swiglu_forward
 from host_kernels.choice import NUMPY, KernelChoice, check_choice, choose_kernels
 from host_kernels.errors import HostKernelError, NonFiniteError
-from host_kernels.expert_matmuls import expert_matmuls
+from host_kernels.expert_matmuls import DequantizedExperts, expert_matmuls
 from host_kernels.fused_forward import FusedForward, pack_layer
 from host_kernels.layer_experts import LayerExperts
 from host_kernels.lora import ExpertLoRA
@@ -55,6 +55,7 @@ class HostMoE:
         self.last_stats: CallStats | None = None
         self._matmuls = {}
         self.workspace = Workspace()  # temporaries reused from call to call
+        self.dequantized = DequantizedExperts()  # a quantized store's float32 experts for the GEMMs, all layers'
         self._one_call_at_a_time = threading.Lock()  # calls share the workspace
         self._fused: FusedForward | None = None
 
@@ -67,7 +68,8 @@ class HostMoE:
     def _layer_matmuls(self, layer: int, backward: bool = False):
         mm = self._matmuls.get(layer)
         if mm is None:
-            mm = self._matmuls[layer] = expert_matmuls(self.store[layer], self.kernels.gemm, self.workspace)
+            w, gemm = self.store[layer], self.kernels.gemm
+            mm = self._matmuls[layer] = expert_matmuls(w, gemm, self.workspace, layer, self.dequantized)
         mm.prepare(backward)
         return mm
 

@@ -18,12 +18,14 @@ from host_kernels import (
     BF16,
     ExpertStore,
     HostKernelError,
+    HostMoE,
     LayerExperts,
     StoreError,
     StoreWriter,
     best_kernel,
     quantize_layer,
 )
+from host_kernels.expert_matmuls import DequantizedExperts
 from host_kernels.fused_forward import FusedForward, pack_layer
 from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
@@ -159,6 +161,31 @@ def test_training_on_a_quantized_base_follows_the_dequantized_weights(stores, tm
     assert abs(loss_q - loss_f) < 1e-2 * abs(loss_f)
     for name in grads_f:
         assert relative_error(grads_q[name], grads_f[name]) < 0.05, name
+
+
+def test_the_engines_dequantized_experts_stay_in_one_budget_over_every_layer(stores):
+    """A backward on a quantized base dequantizes each expert it meets to float32; what the engine keeps of them
+    is one budget for all layers (at Qwen3-30B-A3B's shape a per-layer budget held ~0.4 GiB per layer, ~19 GiB
+    over 48), and a budget too small to keep any expert gives the same gradients."""
+    store = ExpertStore.open(stores["int4"] / "experts")
+    layers = sorted(store.layers)
+    one_expert = sum(a.nbytes for a in store[layers[0]].dequantized(0))
+    rng = np.random.default_rng(0)
+    calls = {}
+    for layer in layers:
+        d, experts = store[layer].hidden, store[layer].num_experts
+        x, dy = (rng.standard_normal((24, d)).astype(np.float32) for _ in range(2))
+        calls[layer] = (x, rng.integers(0, experts, (24, 2)), np.full((24, 2), 0.5, np.float32), dy)
+    ample = HostMoE(store, threads=2)
+    expected = {layer: ample.backward(layer, *calls[layer]) for layer in layers}
+    tight = HostMoE(store, threads=2)
+    tight.dequantized = DequantizedExperts(keep_bytes=one_expert // 2, recent=2)
+    for layer in layers:
+        dx, dweights, _ = tight.backward(layer, *calls[layer])
+        np.testing.assert_array_equal(dx, expected[layer][0])
+        np.testing.assert_array_equal(dweights, expected[layer][1])
+        assert tight.dequantized.held_bytes <= 2 * one_expert
+    assert len(layers) > 1 and ample.dequantized.held_bytes > 2 * one_expert
 
 
 def test_train_py_on_an_int4_base_learns_the_bundled_task(tmp_path):
