@@ -146,6 +146,8 @@ class QuantizedLayerExperts:
         """Expert e's float32 (w13 [hidden, 2 ffn], w2 [ffn, hidden]): the weights its kernel computes with."""
         w13_blocks, w2 = (self.format.unpack(p) for p in self.packed(e))
         f, fp = self.ffn, padded(self.ffn, N_BLOCK)
+        if f == fp:  # the halves' blocks hold no padding: the unpacked blocks are w13 itself
+            return w13_blocks, w2
         return np.concatenate([w13_blocks[:, :f], w13_blocks[:, fp : fp + f]], axis=1), w2
 
 

@@ -108,7 +108,8 @@ class Leader:
             return [self._replies[p].pop(0) for p in sorted(self._replies)]
 
     def stop(self):
-        """Tells the others the run is over (they return from `follow`)."""
+        """Tells the others the run is over (they return from `follow`); their links closing is then no failure."""
+        self._stopping = True
         for s in self.links.orders.values():
             with contextlib.suppress(OSError):
                 self._send(s, ("stop", (), {}, []))
@@ -227,7 +228,6 @@ def lead(model, on_failure=leave_soon):
     try:
         yield leader
     finally:
-        leader._stopping = True
         leader.stop()
         model.generation.leader = None
         process_sum.use_links(None)
