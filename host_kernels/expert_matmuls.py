@@ -20,6 +20,7 @@ class NumpyExpertMatmuls:
     """float32 BLAS; bfloat16 storage widened block by block (host_kernels/matmul.py)."""
 
     name = "numpy"
+    makes_weights = False  # whether `weights(e)` makes them for the call (costly: dequantized) or reads them
 
     def __init__(self, w: LayerExperts):
         self.w = w
@@ -96,6 +97,7 @@ class DequantizedExpertMatmuls(NumpyExpertMatmuls):
     a quantized base (QLoRA's idea) computes with exactly the weights the fused forward reads."""
 
     name = "numpy-dequantized"
+    makes_weights = True
 
     def __init__(self, w, layer: int, dequantized: DequantizedExperts):
         super().__init__(w)
@@ -110,6 +112,7 @@ class AMXExpertMatmuls:
     16 (the tile planner cuts at multiples of 32)."""
 
     name = "amx-bf16"
+    makes_weights = False
 
     def __init__(self, w: LayerExperts, workspace: Workspace | None = None):
         self.w = w

@@ -228,8 +228,12 @@ class HostMoE:
         keep_act = lora is not None and lora.down is not None
         dh = mm.input_buffer("pre-activation gradient", p, 2 * f, float32=lora is not None)  # at gate/up
         act = np.empty((p, f), np.float32) if keep_act else None
-        tiles1 = plan_tiles(routing, f, self.threads)
-        dw_blocks = np.zeros((p, max_column_blocks(tiles1)), np.float32)
+        active = np.flatnonzero(routing.sizes)
+        # each expert's weights made for it (dequantized): one task per expert runs both passes, so each expert is
+        # made once, not once a pass; there are enough experts to go round
+        per_expert = mm.makes_weights and len(active) >= 2 * self.threads
+        tiles1 = [] if per_expert else plan_tiles(routing, f, self.threads)
+        dw_blocks = np.zeros((p, max_column_blocks(tiles1) if tiles1 else 1), np.float32)
         if saved is not None and not (saved.layer == layer and np.array_equal(saved.ids_tk, ids_tk)):
             saved = None
         # the inputs' rows in sorted order: for recomputing the pre-activations and for expert LoRA's gradients
@@ -263,7 +267,8 @@ class HostMoE:
             )
 
         phase_width = d if saved is not None else 2 * d + d  # the g GEMM, plus the recomputed gate/up
-        self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)
+        if not per_expert:
+            self._run(stats, layer, tiles1, recompute_and_differentiate, w, phase_width=phase_width)
 
         dx_s = self._rows_plus_zero_row("input gradients", p, d)  # per pair, expert-sorted
 
@@ -276,17 +281,30 @@ class HostMoE:
                     if pair is not None:
                         dx += lora.scale * ((dh_part @ pair[1][e].T) @ pair[0][e][cols, :].T)
 
-        tiles2 = plan_tiles(routing, d, self.threads)
-        tasks = [lambda t=t: input_grad(t) for t in tiles2]
         grads = lora.zeros_like() if lora is not None else None
-        if lora is not None:
-            tasks += [
-                lambda e=e: _lora_grads(e, routing, lora, grads, x_s, dy_s, weight_s, dh, act, f)
-                for e in np.flatnonzero(routing.sizes).tolist()
-            ]
-        self._run_tasks(stats, layer, tasks)
-        stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
-        stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.bytes_per_weight
+
+        def lora_grads(e):  # expert e's LoRA gradients: from its own rows' dh
+            _lora_grads(e, routing, lora, grads, x_s, dy_s, weight_s, dh, act, f)
+
+        lora_tasks = [lambda e=e: lora_grads(e) for e in (active.tolist() if lora is not None else ())]
+        if per_expert:
+
+            def expert(e):
+                rows = slice(int(routing.offsets[e]), int(routing.offsets[e + 1]))
+                recompute_and_differentiate(Tile(e, rows, slice(0, f), 0, 0.0))
+                input_grad(Tile(e, rows, slice(0, d), 0, 0.0))
+                if lora is not None:
+                    lora_grads(e)
+
+            order = sorted(active.tolist(), key=lambda e: -routing.sizes[e])
+            self._run_tasks(stats, layer, [lambda e=e: expert(e) for e in order])
+            stats.flops += 2.0 * p * (phase_width + 2 * d) * f
+            stats.weight_bytes += len(active) * (phase_width + 2 * d) * f * w.bytes_per_weight
+        else:
+            tiles2 = plan_tiles(routing, d, self.threads)
+            self._run_tasks(stats, layer, [lambda t=t: input_grad(t) for t in tiles2] + lora_tasks)
+            stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
+            stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.bytes_per_weight
 
         dx = self._combine(stats, layer, dx_s, routing)
         dweights = np.zeros(ids_tk.size, np.float32)

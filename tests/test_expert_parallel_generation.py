@@ -1,8 +1,9 @@
 """Generation and serving over expert shards (generation/lockstep.py): 2 and 4 local processes, each holding 1/N
 of every layer's experts, give one process's greedy, sampled (same seeds) and speculative generations token for
 token, on the bundled model and tiny deepseek_v3 / qwen3_moe checkpoints, in float32 and int4; each process holds
-1/N of the expert bytes; the server over 2 processes answers as offline generation does, reports each process's
-host busy time, and when process 1 is killed mid-stream ends the stream with an error and exits non-zero."""
+1/N of the expert bytes; the server over 2 processes answers as offline generation does (per-request adapters
+too), reports each process's host busy time, and when process 1 is killed mid-stream ends the stream with an error
+and exits non-zero."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
@@ -107,20 +109,34 @@ def test_a_sharded_model_needs_its_processes_in_step():
     assert process_sum._links is None
 
 
-def test_the_server_over_two_processes_answers_as_offline_and_ends_when_one_dies(tmp_path):
-    offline = moe_jax.load_model(MODEL)
+def test_the_server_over_two_processes_answers_as_offline_and_ends_when_one_dies(bundled_adapters, tmp_path):
     prompts = ["sort dcba >", "copy hello >", "reverse abc >"]
-    wanted = [
-        offline.tokenizer.decode(offline.generate([chat_tokens(offline, p)], max_new_tokens=10)[0]) for p in prompts
-    ]
-    log = tmp_path / "server.log"
-    with running_server(["--model", str(MODEL), "--expert-shards", "2", "--max-batch", "4"], log, 2) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        for prompt, text in zip(prompts, wanted, strict=True):
-            answer = client.chat.completions.create(
-                model="tiny-moe", messages=[{"role": "user", "content": prompt}], max_tokens=10, temperature=0
+    wanted = {}  # (served model name, prompt): offline generation's answer, the adapter loaded
+    for name, adapter in (("tiny-moe", None), *bundled_adapters.items()):
+        offline = moe_jax.load_model(MODEL, adapter=adapter)
+        for p in prompts:
+            wanted[name, p] = offline.tokenizer.decode(
+                offline.generate([chat_tokens(offline, p)], max_new_tokens=10)[0]
             )
-            assert answer.choices[0].message.content == text
+    assert len(set(wanted.values())) > len(prompts)  # the adapters change the answers
+    log = tmp_path / "server.log"
+    modules = [f"{name}={path}" for name, path in bundled_adapters.items()]
+    arguments = ["--model", str(MODEL), "--expert-shards", "2", "--max-batch", "4", "--lora-modules", *modules]
+    with running_server(arguments, log, 2) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        def answer(served: str, prompt: str) -> str:
+            return (
+                client.chat.completions.create(
+                    model=served, messages=[{"role": "user", "content": prompt}], max_tokens=10, temperature=0
+                )
+                .choices[0]
+                .message.content
+            )
+
+        with ThreadPoolExecutor(len(wanted)) as pool:  # concurrent: rows of different adapters share the batch
+            answers = dict(zip(wanted, pool.map(lambda key: answer(*key), wanted), strict=True))
+        assert answers == wanted
         for _ in range(12):  # /metrics reads the processes' figures every 16 steps
             client.completions.create(model="tiny-moe", prompt="sort cba >", max_tokens=8, temperature=0)
         busy = {k: v for k, v in server.metrics().items() if k.startswith("moe_jax_process_host_busy_seconds")}
