@@ -57,9 +57,10 @@ class NumpyExpertMatmuls:
 class DequantizedExperts:
     """Float32 copies of a quantized store's experts, dequantized as the GEMMs meet them, for every layer of one
     engine together (one budget, however many layers the model has: a model's worth of float32 experts is 8x its
-    int4 store). Kept: the first experts met, up to `keep_bytes` (the base is frozen, so they stay valid; the
-    backward's two passes meet a layer's experts in the same order, where a least-recently-used cache would keep
-    none for the second), and the last `recent` met (an expert's tiles come one after another)."""
+    int4 store). Kept: the first experts met, up to `keep_bytes` (the base is frozen, so they stay valid, and
+    every step meets the experts in the same order, where a least-recently-used cache would keep none from one
+    step to the next), and the last `recent` met (an expert's GEMMs come one after another: the engine's backward
+    runs both passes of an expert in one task)."""
 
     def __init__(self, keep_bytes: int = 256 << 20, recent: int = 8):
         self.keep_bytes, self.recent = keep_bytes, recent
