@@ -286,7 +286,6 @@ class HostMoE:
         def lora_grads(e):  # expert e's LoRA gradients: from its own rows' dh
             _lora_grads(e, routing, lora, grads, x_s, dy_s, weight_s, dh, act, f)
 
-        lora_tasks = [lambda e=e: lora_grads(e) for e in (active.tolist() if lora is not None else ())]
         if per_expert:
 
             def expert(e):
@@ -302,6 +301,7 @@ class HostMoE:
             stats.weight_bytes += len(active) * (phase_width + 2 * d) * f * w.bytes_per_weight
         else:
             tiles2 = plan_tiles(routing, d, self.threads)
+            lora_tasks = [lambda e=e: lora_grads(e) for e in (active.tolist() if lora is not None else ())]
             self._run_tasks(stats, layer, [lambda t=t: input_grad(t) for t in tiles2] + lora_tasks)
             stats.flops += sum(2 * (t.rows.stop - t.rows.start) * 2 * f * (t.cols.stop - t.cols.start) for t in tiles2)
             stats.weight_bytes += sum(2 * f * (t.cols.stop - t.cols.start) for t in tiles2) * w.bytes_per_weight

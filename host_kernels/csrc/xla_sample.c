@@ -3,11 +3,11 @@
  * carried as the two u32 words of its bits [rows, 2]: XLA without x64 has no float64 arrays), into s32 [rows, 1].
  * A row at temperature 0 takes its argmax (xla_argmax.h). The same distribution as the host's sampler
  * (moe_jax/generation/sampling.py): z = (logit - max) / T in float64, top-k keeping ties with the k-th, the nucleus
- * as its `_nucleus` cuts it (the same tie rule; floors of its own), then the first token in token order whose cumulative
- * probability passes the draw; with the host's draw, the host's token unless the draw lies within rounding of a
- * boundary. It lets sampled decode steps run in blocks on XLA:CPU (moe_jax/generation/engine.py) instead of one
- * step a call with the logits read and sampled in Python. A NaN or +inf logit is an error, as on the host.
- * The s64 attribute `avx512` picks the variant of the exp pass: 1 or 0 (AVX2).
+ * as its `_nucleus` cuts it (the same tie rule; floors of its own), then the first token in token order whose
+ * cumulative probability passes the draw; with the host's draw, the host's token unless the draw lies within
+ * rounding of a boundary. It lets sampled decode steps run in blocks on XLA:CPU (moe_jax/generation/engine.py)
+ * instead of one step a call with the logits read and sampled in Python. A NaN or +inf logit is an error, as on
+ * the host. The s64 attribute `avx512` picks the variant of the exp pass: 1 or 0 (AVX2).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -311,8 +311,9 @@ XLA_FFI_Error *moe_jax_sample(XLA_FFI_CallFrame *frame) {
         if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER) return ffi_error(api, "moe_jax_sample: arrays expected");
     int64_t avx512;
     if (ffi_s64_attr(frame, "avx512", &avx512)) return ffi_error(api, "moe_jax_sample: s64 attribute avx512 expected");
-    const XLA_FFI_Buffer *logits = frame->args.args[0], *temperature = frame->args.args[1], *top_p = frame->args.args[2],
-                         *top_k = frame->args.args[3], *draws = frame->args.args[4], *tokens = frame->rets.rets[0];
+    const XLA_FFI_Buffer *logits = frame->args.args[0], *temperature = frame->args.args[1];
+    const XLA_FFI_Buffer *top_p = frame->args.args[2], *top_k = frame->args.args[3], *draws = frame->args.args[4];
+    const XLA_FFI_Buffer *tokens = frame->rets.rets[0];
     if (logits->dtype != XLA_FFI_DataType_F32 || logits->rank != 2 || logits->dims[1] < 1)
         return ffi_error(api, "moe_jax_sample: f32 logits [rows, vocab >= 1] expected");
     const int64_t rows = logits->dims[0], vocab = logits->dims[1];

@@ -444,8 +444,7 @@ class Batch:
             s.position += steps
         self.admitted_meanwhile = False
         self.engine.stats.decode_steps += steps  # less those a block skips, once it is read
-        taken: dict[int, np.ndarray] = {}
-        choice = self.choice(rows, steps, taken) if on_device else None
+        choice, taken = self.choice(rows, steps) if on_device else (None, {})
         started = time.perf_counter()
         if steps == 1:
             logits, self.last_tokens, self.caches = self.engine.decode_step(
@@ -468,24 +467,25 @@ class Batch:
         )
         return _Step(None, out, dict(self.active), steps, ran if watched.any() else None, started, rows, taken)
 
-    def choice(self, rows: int, steps: int, taken: dict) -> TokenChoice | None:
+    def choice(self, rows: int, steps: int) -> tuple[TokenChoice | None, dict[int, np.ndarray]]:
         """How a call of `steps` steps (one: a single step's, more: a block's, its draws as many as the compiled
         block's steps) chooses each row's token on the device where a job samples: its temperature, top-p and
         top-k and, for each step, the next draw of its generator, the one the host's sampler would have used for
-        that token (`taken`: each slot's, for a block that ends early to give back those of the steps it did not
-        run); None where every job is greedy (each row's argmax)."""
+        that token; None where every job is greedy (each row's argmax). With it, each sampled slot's draws, for a
+        block that ends early to give back those of the steps it did not run."""
         sampled = {slot: s for slot, s in self.active.items() if not s.job.greedy}
         if not sampled:
-            return None
+            return None, {}
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
         draws = np.zeros((1 if steps == 1 else max(self.block_steps, steps), rows))
+        taken = {}
         for slot, s in sampled.items():
             sampling = s.job.sampling
             temperature[slot], top_p[slot], top_k[slot] = sampling.temperature, sampling.top_p, sampling.top_k
             draws[:steps, slot] = taken[slot] = s.rng.take(steps)
         bits = host_draws(draws)
-        return TokenChoice(temperature, top_p, top_k, bits[0] if steps == 1 else bits)
+        return TokenChoice(temperature, top_p, top_k, bits[0] if steps == 1 else bits), taken
 
     def read(self, step: _Step):
         """Takes a decode step's tokens for the slots it decoded that are still theirs."""
