@@ -80,47 +80,109 @@ void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t 
 static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, float *c,
                                                              int64_t ldc, const int rows, const int blocks, int cols) {
     const int64_t stride = block_bytes(kp), q_stride = int8_vnni_row_bytes(kp);
-    __m512 acc[TILE_ROWS][TILE_BLOCKS];
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_setzero_ps();
+    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
     for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
         const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
         __m512i sums[TILE_ROWS][TILE_BLOCKS];
         for (int i = 0; i < rows; i++)
             for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_setzero_si512();
-        for (int64_t r = c0 / 2; r < c1 / 2; r++) {
-            __m512i w[TILE_BLOCKS];
-            for (int j = 0; j < blocks; j++) {
-                const char *row = b + j * stride + r * 32;
-                if (rows > 2 && !(r & 1)) _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0); /* one per line */
-                w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)row));
-            }
-            for (int i = 0; i < rows; i++) {
-                const __m512i x = _mm512_set1_epi32(((const int32_t *)(q + i * q_stride))[r]);
-                for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_dpwssd_epi32(sums[i][j], x, w[j]);
+        /* two k-pair rows (one 64-byte line of each stream) a turn: a loop whose turns alternate between
+         * prefetching and not is one the compiler keeps the sums in memory for */
+        for (int64_t r = c0 / 2; r < c1 / 2; r += 2) {
+            if (rows > 2)
+                for (int j = 0; j < blocks; j++) _mm_prefetch(b + j * stride + r * 32 + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int64_t half = r; half < r + 2; half++) {
+                __m512i w[TILE_BLOCKS];
+                for (int j = 0; j < blocks; j++)
+                    w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + j * stride + half * 32)));
+                for (int i = 0; i < rows; i++) {
+                    const __m512i x = _mm512_set1_epi32(((const int32_t *)(q + i * q_stride))[half]);
+                    for (int j = 0; j < blocks; j++) sums[i][j] = _mm512_dpwssd_epi32(sums[i][j], x, w[j]);
+                }
             }
         }
+        /* the float32 sums live in c between chunks: beside 24 integer sums they would not fit the 32 registers,
+         * and spilled by the compiler they cost the loop above more than these loads and stores cost here */
         for (int i = 0; i < rows; i++) {
             const __m512 d = _mm512_set1_ps(((const float *)(q + i * q_stride + kp * 2))[c0 / INT8_VNNI_CHUNK]);
-            for (int j = 0; j < blocks; j++) acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][j]), d, acc[i][j]);
+            for (int j = 0; j < blocks; j++) {
+                float *out = c + i * ldc + j * 16;
+                const __mmask16 mask = j == blocks - 1 ? last : (__mmask16)0xFFFF;
+                const __m512 sum = c0 ? _mm512_maskz_loadu_ps(mask, out) : _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(out, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][j]), d, sum));
+            }
         }
     }
-    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
     for (int j = 0; j < blocks; j++) {
         const __m512 scale = _mm512_loadu_ps((const float *)(b + j * stride + kp * 16));
-        for (int i = 0; i < rows; i++)
-            _mm512_mask_storeu_ps(c + i * ldc + j * 16, j == blocks - 1 ? last : (__mmask16)0xFFFF,
-                                  _mm512_mul_ps(acc[i][j], scale));
+        const __mmask16 mask = j == blocks - 1 ? last : (__mmask16)0xFFFF;
+        for (int i = 0; i < rows; i++) {
+            float *out = c + i * ldc + j * 16;
+            _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, out), scale));
+        }
     }
 }
 
 /* rows [r0, r0 + R) x B blocks of the strip at b (TILES_6X4) */
 #define TILE_CASE(R, B) block_rows(q + r0 * q_stride, kp, b, c + r0 * ldc + nb * 16 - n0, ldc, R, B, cols)
 
+#define STREAM_ROWS 2
+#define STREAM_CHAINS 4 /* integer sums per row: consecutive k-pair rows go to each in turn */
+
+/* c rows [0, rows) x one 16-column block (its first `cols` stored) from the quantized rows q, the block at b read
+ * front to back as one stream: a few rows are bound by reading the weights, and one sequential stream reads
+ * faster than four 32 KB apart. The same integer sums per chunk as block_rows, so the same bits. */
+static inline __attribute__((always_inline)) void stream_block(const char *q, int64_t kp, const char *b, float *c,
+                                                               int64_t ldc, const int rows, int cols) {
+    const int64_t q_stride = int8_vnni_row_bytes(kp);
+    __m512 acc[STREAM_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
+        const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
+        __m512i sums[STREAM_ROWS][STREAM_CHAINS];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < STREAM_CHAINS; j++) sums[i][j] = _mm512_setzero_si512();
+        for (int64_t r = c0 / 2; r < c1 / 2; r += STREAM_CHAINS) { /* a chunk's k-pair rows: a multiple of 16 */
+            const char *at = b + r * 32;
+            _mm_prefetch(at + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch(at + 64 + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int j = 0; j < STREAM_CHAINS; j++) {
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + j * 32)));
+                for (int i = 0; i < rows; i++) {
+                    const __m512i x = _mm512_set1_epi32(((const int32_t *)(q + i * q_stride))[r + j]);
+                    sums[i][j] = _mm512_dpwssd_epi32(sums[i][j], x, w);
+                }
+            }
+        }
+        for (int i = 0; i < rows; i++) {
+            __m512i sum = sums[i][0];
+            for (int j = 1; j < STREAM_CHAINS; j++) sum = _mm512_add_epi32(sum, sums[i][j]);
+            const __m512 d = _mm512_set1_ps(((const float *)(q + i * q_stride + kp * 2))[c0 / INT8_VNNI_CHUNK]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, acc[i]);
+        }
+    }
+    const __m512 scale = _mm512_loadu_ps((const float *)(b + kp * 16));
+    const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    for (int i = 0; i < rows; i++) _mm512_mask_storeu_ps(c + i * ldc, mask, _mm512_mul_ps(acc[i], scale));
+}
+
 void int8_vnni_gemm_quantized(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,
                               int64_t n0, int64_t n1) {
     const int64_t q_stride = int8_vnni_row_bytes(kp);
-    TILES_6X4(m, n0, n1, b_packed, block_bytes(kp), TILE_CASE)
+    if (m > STREAM_ROWS) {
+        TILES_6X4(m, n0, n1, b_packed, block_bytes(kp), TILE_CASE)
+        return;
+    }
+    for (int64_t nb = n0 / 16; nb * 16 < n1; nb++) {
+        const char *b = (const char *)b_packed + nb * block_bytes(kp);
+        float *out = c + nb * 16 - n0;
+        const int cols = n1 - nb * 16 < 16 ? (int)(n1 - nb * 16) : 16;
+        switch (m) {
+            case 1: stream_block(q, kp, b, out, ldc, 1, cols); break;
+            case 2: stream_block(q, kp, b, out, ldc, 2, cols); break;
+            default: break; /* m = 0 */
+        }
+    }
 }
 
 int int8_vnni_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc,
