@@ -15,7 +15,7 @@ from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt8
 
-INTEGER_ROWS = 12  # int8_gemm multiplies up to this many rows as integers (WIDEN_ROWS in csrc/bf16_gemm.c)
+INTEGER_ROWS = 24  # int8_gemm multiplies up to this many rows as integers (WIDEN_ROWS in csrc/bf16_gemm.c)
 SCALE_BYTES = 4 * N_BLOCK  # a block's scales, after its weights
 
 

@@ -176,11 +176,11 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t
     }
 }
 
-/* int8: a product of at most WIDEN_ROWS rows is bound by reading the weights and takes int8_vnni_gemm.c's integer
- * stream (its rows quantized to int16); more rows widen each strip of TILE_BLOCKS column blocks to bfloat16 once
+/* int8: a product of at most WIDEN_ROWS rows takes int8_vnni_gemm.c's integer products (its rows quantized to int16:
+ * bound by reading the weights at a few rows, and up to here faster than widening them); more rows widen each strip of TILE_BLOCKS column blocks to bfloat16 once
  * (exact) and multiply it as bf16_gemm does, then scale its columns. Where memory for either buffer runs out, the
  * weights are widened in registers as they stream (block_rows), which needs none. */
-#define WIDEN_ROWS 12
+#define WIDEN_ROWS 24
 
 void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,
                int64_t n0, int64_t n1) {

@@ -15,8 +15,9 @@
  * the same rule. A chunk's products are exact int32 sums (CHUNK x 2^15 x 127 < 2^31), scaled once by d in float32,
  * the column scales applied at the end.
  *
- * Register blocking: up to 6 rows x 4 column blocks of int32 sums (24 registers; four weight streams side by side,
- * prefetched ahead from 3 rows on), the float32 sums beside them updated once per chunk.
+ * Register blocking: 1-2 rows read each block front to back as one stream (four integer sums a row, consecutive
+ * k-pair rows in turn); more rows, up to 6 rows x 4 column blocks of int32 sums (24 registers; four weight
+ * streams side by side, prefetched ahead), the float32 sums kept in the output between chunks.
  */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 #include <immintrin.h>
@@ -27,8 +28,8 @@
 #include "int8_vnni_gemm.h"
 #include "simd.h"
 
-/* ahead of the k-pair row loaded, per stream, at 3 or more rows: at 1-2 the hardware prefetcher alone reads faster
- * (A/B in one process on a Zen 5, 2 threads: 1.26x at one row, 1.16x at two, 1.05x at four, 0.96x at six) */
+/* ahead of the k-pair row loaded: always in the one stream of 1-2 rows; per stream of the tiles at 3 or more rows
+ * (at fewer, four streams read faster on the hardware prefetcher alone) */
 #define PREFETCH_BYTES 2048
 #define SCALE_SHIFT 14      /* d = 2^(e - 14): a largest magnitude below 2^(e + 1) quantizes below 2^15 */
 #define MIN_EXPONENT (-112) /* below it 1 / d would overflow float32: such chunks keep this exponent's d */
