@@ -19,6 +19,7 @@ from host_kernels.expert_matmuls import (
     AVX2BF16ExpertMatmuls,
     AVX512BF16ExpertMatmuls,
     NumpyExpertMatmuls,
+    dequantizes_to_tiles,
 )
 from host_kernels.fused_forward import KERNELS, best_kernel
 
@@ -99,10 +100,13 @@ def choose_kernels(store_dtype, native: bool | None = None, quant: str | None = 
             raise HostKernelError(f"{quant} experts need the native kernels, and they are off ({off})")
         return KernelChoice(NUMPY, "", NUMPY, {"gemm": off, "fused": off, "activations": off})
     why = {}
-    # the engine's GEMMs: the fused forward's fastest bfloat16 kernel (AMX, else AVX512-BF16), which they share
-    gemm, gemm_why = best_kernel(store_dtype) if np.dtype(store_dtype) == amx.BF16 and not quant else ("", "")
+    # the engine's GEMMs: the fused forward's fastest bfloat16 kernel (AMX, else AVX512-BF16), which they share; a
+    # quantized store's too where its experts dequantize straight into that kernel's tiles (expert_matmuls.py)
+    bf16_store = np.dtype(store_dtype) == amx.BF16
+    gemm, gemm_why = best_kernel(store_dtype) if bf16_store and (not quant or dequantizes_to_tiles(quant)) else ("", "")
     if quant:
-        why["gemm"] = f"{quant} experts: the engine's GEMMs (expert LoRA, training's backward) dequantize each expert"
+        to = "bfloat16 for the bfloat16 kernels" if gemm else "float32 for numpy's"
+        why["gemm"] = f"{quant} experts: the engine's GEMMs (expert LoRA, training's backward) dequantize each to {to}"
     elif not gemm:
         why["gemm"] = gemm_why or "float32 store: the native GEMMs multiply bfloat16"
     fused, fused_why = best_kernel(store_dtype, quant)

@@ -10,9 +10,12 @@ import threading
 import numpy as np
 
 from host_kernels import amx, bf16_gemm, native
+from host_kernels.errors import HostKernelError
 from host_kernels.huge_pages import HugePageArena
+from host_kernels.int4_gemm import PackedInt4, bf16_tiles_status, unpack_bf16_tiles
 from host_kernels.layer_experts import LayerExperts, gate_up_blocks
 from host_kernels.matmul import matmul_w
+from host_kernels.quant_formats import FORMATS
 from host_kernels.workspace import Workspace
 
 
@@ -64,20 +67,23 @@ class DequantizedExperts:
 
     def __init__(self, keep_bytes: int = 256 << 20, recent: int = 8):
         self.keep_bytes, self.recent = keep_bytes, recent
-        self._kept: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._kept: dict[tuple, tuple] = {}
         self._kept_bytes = 0
-        self._recent: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._recent: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
 
     def weights(self, layer: int, w, e: int) -> tuple[np.ndarray, np.ndarray]:
         """Expert e of `layer` (whose experts are `w`) as float32 (w13, w2)."""
-        key = (layer, e)
+        return self.get((layer, e), lambda: w.dequantized(e))
+
+    def get(self, key: tuple, make):
+        """The copy held under `key` (a tuple of arrays or packed weights), made by `make()` where none is."""
         with self._lock:
             found = self._kept.get(key) or self._recent.pop(key, None)
         if found is None:
-            found = w.dequantized(e)  # outside the lock: other threads' experts dequantize meanwhile
+            found = make()  # outside the lock: other threads' experts dequantize meanwhile
         with self._lock:
-            size = found[0].nbytes + found[1].nbytes
+            size = _nbytes(found)
             if key not in self._kept and self._kept_bytes + size <= self.keep_bytes:
                 self._kept[key], self._kept_bytes = found, self._kept_bytes + size
             elif key not in self._kept:
@@ -89,7 +95,11 @@ class DequantizedExperts:
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return self._kept_bytes + sum(a.nbytes + b.nbytes for a, b in self._recent.values())
+            return self._kept_bytes + sum(_nbytes(found) for found in self._recent.values())
+
+
+def _nbytes(arrays) -> int:
+    return sum((a.data if isinstance(a, amx.PackedWeight) else a).nbytes for a in arrays)
 
 
 class DequantizedExpertMatmuls(NumpyExpertMatmuls):
@@ -160,8 +170,16 @@ class AMXExpertMatmuls:
         self.prepare(backward=True)
         return self._backward
 
+    def _forward_pair(self, e: int) -> tuple[amx.PackedWeight, amx.PackedWeight]:
+        """Expert e's packed (w13, w2) for the forward's GEMMs."""
+        return self._forward[e]
+
+    def _backward_pair(self, e: int) -> tuple[amx.PackedWeight, amx.PackedWeight]:
+        """Expert e's packed (W2ᵀ, W13ᵀ) for the backward's GEMMs."""
+        return self._backward[e]
+
     def gate_up(self, e: int, x: np.ndarray, rows: np.ndarray | None, cols: slice):
-        w13 = self._forward[e][0]
+        w13 = self._forward_pair(e)[0]
         fp = w13.n // 2
         m = x.shape[0] if rows is None else rows.shape[0]
         a = self._packed_rows(x, w13.kp, rows, m)
@@ -183,7 +201,7 @@ class AMXExpertMatmuls:
         return amx.pack_rows(x, kp, rows, out=out)
 
     def down(self, e: int, act: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
-        self._gemm(self._forward[e][1], act, rows, cols, out)
+        self._gemm(self._forward_pair(e)[1], act, rows, cols, out)
 
     def _gemm(self, w: amx.PackedWeight, a: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
         m = rows.stop - rows.start
@@ -191,12 +209,12 @@ class AMXExpertMatmuls:
         self._mul(a, m, w, out, cols.start, cols.stop)
 
     def down_t(self, e: int, dy: np.ndarray, cols: slice) -> np.ndarray:
-        w2t, m = self._backward[e][0], dy.shape[0]
+        w2t, m = self._backward_pair(e)[0], dy.shape[0]
         out = self.workspace.get("activation gradient", (m, cols.stop - cols.start), np.float32)
         return self._mul(self._packed_rows(dy, w2t.kp, None, m), m, w2t, out, cols.start, cols.stop)
 
     def gate_up_t(self, e: int, dh: np.ndarray, rows: slice, cols: slice, out: np.ndarray):
-        self._gemm(self._backward[e][1], dh, rows, cols, out)
+        self._gemm(self._backward_pair(e)[1], dh, rows, cols, out)
 
 
 class AVX512BF16ExpertMatmuls(AMXExpertMatmuls):
@@ -230,6 +248,54 @@ MATMULS = {
 }
 
 
+class DequantizedTileMatmuls(AMXExpertMatmuls):
+    """The bfloat16 kernels' GEMMs over a quantized layer whose format dequantizes straight into their tile layout
+    (int4 on AVX-512: int4_gemm.unpack_bf16_tiles), so LoRA training on a quantized base multiplies on the same
+    kernels as on a bfloat16 one, with the dequantized weights rounded to bfloat16 (and, as there, bfloat16 rows).
+    Each expert's tiles, the forward's (w13, w2) and the backward's (W2ᵀ, W13ᵀ) apart, are made when a GEMM first
+    needs them, through the engine's DequantizedExperts (one budget for all layers); `product` is the bfloat16
+    matmuls class whose product runs on them."""
+
+    makes_weights = True
+
+    def __init__(self, w, layer: int, dequantized: DequantizedExperts, product, workspace: Workspace | None = None):
+        super().__init__(w, workspace)
+        self.layer, self.dequantized = layer, dequantized
+        self.name = f"{product.name}-dequantized"
+        self._mul = product._mul
+
+    def prepare(self, backward: bool):
+        """Nothing to pack ahead: each expert's tiles are made when first needed."""
+
+    def forward_weights(self):
+        raise HostKernelError(f"{self.name}: no packed copies are kept (each expert's are made when used)")
+
+    backward_weights = forward_weights
+
+    def _forward_pair(self, e: int) -> tuple[amx.PackedWeight, amx.PackedWeight]:
+        w13, w2 = self.w.packed(e)
+        return self.dequantized.get((self.layer, e, "forward"), lambda: (unpack_bf16_tiles(w13), unpack_bf16_tiles(w2)))
+
+    def _backward_pair(self, e: int) -> tuple[amx.PackedWeight, amx.PackedWeight]:
+        w13, w2 = self.w.packed(e)
+        return self.dequantized.get(
+            (self.layer, e, "backward"), lambda: (unpack_bf16_tiles(w2, True), unpack_bf16_tiles(w13, True))
+        )
+
+
+def dequantizes_to_tiles(quant: str) -> bool:
+    """Whether experts held in `quant` dequantize straight into the bfloat16 kernels' tiles on this CPU: int4
+    formats, with the AVX-512 unpack (int4_gemm.unpack_bf16_tiles)."""
+    return FORMATS[quant].packed_type is PackedInt4 and bf16_tiles_status()[0]
+
+
+def _runs_on_tiles(w, gemm: str) -> bool:
+    """Whether a quantized layer's GEMMs run on the bfloat16 kernels `gemm` (DequantizedTileMatmuls): its format
+    dequantizes to their tiles, and its w13 halves are unpadded (so W13ᵀ's rows are the gradient's columns)."""
+    bf16_kernels = (AMXExpertMatmuls.name, AVX512BF16ExpertMatmuls.name, AVX2BF16ExpertMatmuls.name)
+    return gemm in bf16_kernels and dequantizes_to_tiles(w.quant) and w.ffn % amx.N_BLOCK == 0
+
+
 def expert_matmuls(
     w, gemm: str, workspace: Workspace | None = None, layer: int = 0, dequantized: DequantizedExperts | None = None
 ):
@@ -238,7 +304,10 @@ def expert_matmuls(
     engine's). The bfloat16 paths keep their temporaries in `workspace` (share one across layers too: only one
     layer runs at a time)."""
     if w.quant is not None:
-        return DequantizedExpertMatmuls(w, layer, dequantized or DequantizedExperts())
+        dequantized = dequantized or DequantizedExperts()
+        if _runs_on_tiles(w, gemm):
+            return DequantizedTileMatmuls(w, layer, dequantized, MATMULS[gemm], workspace)
+        return DequantizedExpertMatmuls(w, layer, dequantized)
     if gemm == NumpyExpertMatmuls.name:
         return NumpyExpertMatmuls(w)
     return MATMULS[gemm](w, workspace)

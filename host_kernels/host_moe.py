@@ -61,8 +61,8 @@ class HostMoE:
 
     @property
     def kernel(self) -> str:
-        """Which GEMM path runs the engine's experts: "amx-bf16" or "avx512-bf16" (a bfloat16 store on a CPU with
-        AMX or AVX512-BF16), or "numpy"."""
+        """Which GEMM path runs the engine's experts: "amx-bf16", "avx512-bf16" or "avx2-bf16" (a bfloat16 store on
+        a CPU with those kernels, or an int4 one on AVX-512, its experts dequantized to their tiles), or "numpy"."""
         return self.kernels.gemm
 
     def _layer_matmuls(self, layer: int, backward: bool = False):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host_kernels import bf16_gemm, native
+from host_kernels import amx, bf16_gemm, native
 from host_kernels.amx import K_BLOCK, N_BLOCK, aligned_empty, padded
 from host_kernels.errors import HostKernelError, KernelArgumentError
 from host_kernels.quant import QuantizedInt4
@@ -118,6 +118,27 @@ def unpack_native(w: PackedInt4, isa: str) -> np.ndarray:
         w.data.ctypes.data, w.kp, w.group, blocks, w.k, out.ctypes.data, blocks * N_BLOCK
     )
     return out[:, : w.n]
+
+
+def unpack_bf16_tiles(w: PackedInt4, transposed: bool = False, empty=aligned_empty) -> amx.PackedWeight:
+    """`unpack`'s weights rounded to bfloat16 in the tile layout the bfloat16 GEMMs read (amx.pack_layout's), of W
+    [k, n] or, `transposed`, of Wᵀ: bitwise amx.pack_layout(unpack(w)) (or of its transpose), made a block at a
+    time with no float32 copy of the whole weight (training's GEMMs on an int4 base make every expert they meet).
+    Needs the AVX-512 variant (`bf16_tiles_status`)."""
+    native.pick_isa(native.variant_statuses(CPU_FLAGS), native.AVX512, "int4 unpack to bfloat16 tiles")
+    k, n = (w.n, w.k) if transposed else (w.k, w.n)
+    data = empty((padded(n, N_BLOCK) // N_BLOCK, padded(k, K_BLOCK) // K_BLOCK, K_BLOCK * N_BLOCK), np.uint16)
+    scratch = np.empty((w.kp, N_BLOCK), np.float32)
+    native.lib().int4_unpack_bf16_tiles(
+        w.data.ctypes.data, w.kp, w.group, w.data.shape[0], w.k, w.n, int(transposed), data.ctypes.data,
+        scratch.ctypes.data,
+    )  # fmt: skip
+    return amx.PackedWeight(data, k, n)
+
+
+def bf16_tiles_status() -> tuple[bool, str]:
+    """Whether `unpack_bf16_tiles` runs here."""
+    return status(native.AVX512)
 
 
 def unpack_numpy(w: PackedInt4) -> np.ndarray:

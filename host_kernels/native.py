@@ -46,6 +46,7 @@ SIGNATURES = {
     **{f"int4_gemm{suffix}": _INT4_GEMM for suffix in ("", "_avx2")},
     **{f"mxfp4_gemm{suffix}": (_GEMM[0], ctypes.c_int) for suffix in ("", "_avx2")},
     **{f"int4_unpack{suffix}": ([_P, _I, _I, _I, _I, _P, _I], None) for suffix in ("", "_avx2")},
+    "int4_unpack_bf16_tiles": ([_P, _I, _I, _I, _I, _I, ctypes.c_int, _P, _P], None),
     "moe_kernel_code": ([ctypes.c_char_p], ctypes.c_int),
     "moe_kernel_describe": ([ctypes.c_int, _P], ctypes.c_char_p),
     "moe_kernel_count": ([], ctypes.c_int),

@@ -245,6 +245,21 @@ def test_native_int4_unpack_equals_numpys(isa, k, n, group):
     np.testing.assert_array_equal(int4_gemm.unpack_native(packed, isa), int4_gemm.unpack_numpy(packed))
 
 
+@pytest.mark.skipif(not int4_gemm.bf16_tiles_status()[0], reason=f"AVX-512: {int4_gemm.bf16_tiles_status()[1]}")
+@pytest.mark.parametrize("k, n, group", [(2048, 96, 32), (768, 64, 32), (45, 17, 32), (200, 130, 64), (40, 48, 32)])
+def test_int4_weights_unpack_to_bfloat16_tiles_as_packing_the_dequantized_ones_does(k, n, group):
+    """Training's GEMMs on an int4 base read each expert dequantized straight into the bfloat16 kernels' tiles, of
+    W and of Wᵀ: bit for bit amx.pack_layout of the float32 weights `unpack` gives (padding rows and columns of
+    either layout included: shapes off the 16 and 32 multiples)."""
+    rng = np.random.default_rng(k * n)
+    packed = int4_gemm.pack(quantize_int4(rng.standard_normal((k, n)).astype(np.float32), group))
+    weights = int4_gemm.unpack(packed)
+    for transposed, expected in ((False, amx.pack_layout(weights)), (True, amx.pack_layout(weights.T))):
+        tiles = int4_gemm.unpack_bf16_tiles(packed, transposed)
+        assert (tiles.k, tiles.n) == (expected.k, expected.n)
+        np.testing.assert_array_equal(tiles.data, expected.data)
+
+
 @needs_int4
 def test_int4_kernel_refuses_bad_arguments():
     packed = int4_gemm.pack(quantize_int4(np.ones((40, 20), np.float32), 64))

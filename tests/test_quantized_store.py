@@ -23,10 +23,12 @@ from host_kernels import (
     StoreError,
     StoreWriter,
     best_kernel,
+    choose_kernels,
     quantize_layer,
 )
-from host_kernels.expert_matmuls import DequantizedExperts
+from host_kernels.expert_matmuls import DequantizedExperts, dequantizes_to_tiles
 from host_kernels.fused_forward import FusedForward, pack_layer
+from host_kernels.lora import ExpertLoRA
 from moe_jax.convert import convert
 from moe_jax.errors import CheckpointError, InputError
 from moe_jax.formats.safetensors_io import SafetensorsFile, save_safetensors
@@ -187,17 +189,60 @@ def test_the_engines_dequantized_experts_stay_in_one_budget_over_every_layer(sto
         np.testing.assert_array_equal(dweights, expected[layer][1])
         assert tight.dequantized.held_bytes <= 2 * one_expert
     assert len(layers) > 1 and ample.dequantized.held_bytes > 2 * one_expert
-    # the quantized backward runs one task per expert (each dequantized once); the float32 engine over the same
-    # dequantized weights tiles its two passes apart: the same sums, up to their order
-    float32 = {}
+    # the quantized backward runs one task per expert (each dequantized once); the engine over the same
+    # dequantized weights as a float store tiles its two passes apart: the same sums, up to their order. Where the
+    # quantized engine multiplies on the bfloat16 kernels (int4 on AVX-512: its experts dequantized straight to
+    # their tiles), that store is the dequantized weights rounded to bfloat16, on the same kernels
+    on_tiles = ample.kernel != "numpy"
+    dequantized = {}
     for layer in layers:
         weights = [store[layer].dequantized(e) for e in range(store[layer].num_experts)]
-        float32[layer] = LayerExperts(np.stack([w[0] for w in weights]), np.stack([w[1] for w in weights]))
-    reference = HostMoE(ExpertStore(float32), threads=2)
+        w13, w2 = (np.stack([w[i] for w in weights]) for i in (0, 1))
+        dequantized[layer] = LayerExperts(w13.astype(BF16), w2.astype(BF16)) if on_tiles else LayerExperts(w13, w2)
+    reference = HostMoE(ExpertStore(dequantized), threads=2)
+    assert reference.kernel == ample.kernel
     for layer in layers:
         dx, dweights, _ = reference.backward(layer, *calls[layer])
         np.testing.assert_allclose(expected[layer][0], dx, rtol=1e-4, atol=1e-4 * np.abs(dx).max())
         np.testing.assert_allclose(expected[layer][1], dweights, rtol=1e-4, atol=1e-4 * np.abs(dweights).max())
+
+
+@pytest.mark.skipif(not dequantizes_to_tiles("int4"), reason="int4's unpack to bfloat16 tiles needs AVX-512")
+def test_expert_lora_training_on_int4_experts_is_the_bfloat16_engines_on_their_dequantized_weights():
+    """On AVX-512 an int4 base's training GEMMs run on the bfloat16 kernels over each expert dequantized straight
+    into their tiles: forward (keeping) and backward with expert LoRA on gate, up and down are the bfloat16
+    engine's on the dequantized weights rounded to bfloat16 (the same products; the backward's sums in another
+    order: one task per expert against tiles)."""
+    rng = np.random.default_rng(3)
+    experts, d, f = 8, 96, 64
+
+    def bf16(shape, scale=0.1):
+        return (rng.standard_normal(shape, np.float32) * scale).astype(BF16)
+
+    int4 = quantize_layer(LayerExperts(bf16((experts, d, 2 * f)), bf16((experts, f, d))), "int4")
+    engine = HostMoE(ExpertStore({0: int4}, dtype=BF16), threads=2, kernels=choose_kernels(BF16, quant="int4"))
+    weights = [int4.dequantized(e) for e in range(experts)]
+    rounded = LayerExperts(*(np.stack([w[i] for w in weights]).astype(BF16) for i in (0, 1)))
+    reference = HostMoE(ExpertStore({0: rounded}), threads=2)
+    assert engine.kernel == reference.kernel != "numpy"
+
+    def pair(fan_in, fan_out):
+        return (bf16((experts, fan_in, 4), 0.2).astype(np.float32), bf16((experts, 4, fan_out), 0.2).astype(np.float32))
+
+    lora = ExpertLoRA(2.0, pair(d, f), pair(d, f), pair(f, d))
+    x, dy = rng.standard_normal((40, d), np.float32), rng.standard_normal((40, d), np.float32)
+    ids = np.argsort(rng.random((40, experts)), axis=1)[:, :2].astype(np.int32)
+    gates = rng.uniform(0.2, 1.0, (40, 2)).astype(np.float32)
+    y, saved = engine.forward_keeping(0, x, ids, gates, lora)
+    y_ref, saved_ref = reference.forward_keeping(0, x, ids, gates, lora)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5 * np.abs(y_ref).max())
+    (dx, dgates, dlora) = engine.backward(0, x, ids, gates, dy, lora, saved)
+    (dx_ref, dgates_ref, dlora_ref) = reference.backward(0, x, ids, gates, dy, lora, saved_ref)
+    lora_grads = [
+        (a, b) for p in ("gate", "up", "down") for a, b in zip(getattr(dlora, p), getattr(dlora_ref, p), strict=True)
+    ]
+    for got, expected in [(dx, dx_ref), (dgates, dgates_ref), *lora_grads]:
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
 def test_train_py_on_an_int4_base_learns_the_bundled_task(tmp_path):

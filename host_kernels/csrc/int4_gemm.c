@@ -203,6 +203,70 @@ int mxfp4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t 
     return from_rows(a, lda, b_packed, kp, c, ldc, m, n0, n1, 32, 1);
 }
 
+/* each lane's float32 rounded to bfloat16 (to nearest even, as every kernel rounds), in its low 16 bits */
+static inline __m512i bf16_bits(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+}
+
+/* 16 float32 rounded to bfloat16: 8 pairs of 32 bits */
+static inline __m256i bf16_row(const float *row) { return _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(row))); }
+
+/* One 16-column block nb of a float32 weight W [k, n] (rows [0, k) at `block`, row stride 16) into the tile layout
+ * (host_kernels/amx.py: [column blocks][32-row tiles][16 pairs][16 columns][2]) of W, or of W^T [n, k]. */
+static void block_tiles(const float *block, int64_t k, int64_t n, int64_t nb, int transposed, uint16_t *dst) {
+    if (!transposed) { /* a k-pair row: the two rows' 16 columns interleaved */
+        const int64_t tiles = (k + 31) / 32;
+        for (int64_t r = 0; r < k; r += 2) {
+            const __m512i even = bf16_bits(_mm512_loadu_ps(block + r * 16));
+            const __m512i odd = r + 1 < k ? bf16_bits(_mm512_loadu_ps(block + (r + 1) * 16)) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + (nb * tiles + r / 32) * 512 + (r % 32) / 2 * 32,
+                                _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+        return;
+    }
+    /* W^T's rows 16 nb .. 16 nb + 15 are this block's columns: in one 32-row tile (nb / 2), its pair rows from
+     * 8 (nb & 1) on; each pair row holds, for 16 of W's rows, one pair of this block's columns: the transpose of
+     * 16 rows x 8 pairs, done as two 8 x 8 transposes side by side (rows jj and jj + 8 share a register) */
+    const int64_t tiles = (n + 31) / 32;
+    const __m512i low_lanes = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i high_lanes = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int64_t j0 = 0; j0 < k; j0 += 16) {
+        __m512i a[8], t[8], u[8];
+        for (int i = 0; i < 8; i++) { /* W's rows past k: W^T's padding columns, zeros */
+            const int64_t lo = j0 + i, hi = j0 + i + 8;
+            const __m256i rl = lo < k ? bf16_row(block + lo * 16) : _mm256_setzero_si256();
+            const __m256i rh = hi < k ? bf16_row(block + hi * 16) : _mm256_setzero_si256();
+            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(rl), rh, 1);
+        }
+        for (int i = 0; i < 8; i += 2)
+            t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+        for (int i = 0; i < 8; i += 4) {
+            u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+            u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+        }
+        uint16_t *tile = dst + ((j0 / 16) * tiles + nb / 2) * 512 + 8 * (nb & 1) * 32;
+        for (int p = 0; p < 4; p++) {
+            _mm512_storeu_si512(tile + p * 32, _mm512_permutex2var_epi64(u[p], low_lanes, u[p + 4]));
+            _mm512_storeu_si512(tile + (p + 4) * 32, _mm512_permutex2var_epi64(u[p], high_lanes, u[p + 4]));
+        }
+    }
+}
+
+/* int4_unpack's weights of W [k, n] rounded to bfloat16 in the tile layout of W, or of W^T where `transposed`: each
+ * block dequantized into `scratch` (16 kp float32, the caller's: it stays in cache) and packed from there. dst is
+ * zeroed first where the layout has padding. */
+void int4_unpack_bf16_tiles(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, int64_t n,
+                            int transposed, uint16_t *dst, float *scratch) {
+    const int64_t rows = transposed ? n : k, cols = transposed ? k : n;
+    if (rows % 32 || cols % 16) memset(dst, 0, (size_t)((cols + 15) / 16 * ((rows + 31) / 32) * 512 * 2));
+    for (int64_t nb = 0; nb < blocks && nb * 16 < n; nb++) {
+        int4_unpack(b_packed + nb * block_bytes(kp, group), kp, group, 1, k, scratch, 16);
+        block_tiles(scratch, k, n, nb, transposed, dst);
+    }
+}
+
 void int4_unpack(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
                  int64_t ldo) {
     const int64_t stride = block_bytes(kp, group);

@@ -30,5 +30,9 @@ int mxfp4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t 
  * backward). */
 void int4_unpack(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, float *out,
                  int64_t ldo);
+/* the same weights of W [k, n] rounded to bfloat16 in the tile layout (amx.pack_layout's) of W, or of W^T where
+ * `transposed`, a block at a time through `scratch` (16 k floats): training's GEMMs on the bfloat16 kernels */
+void int4_unpack_bf16_tiles(const uint8_t *b_packed, int64_t kp, int64_t group, int64_t blocks, int64_t k, int64_t n,
+                            int transposed, uint16_t *dst, float *scratch);
 
 #endif
