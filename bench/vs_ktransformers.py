@@ -178,14 +178,18 @@ class KtSide:
         return self(i).view(self.torch.int16).numpy().view(BF16).astype(np.float32)
 
 
+def moe_jax_engine(layer: Layer, fmt: str, threads: int) -> HostMoE:
+    """moe_jax's host engine over the layer, its experts quantized as moe_jax quantizes them for `fmt`."""
+    quant = QUANT[fmt]
+    experts = layer.experts if quant is None else quantize_layer(layer.experts, quant)
+    return HostMoE(ExpertStore({0: experts}, dtype=BF16), threads, kernels=choose_kernels(BF16, quant=quant))
+
+
 class MoeJaxSide:
     """moe_jax's fused forward over the same layer, quantized as moe_jax quantizes it."""
 
     def __init__(self, layer: Layer, fmt: str, threads: int):
-        quant = QUANT[fmt]
-        experts = layer.experts if quant is None else quantize_layer(layer.experts, quant)
-        self.fused = HostMoE(ExpertStore({0: experts}, dtype=BF16), threads, kernels=choose_kernels(BF16, quant=quant))
-        self.fused = self.fused.fused_forward()
+        self.fused = moe_jax_engine(layer, fmt, threads).fused_forward()
         if self.fused is None:
             raise RuntimeError(f"no fused {fmt} forward on this CPU")
         self.kernel = self.fused.kernel
@@ -210,10 +214,15 @@ def timed_calls(side, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def interleaved(kt_side, ours, rounds: int) -> dict:
-    """Both sides' seconds a call over `rounds` rounds (A B, then B A), enough calls a round to span MIN_SECONDS."""
-    kt_side(0), ours(0)  # first calls: buffers, page faults
-    calls = max(2, int(MIN_SECONDS / max(timed_calls(ours, 2), timed_calls(kt_side, 2))))
+def calls_a_round(kt_side, ours) -> int:
+    """Calls enough for the slower side's round to span MIN_SECONDS, after both sides' first calls (buffers, page
+    faults)."""
+    kt_side(0), ours(0)
+    return max(2, int(MIN_SECONDS / max(timed_calls(ours, 2), timed_calls(kt_side, 2))))
+
+
+def interleaved(kt_side, ours, rounds: int, calls: int) -> dict:
+    """Both sides' seconds a call over `rounds` rounds of `calls` calls (A B, then B A)."""
     seconds = {"kt": [], "ours": []}
     for r in range(rounds):
         order = (("kt", kt_side), ("ours", ours)) if r % 2 == 0 else (("ours", ours), ("kt", kt_side))
@@ -252,7 +261,8 @@ def inference_rows(kt, rng, layer: Layer, formats, tokens_list, rounds: int, thr
         for tokens in tokens_list:
             draws = routings(rng, tokens, layer.dims)
             kt_side.prepare(draws), ours.prepare(draws)
-            row = {"format": fmt, "tokens": tokens, **speed_row(interleaved(kt_side, ours, rounds), tokens)}
+            seconds = interleaved(kt_side, ours, rounds, calls_a_round(kt_side, ours))
+            row = {"format": fmt, "tokens": tokens, **speed_row(seconds, tokens)}
             rows.append({**row, **errors, "kt_class": KT_CLASSES[fmt], "moe_jax_kernel": ours.kernel})
             print_table(f"{fmt}, {tokens} tokens", [rows[-1]])
         del kt_side, ours
@@ -310,10 +320,7 @@ class MoeJaxTraining:
     """moe_jax's ExpertCompute forward (keeping) and backward with the same expert LoRA."""
 
     def __init__(self, layer: Layer, fmt: str, lora: ExpertLoRA, threads: int):
-        quant = QUANT[fmt]
-        experts = layer.experts if quant is None else quantize_layer(layer.experts, quant)
-        engine = HostMoE(ExpertStore({0: experts}, dtype=BF16), threads, kernels=choose_kernels(BF16, quant=quant))
-        self.compute, self.lora = ExpertCompute(engine), lora
+        self.compute, self.lora = ExpertCompute(moe_jax_engine(layer, fmt, threads)), lora
 
     def prepare(self, x, ids, weights, dy):
         self._args = (x, ids.astype(np.int32), weights, dy)
@@ -341,18 +348,11 @@ def training_rows(kt, rng, layer: Layer, formats, tokens: int, rounds: int, thre
             continue
         ours = MoeJaxTraining(layer, fmt, lora, threads)
         kt_side.prepare(x, ids, weights, dy), ours.prepare(x, ids, weights, dy)
-        kt_dx, ours_dx = kt_side()[0], ours()[0]  # first calls: buffers, kt's backward repack
+        kt_dx, ours_dx = kt_side()[0], ours()[0]  # first calls (buffers, kt's backward repack), compared
         row["dx_difference"] = relative_error(
             kt_dx.view(kt_side.torch.int16).numpy().view(BF16).astype(np.float32), ours_dx.astype(np.float64)
         )
-        seconds = {"kt": [], "ours": []}
-        for r in range(rounds):
-            order = (("kt", kt_side), ("ours", ours)) if r % 2 == 0 else (("ours", ours), ("kt", kt_side))
-            for name, side in order:
-                start = time.perf_counter()
-                side()
-                seconds[name].append(time.perf_counter() - start)
-        rows.append({**row, **speed_row(seconds, tokens)})
+        rows.append({**row, **speed_row(interleaved(kt_side, ours, rounds, calls=1), tokens)})
         print_table(f"training, {fmt}", [rows[-1]])
         del kt_side, ours
         gc.collect()

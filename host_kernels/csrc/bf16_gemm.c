@@ -177,9 +177,10 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint16_t *b_packed, int64_t
 }
 
 /* int8: a product of at most WIDEN_ROWS rows takes int8_vnni_gemm.c's integer products (its rows quantized to int16:
- * bound by reading the weights at a few rows, and up to here faster than widening them); more rows widen each strip of TILE_BLOCKS column blocks to bfloat16 once
- * (exact) and multiply it as bf16_gemm does, then scale its columns. Where memory for either buffer runs out, the
- * weights are widened in registers as they stream (block_rows), which needs none. */
+ * bound by reading the weights at a few rows, and up to here faster than widening them); more rows widen each strip
+ * of TILE_BLOCKS column blocks to bfloat16 once (exact) and multiply it as bf16_gemm does, then scale its columns.
+ * Where memory for either buffer runs out, the weights are widened in registers as they stream (block_rows), which
+ * needs none. */
 #define WIDEN_ROWS 24
 
 void int8_gemm(const uint16_t *a, int64_t lda, const int8_t *b_packed, int64_t kp, float *c, int64_t ldc, int64_t m,

@@ -203,13 +203,6 @@ int mxfp4_gemm(const uint16_t *a, int64_t lda, const uint8_t *b_packed, int64_t 
     return from_rows(a, lda, b_packed, kp, c, ldc, m, n0, n1, 32, 1);
 }
 
-/* each lane's float32 rounded to bfloat16 (to nearest even, as every kernel rounds), in its low 16 bits */
-static inline __m512i bf16_bits(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-}
-
 /* 16 float32 rounded to bfloat16: 8 pairs of 32 bits */
 static inline __m256i bf16_row(const float *row) { return _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(row))); }
 

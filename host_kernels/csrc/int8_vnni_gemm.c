@@ -81,7 +81,7 @@ void int8_vnni_quantize_rows(const uint16_t *a, int64_t lda, int64_t m, int64_t 
 static inline __attribute__((always_inline)) void block_rows(const char *q, int64_t kp, const char *b, float *c,
                                                              int64_t ldc, const int rows, const int blocks, int cols) {
     const int64_t stride = block_bytes(kp), q_stride = int8_vnni_row_bytes(kp);
-    const __mmask16 last = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 last = tail_mask(cols);
     for (int64_t c0 = 0; c0 < kp; c0 += INT8_VNNI_CHUNK) {
         const int64_t c1 = c0 + INT8_VNNI_CHUNK < kp ? c0 + INT8_VNNI_CHUNK : kp;
         __m512i sums[TILE_ROWS][TILE_BLOCKS];
@@ -163,8 +163,7 @@ static inline __attribute__((always_inline)) void stream_block(const char *q, in
         }
     }
     const __m512 scale = _mm512_loadu_ps((const float *)(b + kp * 16));
-    const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-    for (int i = 0; i < rows; i++) _mm512_mask_storeu_ps(c + i * ldc, mask, _mm512_mul_ps(acc[i], scale));
+    for (int i = 0; i < rows; i++) _mm512_mask_storeu_ps(c + i * ldc, tail_mask(cols), _mm512_mul_ps(acc[i], scale));
 }
 
 void int8_vnni_gemm_quantized(const char *q, int64_t kp, const int8_t *b_packed, float *c, int64_t ldc, int64_t m,

@@ -4,6 +4,13 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* Each lane's float32 rounded to bfloat16 (to nearest even, as every kernel rounds), in its low 16 bits */
+static inline __m512i bf16_bits(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+}
+
 /* Stores 16 floats (masked) as float32, or as bfloat16 rounded to nearest even when `bf16` (inputs for the AMX
  * GEMM that reads them next: half the bytes written, and no separate conversion pass). */
 static inline void store16(void *dst, int64_t j, __mmask16 k, __m512 v, int bf16) {
@@ -11,10 +18,7 @@ static inline void store16(void *dst, int64_t j, __mmask16 k, __m512 v, int bf16
         _mm512_mask_storeu_ps((float *)dst + j, k, v);
         return;
     }
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_mask_storeu_epi16((uint16_t *)dst + j, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    _mm256_mask_storeu_epi16((uint16_t *)dst + j, k, _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
 /* 16 bfloat16 (uint16) widened to float32: the bits moved up 16 (simd_avx2.h's widen_bf16x8, twice as wide) */
